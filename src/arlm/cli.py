@@ -1,0 +1,216 @@
+"""The `arlm` command line: a thin layer over `arlm.llm` (and, per subcommand, its module).
+
+Every user mistake ends in one line on stderr and a non-zero exit, never a traceback
+(set ARLM_DEBUG=1 to see one for an unexpected error).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Callable
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+class UsageError(Exception):
+    """Bad command-line input; exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports errors in one line (no usage block) and exits 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise UsageError(f"{self.prog}: error: {message}")
+
+
+def _torch_dtype(name: str):
+    import torch
+
+    return getattr(torch, name)
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2",
+                   help="known name (smollm2), a .gguf file, an HF model directory or an arlm checkpoint")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    p.add_argument("--dtype", default="float32", choices=DTYPES, help="weight and activation dtype")
+
+
+def add_sampling_args(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
+    p.add_argument("--temperature", type=float, default=0.8, help="0 is greedy (default: 0.8)")
+    p.add_argument("--top-k", type=int, default=0, help="0 disables (default)")
+    p.add_argument("--top-p", type=float, default=0.95, help="nucleus mass in (0, 1] (default: 0.95)")
+    p.add_argument("--min-p", type=float, default=0.0, help="0 disables (default)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="1 disables (default)")
+    p.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="stop when this text appears (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-sequence token")
+
+
+def sampling_params(args: argparse.Namespace):
+    from .sampling import SamplingParams
+
+    try:
+        return SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                              top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                              repetition_penalty=args.repetition_penalty, seed=args.seed,
+                              stop=list(args.stop), ignore_eos=args.ignore_eos)
+    except ValueError as e:
+        raise UsageError(f"arlm: error: {e}") from None
+
+
+def load_llm(args: argparse.Namespace):
+    from .llm import LLM
+
+    if args.device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UsageError("arlm: error: --device cuda requested but no CUDA device is available")
+    return LLM.load(args.model, device=args.device, dtype=_torch_dtype(args.dtype))
+
+
+def stats_line(stats, prefix: str = "") -> str:
+    return (f"{prefix}prefill: {stats.prompt_tokens} tokens, {stats.prefill_tokens_per_s:.1f} tokens/s | "
+            f"decode: {stats.decode_tokens} tokens, {stats.decode_tokens_per_s:.1f} tokens/s | "
+            f"KV cache: {stats.kv_cache_bytes / 2**20:.2f} MiB ({stats.kv_cache_bytes} bytes)")
+
+
+# -- arlm generate ---------------------------------------------------------------------------------
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    if not args.prompt:
+        raise UsageError("arlm generate: error: the prompt is empty")
+    params = sampling_params(args)
+    llm = load_llm(args)
+    if args.chat:
+        prompt = llm.apply_chat_template([{"role": "user", "content": args.prompt}])
+    else:
+        prompt = args.prompt
+    it = llm.stream([prompt], params)
+    gen = next(it)
+    if not args.json and not args.chat:
+        sys.stdout.write(prompt)  # show the continuation in context, as llama.cpp and gpt-fast do
+    text = ""
+    for chunk in it:
+        text += chunk.text
+        if not args.json:
+            sys.stdout.write(chunk.text)
+            sys.stdout.flush()
+    if args.json:
+        print(json.dumps({"model": llm.loaded.name, "prompt": args.prompt,
+                          "prompt_token_ids": gen.prompts[0], "completion_token_ids": gen.completions[0],
+                          "text": text, "finish_reason": gen.finish_reasons[0],
+                          "stats": gen.stats.to_dict()}, ensure_ascii=False))
+    else:
+        sys.stdout.write("\n")
+        print(f"[finish: {gen.finish_reasons[0]}] " + stats_line(gen.stats), file=sys.stderr)
+    return 0
+
+
+def add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="generate text from a prompt (streamed)")
+    p.add_argument("prompt", help="the prompt text")
+    add_model_args(p)
+    add_sampling_args(p, max_new_tokens=128)
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    p.set_defaults(func=cmd_generate)
+
+
+# -- arlm chat -------------------------------------------------------------------------------------
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from .llm import ChatSession, PromptError
+
+    params = sampling_params(args)
+    llm = load_llm(args)
+    session = ChatSession(llm, params, system=args.system, max_context=args.max_context)
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print(f"arlm chat with {llm.loaded.name}: /reset starts over, /exit or Ctrl-D quits.", file=sys.stderr)
+    while True:
+        try:
+            line = input("> " if interactive else "")
+        except EOFError:
+            break
+        line = line.strip()
+        if not line:
+            continue
+        if line in ("/exit", "/quit"):
+            break
+        if line == "/reset":
+            session = ChatSession(llm, params, system=args.system, max_context=args.max_context)
+            continue
+        try:
+            for chunk in session.send(line):
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+        except PromptError as e:
+            print(f"arlm chat: error: {e}", file=sys.stderr)
+            continue
+        sys.stdout.write("\n")
+        gen = session.generation
+        print(f"[prefilled {session.last_prefill_tokens} new tokens, {session.cache.seq_lens[0]} cached] "
+              + stats_line(gen.stats), file=sys.stderr)
+    return 0
+
+
+def add_chat(sub) -> None:
+    p = sub.add_parser("chat", help="interactive chat; the KV cache persists between turns")
+    add_model_args(p)
+    add_sampling_args(p, max_new_tokens=256)
+    p.add_argument("--system", default=None, help="system message")
+    p.add_argument("--max-context", type=int, default=4096, help="KV cache size in tokens (default: 4096)")
+    p.set_defaults(func=cmd_chat)
+
+
+# -- entry point -----------------------------------------------------------------------------------
+
+SUBCOMMANDS: list[Callable] = [add_generate, add_chat]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="arlm", description="Autoregressive transformer LMs: train, generate, serve.")
+    from . import __version__
+
+    parser.add_argument("--version", action="version", version=f"arlm {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    for add in SUBCOMMANDS:
+        add(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .config import ConfigError
+    from .loading.errors import LoadError
+
+    try:
+        args = build_parser().parse_args(argv)
+        return args.func(args)
+    except UsageError as e:
+        print(str(e), file=sys.stderr)
+        return 2
+    except (LoadError, ConfigError, ValueError, OSError) as e:
+        print(f"arlm: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\narlm: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 1
+    except Exception as e:  # noqa: BLE001 - the last line of defence against a traceback
+        if os.environ.get("ARLM_DEBUG"):
+            raise
+        print(f"arlm: internal error: {type(e).__name__}: {e} (set ARLM_DEBUG=1 for a traceback)",
+              file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

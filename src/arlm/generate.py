@@ -1,0 +1,215 @@
+"""Two-phase generation over token ids: one parallel prefill, then one token per row per step.
+
+The engine knows nothing about text. `prefill` and `decode_step` are plain functions over a
+preallocated `KVCache` (so either can be compiled on its own); `Generation` drives them for a
+batch of ragged prompts and yields each step's new tokens; `generate` runs it to the end.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+from .kv_cache import KVCache
+from .model import Transformer
+from .sampling import SamplingParams, sample
+
+# Why a row stopped. The OpenAI-style "stop"/"length" pair loses which limit was hit, so the
+# engine keeps four reasons and the HTTP edge maps eos/stop -> "stop", length/context -> "length".
+EOS, STOP, LENGTH, CONTEXT = "eos", "stop", "length", "context"
+
+
+def prefill(model: Transformer, cache: KVCache, tokens: torch.Tensor, input_pos: torch.Tensor,
+            last_index: torch.Tensor, kv_len: int) -> torch.Tensor:
+    """Run prompts [B, P] (right-padded) at positions [B, P] through the model in one pass.
+
+    Writes every prompt token's K/V into `cache`; returns the logits [B, vocab] at `last_index`
+    [B], each row's last real prompt token.
+    """
+    return model(tokens, input_pos, kv_cache=cache, kv_len=kv_len, output_index=last_index)
+
+
+def decode_step(model: Transformer, cache: KVCache, tokens: torch.Tensor, input_pos: torch.Tensor,
+                kv_len: int) -> torch.Tensor:
+    """One token per row: tokens [B, 1] at input_pos [B, 1] -> next-token logits [B, vocab]."""
+    return model(tokens, input_pos, kv_cache=cache, kv_len=kv_len)[:, -1]
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0  # real (unpadded) tokens prefilled, over all rows
+    prefill_seconds: float = 0.0
+    decode_tokens: int = 0  # tokens produced by decode steps (excludes the first, from prefill)
+    decode_seconds: float = 0.0
+    kv_cache_bytes: int = 0  # bytes allocated for the cache
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds > 0 else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.decode_tokens / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "prefill_seconds": round(self.prefill_seconds, 4),
+                "prefill_tokens_per_s": round(self.prefill_tokens_per_s, 2),
+                "decode_tokens": self.decode_tokens, "decode_seconds": round(self.decode_seconds, 4),
+                "decode_tokens_per_s": round(self.decode_tokens_per_s, 2),
+                "kv_cache_bytes": self.kv_cache_bytes}
+
+
+@dataclass
+class StepOutput:
+    """The tokens produced in one step: (row, token id) for every row still running."""
+
+    tokens: list[tuple[int, int]]
+    finished: list[tuple[int, str]] = field(default_factory=list)  # rows that stopped this step
+
+
+class Generation:
+    """Generates for a batch of prompts (lists of token ids, lengths may differ).
+
+    Iterate it to run: the first step is the prefill (one forward pass over all prompts), every
+    later step is one decode forward pass with [B, 1] tokens. A caller that watches text (stop
+    strings) calls `finish(row, STOP)` to end a row early. With `cache` given (one row that holds
+    earlier turns, as in chat), the prompt is appended after the cache's `seq_lens`.
+    """
+
+    def __init__(self, model: Transformer, prompts: list[list[int]], params: SamplingParams,
+                 eos_ids: list[int] | tuple[int, ...] = (), cache: KVCache | None = None) -> None:
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        cfg = model.config
+        vocab = cfg.vocab_size
+        for p in prompts:
+            if min(p) < 0 or max(p) >= vocab:
+                raise ValueError(f"token id out of range for a vocabulary of {vocab}")
+        self.model, self.params, self.prompts = model, params, [list(p) for p in prompts]
+        self.eos_ids = [] if params.ignore_eos else list(eos_ids)
+        B, P = len(prompts), max(len(p) for p in prompts)
+        device = next(model.parameters()).device
+        if cache is None:
+            cache_dtype = next(model.parameters()).dtype
+            capacity = min(cfg.max_seq_len, P + params.max_new_tokens)
+            if P > cfg.max_seq_len:
+                raise ValueError(f"prompt of {P} tokens exceeds the context window of {cfg.max_seq_len} tokens")
+            cache = KVCache.for_model(cfg, B, capacity, dtype=cache_dtype, device=device)
+        if cache.batch_size != B:
+            raise ValueError(f"cache holds {cache.batch_size} rows, got {B} prompts")
+        start = list(cache.seq_lens)
+        if max(s + P for s in start) > cache.capacity:
+            raise ValueError(f"prompt of {P} tokens after {max(start)} cached ones exceeds the cache "
+                             f"capacity of {cache.capacity} tokens")
+        self.cache, self.device, self.start = cache, device, start
+        self.completions: list[list[int]] = [[] for _ in range(B)]
+        self.finish_reasons: list[str | None] = [None] * B
+        self.stats = GenerationStats(kv_cache_bytes=cache.nbytes)
+        self.generator = None
+        if params.seed is not None:
+            self.generator = torch.Generator(device=device).manual_seed(params.seed)
+        self.seen = None  # [B, V] tokens seen so far, only when a repetition penalty needs it
+        if params.repetition_penalty != 1.0:
+            self.seen = torch.zeros(B, vocab, dtype=torch.bool, device=device)
+            for b, p in enumerate(prompts):
+                self.seen[b, torch.tensor(p, device=device)] = True
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.prompts)
+
+    def finish(self, row: int, reason: str) -> None:
+        if self.finish_reasons[row] is None:
+            self.finish_reasons[row] = reason
+
+    @property
+    def done(self) -> bool:
+        return all(r is not None for r in self.finish_reasons)
+
+    def _accept(self, next_ids: list[int]) -> StepOutput:
+        """Record the sampled token of every running row and decide which rows stop."""
+        out = StepOutput([])
+        limit = min(self.cache.capacity, self.model.config.max_seq_len)
+        for b, tok in enumerate(next_ids):
+            if self.finish_reasons[b] is not None:
+                continue
+            self.completions[b].append(tok)
+            out.tokens.append((b, tok))
+            if tok in self.eos_ids:
+                self.finish(b, EOS)
+            elif len(self.completions[b]) >= self.params.max_new_tokens:
+                self.finish(b, LENGTH)
+            elif self.cache.seq_lens[b] >= limit:
+                self.finish(b, CONTEXT)  # the token just sampled has no slot left to be fed into
+            if self.finish_reasons[b] is not None:
+                out.finished.append((b, self.finish_reasons[b]))
+        return out
+
+    def __iter__(self) -> Iterator[StepOutput]:
+        B, P = self.batch_size, max(len(p) for p in self.prompts)
+        dev, cache, model = self.device, self.cache, self.model
+        lens = torch.tensor([len(p) for p in self.prompts], device=dev)
+        start = torch.tensor(self.start, device=dev)
+        tokens = torch.zeros(B, P, dtype=torch.long, device=dev)  # right padding (id 0 is ignored)
+        for b, p in enumerate(self.prompts):
+            tokens[b, : len(p)] = torch.tensor(p, device=dev)
+        input_pos = start[:, None] + torch.arange(P, device=dev)[None, :]
+
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            logits = prefill(model, cache, tokens, input_pos, lens - 1, kv_len=max(self.start) + P)
+            next_tok = sample(logits, self.params, self.generator, self.seen)
+            next_ids = next_tok.tolist()  # the one host sync per step: the tokens must be emitted
+        for b, p in enumerate(self.prompts):
+            cache.seq_lens[b] = self.start[b] + len(p)
+        self.stats.prompt_tokens = sum(len(p) for p in self.prompts)
+        self.stats.prefill_seconds = time.perf_counter() - t0
+        yield self._accept(next_ids)
+
+        # Decode: each running row feeds its last token at position seq_lens[b]. Rows that have
+        # finished ride along at a frozen position (their output is ignored) until all are done.
+        pos = torch.tensor(cache.seq_lens, device=dev)[:, None]  # [B, 1]
+        advance = torch.ones(B, 1, dtype=torch.long, device=dev)
+        frozen: set[int] = set()
+        t0 = time.perf_counter()
+        while not self.done:
+            for b, reason in enumerate(self.finish_reasons):
+                if reason is not None and b not in frozen:  # rare: only when a row stops
+                    frozen.add(b)
+                    advance[b, 0] = 0
+                    pos[b, 0] = min(cache.seq_lens[b], cache.capacity - 1)
+            kv_len = max(cache.seq_lens[b] for b in range(B) if b not in frozen) + 1
+            with torch.inference_mode():
+                if self.seen is not None:
+                    self.seen.scatter_(1, next_tok[:, None], True)
+                logits = decode_step(model, cache, next_tok[:, None], pos, kv_len=kv_len)
+                next_tok = sample(logits, self.params, self.generator, self.seen)
+                next_ids = next_tok.tolist()  # the step's one host sync
+                pos += advance
+            for b in range(B):
+                if b not in frozen:
+                    cache.seq_lens[b] += 1
+            step = self._accept(next_ids)
+            self.stats.decode_tokens += len(step.tokens)
+            self.stats.decode_seconds = time.perf_counter() - t0
+            yield step
+
+
+@dataclass
+class GenerationResult:
+    prompt_ids: list[int]
+    token_ids: list[int]
+    finish_reason: str
+
+
+def generate(model: Transformer, prompts: list[list[int]], params: SamplingParams,
+             eos_ids: list[int] | tuple[int, ...] = ()) -> tuple[list[GenerationResult], GenerationStats]:
+    """Run `Generation` to the end; one result per prompt, in order."""
+    gen = Generation(model, prompts, params, eos_ids)
+    for _ in gen:
+        pass
+    results = [GenerationResult(p, c, r) for p, c, r in zip(gen.prompts, gen.completions, gen.finish_reasons)]
+    return results, gen.stats

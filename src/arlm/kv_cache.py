@@ -1,0 +1,75 @@
+"""Preallocated key/value cache whose rows may sit at different positions."""
+
+from __future__ import annotations
+
+import torch
+
+from .config import ModelConfig
+
+
+class KVCache:
+    """Per-layer K and V buffers, `[n_layer, B, H_kv, capacity, d_head]`, written in place.
+
+    Slot `t` of row `b` holds the key/value of the token at position `t` of that row, so rows of
+    one batch can hold prompts of different lengths. Attention reads slots `0 .. pos` of its own
+    row (the mask is built from positions, see `Transformer.forward`); slots beyond a row's length
+    may hold stale values from padding and are never attended to.
+
+    `seq_lens[b]` is the number of tokens of row `b` whose K/V are in the cache: it is host-side
+    bookkeeping kept by the caller (generation knows every position without asking the device).
+    """
+
+    def __init__(self, n_layer: int, batch_size: int, n_kv_heads: int, capacity: int, head_dim: int,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+        shape = (n_layer, batch_size, n_kv_heads, capacity, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.seq_lens = [0] * batch_size
+
+    @classmethod
+    def for_model(cls, config: ModelConfig, batch_size: int, capacity: int | None = None,
+                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> "KVCache":
+        capacity = config.max_seq_len if capacity is None else capacity
+        if not 0 < capacity <= config.max_seq_len:
+            raise ValueError(f"cache capacity must be in 1..{config.max_seq_len}, got {capacity}")
+        return cls(config.n_layer, batch_size, config.n_kv_heads, capacity, config.head_dim, dtype, device)
+
+    @property
+    def batch_size(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def capacity(self) -> int:
+        """Token slots per row."""
+        return self.k.shape[3]
+
+    @property
+    def bytes_per_token(self) -> int:
+        """2 (K and V) * n_layer * H_kv * d_head * bytes per element."""
+        n_layer, _, h_kv, _, d_head = self.k.shape
+        return 2 * n_layer * h_kv * d_head * self.k.element_size()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes allocated for the whole cache."""
+        return self.k.nbytes + self.v.nbytes
+
+    @property
+    def bytes_used(self) -> int:
+        """Bytes holding live tokens (sum over rows of seq_len * bytes_per_token)."""
+        return sum(self.seq_lens) * self.bytes_per_token
+
+    def update(self, layer: int, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write `k`, `v` ([B, H_kv, T, d_head]) at `input_pos` ([B, T]) of each row, in place.
+
+        Returns views of slots `0 .. kv_len - 1` of this layer: ([B, H_kv, kv_len, d_head]) * 2.
+        """
+        index = input_pos[:, None, :, None].expand_as(k)
+        k_layer, v_layer = self.k[layer], self.v[layer]
+        k_layer.scatter_(2, index, k)
+        v_layer.scatter_(2, index, v)
+        return k_layer[:, :, :kv_len], v_layer[:, :, :kv_len]
+
+    def reset(self) -> None:
+        self.seq_lens = [0] * self.batch_size

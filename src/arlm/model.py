@@ -1,0 +1,186 @@
+"""One decoder-only `Transformer` for the GPT-2 and Llama families, for training and inference.
+
+Training calls `model(idx)` on whole sequences (causal mask, no cache). Inference calls it twice
+over: prefill with the prompt and a `KVCache`, then decode with `[B, 1]` tokens per step.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .config import ModelConfig
+from .kv_cache import KVCache
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalize in float32 like the reference implementations, then cast back.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def make_norm(config: ModelConfig) -> nn.Module:
+    if config.norm == "rmsnorm":
+        return RMSNorm(config.d_model, config.norm_eps)
+    return nn.LayerNorm(config.d_model, eps=config.norm_eps, bias=config.bias)
+
+
+def rope_table(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin, each [max_seq_len, head_dim], in the half-split ("rotate_half") layout."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inv_freq)  # [T, d/2]
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [B, T, H, d]; cos, sin: [B, T, 1, d]. Rotates pairs (i, i + d/2)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (x * cos + rotated * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.n_head, self.n_kv_heads, self.head_dim = config.n_head, config.n_kv_heads, config.head_dim
+        d, hd = config.d_model, config.head_dim
+        self.wq = nn.Linear(d, self.n_head * hd, bias=config.bias)
+        self.wk = nn.Linear(d, self.n_kv_heads * hd, bias=config.bias)
+        self.wv = nn.Linear(d, self.n_kv_heads * hd, bias=config.bias)
+        self.wo = nn.Linear(self.n_head * hd, d, bias=config.bias)
+        self.dropout = config.dropout
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+                mask: torch.Tensor | None, kv_cache: KVCache | None, input_pos: torch.Tensor | None,
+                kv_len: int) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, self.n_head, self.head_dim)
+        k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim)
+        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim)
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T, d_head]
+        if kv_cache is not None:
+            k, v = kv_cache.update(self.layer, input_pos, k, v, kv_len)  # [B, H_kv, kv_len, d_head]
+        y = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None,
+            dropout_p=self.dropout if self.training else 0.0,
+            enable_gqa=self.n_kv_heads != self.n_head)
+        return self.wo(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.swiglu = config.mlp == "swiglu"
+        self.approximate = config.gelu_approximate
+        self.up = nn.Linear(config.d_model, config.d_ff, bias=config.bias)
+        if self.swiglu:
+            self.gate = nn.Linear(config.d_model, config.d_ff, bias=config.bias)
+        self.down = nn.Linear(config.d_ff, config.d_model, bias=config.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.swiglu:
+            return self.down(F.silu(self.gate(x)) * self.up(x))
+        return self.down(F.gelu(self.up(x), approximate=self.approximate))
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.attn_norm = make_norm(config)
+        self.attn = Attention(config, layer)
+        self.mlp_norm = make_norm(config)
+        self.mlp = MLP(config)
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x, rope, mask, kv_cache, input_pos, kv_len):
+        x = x + self.resid_dropout(self.attn(self.attn_norm(x), rope, mask, kv_cache, input_pos, kv_len))
+        return x + self.resid_dropout(self.mlp(self.mlp_norm(x)))
+
+
+class Transformer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
+        if config.pos_embedding == "learned":
+            self.pos_emb = nn.Embedding(config.max_seq_len, config.d_model)
+        else:
+            cos, sin = rope_table(config.head_dim, config.max_seq_len, config.rope_theta)
+            self.register_buffer("rope_cos", cos, persistent=False)
+            self.register_buffer("rope_sin", sin, persistent=False)
+        self.emb_dropout = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layer))
+        self.norm = make_norm(config)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
+        self.apply(self._init_weights)
+        # GPT-2's scaled init: each residual branch adds to the stream, so shrink the projections
+        # that write into it by 1/sqrt(2 * n_layer) to keep the stream's variance flat with depth.
+        for name, p in self.named_parameters():
+            if name.endswith("attn.wo.weight") or name.endswith("mlp.down.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def forward(self, idx: torch.Tensor, input_pos: torch.Tensor | None = None,
+                kv_cache: KVCache | None = None, kv_len: int | None = None,
+                output_index: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits for token ids `idx` [B, T].
+
+        input_pos: [B, T] position of each token in its row (default 0 .. T-1 for every row).
+        kv_cache: if given, the new K/V are written at `input_pos` and each query attends to the
+            slots of its own row at positions <= its own. kv_len bounds the slots read (default:
+            the whole capacity); it must exceed every position in `input_pos`.
+        output_index: [B] index into T per row; if given, only those positions reach the LM head
+            and the result is [B, vocab] (prefill needs just the last prompt token's logits).
+        Returns [B, T, vocab] float logits, or [B, vocab] with output_index.
+        """
+        B, T = idx.shape
+        if input_pos is None:
+            if T > self.config.max_seq_len:
+                raise ValueError(f"sequence of {T} tokens exceeds the context window ({self.config.max_seq_len})")
+            input_pos = torch.arange(T, device=idx.device).expand(B, T)
+        x = self.tok_emb(idx)
+        if self.config.pos_embedding == "learned":
+            x = x + self.pos_emb(input_pos)
+            rope = None
+        else:
+            rope = (self.rope_cos[input_pos].unsqueeze(2), self.rope_sin[input_pos].unsqueeze(2))
+        x = self.emb_dropout(x)
+
+        mask = None  # no cache: plain causal attention within the sequence
+        if kv_cache is not None:
+            kv_len = kv_cache.capacity if kv_len is None else kv_len
+            slots = torch.arange(kv_len, device=idx.device)
+            mask = (slots <= input_pos[:, :, None]).unsqueeze(1)  # [B, 1, T, kv_len]
+
+        for block in self.blocks:
+            x = block(x, rope, mask, kv_cache, input_pos, kv_len)
+        if output_index is not None:
+            x = x[torch.arange(B, device=x.device), output_index]  # [B, d_model]
+        return self.lm_head(self.norm(x)).float()

@@ -1,0 +1,164 @@
+"""Tokenizers at the edge of the engine: text <-> token ids, built on HF `tokenizers`.
+
+Also the incremental detokenizer that streaming needs: it yields text pieces that are always
+valid UTF-8, holding back bytes while a character is split across tokens.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
+
+# Pre-tokenizer splits named by llama.cpp's `tokenizer.ggml.pre`. The GPT-2 regex is the
+# ByteLevel pre-tokenizer's own; the others split text differently before byte-level BPE.
+_GPT2_FAMILY = {"default", "gpt2", "gpt-2"}
+_DIGIT_FIRST = {"smollm", "starcoder", "refact", "smaug"}  # each digit its own piece, then GPT-2
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_REGEX_SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT}
+
+CONTROL_TOKEN = 3  # llama.cpp token types: 1 normal, 3 control, 4 user-defined
+USER_DEFINED_TOKEN = 4
+
+
+class TokenizerError(ValueError):
+    pass
+
+
+@dataclass
+class Tokenizer:
+    """Text <-> ids. `bos_id`/`eos_ids` may be None/empty for tokenizers without them."""
+
+    backend: HFTokenizer
+    bos_id: int | None = None
+    eos_ids: list[int] = field(default_factory=list)
+    add_bos: bool = False
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def eos_id(self) -> int | None:
+        return self.eos_ids[0] if self.eos_ids else None
+
+    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+        """Token ids for `text`; special-token text such as `<|im_start|>` maps to its id."""
+        ids = self.backend.encode(text, add_special_tokens=False).ids
+        if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
+            ids = [self.bos_id] + ids
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
+
+    # -- construction ---------------------------------------------------------------------------
+
+    @classmethod
+    def from_gguf_fields(cls, fields: dict) -> "Tokenizer":
+        """Build from a GGUF file's `tokenizer.ggml.*` metadata (byte-level BPE only)."""
+        kind = fields.get("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise TokenizerError(f"unsupported GGUF tokenizer model {kind!r} (only byte-level BPE 'gpt2')")
+        tokens: list[str] = fields["tokenizer.ggml.tokens"]
+        merges = [tuple(m.split(" ", 1)) for m in fields.get("tokenizer.ggml.merges", [])]
+        vocab = {tok: i for i, tok in enumerate(tokens)}
+        bpe = models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False)
+        backend = HFTokenizer(bpe)
+        backend.pre_tokenizer = _pre_tokenizer(fields.get("tokenizer.ggml.pre", "default"))
+        backend.decoder = decoders.ByteLevel()
+        types = fields.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+        specials = [AddedToken(t, special=True, normalized=False)
+                    for t, ty in zip(tokens, types) if ty == CONTROL_TOKEN]
+        user = [AddedToken(t, special=False, normalized=False)
+                for t, ty in zip(tokens, types) if ty == USER_DEFINED_TOKEN]
+        backend.add_special_tokens(specials)
+        if user:
+            backend.add_tokens(user)
+        eos_ids = [fields[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
+                   if fields.get(k) is not None]
+        return cls(backend, bos_id=fields.get("tokenizer.ggml.bos_token_id"),
+                   eos_ids=list(dict.fromkeys(eos_ids)),
+                   add_bos=bool(fields.get("tokenizer.ggml.add_bos_token", False)))
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "Tokenizer":
+        """Load a `tokenizer.json` (HF format), with `arlm_meta` for BOS/EOS if we wrote it."""
+        path = Path(path)
+        backend = HFTokenizer.from_file(str(path))
+        meta = json.loads(path.read_text()).get("arlm_meta", {})
+        return cls(backend, meta.get("bos_id"), list(meta.get("eos_ids", [])), bool(meta.get("add_bos", False)))
+
+    @classmethod
+    def from_hf_dir(cls, directory: str | Path) -> "Tokenizer":
+        """`tokenizer.json` plus BOS/EOS from `tokenizer_config.json`/`config.json` if present."""
+        directory = Path(directory)
+        backend = HFTokenizer.from_file(str(directory / "tokenizer.json"))
+        tok = cls(backend)
+        cfg = {}
+        for name in ("config.json", "generation_config.json"):
+            if (directory / name).exists():
+                cfg.update(json.loads((directory / name).read_text()))
+        tok.bos_id = cfg.get("bos_token_id")
+        eos = cfg.get("eos_token_id")
+        tok.eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+        return tok
+
+    def to_json(self) -> str:
+        """Self-contained HF `tokenizer.json` text with our BOS/EOS metadata alongside."""
+        data = json.loads(self.backend.to_str())
+        data["arlm_meta"] = {"bos_id": self.bos_id, "eos_ids": self.eos_ids, "add_bos": self.add_bos}
+        return json.dumps(data, ensure_ascii=False)
+
+
+def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre in _DIGIT_FIRST:
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    if pre in _REGEX_SPLITS:
+        return pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(_REGEX_SPLITS[pre]), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    if pre in _GPT2_FAMILY:
+        return byte_level
+    raise TokenizerError(f"unsupported GGUF pre-tokenizer {pre!r}")
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text pieces, each valid UTF-8.
+
+    Decodes only a short window (from `prefix_offset`) each step, and emits the new text once it
+    no longer ends in U+FFFD, the mark of a character whose bytes are still arriving.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip = skip_special_tokens
+        self.ids: list[int] = []
+        self.prefix_offset = 0
+        self.read_offset = 0
+
+    def push(self, token_id: int) -> str:
+        """Add one token; return the text it completes ("" while a character is incomplete)."""
+        self.ids.append(token_id)
+        decode = self.tokenizer.decode
+        prefix = decode(self.ids[self.prefix_offset:self.read_offset], self.skip)
+        full = decode(self.ids[self.prefix_offset:], self.skip)
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            return full[len(prefix):]
+        return ""
+
+    def flush(self) -> str:
+        """Whatever is held back at the end (an incomplete character decodes as U+FFFD)."""
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset], self.skip)
+        full = self.tokenizer.decode(self.ids[self.prefix_offset:], self.skip)
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return full[len(prefix):]
