@@ -91,9 +91,9 @@ class Tokenizer:
     @classmethod
     def from_file(cls, path: str | Path) -> "Tokenizer":
         """Load a `tokenizer.json` (HF format), with `arlm_meta` for BOS/EOS if we wrote it."""
-        path = Path(path)
-        backend = HFTokenizer.from_file(str(path))
-        meta = json.loads(path.read_text()).get("arlm_meta", {})
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        meta = data.pop("arlm_meta", {})  # HF's parser rejects keys it does not know
+        backend = HFTokenizer.from_str(json.dumps(data))
         return cls(backend, meta.get("bos_id"), list(meta.get("eos_ids", [])), bool(meta.get("add_bos", False)))
 
     @classmethod
