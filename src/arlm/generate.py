@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -80,7 +80,8 @@ class Generation:
     """
 
     def __init__(self, model: Transformer, prompts: list[list[int]], params: SamplingParams,
-                 eos_ids: list[int] | tuple[int, ...] = (), cache: KVCache | None = None) -> None:
+                 eos_ids: list[int] | tuple[int, ...] = (), cache: KVCache | None = None,
+                 decode_fn: Callable | None = None) -> None:
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
         cfg = model.config
@@ -89,6 +90,7 @@ class Generation:
             if min(p) < 0 or max(p) >= vocab:
                 raise ValueError(f"token id out of range for a vocabulary of {vocab}")
         self.model, self.params, self.prompts = model, params, [list(p) for p in prompts]
+        self.decode_fn = decode_fn or decode_step  # e.g. torch.compile(decode_step)
         self.eos_ids = [] if params.ignore_eos else list(eos_ids)
         B, P = len(prompts), max(len(p) for p in prompts)
         device = next(model.parameters()).device
@@ -185,7 +187,7 @@ class Generation:
             with torch.inference_mode():
                 if self.seen is not None:
                     self.seen.scatter_(1, next_tok[:, None], True)
-                logits = decode_step(model, cache, next_tok[:, None], pos, kv_len=kv_len)
+                logits = self.decode_fn(model, cache, next_tok[:, None], pos, kv_len=kv_len)
                 next_tok = sample(logits, self.params, self.generator, self.seen)
                 next_ids = next_tok.tolist()  # the step's one host sync
                 pos += advance

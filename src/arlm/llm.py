@@ -101,12 +101,36 @@ class LLM:
         self.model = loaded.model
         self.tokenizer: Tokenizer = loaded.tokenizer
         self.chat_template = loaded.chat_template
+        self.quantization: str | None = None
+        self.decode_fn = None  # None: generate.decode_step
 
     @classmethod
-    def load(cls, spec: str = "smollm2", device: str = "cpu", dtype: torch.dtype = torch.float32) -> "LLM":
+    def load(cls, spec: str = "smollm2", device: str = "cpu", dtype: torch.dtype = torch.float32,
+             quantize: str | None = "auto", compile: bool = False) -> "LLM":
+        """Load a model by name or path. quantize: "auto" (int8 on CPU when the native kernel
+        builds, else none), "int8" or None; compile: torch.compile the decode step."""
         from .loading import load_model
 
-        return cls(load_model(spec, device=device, dtype=dtype))
+        llm = cls(load_model(spec, device=device, dtype=dtype))
+        llm.configure(quantize=quantize, compile=compile)
+        return llm
+
+    def configure(self, quantize: str | None = None, compile: bool = False) -> None:
+        """Pick the decode path: weight quantization and (optionally) a compiled decode step."""
+        from . import kernels
+        from .generate import decode_step
+
+        device = next(self.model.parameters()).device
+        if quantize == "auto":
+            quantize = "int8" if device.type == "cpu" and kernels.native_available() else None
+        if quantize not in (None, "none", "int8"):
+            raise ValueError(f"unknown quantization {quantize!r} (expected none, int8 or auto)")
+        if quantize == "int8":
+            from .quant import quantize_int8
+
+            quantize_int8(self.model)
+        self.quantization = quantize if quantize != "none" else None
+        self.decode_fn = torch.compile(decode_step, dynamic=True) if compile else decode_step
 
     @property
     def context_length(self) -> int:
@@ -134,7 +158,7 @@ class LLM:
                cache: KVCache | None = None) -> Iterator[TextChunk | Generation]:
         """Yield the `Generation` first (for stats and results), then TextChunks as they come."""
         ids = [p if isinstance(p, list) else self.encode_prompt(p) for p in prompts]
-        gen = Generation(self.model, ids, params, self.tokenizer.eos_ids, cache=cache)
+        gen = Generation(self.model, ids, params, self.tokenizer.eos_ids, cache=cache, decode_fn=self.decode_fn)
         detok = [IncrementalDetokenizer(self.tokenizer) for _ in ids]
         watch = [_StopWatcher(params.stop) for _ in ids]
         yield gen
