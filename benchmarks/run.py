@@ -1,0 +1,211 @@
+"""The decode/prefill benchmark harness: arlm beside its peers on the same SmolLM2 weights, one run.
+
+    .venv/bin/python benchmarks/run.py [--threads 2] [--json out.json] [--skip-hf]
+
+Measures this machine's memory read bandwidth and fp32 matmul peak, then for arlm (int8 default
+path and fp32 path), HF transformers (fp32) and, when `llama_cpp` is importable (`make
+bench-peers`), llama.cpp on the same GGUF with the same thread count:
+  decode tokens/s at batch 1 (short prompt, and 512 tokens of context), batch 8, batch 32;
+  prefill tokens/s for a 512-token prompt (time to first token, as a user sees it).
+Prints each ratio arlm/peer and the fraction of the bandwidth ceiling each decode reaches
+(bytes of weights + KV read per step / step time / measured bandwidth).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from arlm.generate import Generation  # noqa: E402
+from arlm.llm import LLM  # noqa: E402
+from arlm.loading import resolve_model_path  # noqa: E402
+from arlm.quant import weight_bytes  # noqa: E402
+from arlm.sampling import SamplingParams  # noqa: E402
+
+
+def machine() -> dict:
+    model = platform.processor()
+    if os.path.exists("/proc/cpuinfo"):
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    return {"cpu": model, "cores": os.cpu_count(), "torch": torch.__version__,
+            "threads": torch.get_num_threads(), "python": platform.python_version()}
+
+
+def best_of(fn, repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def memory_bandwidth_gbs() -> float:
+    """Read bandwidth: sum a 1 GiB float32 tensor (read once, no writes)."""
+    x = torch.ones(2**28)
+    x.sum()
+    return x.numel() * 4 / best_of(lambda: x.sum(), 5) / 1e9
+
+
+def matmul_gflops(n: int = 2048) -> float:
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    return 2 * n**3 / best_of(lambda: a @ b, 5) / 1e9
+
+
+def prompt_ids(llm: LLM, n: int, seed: int) -> list[int]:
+    """n token ids of real text (tiny Shakespeare), a different window per seed."""
+    text = (ROOT / "data" / "tinyshakespeare.txt").read_text()
+    ids = llm.tokenizer.encode(text[seed * 5000: seed * 5000 + 8 * n + 400])
+    return ids[:n]
+
+
+def arlm_decode(llm: LLM, prompts: list[list[int]], new_tokens: int) -> dict:
+    params = SamplingParams(max_new_tokens=new_tokens, temperature=0, ignore_eos=True)
+    Generation(llm.model, [p[:8] for p in prompts], SamplingParams(max_new_tokens=4, temperature=0),
+               decode_fn=llm.decode_fn).__iter__().__next__()  # warm-up
+    gen = Generation(llm.model, prompts, params, decode_fn=llm.decode_fn)
+    for _ in gen:
+        pass
+    s = gen.stats
+    kv_per_step = s.kv_cache_bytes / gen.cache.capacity * (len(prompts[0]) + new_tokens / 2)
+    return {"tokens_per_s": s.decode_tokens_per_s, "step_s": s.decode_seconds / (s.decode_tokens / len(prompts)),
+            "prefill_tokens_per_s": s.prefill_tokens_per_s, "kv_bytes_per_step": kv_per_step}
+
+
+def hf_load():
+    from transformers import AutoModelForCausalLM
+
+    path = resolve_model_path("smollm2")
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    return model.eval()
+
+
+def hf_decode(model, prompts: list[list[int]], new_tokens: int) -> dict:
+    """HF generate, greedy, EOS off; decode time = total - time to first token."""
+    ids = torch.tensor(prompts)
+    mask = torch.ones_like(ids)
+    kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0, attention_mask=mask)
+    with torch.inference_mode():
+        model.generate(ids[:, :8], attention_mask=mask[:, :8], max_new_tokens=4, min_new_tokens=4,
+                       do_sample=False, eos_token_id=None, pad_token_id=0)
+        ttft = best_of(lambda: model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw), 1)
+        total = best_of(lambda: model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw), 1)
+    step = (total - ttft) / (new_tokens - 1)
+    return {"tokens_per_s": len(prompts) / step, "step_s": step,
+            "prefill_tokens_per_s": ids.numel() / ttft}
+
+
+def llama_cpp_decode(gguf: Path, prompt: list[int], new_tokens: int, threads: int) -> dict | None:
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        return None
+    llm = Llama(model_path=str(gguf), n_threads=threads, n_threads_batch=threads, n_ctx=1024,
+                n_batch=512, verbose=False)
+    llm.eval(prompt[:8])
+    llm.reset()
+    t0 = time.perf_counter()
+    llm.eval(prompt)
+    tok = llm.sample(temp=0.0)
+    t1 = time.perf_counter()
+    for _ in range(new_tokens - 1):
+        llm.eval([tok])
+        tok = llm.sample(temp=0.0)
+    t2 = time.perf_counter()
+    return {"tokens_per_s": (new_tokens - 1) / (t2 - t1), "step_s": (t2 - t1) / (new_tokens - 1),
+            "prefill_tokens_per_s": len(prompt) / (t1 - t0)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--new-tokens", type=int, default=128, help="decode tokens per run at batch 1")
+    ap.add_argument("--batch-new-tokens", type=int, default=32, help="decode tokens per run at batch 8/32")
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    res: dict = {"machine": machine(), "load_average": os.getloadavg()}
+    print(f"machine: {res['machine']}  load average: {res['load_average']}")
+    res["memory_read_gbs"] = memory_bandwidth_gbs()
+    res["matmul_fp32_gflops"] = matmul_gflops()
+    print(f"memory read bandwidth {res['memory_read_gbs']:.1f} GB/s, fp32 matmul {res['matmul_fp32_gflops']:.0f} GFLOP/s")
+
+    base = LLM.load("smollm2", quantize=None)
+    fast = LLM(base.loaded)
+    fast.model = copy.deepcopy(base.model)
+    fast.configure(quantize="auto")
+    engines = {f"arlm-{fast.quantization or 'fp32'}": fast, "arlm-fp32": base}
+    short = [prompt_ids(base, 16, s) for s in range(32)]
+    long = [prompt_ids(base, 512, 0)]
+    cases = {"b1_short": (short[:1], args.new_tokens), "b1_ctx512": (long, args.new_tokens),
+             "b8": (short[:8], args.batch_new_tokens), "b32": (short[:32], args.batch_new_tokens)}
+
+    figures: dict[str, dict] = {}
+    for name, llm in engines.items():
+        wbytes = weight_bytes(llm.model)
+        for case, (prompts, n) in cases.items():
+            r = arlm_decode(llm, prompts, n)
+            r["bandwidth_fraction"] = (wbytes + r["kv_bytes_per_step"]) / r["step_s"] / (res["memory_read_gbs"] * 1e9)
+            figures[f"{name}/{case}"] = r
+            print(f"{name:10s} {case:10s} decode {r['tokens_per_s']:7.1f} tok/s  step {r['step_s'] * 1e3:6.1f} ms  "
+                  f"{r['bandwidth_fraction'] * 100:5.1f}% of bandwidth ceiling")
+        figures[f"{name}/prefill512"] = {"tokens_per_s": figures[f"{name}/b1_ctx512"]["prefill_tokens_per_s"]}
+        print(f"{name:10s} prefill512 {figures[f'{name}/prefill512']['tokens_per_s']:7.1f} tok/s")
+
+    peers: dict[str, dict] = {}
+    gguf = resolve_model_path("smollm2")
+    for case in ("b1_short", "b1_ctx512"):
+        prompts, n = cases[case]
+        r = llama_cpp_decode(gguf, prompts[0], n, args.threads)
+        if r is None:
+            print("llama.cpp: llama_cpp not importable (make bench-peers builds it); skipped")
+            break
+        peers[f"llama.cpp/{case}"] = r
+        print(f"llama.cpp  {case:10s} decode {r['tokens_per_s']:7.1f} tok/s  prefill {r['prefill_tokens_per_s']:.1f} tok/s")
+    if "llama.cpp/b1_ctx512" in peers:
+        peers["llama.cpp/prefill512"] = {"tokens_per_s": peers["llama.cpp/b1_ctx512"]["prefill_tokens_per_s"]}
+    if not args.skip_hf:
+        hf = hf_load()
+        for case, (prompts, n) in cases.items():
+            r = hf_decode(hf, prompts, n)
+            peers[f"hf-fp32/{case}"] = r
+            print(f"hf-fp32    {case:10s} decode {r['tokens_per_s']:7.1f} tok/s")
+        peers["hf-fp32/prefill512"] = {"tokens_per_s": peers["hf-fp32/b1_ctx512"]["prefill_tokens_per_s"]}
+        print(f"hf-fp32    prefill512 {peers['hf-fp32/prefill512']['tokens_per_s']:7.1f} tok/s")
+
+    ratios: dict[str, float] = {}
+    for key, r in figures.items():
+        engine, case = key.split("/")
+        for peer in ("hf-fp32", "llama.cpp"):
+            if f"{peer}/{case}" in peers:
+                ratios[f"{engine}/{peer}/{case}"] = r["tokens_per_s"] / peers[f"{peer}/{case}"]["tokens_per_s"]
+    default = next(iter(engines))
+    ratios[f"{default}/b32_over_b1"] = figures[f"{default}/b32"]["tokens_per_s"] / figures[f"{default}/b1_short"]["tokens_per_s"]
+    print("\nratios (arlm / peer; >1 means arlm is faster):")
+    for k, v in ratios.items():
+        print(f"  {k:40s} {v:6.2f}x")
+    res.update(arlm=figures, peers=peers, ratios=ratios)
+    if args.json:
+        args.json.write_text(json.dumps(res, indent=2))
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
