@@ -81,7 +81,7 @@ class Generation:
 
     def __init__(self, model: Transformer, prompts: list[list[int]], params: SamplingParams,
                  eos_ids: list[int] | tuple[int, ...] = (), cache: KVCache | None = None,
-                 decode_fn: Callable | None = None) -> None:
+                 decode_fn: Callable | None = None, static_kv_len: bool = False) -> None:
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
         cfg = model.config
@@ -91,6 +91,9 @@ class Generation:
                 raise ValueError(f"token id out of range for a vocabulary of {vocab}")
         self.model, self.params, self.prompts = model, params, [list(p) for p in prompts]
         self.decode_fn = decode_fn or decode_step  # e.g. torch.compile(decode_step)
+        # CUDA graphs replay fixed shapes: attend over the whole cache (masked) instead of the
+        # slots in use, so every decode step has the same shapes.
+        self.static_kv_len = static_kv_len
         self.eos_ids = [] if params.ignore_eos else list(eos_ids)
         B, P = len(prompts), max(len(p) for p in prompts)
         device = next(model.parameters()).device
@@ -183,7 +186,8 @@ class Generation:
                     frozen.add(b)
                     advance[b, 0] = 0
                     pos[b, 0] = min(cache.seq_lens[b], cache.capacity - 1)
-            kv_len = max(cache.seq_lens[b] for b in range(B) if b not in frozen) + 1
+            kv_len = cache.capacity if self.static_kv_len else \
+                max(cache.seq_lens[b] for b in range(B) if b not in frozen) + 1
             with torch.inference_mode():
                 if self.seen is not None:
                     self.seen.scatter_(1, next_tok[:, None], True)

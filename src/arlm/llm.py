@@ -103,6 +103,7 @@ class LLM:
         self.chat_template = loaded.chat_template
         self.quantization: str | None = None
         self.decode_fn = None  # None: generate.decode_step
+        self.static_kv_len = False
 
     @classmethod
     def load(cls, spec: str = "smollm2", device: str = "cpu", dtype: torch.dtype = torch.float32,
@@ -130,7 +131,13 @@ class LLM:
 
             quantize_int8(self.model)
         self.quantization = quantize if quantize != "none" else None
-        self.decode_fn = torch.compile(decode_step, dynamic=True) if compile else decode_step
+        self.static_kv_len = compile and device.type == "cuda"
+        if compile and device.type == "cuda":  # CUDA graphs: one launch per decode step
+            self.decode_fn = torch.compile(decode_step, mode="reduce-overhead", fullgraph=True)
+        elif compile:
+            self.decode_fn = torch.compile(decode_step, dynamic=True)
+        else:
+            self.decode_fn = decode_step
 
     @property
     def context_length(self) -> int:
@@ -158,7 +165,8 @@ class LLM:
                cache: KVCache | None = None) -> Iterator[TextChunk | Generation]:
         """Yield the `Generation` first (for stats and results), then TextChunks as they come."""
         ids = [p if isinstance(p, list) else self.encode_prompt(p) for p in prompts]
-        gen = Generation(self.model, ids, params, self.tokenizer.eos_ids, cache=cache, decode_fn=self.decode_fn)
+        gen = Generation(self.model, ids, params, self.tokenizer.eos_ids, cache=cache, decode_fn=self.decode_fn,
+                         static_kv_len=self.static_kv_len)
         detok = [IncrementalDetokenizer(self.tokenizer) for _ in ids]
         watch = [_StopWatcher(params.stop) for _ in ids]
         yield gen
