@@ -172,7 +172,9 @@ def add_chat(sub) -> None:
 
 # -- entry point -----------------------------------------------------------------------------------
 
-SUBCOMMANDS: list[Callable] = [add_generate, add_chat]
+from .train.cli import add_prepare, add_train  # noqa: E402 (training's flags live with training)
+
+SUBCOMMANDS: list[Callable] = [add_generate, add_chat, add_prepare, add_train]
 
 
 def build_parser() -> argparse.ArgumentParser:

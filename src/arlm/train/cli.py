@@ -1,0 +1,83 @@
+"""`arlm prepare` and `arlm train`: argument parsing only; the work is in data.py and trainer.py.
+
+Every TrainConfig field is a flag (`--n-layer 6`, or nanoGPT's `--n_layer=6`), so the command
+line, a config file and the dataclass never drift apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import sys
+import typing
+from pathlib import Path
+
+
+def _slug(tokenizer: str) -> str:
+    return tokenizer if tokenizer in ("char", "bpe") else Path(tokenizer.rstrip("/")).stem.lower()
+
+
+# -- arlm prepare ----------------------------------------------------------------------------------
+
+def cmd_prepare(args: argparse.Namespace) -> int:
+    from .data import default_corpus, prepare
+
+    inputs = args.inputs or [default_corpus()]
+    out = args.out or f"out/data/{Path(inputs[0]).stem}_{_slug(args.tokenizer)}"
+    meta = prepare(inputs, out, tokenizer=args.tokenizer, vocab_size=args.vocab_size, val_fraction=args.val_fraction)
+    print(f"wrote {out}: {meta['train_tokens']:,} train + {meta['val_tokens']:,} val tokens, "
+          f"vocabulary {meta['vocab_size']:,} ({args.tokenizer} tokenizer)")
+    return 0
+
+
+def add_prepare(sub) -> None:
+    p = sub.add_parser("prepare", help="tokenize a text corpus into memory-mapped train/val token files")
+    p.add_argument("inputs", nargs="*", help="text files, or directories of .txt files (default: tiny Shakespeare)")
+    p.add_argument("--tokenizer", default="char",
+                   help="char, bpe (trained on the corpus), or a model to take it from: smollm2, a .gguf, an HF "
+                        "directory, an arlm checkpoint (default: char)")
+    p.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary size (default: 4096)")
+    p.add_argument("--val-fraction", type=float, default=0.1, help="last fraction held out (default: 0.1)")
+    p.add_argument("--out", default=None, help="output directory (default: out/data/<corpus>_<tokenizer>)")
+    p.set_defaults(func=cmd_prepare)
+
+
+# -- arlm train ------------------------------------------------------------------------------------
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from .config import TrainConfig, load_config, parse_value
+    from .trainer import train
+
+    overrides = {f.name: parse_value(f.name, getattr(args, "set_" + f.name))
+                 for f in dataclasses.fields(TrainConfig) if getattr(args, "set_" + f.name) is not None}
+    cfg = load_config(args.config, overrides)
+    result = train(cfg, resume=args.resume, overwrite=args.overwrite)
+    if int(os.environ.get("RANK", 0)) == 0:
+        val = result.evals[-1]["val_loss"] if result.evals else math.nan
+        print(f"done: step {result.step}, val loss {val:.4f} (best {result.best_val_loss:.4f}), "
+              f"{result.tokens_per_s:,.0f} training tokens/s, {result.wall_s:.1f} s; "
+              f"checkpoints in {result.out_dir} (latest, best)", file=sys.stderr)
+    return 0
+
+
+def add_train(sub) -> None:
+    from .config import TrainConfig
+
+    p = sub.add_parser(
+        "train", help="train from scratch or fine-tune (teacher-forced; DDP under torchrun)",
+        description="Settings come from the defaults (nanoGPT's tiny-Shakespeare CPU recipe), then --config, "
+                    "then these flags. Run `torchrun --nproc_per_node=K -m arlm train ...` for DDP.")
+    p.add_argument("--config", default=None, metavar="FILE", help="TOML or YAML file of settings (flat key = value)")
+    p.add_argument("--resume", action="store_true", help="continue exactly from <out_dir>/latest")
+    p.add_argument("--overwrite", action="store_true", help="start over in an out_dir that holds a run")
+    settings = p.add_argument_group("settings")
+    hints = typing.get_type_hints(TrainConfig)
+    for f in dataclasses.fields(TrainConfig):
+        flags = [f"--{f.name.replace('_', '-')}"] + ([f"--{f.name}"] if "_" in f.name else [])
+        is_bool = bool in (hints[f.name], *typing.get_args(hints[f.name]))
+        settings.add_argument(*flags, dest="set_" + f.name, default=None, metavar=f.name.upper() if not is_bool else "BOOL",
+                              nargs="?" if is_bool else None, const="true" if is_bool else None,
+                              help=f"{f.metadata.get('help', '')} (default: {f.default})".replace("%", "%%"))
+    p.set_defaults(func=cmd_train)

@@ -1,0 +1,413 @@
+"""Teacher-forced parallel training of the one `Transformer`.
+
+Each step feeds whole sequences through the model in one pass under the causal mask; position t
+is trained to predict token t+1, so a sequence of T tokens gives T next-token losses at once:
+L = -1/(B*T) * sum_{b,t} log P(x[b, t+1] | x[b, <=t]).
+
+The loop is nanoGPT's: gradient accumulation over micro-batches, AdamW (weight decay on matrices
+only), warmup + cosine learning rate, gradient clipping, bf16 autocast where the device has it,
+optional torch.compile, periodic evaluation and checkpoints. Under torchrun it runs DDP: every
+rank draws its own micro-batches of the global batch, gradients are all-reduced on the last
+micro-step only, and rank 0 alone logs and writes checkpoints.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import os
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ..config import ConfigError, ModelConfig
+from ..loading import LoadError, build_model, load_model
+from ..model import Transformer
+from . import checkpoints
+from .config import MODEL_SHAPE_KEYS, TrainConfig, lr_at
+from .data import SPLITS, DataError, TokenData
+from .progress import METRICS_FILE, PLOT_FILE, MetricsLog, Progress, plot_losses
+
+EVAL_STREAM = 2**31 - 1  # seeds the fixed evaluation batches apart from the training ones
+
+
+@dataclass
+class Distributed:
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+@dataclass
+class TrainResult:
+    step: int
+    out_dir: Path
+    history: list[dict] = field(default_factory=list)  # the metrics.jsonl records of this run
+    best_val_loss: float = math.inf
+    wall_s: float = 0.0
+    train_s: float = 0.0  # time in training steps alone (no evaluation, saving or compilation)
+    tokens_per_s: float = 0.0  # training tokens / train_s, after the first (warm-up) log interval
+
+    @property
+    def losses(self) -> dict[int, float]:
+        """step -> training loss, for every logged step."""
+        return {r["step"]: r["loss"] for r in self.history if r["kind"] == "train"}
+
+    @property
+    def evals(self) -> list[dict]:
+        return [r for r in self.history if r["kind"] == "eval"]
+
+
+# -- pieces ----------------------------------------------------------------------------------------
+
+def next_token_loss(model: torch.nn.Module, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of the logits at every position against the next token.
+
+    idx, targets: [B, T] with targets[:, t] = the token after idx[:, t]. One forward pass.
+    """
+    logits = model(idx)  # [B, T, V], float32
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def model_config_from_scratch(cfg: TrainConfig, vocab_size: int) -> ModelConfig:
+    d_ff = cfg.d_ff
+    if d_ff is None and cfg.family == "llama":
+        # SwiGLU has three matrices; 8/3 * d keeps its size that of a 4 * d GELU MLP (Llama's rule).
+        d_ff = -(-8 * cfg.d_model // 3 // 32) * 32
+    overrides = dict(vocab_size=vocab_size, n_layer=cfg.n_layer, n_head=cfg.n_head, n_kv_heads=cfg.n_kv_heads,
+                     d_model=cfg.d_model, d_ff=d_ff, max_seq_len=cfg.context_length, bias=cfg.bias,
+                     dropout=cfg.dropout)
+    return ModelConfig.for_family(cfg.family, **overrides)
+
+
+def configure_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices and embeddings (dim >= 2), not on biases and norms."""
+    params = [p for p in model.parameters() if p.requires_grad]  # a tied head appears once
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    # The fused kernel updates every parameter in one launch (CPU and CUDA): no per-tensor loop.
+    fused = cfg.fused_adamw and device.type in ("cpu", "cuda")
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=fused or None)
+
+
+def autocast_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype, or None for plain float32."""
+    if cfg.dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else None
+    return None if cfg.dtype == "float32" else getattr(torch, cfg.dtype)
+
+
+def resolve_device(spec: str, local_rank: int) -> torch.device:
+    if spec == "auto":
+        return torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    if spec.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ConfigError(f"device {spec} requested but no CUDA device is available")
+        return torch.device("cuda", local_rank) if spec == "cuda" else torch.device(spec)
+    return torch.device(spec)
+
+
+def set_dropout(model: Transformer, p: float) -> None:
+    """Apply dropout `p` to a model built with another (a pretrained model is built with 0)."""
+    model.config.dropout = p
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = p
+        elif hasattr(m, "dropout") and isinstance(m.dropout, float):
+            m.dropout = p
+
+
+def sample_step_offsets(data: TokenData, cfg: TrainConfig, step: int) -> np.ndarray:
+    """Window starts for step `step`, [grad_accum, batch_size]: all the global batch's micro-batches.
+
+    A pure function of (seed, step): a resumed run draws the same batches, and K processes draw
+    between them the same global batch as one process (rank r takes micro-batches r, r+K, ...).
+    """
+    rng = np.random.default_rng([cfg.seed, step])
+    count = cfg.grad_accum * cfg.batch_size
+    return data.offsets("train", count, cfg.context_length, rng).reshape(cfg.grad_accum, cfg.batch_size)
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, data: TokenData, cfg: TrainConfig, device: torch.device,
+             autocast, ddp: Distributed) -> dict[str, float]:
+    """Mean loss over the same `eval_batches` batches of each split every time (shared by ranks)."""
+    was_training = model.training
+    model.eval()
+    losses = {}
+    for i, split in enumerate(SPLITS):
+        rng = np.random.default_rng([cfg.seed, EVAL_STREAM, i])
+        offsets = data.offsets(split, cfg.eval_batches * cfg.batch_size, cfg.context_length, rng)
+        offsets = offsets.reshape(cfg.eval_batches, cfg.batch_size)
+        total = torch.zeros((), device=device)
+        for b in range(ddp.rank, cfg.eval_batches, ddp.world_size):
+            x, y = data.batch(split, offsets[b], cfg.context_length, device)
+            with autocast:
+                total += next_token_loss(model, x, y).float()
+        if ddp.world_size > 1:
+            dist.all_reduce(total)
+        losses[split] = total.item() / cfg.eval_batches
+    model.train(was_training)
+    return losses
+
+
+def check_resumable(saved: dict, cfg: TrainConfig, where: Path) -> None:
+    """A checkpoint resumes only under the settings that shaped its model."""
+    diffs = [f"{k}={saved.get(k)!r} there, {getattr(cfg, k)!r} here" for k in MODEL_SHAPE_KEYS
+             if saved.get(k) != getattr(cfg, k)]
+    if diffs:
+        raise ConfigError(f"checkpoint {where} comes from an incompatible config: {'; '.join(diffs)}")
+
+
+def check_tokenizer(data: TokenData, model_config: ModelConfig, tokenizer, source: str) -> None:
+    """The data must be tokenized the way the pretrained model expects."""
+    if data.vocab_size > model_config.vocab_size:
+        raise DataError(f"data in {data.path} has a vocabulary of {data.vocab_size}, more than the "
+                        f"{model_config.vocab_size} of {source}; prepare it with `--tokenizer {source}`")
+    if tokenizer is not None and tokenizer.backend.get_vocab() != data.tokenizer.backend.get_vocab():
+        raise DataError(f"data in {data.path} was not tokenized with the tokenizer of {source}; "
+                        f"prepare it with `arlm prepare --tokenizer {source}`")
+
+
+def init_model(cfg: TrainConfig, data: TokenData, device: torch.device) -> tuple[Transformer, str | None]:
+    """A fresh model sized by `cfg`, or pretrained weights (`init_from`) with dropout from `cfg`."""
+    if cfg.init_from == "scratch":
+        return Transformer(model_config_from_scratch(cfg, data.vocab_size)).to(device), None
+    loaded = load_model(cfg.init_from)
+    check_tokenizer(data, loaded.config, loaded.tokenizer, cfg.init_from)
+    if cfg.context_length > loaded.config.max_seq_len:
+        raise ConfigError(f"context_length {cfg.context_length} exceeds the context window "
+                          f"({loaded.config.max_seq_len}) of {cfg.init_from}")
+    model = loaded.model.to(device=device, dtype=torch.float32)
+    set_dropout(model, cfg.dropout)
+    return model, loaded.chat_template
+
+
+def setup_distributed(cfg: TrainConfig) -> tuple[Distributed, torch.device]:
+    """Join the torchrun process group if there is one (gloo on CPU, nccl on CUDA)."""
+    ddp = Distributed(int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0)),
+                      int(os.environ.get("WORLD_SIZE", 1)))
+    device = resolve_device(cfg.device, ddp.local_rank)
+    if ddp.world_size > 1 and not dist.is_initialized():
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return ddp, device
+
+
+# -- the run ---------------------------------------------------------------------------------------
+
+def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> TrainResult:
+    """Run training as `cfg` says; with `resume`, continue from `out_dir/latest` exactly."""
+    ddp, device = setup_distributed(cfg)
+    try:
+        return _train(cfg, resume, overwrite, ddp, device)
+    finally:
+        if ddp.world_size > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _train(cfg: TrainConfig, resume: bool, overwrite: bool, ddp: Distributed, device: torch.device) -> TrainResult:
+    t_start = time.perf_counter()
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    if cfg.grad_accum % ddp.world_size:
+        raise ConfigError(f"grad_accum ({cfg.grad_accum}) must be a multiple of the number of processes "
+                          f"({ddp.world_size})")
+    accum = cfg.grad_accum // ddp.world_size  # micro-steps on this rank
+    data = TokenData.open(cfg.data_dir)
+    data.check_context(cfg.context_length)
+    out_dir = Path(cfg.out_dir)
+    if not resume and not overwrite and checkpoints.pointer_target(out_dir) is not None:
+        raise ConfigError(f"{out_dir} already holds a training run: pass --resume to continue it, "
+                          "--overwrite to start over, or another --out-dir")
+
+    ckpt = None
+    if resume:
+        ckpt = checkpoints.load_latest(out_dir)
+        check_resumable(ckpt.state.get("train_config", {}), cfg, ckpt.path)
+        model = build_model(ckpt.config, ckpt.weights, device)
+        set_dropout(model, cfg.dropout)
+        chat_template = ckpt.chat_template
+    else:
+        torch.manual_seed(cfg.seed)  # the same initial weights on every rank
+        model, chat_template = init_model(cfg, data, device)
+    model.train()
+    model_config = model.config
+
+    optimizer = configure_optimizer(model, cfg, device)
+    amp_dtype = autocast_dtype(cfg, device)
+    autocast = torch.autocast(device.type, dtype=amp_dtype) if amp_dtype else nullcontext()
+    scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
+    start_step, best_val = 0, math.inf
+    if ckpt is not None:
+        optimizer.load_state_dict(ckpt.state["optimizer"])
+        if ckpt.state.get("scaler"):
+            scaler.load_state_dict(ckpt.state["scaler"])
+        start_step, best_val = ckpt.step, ckpt.state["best_val_loss"]
+        _restore_rng(ckpt.state.get("rng", []), ddp, cfg, start_step)
+        del ckpt  # the weights now live in the model
+    else:
+        torch.manual_seed(cfg.seed + ddp.rank)  # dropout masks differ between ranks
+
+    step_model: torch.nn.Module = model
+    if ddp.world_size > 1:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        # The RoPE tables are constant buffers: no need to broadcast them every forward.
+        no_buffer_sync = {"forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP).parameters
+                          else "broadcast_buffers": False}
+        step_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, **no_buffer_sync)
+    if cfg.compile:
+        step_model = torch.compile(step_model)
+
+    log = MetricsLog(out_dir / METRICS_FILE, resume_step=start_step if resume else None) if ddp.main else None
+    progress = Progress(start_step, cfg.max_steps, cfg.progress and ddp.main)
+    tokens_per_step = cfg.batch_size * cfg.context_length * cfg.grad_accum
+    progress.note(
+        f"{model_config.family} model, {model.num_params() / 1e6:.2f}M parameters "
+        f"({model_config.n_layer} layers, {model_config.n_head} heads, d_model {model_config.d_model}) | "
+        f"data {data.meta['train_tokens']:,} train / {data.meta['val_tokens']:,} val tokens, vocab {data.vocab_size} | "
+        f"{ddp.world_size} x {device.type} {str(amp_dtype or torch.float32).replace('torch.', '')} | "
+        f"{tokens_per_step:,} tokens/step ({cfg.grad_accum} x {cfg.batch_size} x {cfg.context_length})")
+
+    result = TrainResult(start_step, out_dir, best_val_loss=best_val)
+
+    def record(entry: dict) -> None:
+        result.history.append(entry)
+        if log is not None:
+            log.write(entry)
+
+    def run_eval(step: int) -> dict[str, float]:
+        losses = evaluate(model, data, cfg, device, autocast, ddp)
+        record({"kind": "eval", "step": step, "val_loss": losses["val"], "val_ppl": math.exp(losses["val"]),
+                "train_loss": losses["train"]})
+        return losses
+
+    if start_step == 0 and cfg.eval_interval:
+        run_eval(0)
+
+    loss_sum = torch.zeros((), device=device)  # summed on the device; read back every log_interval
+    t_window, window_steps, warm, train_tokens = time.perf_counter(), 0, False, 0
+    for step in range(start_step, cfg.max_steps):
+        lr = lr_at(step, cfg)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        offsets = sample_step_offsets(data, cfg, step)
+        for micro in range(accum):
+            x, y = data.batch("train", offsets[micro * ddp.world_size + ddp.rank], cfg.context_length, device)
+            # Gradients are all-reduced on the last micro-step only; the others accumulate locally.
+            last = micro == accum - 1
+            with (nullcontext() if last or ddp.world_size == 1 else no_sync(step_model)):
+                with autocast:
+                    loss = next_token_loss(step_model, x, y) / accum
+                scaler.scale(loss).backward()
+            loss_sum += loss.detach()
+        if cfg.grad_clip:
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        done, window_steps = step + 1, window_steps + 1
+        progress.step()
+
+        if done % cfg.log_interval == 0 or done == cfg.max_steps:
+            if ddp.world_size > 1:
+                dist.all_reduce(loss_sum)
+                loss_sum /= ddp.world_size
+            mean_loss = loss_sum.item() / window_steps  # the host sync of this window
+            elapsed = time.perf_counter() - t_window
+            tokens_per_s = window_steps * tokens_per_step / elapsed
+            record({"kind": "train", "step": done, "loss": mean_loss, "lr": lr, "tokens_per_s": tokens_per_s})
+            progress.log(done, mean_loss, lr, tokens_per_s)
+            if warm:  # the first window pays for warm-up (and compilation): kept out of the rate
+                result.train_s += elapsed
+                train_tokens += window_steps * tokens_per_step
+            warm = True
+            loss_sum.zero_()
+            t_window, window_steps = time.perf_counter(), 0
+
+        evaluated = done == cfg.max_steps or (cfg.eval_interval and done % cfg.eval_interval == 0)
+        saving = done == cfg.max_steps or (cfg.checkpoint_interval and done % cfg.checkpoint_interval == 0)
+        if evaluated or saving:
+            t_pause = time.perf_counter()
+            is_best = False
+            if evaluated:
+                losses = run_eval(done)
+                is_best = losses["val"] < result.best_val_loss
+                result.best_val_loss = min(result.best_val_loss, losses["val"])
+                progress.note(f"step {done}: val loss {losses['val']:.4f} (ppl {math.exp(losses['val']):.2f}), "
+                              f"train loss {losses['train']:.4f}" + (" [best]" if is_best else ""))
+            if saving:
+                where = _save(out_dir, done, model, model_config, data, chat_template, cfg, optimizer, scaler,
+                              result.best_val_loss, is_best, result.history, ddp)
+                if where is not None:
+                    progress.note(f"step {done}: saved {where}")
+            progress.paused += time.perf_counter() - t_pause
+            t_window += time.perf_counter() - t_pause  # evaluation and saving are not training time
+
+    progress.close()
+    result.step = max(start_step, cfg.max_steps)
+    result.tokens_per_s = train_tokens / result.train_s if result.train_s else 0.0
+    if ddp.main and cfg.plot and result.history:
+        plot_losses(log.records if log else result.history, out_dir / PLOT_FILE,
+                    title=f"{model_config.family} {model.num_params() / 1e6:.2f}M, {Path(cfg.data_dir).name}")
+    if ddp.world_size > 1:
+        dist.barrier()  # leave together: a rank that tears down while rank 0 still saves can abort it
+    result.wall_s = time.perf_counter() - t_start
+    return result
+
+
+def no_sync(step_model: torch.nn.Module):
+    """DDP's no_sync() context, reached through a torch.compile wrapper if there is one."""
+    ddp_module = getattr(step_model, "_orig_mod", step_model)
+    return ddp_module.no_sync()
+
+
+def _save(out_dir: Path, step: int, model: Transformer, model_config: ModelConfig, data: TokenData,
+          chat_template: str | None, cfg: TrainConfig, optimizer, scaler, best_val: float, is_best: bool,
+          history: list[dict], ddp: Distributed) -> Path | None:
+    rng = _rng_state()
+    if ddp.world_size > 1:  # every rank's RNG (dropout), so a resumed run continues each stream
+        gathered: list = [None] * ddp.world_size
+        dist.all_gather_object(gathered, rng)
+        rng = gathered
+    else:
+        rng = [rng]
+    if not ddp.main:
+        return None
+    last_eval = next((r for r in reversed(history) if r["kind"] == "eval" and r["step"] == step), None)
+    metrics = {k: v for k, v in (last_eval or {}).items() if k not in ("kind", "step")}
+    meta = {"step": step, "metrics": metrics, "train_config": cfg.to_dict(),
+            "data": {"dir": str(data.path), "tokenizer": data.meta.get("tokenizer")}}
+    state = {"step": step, "optimizer": optimizer.state_dict(),
+             "scaler": scaler.state_dict() if scaler.is_enabled() else None, "rng": rng,
+             "best_val_loss": best_val, "world_size": ddp.world_size, "train_config": cfg.to_dict()}
+    return checkpoints.save(out_dir, step, model, model_config, data.tokenizer, chat_template, meta, state, is_best)
+
+
+def _rng_state() -> dict:
+    state = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _restore_rng(states: list[dict], ddp: Distributed, cfg: TrainConfig, step: int) -> None:
+    if len(states) == ddp.world_size:
+        torch.set_rng_state(states[ddp.rank]["torch"])
+        if "cuda" in states[ddp.rank] and torch.cuda.is_available():
+            torch.cuda.set_rng_state(states[ddp.rank]["cuda"])
+    else:  # a different number of processes: fresh, distinct dropout streams
+        torch.manual_seed(cfg.seed + 1000 * step + ddp.rank)
