@@ -174,7 +174,9 @@ def add_chat(sub) -> None:
 
 from .train.cli import add_prepare, add_train  # noqa: E402 (training's flags live with training)
 
-SUBCOMMANDS: list[Callable] = [add_generate, add_chat, add_prepare, add_train]
+from .serve.cli import add_serve  # noqa: E402
+
+SUBCOMMANDS: list[Callable] = [add_generate, add_chat, add_prepare, add_train, add_serve]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -19,6 +19,8 @@ class KVCache:
     bookkeeping kept by the caller (generation knows every position without asking the device).
     """
 
+    paged = False  # see arlm.serve.paged_cache.PagedKVCache for the block-pool cache
+
     def __init__(self, n_layer: int, batch_size: int, n_kv_heads: int, capacity: int, head_dim: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
         shape = (n_layer, batch_size, n_kv_heads, capacity, head_dim)

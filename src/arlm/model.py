@@ -70,6 +70,11 @@ class Attention(nn.Module):
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T, d_head]
+        if kv_cache is not None and kv_cache.paged:
+            # A paged cache (serving) writes K/V into its blocks and attends through its block
+            # table in one kernel; see arlm.serve.paged_cache.
+            y = kv_cache.attend(self.layer, input_pos, q, k, v)
+            return self.wo(y.transpose(1, 2).reshape(B, T, -1))
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer, input_pos, k, v, kv_len)  # [B, H_kv, kv_len, d_head]
         y = F.scaled_dot_product_attention(
@@ -155,7 +160,9 @@ class Transformer(nn.Module):
             slots of its own row at positions <= its own. kv_len bounds the slots read (default:
             the whole capacity); it must exceed every position in `input_pos`.
         output_index: [B] index into T per row; if given, only those positions reach the LM head
-            and the result is [B, vocab] (prefill needs just the last prompt token's logits).
+            and the result is [B, vocab] (prefill needs just the last prompt token's logits). With
+            B == 1 it may be [K]: K positions of the one row, [K, vocab] (a flattened batch of
+            many sequences, as the paged cache takes).
         Returns [B, T, vocab] float logits, or [B, vocab] with output_index.
         """
         B, T = idx.shape
@@ -172,7 +179,7 @@ class Transformer(nn.Module):
         x = self.emb_dropout(x)
 
         mask = None  # no cache: plain causal attention within the sequence
-        if kv_cache is not None:
+        if kv_cache is not None and not kv_cache.paged:
             kv_len = kv_cache.capacity if kv_len is None else kv_len
             slots = torch.arange(kv_len, device=idx.device)
             mask = (slots <= input_pos[:, :, None]).unsqueeze(1)  # [B, 1, T, kv_len]

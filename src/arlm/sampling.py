@@ -2,6 +2,8 @@
 
 Everything works on a whole batch of logits `[B, vocab]` with tensor ops: no Python loop over
 rows or tokens, no host sync (the draw is an exponential race, not `torch.multinomial`).
+`sample` takes one `SamplingParams` for the batch; `sample_rows` one per row, for a server's
+batch of unrelated requests (each filter takes a per-row `[B, 1]` tensor as well as a number).
 """
 
 from __future__ import annotations
@@ -60,23 +62,35 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
-def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
-    """logits [B, V]; seen [B, V] bool (tokens in the prompt or generated so far)."""
+def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float | torch.Tensor) -> torch.Tensor:
+    """logits [B, V]; seen [B, V] bool (tokens in the prompt or generated so far); penalty a
+    number or [B, 1]."""
     penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
     return torch.where(seen, penalized, logits)
 
 
-def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
-    """Keep the k largest logits per row (ties at the k-th value are kept), -inf elsewhere."""
-    if k <= 0 or k >= logits.shape[-1]:
+def top_k_filter(logits: torch.Tensor, k: int | torch.Tensor) -> torch.Tensor:
+    """Keep the k largest logits per row (ties at the k-th value are kept), -inf elsewhere.
+
+    k: a number, or [B, 1] int64 per row (0 or >= vocab disables that row's filter)."""
+    vocab = logits.shape[-1]
+    if isinstance(k, torch.Tensor):
+        on = (k > 0) & (k < vocab)
+        k = torch.where(on, k, 1)
+        kth = torch.topk(logits, int(k.max()), dim=-1).values.gather(-1, k - 1)  # size on the host
+        return logits.masked_fill(on & (logits < kth), float("-inf"))
+    if k <= 0 or k >= vocab:
         return logits
     kth = torch.topk(logits, k, dim=-1).values[..., -1:]
     return logits.masked_fill(logits < kth, float("-inf"))
 
 
-def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
-    """Keep the smallest set of most likely tokens whose probability sums to >= p."""
-    if p >= 1.0:
+def top_p_filter(logits: torch.Tensor, p: float | torch.Tensor) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose probability sums to >= p (a number or
+    [B, 1]; p >= 1 keeps everything)."""
+    if isinstance(p, torch.Tensor):
+        p = torch.where(p >= 1.0, float("inf"), p)  # rounding in the cumsum must not drop tokens
+    elif p >= 1.0:
         return logits
     sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
     probs = sorted_logits.softmax(dim=-1)
@@ -86,9 +100,10 @@ def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
     return logits.masked_fill(drop, float("-inf"))
 
 
-def min_p_filter(logits: torch.Tensor, min_p: float) -> torch.Tensor:
-    """Keep tokens whose probability is >= min_p times the most likely token's."""
-    if min_p <= 0.0:
+def min_p_filter(logits: torch.Tensor, min_p: float | torch.Tensor) -> torch.Tensor:
+    """Keep tokens whose probability is >= min_p (a number or [B, 1]) times the most likely
+    token's."""
+    if not isinstance(min_p, torch.Tensor) and min_p <= 0.0:
         return logits
     probs = logits.softmax(dim=-1)
     threshold = min_p * probs.max(dim=-1, keepdim=True).values
@@ -116,3 +131,43 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     # sync of torch.multinomial; the generator makes it reproducible.
     race = torch.empty_like(probs).exponential_(1.0, generator=generator).clamp_min_(1e-20)
     return (probs / race).argmax(dim=-1)
+
+
+def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
+                generators: list[torch.Generator | None] | None = None,
+                seen: torch.Tensor | None = None) -> torch.Tensor:
+    """Pick one token per row, row b with its own `params[b]` and `generators[b]`.
+
+    The filters run as [B, 1]-parameter tensor ops over the rows that need them; only the random
+    draw loops over rows, so that a seeded request takes the same numbers from its own generator
+    whatever shares its batch. Greedy rows are exactly `sample`'s argmax. logits [B, V]; seen
+    [B, V] bool (needed only for rows with a repetition penalty). Returns [B] int64.
+    """
+    B = logits.shape[0]
+    dev = logits.device
+    logits = logits.float()
+    penalties = [p.repetition_penalty for p in params]
+    if seen is not None and any(r != 1.0 for r in penalties):
+        logits = apply_repetition_penalty(logits, seen, torch.tensor(penalties, device=dev)[:, None])
+    tokens = logits.argmax(dim=-1)
+    rows = [b for b, p in enumerate(params) if not p.greedy]
+    if not rows:
+        return tokens
+
+    def column(values: list, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=dev)[:, None]
+
+    sub = [params[b] for b in rows]
+    x = logits[rows] / column([p.temperature for p in sub])
+    # Each filter only on the rows that use it: a disabled filter must leave its rows untouched.
+    for name, fn, off in (("top_k", top_k_filter, 0), ("top_p", top_p_filter, 1.0), ("min_p", min_p_filter, 0.0)):
+        on = [i for i, p in enumerate(sub) if getattr(p, name) != off]
+        if on:
+            dtype = torch.int64 if name == "top_k" else torch.float32
+            x[on] = fn(x[on], column([getattr(sub[i], name) for i in on], dtype))
+    probs = x.softmax(dim=-1)
+    race = torch.empty_like(probs)
+    for i, b in enumerate(rows):  # per-request streams: a seeded row is reproducible in any batch
+        race[i].exponential_(1.0, generator=generators[b] if generators else None)
+    tokens[rows] = (probs / race.clamp_min_(1e-20)).argmax(dim=-1)
+    return tokens

@@ -1,0 +1,478 @@
+"""OpenAI-compatible HTTP API over the `AsyncEngine` (FastAPI on uvicorn).
+
+Endpoints: `POST /v1/completions`, `POST /v1/chat/completions` (streamed as server-sent events
+with `stream: true`, ending in `data: [DONE]`), `GET /v1/models`, `GET /health`, `GET /metrics`.
+This module is the text edge: it validates requests, applies the chat template, encodes prompts,
+detokenizes streamed tokens and watches for stop strings; the engine sees token ids only.
+
+Every error is an OpenAI-style body `{"error": {"message", "type", "param", "code"}}`; a bad
+request gets 400 and never a traceback, and the server stays up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import hmac
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..generate import CONTEXT, EOS, LENGTH, STOP
+from ..llm import LLM, PromptError, _StopWatcher
+from ..sampling import SamplingParams
+from ..tokenizer import IncrementalDetokenizer
+from . import metrics
+from .engine import AsyncEngine
+
+log = logging.getLogger(__name__)
+
+FINISH_REASONS = {EOS: "stop", STOP: "stop", LENGTH: "length", CONTEXT: "length"}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type_: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type_
+
+
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
+                   type_: str = "invalid_request_error") -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}}, status)
+
+
+# -- request schemas ------------------------------------------------------------------------------
+
+class _Strict(BaseModel):
+    # strict: "16" is not an int and true is not a number; unknown fields are ignored, as OpenAI's.
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _SamplingRequest(_Strict):
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=100.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    n: int = Field(1, ge=1, le=16)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    user: str | None = None
+    # vLLM's extra sampling fields (the openai client sends them through `extra_body`)
+    top_k: int = Field(0, ge=-1)  # 0 or -1: off
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=100.0)
+    ignore_eos: bool = False
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+
+
+# -- one choice: tokens from the engine -> text ---------------------------------------------------
+
+@dataclass
+class Delta:
+    index: int
+    text: str
+    finish_reason: str | None
+    num_tokens: int  # tokens generated so far for this choice (up to a stop string)
+
+
+class Server:
+    """The state behind the routes: the loaded model, the engine and the HTTP counters."""
+
+    def __init__(self, llm: LLM, engine: AsyncEngine, model_name: str, api_key: str | None = None,
+                 max_body_bytes: int = 2 << 20) -> None:
+        self.llm, self.engine, self.model_name = llm, engine, model_name
+        self.api_key = api_key
+        self.max_body_bytes = max_body_bytes
+        self.created = int(time.time())
+        self.http_requests: dict[tuple[str, int], int] = {}
+
+    # -- parsing and validation -------------------------------------------------------------------
+
+    async def read_body(self, request: Request) -> bytes:
+        length = request.headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_body_bytes):
+            raise APIError(413, f"request body over {self.max_body_bytes} bytes", code="request_too_large")
+        body = bytearray()
+        async for chunk in request.stream():  # a chunked upload has no length to check up front
+            body += chunk
+            if len(body) > self.max_body_bytes:
+                raise APIError(413, f"request body over {self.max_body_bytes} bytes", code="request_too_large")
+        return bytes(body)
+
+    def check_auth(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+            raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer KEY')",
+                           code="invalid_api_key")
+
+    async def parse(self, request: Request, schema: type[_Strict]) -> Any:
+        self.check_auth(request)
+        body = await self.read_body(request)
+        try:
+            req = schema.model_validate_json(body)
+        except ValidationError as e:
+            err = e.errors()[0]
+            if err["type"] == "json_invalid":
+                raise APIError(400, f"the body is not valid JSON: {err['msg']}", code="invalid_json") from None
+            param = ".".join(str(p) for p in err["loc"]) or None
+            raise APIError(400, f"{param or 'body'}: {err['msg']}", param=param, code="invalid_value") from None
+        if req.model != self.model_name:
+            raise APIError(400, f"the model '{req.model}' does not exist; this server serves '{self.model_name}'",
+                           param="model", code="model_not_found")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(req, name):
+                raise APIError(400, f"{name} is not supported (use repetition_penalty)", param=name,
+                               code="unsupported")
+        if req.logprobs:
+            raise APIError(400, "logprobs are not supported", param="logprobs", code="unsupported")
+        return req
+
+    def sampling_params(self, req: _SamplingRequest, max_tokens: int | None, prompt_len: int,
+                        prompt_param: str) -> SamplingParams:
+        room = self.engine.engine.max_model_len - prompt_len
+        if room < 1:
+            raise APIError(400, f"the prompt is {prompt_len} tokens; the context window is "
+                                f"{self.engine.engine.max_model_len}", param=prompt_param,
+                           code="context_length_exceeded")
+        if max_tokens is None:
+            max_tokens = room
+        elif max_tokens > room:
+            raise APIError(400, f"the prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) exceeds the "
+                                f"context window of {self.engine.engine.max_model_len} tokens",
+                           param="max_tokens", code="context_length_exceeded")
+        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        if len(stop) > 16 or any(not s for s in stop):
+            raise APIError(400, "stop: up to 16 non-empty strings", param="stop", code="invalid_value")
+        try:
+            return SamplingParams(max_new_tokens=max_tokens, temperature=req.temperature,
+                                  top_k=max(req.top_k, 0), top_p=req.top_p, min_p=req.min_p,
+                                  repetition_penalty=req.repetition_penalty, seed=req.seed, stop=stop,
+                                  ignore_eos=req.ignore_eos)
+        except ValueError as e:
+            raise APIError(400, str(e), code="invalid_value") from None
+
+    def encode(self, text: str, param: str) -> list[int]:
+        ids = self.llm.tokenizer.encode(text)
+        if not ids:
+            raise APIError(400, "the prompt encodes to no tokens", param=param, code="invalid_value")
+        return ids
+
+    # -- running choices --------------------------------------------------------------------------
+
+    async def run_choice(self, index: int, prompt_ids: list[int], params: SamplingParams,
+                         arrival: float) -> AsyncIterator[Delta]:
+        """One sequence: stream its text pieces, cut at a stop string."""
+        rid = self.engine.new_request_id("req")
+        detok = IncrementalDetokenizer(self.llm.tokenizer)
+        watch = _StopWatcher(params.stop)
+        tokens = self.engine.generate(rid, prompt_ids, params, arrival)
+        try:
+            async for out in tokens:
+                final = out.finish_reason is not None
+                piece = detok.push(out.token_id) + (detok.flush() if final else "")
+                text, hit = watch.push(piece, final)
+                if hit:
+                    self.engine.abort(rid, STOP)
+                    yield Delta(index, text, "stop", out.num_output_tokens)
+                    return
+                yield Delta(index, text, FINISH_REASONS.get(out.finish_reason), out.num_output_tokens)
+        finally:
+            await tokens.aclose()  # an unfinished request is aborted: its blocks free at once
+
+    async def run_all(self, jobs: list[tuple[int, list[int], SamplingParams]]) -> AsyncIterator[Delta]:
+        """All choices of a request at once (several prompts, or n > 1), merged as they come."""
+        arrival = time.monotonic()
+        if len(jobs) == 1:
+            async for d in self.run_choice(*jobs[0], arrival):
+                yield d
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(job) -> None:
+            try:
+                async for d in self.run_choice(*job, arrival):
+                    await queue.put(d)
+            except Exception as e:  # noqa: BLE001 - handed to the consumer
+                await queue.put(e)
+            finally:
+                await queue.put(None)
+
+        tasks = [asyncio.create_task(pump(job)) for job in jobs]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def jobs(self, prompts: list[list[int]], params: SamplingParams, n: int) -> list[tuple[int, list[int], SamplingParams]]:
+        """One job per (prompt, sample); sample j of a seeded request uses seed + j."""
+        jobs = []
+        for i, ids in enumerate(prompts):
+            for j in range(n):
+                p = params
+                if params.seed is not None and j:
+                    p = dataclasses.replace(params, seed=(params.seed + j) % 2**64)
+                jobs.append((i * n + j, ids, p))
+        return jobs
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def _until_disconnected(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _unless_disconnected(request: Request, work) -> Any:
+    """Await `work` (a coroutine); if the client goes away first, cancel it (which aborts its
+    requests in the engine and frees their blocks) and return None."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_until_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return None
+    return task.result()
+
+
+def create_app(server: Server) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        server.engine.start(asyncio.get_running_loop())
+        yield
+        server.engine.stop()
+
+    app = FastAPI(title="arlm", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.middleware("http")
+    async def count_requests(request: Request, call_next):
+        response = await call_next(request)
+        key = (request.url.path if request.url.path in KNOWN_PATHS else "other", response.status_code)
+        server.http_requests[key] = server.http_requests.get(key, 0) + 1
+        return response
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, e: APIError) -> JSONResponse:
+        return error_response(e.status, e.message, e.param, e.code, e.type)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
+        return error_response(e.status_code, str(e.detail), code=code)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, e: Exception) -> JSONResponse:
+        log.exception("internal error on %s", request.url.path)
+        return error_response(500, f"internal error: {type(e).__name__}", type_="server_error",
+                              code="internal_error")
+
+    @app.get("/health")
+    async def health() -> Response:
+        if server.engine.dead:
+            return error_response(503, f"engine stopped: {server.engine.dead}", type_="server_error")
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def get_metrics() -> Response:
+        return PlainTextResponse(metrics.render(server.engine, server.http_requests),
+                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        server.check_auth(request)
+        return JSONResponse({"object": "list", "data": [{
+            "id": server.model_name, "object": "model", "created": server.created, "owned_by": "arlm",
+            "max_model_len": server.engine.engine.max_model_len}]})
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        req: CompletionRequest = await server.parse(request, CompletionRequest)
+        if req.echo or req.suffix:
+            raise APIError(400, "echo and suffix are not supported", param="echo" if req.echo else "suffix",
+                           code="unsupported")
+        prompt = req.prompt
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            prompt = [prompt]
+        if not prompt:
+            raise APIError(400, "prompt: at least one prompt is needed", param="prompt", code="invalid_value")
+        prompts = [p if isinstance(p, list) else server.encode(p, "prompt") for p in prompt]
+        vocab = server.llm.model.config.vocab_size
+        if any(not p or min(p) < 0 or max(p) >= vocab for p in prompts):
+            raise APIError(400, f"prompt: token ids must be in 0..{vocab - 1} and non-empty", param="prompt",
+                           code="invalid_value")
+        params = [server.sampling_params(req, req.max_tokens or 16, len(p), "prompt") for p in prompts]
+        jobs = [job for i, (ids, sp) in enumerate(zip(prompts, params))
+                for job in server.jobs([ids], sp, req.n)]
+        jobs = [(i, ids, sp) for i, (_, ids, sp) in enumerate(jobs)]
+        prompt_tokens = sum(len(p) for p in prompts)
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+
+        def body(choices: list[dict], usage: dict | None) -> dict:
+            return {"id": rid, "object": "text_completion", "created": created, "model": server.model_name,
+                    "choices": choices, "usage": usage}
+
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+            async def events() -> AsyncIterator[str]:
+                counts = [0] * len(jobs)
+                try:
+                    async for d in server.run_all(jobs):
+                        counts[d.index] = d.num_tokens
+                        if d.text or d.finish_reason:
+                            yield _sse(body([{"index": d.index, "text": d.text, "logprobs": None,
+                                              "finish_reason": d.finish_reason}], None))
+                    if include_usage:
+                        yield _sse(body([], _usage(prompt_tokens, sum(counts))))
+                except Exception as e:  # noqa: BLE001 - the stream has started: report in-band
+                    log.warning("stream failed: %s", e)
+                    yield _sse({"error": {"message": str(e), "type": "server_error", "param": None,
+                                          "code": "internal_error"}})
+                yield "data: [DONE]\n\n"
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+
+        async def collect() -> dict:
+            texts, reasons, counts = [""] * len(jobs), [None] * len(jobs), [0] * len(jobs)
+            async for d in server.run_all(jobs):
+                texts[d.index] += d.text
+                counts[d.index] = d.num_tokens
+                reasons[d.index] = d.finish_reason or reasons[d.index]
+            return body([{"index": i, "text": t, "logprobs": None, "finish_reason": r}
+                         for i, (t, r) in enumerate(zip(texts, reasons))], _usage(prompt_tokens, sum(counts)))
+
+        result = await _unless_disconnected(request, collect())
+        return JSONResponse(result) if result is not None else Response(status_code=499)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        req: ChatCompletionRequest = await server.parse(request, ChatCompletionRequest)
+        messages = []
+        for m in req.messages:
+            content = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or [])
+            messages.append({"role": "system" if m.role == "developer" else m.role, "content": content})
+        try:
+            ids = server.encode(server.llm.apply_chat_template(messages), "messages")
+        except PromptError as e:
+            raise APIError(400, str(e), param="messages", code="invalid_value") from None
+        params = server.sampling_params(req, req.max_completion_tokens or req.max_tokens, len(ids), "messages")
+        jobs = server.jobs([ids], params, req.n)
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+
+        def body(obj: str, choices: list[dict], usage: dict | None) -> dict:
+            return {"id": rid, "object": obj, "created": created, "model": server.model_name,
+                    "choices": choices, "usage": usage}
+
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+            async def events() -> AsyncIterator[str]:
+                counts = [0] * len(jobs)
+                for i in range(len(jobs)):  # the role comes first, as OpenAI sends it
+                    yield _sse(body("chat.completion.chunk", [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                               "logprobs": None, "finish_reason": None}], None))
+                try:
+                    async for d in server.run_all(jobs):
+                        counts[d.index] = d.num_tokens
+                        if d.text:
+                            yield _sse(body("chat.completion.chunk", [{"index": d.index, "delta": {"content": d.text},
+                                                                       "logprobs": None, "finish_reason": None}], None))
+                        if d.finish_reason:
+                            yield _sse(body("chat.completion.chunk", [{"index": d.index, "delta": {},
+                                                                       "logprobs": None,
+                                                                       "finish_reason": d.finish_reason}], None))
+                    if include_usage:
+                        yield _sse(body("chat.completion.chunk", [], _usage(len(ids), sum(counts))))
+                except Exception as e:  # noqa: BLE001 - the stream has started: report in-band
+                    log.warning("stream failed: %s", e)
+                    yield _sse({"error": {"message": str(e), "type": "server_error", "param": None,
+                                          "code": "internal_error"}})
+                yield "data: [DONE]\n\n"
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+
+        async def collect() -> dict:
+            texts, reasons, counts = [""] * len(jobs), [None] * len(jobs), [0] * len(jobs)
+            async for d in server.run_all(jobs):
+                texts[d.index] += d.text
+                counts[d.index] = d.num_tokens
+                reasons[d.index] = d.finish_reason or reasons[d.index]
+            return body("chat.completion", [{"index": i, "message": {"role": "assistant", "content": t},
+                                             "logprobs": None, "finish_reason": r}
+                                            for i, (t, r) in enumerate(zip(texts, reasons))],
+                        _usage(len(ids), sum(counts)))
+
+        result = await _unless_disconnected(request, collect())
+        return JSONResponse(result) if result is not None else Response(status_code=499)
+
+    return app
+
+
+KNOWN_PATHS = {"/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions"}

@@ -1,0 +1,65 @@
+"""`arlm serve`: load a model and serve it over an OpenAI-compatible HTTP API."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from ..cli import UsageError, load_llm
+    from .engine import EngineConfig, parse_size
+
+    try:
+        memory = parse_size(args.kv_cache_memory)
+    except ValueError as e:
+        raise UsageError(f"arlm serve: error: --kv-cache-memory: {e}") from None
+    for name in ("port", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_body_bytes"):
+        if getattr(args, name) < (0 if name == "port" else 1):
+            raise UsageError(f"arlm serve: error: --{name.replace('_', '-')} must be positive")
+    if args.kv_cache_tokens is not None and args.kv_cache_tokens < 1:
+        raise UsageError("arlm serve: error: --kv-cache-tokens must be positive")
+    api_key = args.api_key or os.environ.get("ARLM_API_KEY") or None
+    config = EngineConfig(block_size=args.block_size, kv_cache_memory=memory, kv_cache_tokens=args.kv_cache_tokens,
+                          max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                          enable_prefix_caching=not args.no_prefix_caching)
+    import uvicorn
+
+    from .api import Server, create_app
+    from .engine import AsyncEngine, Engine
+
+    llm = load_llm(args)
+    engine = Engine(llm.model, llm.tokenizer.eos_ids, config)
+    name = args.served_model_name or args.model
+    server = Server(llm, AsyncEngine(engine), name, api_key=api_key, max_body_bytes=args.max_body_bytes)
+    cache = engine.cache
+    print(f"arlm serve: model {name} ({llm.quantization or 'no quantization'}), KV pool {cache.n_blocks} blocks x "
+          f"{cache.block_size} tokens = {cache.nbytes / 2**20:.0f} MiB, context {engine.max_model_len} tokens, "
+          f"paged-attention kernel {'native' if cache.use_kernel else 'PyTorch fallback'}; "
+          f"listening on http://{args.host}:{args.port}" + (" (API key required)" if api_key else ""),
+          file=sys.stderr, flush=True)
+    uvicorn.run(create_app(server), host=args.host, port=args.port, log_level=args.log_level,
+                access_log=args.log_level == "debug", timeout_graceful_shutdown=5)
+    return 0
+
+
+def add_serve(sub) -> None:
+    from ..cli import add_model_args
+
+    p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API (continuous batching)")
+    add_model_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 (or set ARLM_API_KEY)")
+    p.add_argument("--served-model-name", default=None, help="the model id clients send (default: --model)")
+    p.add_argument("--kv-cache-memory", default="1GiB", help="KV block pool size, e.g. 2GiB, 512MiB (default: 1GiB)")
+    p.add_argument("--kv-cache-tokens", type=int, default=None, help="KV block pool size in tokens (overrides memory)")
+    p.add_argument("--block-size", type=int, default=16, help="token slots per KV block (default: 16)")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="running sequences at most (default: 64)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=512,
+                   help="tokens per forward pass: decodes plus prompt chunks (default: 512)")
+    p.add_argument("--no-prefix-caching", action="store_true", help="do not share KV blocks of common prompt prefixes")
+    p.add_argument("--max-body-bytes", type=int, default=2 << 20, help="largest request body accepted (default: 2 MiB)")
+    p.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"))
+    p.set_defaults(func=cmd_serve)

@@ -1,0 +1,58 @@
+"""`GET /metrics`: the engine's counters and gauges in Prometheus' text exposition format."""
+
+from __future__ import annotations
+
+from .engine import AsyncEngine, Histogram
+
+
+def _line(name: str, value: float, labels: dict[str, str] | None = None) -> str:
+    label = ",".join(f'{k}="{v}"' for k, v in (labels or {}).items())
+    return f"{name}{{{label}}} {value:g}" if label else f"{name} {value:g}"
+
+
+def _metric(out: list[str], name: str, kind: str, help_: str, samples: list[tuple[float, dict | None]]) -> None:
+    out += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}"]
+    out += [_line(name, v, labels) for v, labels in samples]
+
+
+def _histogram(out: list[str], name: str, help_: str, h: Histogram) -> None:
+    out += [f"# HELP {name} {help_}", f"# TYPE {name} histogram"]
+    out += [_line(f"{name}_bucket", c, {"le": f"{b:g}"}) for b, c in zip(h.buckets, h.counts)]
+    out += [_line(f"{name}_bucket", h.count, {"le": "+Inf"}), _line(f"{name}_sum", h.sum),
+            _line(f"{name}_count", h.count)]
+
+
+def render(engine: AsyncEngine, http_requests: dict[tuple[str, int], int]) -> str:
+    """All metrics as one text page. Read from the event loop while the engine thread runs:
+    each number is read once, so a page may mix two consecutive steps, never torn values."""
+    e = engine.engine
+    stats, sched = e.stats, e.scheduler
+    pool = sched.pool
+    out: list[str] = []
+    _metric(out, "arlm_http_requests_total", "counter", "HTTP requests by endpoint and status code.",
+            [(n, {"endpoint": ep, "code": str(code)}) for (ep, code), n in sorted(http_requests.items())])
+    _metric(out, "arlm_requests_total", "counter", "Generation requests accepted by the engine.",
+            [(stats.requests, None)])
+    _metric(out, "arlm_requests_finished_total", "counter", "Generation requests finished, by reason.",
+            [(n, {"finish_reason": r}) for r, n in sorted(stats.finished.items())])
+    _metric(out, "arlm_prompt_tokens_total", "counter", "Prompt tokens of accepted requests.",
+            [(stats.prompt_tokens, None)])
+    _metric(out, "arlm_generation_tokens_total", "counter", "Tokens generated.", [(stats.generation_tokens, None)])
+    _metric(out, "arlm_num_requests_waiting", "gauge", "Requests waiting to be scheduled (queue depth).",
+            [(engine.num_waiting, None)])
+    _metric(out, "arlm_num_requests_running", "gauge", "Sequences in the running batch.", [(engine.num_running, None)])
+    _metric(out, "arlm_kv_cache_usage_ratio", "gauge", "Fraction of KV blocks held by sequences (0..1).",
+            [(pool.utilization, None)])
+    _metric(out, "arlm_kv_cache_blocks", "gauge", "KV blocks in the pool, by state.",
+            [(pool.num_used, {"state": "used"}), (pool.num_free, {"state": "free"})])
+    _metric(out, "arlm_kv_cache_block_size", "gauge", "Token slots per KV block.", [(sched.block_size, None)])
+    _metric(out, "arlm_prefix_cache_queries_total", "counter", "Prompt tokens looked up in the prefix cache.",
+            [(sched.stats.prefix_queries, None)])
+    _metric(out, "arlm_prefix_cache_hits_total", "counter", "Prompt tokens found in the prefix cache (not recomputed).",
+            [(sched.stats.prefix_hits, None)])
+    _metric(out, "arlm_num_preemptions_total", "counter", "Sequences preempted (freed, to be recomputed).",
+            [(sched.stats.preemptions, None)])
+    _metric(out, "arlm_engine_steps_total", "counter", "Forward passes run by the engine.", [(stats.steps, None)])
+    _histogram(out, "arlm_time_to_first_token_seconds", "Time from arrival to the first generated token.",
+               stats.time_to_first_token)
+    return "\n".join(out) + "\n"

@@ -1,0 +1,264 @@
+"""Continuous batching: which tokens of which sequences go into the next forward pass.
+
+Every step the scheduler re-forms the batch from scratch, within a token budget:
+
+1. Running sequences that decode (one token each) come first, so a long prompt never stalls them.
+2. Running sequences still in their prompt get the next chunk of it (chunked prefill).
+3. Waiting requests are admitted, first come first served, while the budget, `max_num_seqs` and
+   free blocks allow; each starts from its longest cached prefix (prefix caching).
+
+A sequence that needs a block when none is free takes one from the most recently admitted
+running sequence, which is preempted: its blocks are freed and it goes back to the front of the
+queue, to be recomputed (prefilled with its prompt and the tokens it had produced) later. A
+sequence is one list of token ids (prompt, then output) of which `num_computed` have their K/V
+in the pool; a step computes the next `n` of them and, if that reaches the end, samples one more.
+The scheduler speaks block ids and token ids only; the engine owns the tensors.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from ..generate import CONTEXT, EOS, LENGTH
+from ..sampling import SamplingParams
+from .block_pool import BlockPool, block_hash
+
+WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
+ABORT = "abort"  # cancelled by the caller (client gone, stop string seen at the text edge)
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request's token ids and its place in the pool."""
+
+    request_id: str
+    token_ids: list[int]  # prompt, then every token generated so far
+    num_prompt_tokens: int
+    params: SamplingParams
+    eos_ids: frozenset[int]
+    generator: torch.Generator | None = None  # own random stream when the request has a seed
+    status: str = WAITING
+    finish_reason: str | None = None
+    blocks: list[int] = field(default_factory=list)  # block table: block ids in position order
+    block_hashes: list[bytes] = field(default_factory=list)  # content hashes of full blocks of token_ids
+    num_registered: int = 0  # leading blocks known to the prefix cache (hit, or registered once full)
+    num_computed: int = 0  # tokens whose K/V are in `blocks`
+    num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache at the last admission
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+
+@dataclass
+class ScheduledBatch:
+    """What one step computes: `num_tokens[i]` tokens of `seqs[i]`, from its `num_computed`."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    num_tokens: list[int] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) copy-on-write blocks
+    preempted: list[Sequence] = field(default_factory=list)
+
+    def add(self, seq: Sequence, n: int) -> None:
+        self.seqs.append(seq)
+        self.num_tokens.append(n)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+
+@dataclass
+class SchedulerStats:
+    preemptions: int = 0
+    prefix_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_hits: int = 0  # of those, tokens found (not recomputed)
+    computed_tokens: int = 0  # tokens run through the model (prefill and decode)
+    copies_on_write: int = 0
+
+
+class Scheduler:
+    """Waiting and running queues over a `BlockPool` of `n_blocks` blocks of `block_size` slots."""
+
+    def __init__(self, n_blocks: int, block_size: int, max_model_len: int, max_num_seqs: int = 64,
+                 max_num_batched_tokens: int = 512, enable_prefix_caching: bool = True) -> None:
+        if max_num_batched_tokens < 1 or max_num_seqs < 1:
+            raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
+        self.pool = BlockPool(n_blocks, enable_prefix_caching)
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order: the last is preempted first
+        self.stats = SchedulerStats()
+
+    # -- queue management ---------------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """End a sequence (finished or aborted) and free its blocks at once."""
+        if seq.status == FINISHED:
+            return
+        if seq.status == RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self._free(seq)
+        seq.status, seq.finish_reason = FINISHED, reason
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _free(self, seq: Sequence) -> None:
+        for b in reversed(seq.blocks):  # the tail first: a prefix's last blocks are evicted first
+            self.pool.release(b)
+        seq.blocks = []
+        seq.num_computed = seq.num_registered = 0
+
+    def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
+        self.running.remove(seq)
+        self._free(seq)
+        seq.status = WAITING
+        self.waiting.appendleft(seq)
+        batch.preempted.append(seq)
+        self.stats.preemptions += 1
+
+    # -- one step -------------------------------------------------------------------------------
+
+    def _blocks_needed(self, seq: Sequence, n: int) -> int:
+        """New blocks to hold `n` more tokens, plus one if the first write needs a private copy."""
+        bs = self.block_size
+        need = -(-(seq.num_computed + n) // bs) - len(seq.blocks)
+        first = seq.num_computed // bs
+        if first < len(seq.blocks) and self.pool.is_shared_or_cached(seq.blocks[first]):
+            need += 1
+        return need
+
+    def _reserve(self, seq: Sequence, n: int, batch: ScheduledBatch) -> None:
+        """Allocate the blocks for `n` more tokens (caller checked there are enough)."""
+        bs = self.block_size
+        first = seq.num_computed // bs
+        if first < len(seq.blocks) and self.pool.is_shared_or_cached(seq.blocks[first]):
+            old, new = seq.blocks[first], self.pool.allocate()  # copy-on-write
+            batch.copies.append((old, new))
+            self.stats.copies_on_write += 1
+            seq.blocks[first] = new
+            self.pool.release(old)
+            seq.num_registered = min(seq.num_registered, first)  # the copy is not a cached block
+        while len(seq.blocks) * bs < seq.num_computed + n:
+            seq.blocks.append(self.pool.allocate())
+
+    def _hash(self, seq: Sequence, i: int) -> bytes:
+        """Content hash of full block i of `seq.token_ids` (token ids only grow: hashes stay valid)."""
+        bs = self.block_size
+        while len(seq.block_hashes) <= i:
+            j = len(seq.block_hashes)
+            parent = seq.block_hashes[-1] if j else None
+            seq.block_hashes.append(block_hash(parent, seq.token_ids[j * bs:(j + 1) * bs]))
+        return seq.block_hashes[i]
+
+    def _match_prefix(self, seq: Sequence) -> None:
+        """Take the cached blocks of the longest prefix of `seq.token_ids` (full blocks only)."""
+        bs = self.block_size
+        if self.pool.enable_prefix_caching:
+            for i in range(len(seq.token_ids) // bs):
+                block = self.pool.lookup(self._hash(seq, i))
+                if block is None:
+                    break
+                seq.blocks.append(block)
+        seq.num_registered = len(seq.blocks)
+        seq.num_computed = len(seq.blocks) * bs
+        if seq.num_computed == len(seq.token_ids):
+            seq.num_computed -= 1  # the last token must run again: its logits pick the next token
+        seq.num_cached_tokens = seq.num_computed
+        self.stats.prefix_queries += len(seq.token_ids)
+        self.stats.prefix_hits += seq.num_computed
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+        scheduled: set[int] = set()
+
+        def make_room(seq: Sequence, n: int) -> bool:
+            """Preempt the latest admitted unscheduled sequences until `seq` fits; False if it
+            had to preempt itself."""
+            while self.pool.num_free < self._blocks_needed(seq, n):
+                victims = [s for s in self.running if id(s) not in scheduled]
+                victim = victims[-1]  # `seq` itself is running and unscheduled, so never empty
+                self._preempt(victim, batch)
+                if victim is seq:
+                    return False
+            return True
+
+        # 1-2. Running sequences: decodes first, then chunks of prompts being prefilled.
+        decoding = [s for s in self.running if len(s.token_ids) - s.num_computed == 1]
+        prefilling = [s for s in self.running if len(s.token_ids) - s.num_computed > 1]
+        for seq in decoding + prefilling:
+            if budget == 0:
+                break
+            if seq.status != RUNNING:  # preempted earlier in this loop
+                continue
+            n = min(len(seq.token_ids) - seq.num_computed, budget)
+            if not make_room(seq, n):
+                continue
+            self._reserve(seq, n, batch)
+            batch.add(seq, n)
+            scheduled.add(id(seq))
+            budget -= n
+
+        # 3. Admit waiting requests while they fit; never preempt for a newcomer.
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            self._match_prefix(seq)
+            n = min(len(seq.token_ids) - seq.num_computed, budget)
+            if self.pool.num_free < self._blocks_needed(seq, n):
+                self._free(seq)  # give the prefix hits back; try again next step
+                break
+            self.waiting.popleft()
+            seq.status = RUNNING
+            self.running.append(seq)
+            self._reserve(seq, n, batch)
+            batch.add(seq, n)
+            scheduled.add(id(seq))
+            budget -= n
+        return batch
+
+    def update(self, batch: ScheduledBatch, sampled: dict[int, int]) -> list[Sequence]:
+        """After the forward pass: advance `num_computed`, cache newly full blocks, append the
+        sampled tokens (`sampled[i]` for batch row i) and finish sequences. Returns the sequences
+        that got a new token."""
+        bs = self.block_size
+        out = []
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
+            seq.num_computed += n
+            self.stats.computed_tokens += n
+            full = min(seq.num_computed // bs, len(seq.blocks))
+            while self.pool.enable_prefix_caching and seq.num_registered < full:
+                self.pool.register(seq.blocks[seq.num_registered], self._hash(seq, seq.num_registered))
+                seq.num_registered += 1
+            if i not in sampled:
+                continue  # mid-prompt chunk: nothing to sample yet
+            tok = sampled[i]
+            seq.token_ids.append(tok)
+            if seq.first_token_time is None:
+                seq.first_token_time = time.monotonic()
+            out.append(seq)
+            if tok in seq.eos_ids:
+                self.finish(seq, EOS)
+            elif seq.num_output_tokens >= seq.params.max_new_tokens:
+                self.finish(seq, LENGTH)
+            elif len(seq.token_ids) >= self.max_model_len:
+                self.finish(seq, CONTEXT)  # no slot left for the token just sampled
+        return out
