@@ -36,7 +36,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2",
                    help="known name (smollm2), a .gguf file, an HF model directory or an arlm checkpoint")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
-    p.add_argument("--dtype", default="float32", choices=DTYPES, help="weight and activation dtype")
+    p.add_argument("--dtype", default="auto", choices=("auto",) + DTYPES,
+                   help="weight and activation dtype (auto: float32 on CPU, bfloat16 on CUDA)")
+    p.add_argument("--quantize", default="auto", choices=("auto", "none", "int8"),
+                   help="weight-only quantization for decode (auto: int8 on CPU when the native kernel builds)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the decode step")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: all cores)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
@@ -72,7 +77,16 @@ def load_llm(args: argparse.Namespace):
 
         if not torch.cuda.is_available():
             raise UsageError("arlm: error: --device cuda requested but no CUDA device is available")
-    return LLM.load(args.model, device=args.device, dtype=_torch_dtype(args.dtype))
+    if args.threads is not None:
+        if args.threads < 1:
+            raise UsageError("arlm: error: --threads must be >= 1")
+        import torch
+
+        torch.set_num_threads(args.threads)
+    quantize = None if args.quantize == "none" else args.quantize
+    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if args.device.startswith("cuda") else "float32")
+    return LLM.load(args.model, device=args.device, dtype=_torch_dtype(dtype), quantize=quantize,
+                    compile=args.compile)
 
 
 def stats_line(stats, prefix: str = "") -> str:
