@@ -54,9 +54,9 @@ class Attention(nn.Module):
         self.layer = layer
         self.n_head, self.n_kv_heads, self.head_dim = config.n_head, config.n_kv_heads, config.head_dim
         d, hd = config.d_model, config.head_dim
-        self.wq = nn.Linear(d, self.n_head * hd, bias=config.bias)
-        self.wk = nn.Linear(d, self.n_kv_heads * hd, bias=config.bias)
-        self.wv = nn.Linear(d, self.n_kv_heads * hd, bias=config.bias)
+        # One fused projection for q, k and v: one matmul (and, in decode, one weight stream)
+        # instead of three; the output splits into n_head + 2 * n_kv_heads heads.
+        self.wqkv = nn.Linear(d, (self.n_head + 2 * self.n_kv_heads) * hd, bias=config.bias)
         self.wo = nn.Linear(self.n_head * hd, d, bias=config.bias)
         self.dropout = config.dropout
 
@@ -64,11 +64,12 @@ class Attention(nn.Module):
                 mask: torch.Tensor | None, kv_cache: KVCache | None, input_pos: torch.Tensor | None,
                 kv_len: int) -> torch.Tensor:
         B, T, _ = x.shape
-        q = self.wq(x).view(B, T, self.n_head, self.head_dim)
-        k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim)
-        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim)
+        H, H_kv = self.n_head, self.n_kv_heads
+        qkv = self.wqkv(x).view(B, T, H + 2 * H_kv, self.head_dim)
+        qk, v = qkv[:, :, : H + H_kv], qkv[:, :, H + H_kv:]
         if rope is not None:
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+            qk = apply_rope(qk, *rope)  # q and k heads rotated in one go
+        q, k = qk[:, :, :H], qk[:, :, H:]
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T, d_head]
         if kv_cache is not None and kv_cache.paged:
             # A paged cache (serving) writes K/V into its blocks and attends through its block
@@ -89,14 +90,16 @@ class MLP(nn.Module):
         super().__init__()
         self.swiglu = config.mlp == "swiglu"
         self.approximate = config.gelu_approximate
-        self.up = nn.Linear(config.d_model, config.d_ff, bias=config.bias)
-        if self.swiglu:
-            self.gate = nn.Linear(config.d_model, config.d_ff, bias=config.bias)
+        if self.swiglu:  # gate and up projections fused: one matmul, split in half
+            self.gate_up = nn.Linear(config.d_model, 2 * config.d_ff, bias=config.bias)
+        else:
+            self.up = nn.Linear(config.d_model, config.d_ff, bias=config.bias)
         self.down = nn.Linear(config.d_ff, config.d_model, bias=config.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.swiglu:
-            return self.down(F.silu(self.gate(x)) * self.up(x))
+            gate, up = self.gate_up(x).chunk(2, dim=-1)
+            return self.down(F.silu(gate) * up)
         return self.down(F.gelu(self.up(x), approximate=self.approximate))
 
 

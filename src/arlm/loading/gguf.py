@@ -21,15 +21,14 @@ GGUF_MAGIC = b"GGUF"
 
 _LAYER_NAMES = {
     "attn_norm.weight": "attn_norm.weight",
-    "attn_q.weight": "attn.wq.weight",
-    "attn_k.weight": "attn.wk.weight",
-    "attn_v.weight": "attn.wv.weight",
     "attn_output.weight": "attn.wo.weight",
     "ffn_norm.weight": "mlp_norm.weight",
-    "ffn_gate.weight": "mlp.gate.weight",
-    "ffn_up.weight": "mlp.up.weight",
     "ffn_down.weight": "mlp.down.weight",
 }
+# Tensors that our model holds fused: (parts in order) -> our name.
+_FUSED = {("attn_q.weight", "attn_k.weight", "attn_v.weight"): "attn.wqkv.weight",
+          ("ffn_gate.weight", "ffn_up.weight"): "mlp.gate_up.weight"}
+_PART_OF = {part: (parts, ours) for parts, ours in _FUSED.items() for part in parts}
 _GLOBAL_NAMES = {"token_embd.weight": "tok_emb.weight", "output_norm.weight": "norm.weight",
                  "output.weight": "lm_head.weight"}
 
@@ -108,29 +107,35 @@ def read_gguf(path: str | Path) -> GGUFModel:
         raise LoadError(f"{path}: partial rotary embeddings ({rope_dims} of {config.head_dim} dims) unsupported")
 
     state: dict[str, torch.Tensor] = {}
+    parts: dict[str, np.ndarray] = {}  # pieces of fused tensors, by GGUF name, until complete
     types: dict[str, int] = {}
     for t in reader.tensors:
-        if t.name in _GLOBAL_NAMES:
-            ours = _GLOBAL_NAMES[t.name]
-        elif t.name.startswith("blk."):
+        layer, rest = None, t.name
+        if t.name.startswith("blk."):
             _, layer, rest = t.name.split(".", 2)
-            if rest not in _LAYER_NAMES:
-                continue  # e.g. rope_freqs for scaled RoPE, which this model family does not use
-            ours = f"blocks.{layer}.{_LAYER_NAMES[rest]}"
-        else:
-            continue
+        if t.name not in _GLOBAL_NAMES and rest not in _LAYER_NAMES and rest not in _PART_OF:
+            continue  # e.g. rope_freqs for scaled RoPE, which this model family does not use
         try:
             w = gguf.quants.dequantize(t.data, t.tensor_type)
         except NotImplementedError:
             raise LoadError(f"{path}: tensor {t.name} has GGML type {t.tensor_type.name}, "
                             "which gguf cannot dequantize") from None
         w = np.asarray(w, dtype=np.float32).reshape([int(x) for x in reversed(t.shape)])
-        if t.name.endswith("attn_q.weight"):
+        if rest == "attn_q.weight":
             w = unpermute_rope_rows(w, n_head)
-        elif t.name.endswith("attn_k.weight"):
+        elif rest == "attn_k.weight":
             w = unpermute_rope_rows(w, n_kv)
-        state[ours] = torch.from_numpy(w if w.flags.writeable and w.flags.c_contiguous else w.copy())
         types[t.tensor_type.name] = types.get(t.tensor_type.name, 0) + 1
+        if t.name in _GLOBAL_NAMES:
+            state[_GLOBAL_NAMES[t.name]] = torch.from_numpy(w if w.flags.writeable and w.flags.c_contiguous else w.copy())
+        elif rest in _LAYER_NAMES:
+            state[f"blocks.{layer}.{_LAYER_NAMES[rest]}"] = torch.from_numpy(w.copy())
+        else:
+            parts[t.name] = w
+            group, ours = _PART_OF[rest]
+            names = [f"blk.{layer}.{g}" for g in group]
+            if all(n in parts for n in names):
+                state[f"blocks.{layer}.{ours}"] = torch.from_numpy(np.concatenate([parts.pop(n) for n in names]))
 
     tok_fields = {k: _field(reader, k) for k in reader.fields if k.startswith("tokenizer.ggml.")}
     return GGUFModel(config=config, state_dict=state, tokenizer_fields=tok_fields,
