@@ -19,6 +19,8 @@ def config_from_hf(hf: dict) -> ModelConfig:
     kind = hf.get("model_type")
     if kind == "gpt2":
         act = hf.get("activation_function", "gelu_new")
+        if act not in ("gelu_new", "gelu_pytorch_tanh", "gelu"):
+            raise LoadError(f"unsupported GPT-2 activation_function {act!r} (arlm has gelu and its tanh form)")
         return ModelConfig.gpt2(
             vocab_size=hf["vocab_size"], n_layer=hf["n_layer"], n_head=hf["n_head"], d_model=hf["n_embd"],
             d_ff=hf.get("n_inner") or 4 * hf["n_embd"], max_seq_len=hf.get("n_positions", 1024),
@@ -46,20 +48,18 @@ def config_from_hf(hf: dict) -> ModelConfig:
 
 
 def hf_to_arlm(hf_state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
-    """Rename (and for GPT-2, split and transpose) an HF state dict into ours."""
+    """Rename an HF state dict into ours: Llama's q/k/v and gate/up are concatenated into our
+    fused projections; GPT-2's Conv1D weights ([in, out]) are transposed to nn.Linear's [out, in]."""
     sd = {k.removeprefix("transformer.").removeprefix("model."): v for k, v in hf_state.items()}
     out: dict[str, torch.Tensor] = {}
     if config.family == "gpt2":
-        d = config.d_model
         out["tok_emb.weight"], out["pos_emb.weight"] = sd["wte.weight"], sd["wpe.weight"]
         out["norm.weight"], out["norm.bias"] = sd["ln_f.weight"], sd["ln_f.bias"]
         for i in range(config.n_layer):
             h, o = f"h.{i}.", f"blocks.{i}."
-            # GPT-2 stores Conv1D weights as [in, out]; nn.Linear wants [out, in].
-            qkv_w, qkv_b = sd[h + "attn.c_attn.weight"].t(), sd[h + "attn.c_attn.bias"]
-            for j, name in enumerate(("wq", "wk", "wv")):
-                out[o + f"attn.{name}.weight"] = qkv_w[j * d:(j + 1) * d].contiguous()
-                out[o + f"attn.{name}.bias"] = qkv_b[j * d:(j + 1) * d].contiguous()
+            # c_attn already holds q, k and v fused, like our wqkv.
+            out[o + "attn.wqkv.weight"] = sd[h + "attn.c_attn.weight"].t().contiguous()
+            out[o + "attn.wqkv.bias"] = sd[h + "attn.c_attn.bias"]
             pairs = {"ln_1": "attn_norm", "ln_2": "mlp_norm"}
             for theirs, ours in pairs.items():
                 out[o + f"{ours}.weight"], out[o + f"{ours}.bias"] = sd[h + f"{theirs}.weight"], sd[h + f"{theirs}.bias"]
@@ -71,12 +71,13 @@ def hf_to_arlm(hf_state: dict[str, torch.Tensor], config: ModelConfig) -> dict[s
         return out
     out["tok_emb.weight"], out["norm.weight"] = sd["embed_tokens.weight"], sd["norm.weight"]
     names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "mlp_norm",
-             "self_attn.q_proj": "attn.wq", "self_attn.k_proj": "attn.wk", "self_attn.v_proj": "attn.wv",
-             "self_attn.o_proj": "attn.wo", "mlp.gate_proj": "mlp.gate", "mlp.up_proj": "mlp.up",
-             "mlp.down_proj": "mlp.down"}
+             "self_attn.o_proj": "attn.wo", "mlp.down_proj": "mlp.down"}
     for i in range(config.n_layer):
+        h, o = f"layers.{i}.", f"blocks.{i}."
         for theirs, ours in names.items():
-            out[f"blocks.{i}.{ours}.weight"] = sd[f"layers.{i}.{theirs}.weight"]
+            out[o + f"{ours}.weight"] = sd[h + f"{theirs}.weight"]
+        out[o + "attn.wqkv.weight"] = torch.cat([sd[h + f"self_attn.{p}_proj.weight"] for p in "qkv"])
+        out[o + "mlp.gate_up.weight"] = torch.cat([sd[h + "mlp.gate_proj.weight"], sd[h + "mlp.up_proj.weight"]])
     if not config.tie_embeddings:
         out["lm_head.weight"] = hf_state["lm_head.weight"]
     return out
