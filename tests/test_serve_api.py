@@ -1,0 +1,342 @@
+"""`arlm serve` as a user meets it: a real server process on loopback, the official `openai` client.
+
+Two servers for the module: the main one (with an API key) and one whose KV pool is too small for
+its load, so that it must preempt. The reference for every batched output is the same request
+run alone on the main server (greedy: tokens, hence texts and counts, identical).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+import openai
+import pytest
+
+KEY = "test-key-123"
+MODEL = "smollm2"
+
+PROMPTS = [
+    "The cat sat on the", "Once upon a time", "def fibonacci(n):", "The capital of France is",
+    "1, 2, 3, 4,", "Hello, my name is", "In 1492, Columbus", "The best way to learn Python is",
+    "Water boils at", "Q: What is 2 + 2?\nA:", "import numpy as np\n", "The quick brown fox",
+    "My favourite colour is", "Dear Sir or Madam,", "The mitochondria is", "To be or not to be,",
+    "Photosynthesis converts", "SELECT * FROM", "The weather today is", "A haiku about the sea:",
+    "Rust and Python differ in", "<html>\n<head>", "The first law of thermodynamics", "Once there was a dragon who",
+    "Ingredients: flour, eggs,", "The stock market", "Translate to French: cheese =", "Knock knock.",
+    "The answer to life is", "git commit -m", "Roses are red,", "Chapter 1\n\nIt was a dark",
+]
+MAX_TOKENS = [4 + i % 9 for i in range(len(PROMPTS))]  # 4..12: sequences finish at different steps
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`python -m arlm serve ...` on a free loopback port, its output in a temp file."""
+
+    def __init__(self, *args: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
+        # One thread per server: two servers and pytest share the CI machine's two cores.
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+        self.proc = subprocess.Popen([sys.executable, "-m", "arlm", "serve", "--model", MODEL, "--port", str(self.port),
+                                      *args], stdout=self.log, stderr=subprocess.STDOUT, env=env)
+
+    def wait_ready(self, timeout: float = 240.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                pytest.fail(f"server exited with {self.proc.returncode}:\n{self.output()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        pytest.fail(f"server not ready after {timeout} s:\n{self.output()}")
+
+    def output(self) -> str:
+        self.log.flush()
+        with open(self.log.name) as f:
+            return f.read()[-4000:]
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        os.unlink(self.log.name)
+
+    def metrics(self) -> dict[str, float]:
+        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(\S+) (\S+)$", text, re.M)}
+
+    def wait_idle(self, timeout: float = 15.0) -> dict[str, float]:
+        """Metrics once nothing runs or waits and no KV block is held (fails after timeout)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            m = self.metrics()
+            idle = (m["arlm_kv_cache_usage_ratio"] == 0 and m["arlm_num_requests_running"] == 0
+                    and m["arlm_num_requests_waiting"] == 0)
+            if idle or time.monotonic() > deadline:
+                return m
+            time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def servers():
+    main = ServerProcess("--api-key", KEY, "--kv-cache-tokens", "8192")
+    # 12 blocks of 4 tokens: 12 concurrent requests of 9..20 tokens need ~45.
+    tiny = ServerProcess("--kv-cache-tokens", "48", "--block-size", "4")
+    try:
+        main.wait_ready()
+        tiny.wait_ready()
+        yield main, tiny
+    finally:
+        main.stop()
+        tiny.stop()
+
+
+@pytest.fixture(scope="module")
+def server(servers):
+    return servers[0]
+
+
+def client(server: ServerProcess, key: str = KEY) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=key, max_retries=0, timeout=300)
+
+
+def complete(c: openai.OpenAI, prompt: str, max_tokens: int, stream: bool = False, **extra):
+    """(text, finish_reason, completion_tokens) of one greedy completion, streamed or not."""
+    kw = dict(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=extra.pop("temperature", 0.0))
+    if stream:
+        text, reason, usage = "", None, None
+        for chunk in c.completions.create(**kw, stream=True, stream_options={"include_usage": True},
+                                          extra_body=extra or None):
+            if chunk.choices:
+                text += chunk.choices[0].text
+                reason = chunk.choices[0].finish_reason or reason
+            if chunk.usage:
+                usage = chunk.usage
+        return text, reason, usage.completion_tokens
+    r = c.completions.create(**kw, extra_body=extra or None)
+    return r.choices[0].text, r.choices[0].finish_reason, r.usage.completion_tokens
+
+
+@pytest.fixture(scope="module")
+def alone(server):
+    """Every PROMPTS request run alone, one after another, on the main server."""
+    c = client(server)
+    return [complete(c, p, n) for p, n in zip(PROMPTS, MAX_TOKENS)]
+
+
+# -- basics ----------------------------------------------------------------------------------------
+
+def test_models_health_and_api_key(server):
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert [m.id for m in client(server).models.list().data] == [MODEL]
+    with pytest.raises(openai.AuthenticationError) as e:
+        client(server, "wrong-key").completions.create(model=MODEL, prompt="Hi", max_tokens=1)
+    assert e.value.status_code == 401 and e.value.code == "invalid_api_key"
+    r = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": "Hi"})  # no key at all
+    assert r.status_code == 401 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_completion_streamed_and_not_agree_with_usage(server, smollm2):
+    c = client(server)
+    prompt = "The capital of France is"
+    text, reason, n = complete(c, prompt, 12)
+    assert (text, reason, n) == complete(c, prompt, 12, stream=True)
+    assert reason == "length" and n == 12 and text
+    r = c.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+    assert r.usage.prompt_tokens == len(smollm2.tokenizer.encode(prompt))
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 12 and r.object == "text_completion"
+    # The same request as token ids, as vLLM takes them: the same continuation.
+    ids = smollm2.tokenizer.encode(prompt)
+    assert c.completions.create(model=MODEL, prompt=ids, max_tokens=12, temperature=0).choices[0].text == text
+
+
+def test_chat_streamed_and_not_agree(server, smollm2):
+    c = client(server)
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."}]
+    r = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0)
+    choice = r.choices[0]
+    assert choice.message.role == "assistant" and choice.finish_reason in ("stop", "length")
+    prompt_ids = smollm2.tokenizer.encode(smollm2.apply_chat_template(messages))
+    assert r.usage.prompt_tokens == len(prompt_ids) and 1 <= r.usage.completion_tokens <= 10
+    chunks = list(c.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    reasons = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+    assert text == choice.message.content and reasons == [choice.finish_reason]
+    assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+
+
+def test_eos_ends_a_chat_reply_with_stop(server):
+    r = client(server).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say OK."}],
+                                               max_tokens=200, temperature=0)
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens < 200
+
+
+def test_stop_string_cuts_the_text(server):
+    c = client(server)
+    full, _, _ = complete(c, "Once upon a time", 16)
+    stop = full[len(full) // 2:len(full) // 2 + 3]
+    assert stop.strip() and stop in full
+    for stream in (False, True):
+        text, reason, n = complete(c, "Once upon a time", 16, stream=stream, stop=[stop, "zzzz"])
+        assert text == full[:full.index(stop)] and reason == "stop" and n < 16
+
+
+def test_sse_wire_format(server):
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 3, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body,
+                      headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in r.iter_lines() if line]
+    assert all(e.startswith("data: ") for e in events) and events[-1] == "data: [DONE]"
+    chunks = [json.loads(e[6:]) for e in events[:-1]]
+    assert {ch["object"] for ch in chunks} == {"text_completion"} and len({ch["id"] for ch in chunks}) == 1
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_several_prompts_and_n(server):
+    c = client(server)
+    r = c.completions.create(model=MODEL, prompt=["Hello", "The sky is"], n=2, max_tokens=5, temperature=0)
+    assert [ch.index for ch in r.choices] == [0, 1, 2, 3]
+    assert r.choices[0].text == r.choices[1].text and r.choices[2].text == r.choices[3].text
+    assert r.usage.completion_tokens == 20
+
+
+# -- many users at once ----------------------------------------------------------------------------
+
+def test_32_concurrent_streams_equal_each_request_alone(server, alone):
+    c = client(server)
+    with cf.ThreadPoolExecutor(len(PROMPTS)) as pool:
+        batched = list(pool.map(lambda a: complete(c, a[0], a[1], stream=True), zip(PROMPTS, MAX_TOKENS)))
+    assert batched == alone
+    assert all(n == mt if r == "length" else r == "stop" and n < mt for (_, r, n), mt in zip(alone, MAX_TOKENS))
+    m = server.wait_idle()
+    assert m["arlm_kv_cache_usage_ratio"] == 0 and m["arlm_num_requests_running"] == 0
+
+
+def test_seeded_sampling_is_the_same_alone_or_batched(server):
+    c = client(server)
+    kw = dict(temperature=0.9, seed=1234, top_k=50, min_p=0.02, repetition_penalty=1.1)
+    solo = complete(c, "The weather today is", 12, **kw)
+    with cf.ThreadPoolExecutor(8) as pool:
+        noise = [pool.submit(complete, c, p, 12, temperature=1.0) for p in PROMPTS[:7]]
+        batched = complete(c, "The weather today is", 12, stream=True, **kw)
+        [f.result() for f in noise]
+    assert batched == solo
+
+
+def test_client_disconnect_frees_blocks(server):
+    before = server.metrics().get('arlm_requests_finished_total{finish_reason="abort"}', 0)
+    body = {"model": MODEL, "prompt": "Tell me a long story.", "max_tokens": 2000, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body,
+                      headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as r:
+        lines = r.iter_lines()  # (leaving a `for` over it early would close the response)
+        for _ in range(6):
+            next(lines)
+        assert server.metrics()["arlm_kv_cache_usage_ratio"] > 0  # still generating
+    # leaving the block closes the connection mid-stream
+    m = server.wait_idle(timeout=10)
+    assert m["arlm_kv_cache_usage_ratio"] == 0 and m["arlm_num_requests_running"] == 0
+    # A non-streaming request whose client gives up (timeout) is aborted too.
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{server.url}/v1/completions", json={**body, "stream": False},
+                   headers={"Authorization": f"Bearer {KEY}"}, timeout=1.5)
+    m = server.wait_idle(timeout=10)
+    assert m["arlm_kv_cache_usage_ratio"] == 0 and m["arlm_num_requests_running"] == 0
+    assert m['arlm_requests_finished_total{finish_reason="abort"}'] == before + 2
+
+
+def test_small_pool_preempts_and_still_matches(servers, alone):
+    _, tiny = servers
+    c = client(tiny)
+    n = 12
+    with cf.ThreadPoolExecutor(n) as pool:
+        batched = list(pool.map(lambda a: complete(c, a[0], a[1], stream=True), zip(PROMPTS[:n], MAX_TOKENS[:n])))
+    assert batched == alone[:n]
+    m = tiny.wait_idle()
+    assert m["arlm_num_preemptions_total"] > 0 and m["arlm_kv_cache_usage_ratio"] == 0
+
+
+def test_metrics_page(server):
+    text = httpx.get(f"{server.url}/metrics").text
+    for name in ("arlm_requests_total", "arlm_prompt_tokens_total", "arlm_generation_tokens_total",
+                 "arlm_num_requests_waiting", "arlm_num_requests_running", "arlm_kv_cache_usage_ratio",
+                 "arlm_time_to_first_token_seconds_bucket", "arlm_prefix_cache_hits_total"):
+        assert f"\n{name}" in text
+    m = server.metrics()
+    assert m["arlm_generation_tokens_total"] > 0 and m["arlm_time_to_first_token_seconds_count"] > 0
+
+
+# -- bad input -------------------------------------------------------------------------------------
+
+BAD = [
+    ("not json", "{bad json", None, "invalid_json"),
+    ("unknown model", {"model": "gpt-4", "prompt": "Hi"}, "model", "model_not_found"),
+    ("missing prompt", {"model": MODEL}, "prompt", "invalid_value"),
+    ("string max_tokens", {"model": MODEL, "prompt": "Hi", "max_tokens": "8"}, "max_tokens", "invalid_value"),
+    ("bool temperature", {"model": MODEL, "prompt": "Hi", "temperature": True}, "temperature", "invalid_value"),
+    ("negative temperature", {"model": MODEL, "prompt": "Hi", "temperature": -1}, "temperature", "invalid_value"),
+    ("top_p zero", {"model": MODEL, "prompt": "Hi", "top_p": 0}, "top_p", "invalid_value"),
+    ("max_tokens zero", {"model": MODEL, "prompt": "Hi", "max_tokens": 0}, "max_tokens", "invalid_value"),
+    ("min_p above 1", {"model": MODEL, "prompt": "Hi", "min_p": 2.0}, "min_p", "invalid_value"),
+    ("too long", {"model": MODEL, "prompt": "Hi", "max_tokens": 10**6}, "max_tokens", "context_length_exceeded"),
+    ("bad token id", {"model": MODEL, "prompt": [1, 10**9]}, "prompt", "invalid_value"),
+    ("empty stop", {"model": MODEL, "prompt": "Hi", "stop": [""]}, "stop", "invalid_value"),
+    ("body is a list", [1, 2], None, "invalid_value"),
+]
+
+
+@pytest.mark.parametrize("body,param,code", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
+def test_bad_requests_get_openai_style_400(server, body, param, code):
+    content = body if isinstance(body, str) else json.dumps(body)
+    r = httpx.post(f"{server.url}/v1/completions", content=content,
+                   headers={"Authorization": f"Bearer {KEY}", "content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["code"] == code and (param is None or err["param"] == param)
+    assert "Traceback" not in r.text
+
+
+def test_bad_chat_requests_and_oversize_body(server):
+    h = {"Authorization": f"Bearer {KEY}"}
+    for body in ({"model": MODEL, "messages": []}, {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]},
+                 {"model": MODEL, "messages": "hello"}):
+        r = httpx.post(f"{server.url}/v1/chat/completions", json=body, headers=h)
+        assert r.status_code == 400 and r.json()["error"]["param"].startswith("messages")
+    r = httpx.post(f"{server.url}/v1/completions", headers=h,
+                   json={"model": MODEL, "prompt": "x" * (3 << 20)})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    with pytest.raises(openai.BadRequestError) as e:
+        client(server).completions.create(model=MODEL, prompt="Hi", max_tokens=10**6)
+    assert e.value.code == "context_length_exceeded"
+    assert httpx.get(f"{server.url}/health").status_code == 200  # still up
+
+
+def test_serve_cli_rejects_bad_flags():
+    r = subprocess.run([sys.executable, "-m", "arlm", "serve", "--kv-cache-memory", "lots"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "kv-cache-memory" in r.stderr
