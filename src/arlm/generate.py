@@ -127,7 +127,9 @@ class Generation:
         return len(self.prompts)
 
     def finish(self, row: int, reason: str) -> None:
-        if self.finish_reasons[row] is None:
+        # A stop string completed by the token that also reached max_new_tokens or the context
+        # limit wins: the text was cut at the string, so that is why the row stopped.
+        if self.finish_reasons[row] is None or (reason == STOP and self.finish_reasons[row] in (LENGTH, CONTEXT)):
             self.finish_reasons[row] = reason
 
     @property

@@ -83,7 +83,7 @@ class _StopWatcher:
         end = len(self.text)
         if not final:
             for s in self.stops:  # hold back the longest tail that is a prefix of a stop string
-                for n in range(min(len(s) - 1, end - self.emitted), 0, -1):
+                for n in range(min(len(s) - 1, len(self.text) - self.emitted), 0, -1):
                     if self.text.endswith(s[:n]):
                         end = min(end, len(self.text) - n)
                         break
