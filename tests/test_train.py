@@ -51,7 +51,7 @@ def tiny(data_dir: Path, out_dir: Path, **overrides) -> TrainConfig:
     """A model and run small enough for a test: 2 layers, d_model 32, 16-token context."""
     base = dict(data_dir=str(data_dir), out_dir=str(out_dir), n_layer=2, n_head=2, d_model=32, context_length=16,
                 batch_size=4, max_steps=6, warmup_steps=2, lr=3e-3, min_lr=3e-4, eval_interval=3, eval_batches=2,
-                log_interval=1, progress=False, plot=False, threads=2)
+                log_interval=1, progress=False, plot=False, threads=1)
     return TrainConfig(**{**base, **overrides})
 
 
@@ -226,6 +226,17 @@ def test_run_writes_checkpoints_metrics_and_plot(char_data, tmp_path):
     assert all(r["val_ppl"] == pytest.approx(math.exp(r["val_loss"])) for r in records if r["kind"] == "eval")
     assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert result.evals[-1]["val_loss"] < result.evals[0]["val_loss"]
+
+
+def test_bf16_autocast_tracks_float32(char_data, tmp_path):
+    """Mixed precision (bf16 matmuls, float32 weights and loss) learns like float32."""
+    runs = {dtype: train(tiny(char_data, tmp_path / dtype, dtype=dtype, max_steps=30, eval_interval=0,
+                              log_interval=10))
+            for dtype in ("float32", "bfloat16")}
+    f32, bf16 = (runs[d].evals[-1]["val_loss"] for d in ("float32", "bfloat16"))
+    assert f32 < math.log(TokenData.open(char_data).vocab_size) - 0.5  # it learned something
+    assert abs(bf16 - f32) < 0.05, (bf16, f32)
+    assert runs["bfloat16"].losses != runs["float32"].losses  # autocast did change the arithmetic
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])

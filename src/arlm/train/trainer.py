@@ -86,7 +86,7 @@ def model_config_from_scratch(cfg: TrainConfig, vocab_size: int) -> ModelConfig:
         d_ff = -(-8 * cfg.d_model // 3 // 32) * 32
     overrides = dict(vocab_size=vocab_size, n_layer=cfg.n_layer, n_head=cfg.n_head, n_kv_heads=cfg.n_kv_heads,
                      d_model=cfg.d_model, d_ff=d_ff, max_seq_len=cfg.context_length, bias=cfg.bias,
-                     dropout=cfg.dropout)
+                     gelu_approximate=cfg.gelu_approximate, dropout=cfg.dropout)
     return ModelConfig.for_family(cfg.family, **overrides)
 
 
