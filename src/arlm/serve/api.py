@@ -275,7 +275,7 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 
 def _sse(obj: dict) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
 async def _until_disconnected(request: Request) -> None:
@@ -311,12 +311,7 @@ def create_app(server: Server) -> FastAPI:
 
     app = FastAPI(title="arlm", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
 
-    @app.middleware("http")
-    async def count_requests(request: Request, call_next):
-        response = await call_next(request)
-        key = (request.url.path if request.url.path in KNOWN_PATHS else "other", response.status_code)
-        server.http_requests[key] = server.http_requests.get(key, 0) + 1
-        return response
+    app.add_middleware(CountRequests, server=server)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError) -> JSONResponse:
@@ -476,3 +471,28 @@ def create_app(server: Server) -> FastAPI:
 
 
 KNOWN_PATHS = {"/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions"}
+
+
+class CountRequests:
+    """Counts responses by path and status for /metrics. Plain ASGI, not BaseHTTPMiddleware,
+    which would pipe every streamed chunk through an extra task and memory stream."""
+
+    def __init__(self, app, server: Server) -> None:
+        self.app, self.server = app, server
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = 500
+
+        async def send_and_note(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_note)
+        finally:
+            key = (scope["path"] if scope["path"] in KNOWN_PATHS else "other", status)
+            self.server.http_requests[key] = self.server.http_requests.get(key, 0) + 1

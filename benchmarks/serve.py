@@ -1,0 +1,310 @@
+"""Serving benchmark: arlm's engine and `arlm serve` under concurrent load, beside llama.cpp's server.
+
+    .venv/bin/python benchmarks/serve.py [--threads 2] [--clients 1,8,32] [--max-tokens 64]
+                                         [--llama-server PATH] [--skip-engine] [--skip-http] [--json out.json]
+
+1. Engine alone (no HTTP), in this process: one decode step over the paged KV pool (the flattened
+   batch `Engine.step` runs) against the contiguous-cache fast path (`generate.decode_step`), at
+   batch 1, 8 and 32 with the same context; then a whole `Engine.step` (scheduler and sampling
+   included); then prefix caching: requests that share a system prompt, prefill tokens and time
+   with and without it.
+2. HTTP: starts `arlm serve` (OMP_NUM_THREADS=--threads) and drives it with 1, 8 and 32 concurrent
+   streaming clients, each a different prompt, greedy, exactly --max-tokens tokens (ignore_eos):
+   total output tokens/s, median and p95 time to first token, and the ratio to serving the same
+   requests one at a time. Then the same load against llama.cpp's server on the same GGUF
+   (`llama-server -t THREADS -np 32 --cont-batching`) when its binary is found (--llama-server,
+   PATH, or build/llama.cpp/bin/llama-server from `make bench-peers`); otherwise says it skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+PROMPTS = [
+    "The cat sat on the", "Once upon a time, in a small village,", "def fibonacci(n):",
+    "The capital of France is", "Write a short poem about the sea.", "Hello, my name is",
+    "In 1492, Columbus sailed", "The best way to learn a language is", "Water boils at",
+    "Q: What is the tallest mountain on Earth?\nA:", "import numpy as np\n", "The quick brown fox",
+    "My favourite season is autumn because", "Dear hiring manager,", "The mitochondria is",
+    "To be or not to be,", "Photosynthesis is the process by which", "SELECT name FROM users WHERE",
+    "The weather forecast for tomorrow says", "A good breakfast includes", "Rust and Python differ in",
+    "<html>\n<head>\n<title>", "The first law of thermodynamics states", "There once was a dragon who",
+    "To bake bread you need", "The stock market fell today after", "Translate to French: good morning =",
+    "The history of the Roman Empire", "The answer to the ultimate question is", "git commit -m \"",
+    "Roses are red, violets are blue,", "Chapter 1\n\nIt was a dark and stormy night",
+]
+
+
+def percentile(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
+
+
+# -- 1. the engine alone ----------------------------------------------------------------------------
+
+def median_time(fn, repeat: int = 10) -> float:
+    fn()
+    fn()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def bench_engine(threads: int, context: int) -> dict:
+    import torch
+
+    from arlm.generate import decode_step
+    from arlm.kv_cache import KVCache
+    from arlm.llm import LLM
+    from arlm.sampling import SamplingParams
+    from arlm.serve.engine import Engine, EngineConfig
+    from arlm.serve.paged_cache import PagedKVCache
+
+    torch.set_num_threads(threads)
+    llm = LLM.load("smollm2")
+    model, cfg = llm.model, llm.model.config
+    out: dict = {"quantization": llm.quantization, "context": context, "decode": {}}
+    print(f"\n== engine alone: decode step at {context} tokens of context, {threads} thread(s), "
+          f"{llm.quantization or 'fp32'} weights ==")
+    print(f"{'batch':>5} {'contiguous ms':>14} {'paged ms':>9} {'paged/contig':>12} {'Engine.step ms':>15} {'tokens/s':>9}")
+    for B in (1, 8, 32):
+        g = torch.Generator().manual_seed(B)
+        prompt = torch.randint(0, cfg.vocab_size, (B, context), generator=g)
+        with torch.inference_mode():
+            cache = KVCache.for_model(cfg, B, context + 16)
+            model(prompt, torch.arange(context).expand(B, context), kv_cache=cache, kv_len=context,
+                  output_index=torch.full((B,), context - 1))
+            tok, pos = prompt[:, :1].clone(), torch.full((B, 1), context)
+            contiguous = median_time(lambda: decode_step(model, cache, tok, pos, context + 1))
+            # The same step over the paged pool, laid out as the engine lays it out: [1, B] tokens.
+            bs = 16
+            per_seq = -(-(context + 1) // bs)
+            pool = PagedKVCache.for_model(cfg, B * per_seq + 1, bs)
+            table = torch.arange(1, B * per_seq + 1).view(B, per_seq)
+            pool.set_batch(table, torch.arange(B).repeat_interleave(context))
+            model(prompt.reshape(1, -1), torch.arange(context).repeat(B)[None], kv_cache=pool,
+                  output_index=torch.tensor([0]))
+            pool.set_batch(table, torch.arange(B))
+            ptok, ppos, rows = tok.view(1, B), torch.full((1, B), context), torch.arange(B)
+            paged = median_time(lambda: model(ptok, ppos, kv_cache=pool, output_index=rows))
+        # A whole engine step: scheduling, the forward pass, per-request sampling, bookkeeping.
+        engine = Engine(model, llm.tokenizer.eos_ids, EngineConfig(kv_cache_tokens=B * (context + 64)))
+        for i in range(B):
+            engine.add_request(str(i), prompt[i].tolist(), SamplingParams(max_new_tokens=40, temperature=0,
+                                                                          ignore_eos=True))
+        while any(s.num_output_tokens == 0 for s in engine.requests.values()):
+            engine.step()
+        step = median_time(engine.step, repeat=10)
+        out["decode"][B] = {"contiguous_ms": contiguous * 1e3, "paged_ms": paged * 1e3, "engine_step_ms": step * 1e3}
+        print(f"{B:>5} {contiguous * 1e3:>14.1f} {paged * 1e3:>9.1f} {paged / contiguous:>12.2f} {step * 1e3:>15.1f} "
+              f"{B / step:>9.1f}")
+
+    # Prefix caching: 8 chat requests with the same long system prompt, submitted one by one.
+    system = ("You are a helpful assistant for a hardware store. Answer in one short sentence, "
+              "mention prices in dollars, never invent stock levels, and suggest one related item. ") * 4
+    questions = ["Do you sell hammers?", "How much is a drill?", "I need nails.", "Any paint brushes?",
+                 "Where are the screws?", "Do you cut keys?", "Is there a ladder?", "Got duct tape?"]
+    prompts = [llm.tokenizer.encode(llm.apply_chat_template([{"role": "system", "content": system},
+                                                              {"role": "user", "content": q}])) for q in questions]
+    params = SamplingParams(max_new_tokens=1, temperature=0)
+    results = {}
+    for caching in (False, True):
+        engine = Engine(model, llm.tokenizer.eos_ids, EngineConfig(kv_cache_tokens=4096, enable_prefix_caching=caching))
+        t0 = time.perf_counter()
+        firsts = [engine.generate([p], params)[0] for p in prompts]
+        results[caching] = (engine.scheduler.stats.computed_tokens, time.perf_counter() - t0, firsts)
+    assert results[True][2] == results[False][2], "prefix caching changed an output"
+    (n_off, t_off, _), (n_on, t_on, _) = results[False], results[True]
+    out["prefix_caching"] = {"requests": len(prompts), "prompt_tokens": sum(map(len, prompts)),
+                             "prefilled_without": n_off, "prefilled_with": n_on, "seconds_without": t_off,
+                             "seconds_with": t_on}
+    print(f"\n== prefix caching: {len(prompts)} requests sharing a {len(prompts[0]) - 10}-ish token system prompt ==")
+    print(f"prefilled tokens {n_off} -> {n_on} ({n_off / n_on:.1f}x fewer), time to all first tokens "
+          f"{t_off:.2f} s -> {t_on:.2f} s ({t_off / t_on:.1f}x), outputs identical")
+    return out
+
+
+# -- 2. over HTTP -----------------------------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 300.0) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"{url} not healthy after {timeout} s")
+
+
+async def one_stream(client, url: str, model: str, prompt: str, max_tokens: int) -> tuple[float, int, float]:
+    """(time to first token, tokens, total seconds) of one streaming completion."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    t0 = time.perf_counter()
+    ttft, tokens = None, 0
+    async with client.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("choices"):
+                tokens += 1  # both servers stream one token per chunk
+                if ttft is None:
+                    ttft = time.perf_counter() - t0
+    return ttft or float("nan"), tokens, time.perf_counter() - t0
+
+
+async def load(url: str, model: str, prompts: list[str], max_tokens: int, concurrent: bool) -> dict:
+    import httpx
+
+    limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
+    async with httpx.AsyncClient(limits=limits) as client:
+        t0 = time.perf_counter()
+        if concurrent:
+            runs = await asyncio.gather(*(one_stream(client, url, model, p, max_tokens) for p in prompts))
+        else:
+            runs = [await one_stream(client, url, model, p, max_tokens) for p in prompts]
+        wall = time.perf_counter() - t0
+    ttfts = [r[0] for r in runs]
+    tokens = sum(r[1] for r in runs)
+    return {"tokens": tokens, "seconds": wall, "tokens_per_s": tokens / wall,
+            "ttft_median": statistics.median(ttfts), "ttft_p95": percentile(ttfts, 0.95)}
+
+
+def bench_server(name: str, url: str, model: str, clients: list[int], max_tokens: int, sequential: bool) -> dict:
+    asyncio.run(load(url, model, PROMPTS[:2], 8, concurrent=True))  # warm-up
+    out = {}
+    print(f"\n== {name}: {max_tokens} tokens per request, greedy ==")
+    print(f"{'clients':>7} {'tok/s':>8} {'TTFT p50 s':>11} {'TTFT p95 s':>11} {'one-at-a-time tok/s':>20} {'ratio':>6}")
+    for c in clients:
+        prompts = [PROMPTS[i % len(PROMPTS)] for i in range(c)]
+        conc = asyncio.run(load(url, model, prompts, max_tokens, concurrent=True))
+        seq = asyncio.run(load(url, model, prompts, max_tokens, concurrent=False)) if sequential and c > 1 else None
+        conc["sequential_tokens_per_s"] = seq["tokens_per_s"] if seq else conc["tokens_per_s"] if c == 1 else None
+        ratio = conc["tokens_per_s"] / conc["sequential_tokens_per_s"] if conc["sequential_tokens_per_s"] else None
+        conc["ratio_to_sequential"] = ratio
+        out[c] = conc
+        print(f"{c:>7} {conc['tokens_per_s']:>8.1f} {conc['ttft_median']:>11.3f} {conc['ttft_p95']:>11.3f} "
+              f"{conc['sequential_tokens_per_s'] or float('nan'):>20.1f} {ratio or float('nan'):>6.2f}")
+    return out
+
+
+def find_llama_server(flag: str | None) -> str | None:
+    for candidate in (flag, shutil.which("llama-server"), str(ROOT / "build/llama.cpp/bin/llama-server")):
+        if candidate and Path(candidate).is_file() and os.access(candidate, os.X_OK):
+            return candidate
+    return None
+
+
+def run_server(cmd: list[str], env: dict, url: str) -> subprocess.Popen:
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_healthy(url, proc)
+    except Exception:
+        proc.kill()
+        raise
+    return proc
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def bench_http(args) -> dict:
+    from arlm.loading import resolve_model_path
+
+    clients = [int(c) for c in args.clients.split(",")]
+    results = {}
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false"}
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = run_server([sys.executable, "-m", "arlm", "serve", "--model", "smollm2", "--port", str(port),
+                       "--kv-cache-memory", "1GiB"], env, url)
+    try:
+        results["arlm"] = bench_server("arlm serve", url, "smollm2", clients, args.max_tokens, not args.no_sequential)
+    finally:
+        stop(proc)
+
+    binary = find_llama_server(args.llama_server)
+    if binary is None:
+        print("\nllama.cpp: skipped (no llama-server: pass --llama-server PATH, put it on PATH, or build it "
+              "with `make bench-peers`)")
+        return results
+    gguf = str(resolve_model_path("smollm2"))
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    lib_dir = str(Path(binary).parent)
+    env = {**os.environ, "LD_LIBRARY_PATH": lib_dir + ":" + os.environ.get("LD_LIBRARY_PATH", "")}
+    slots = max(clients)
+    proc = run_server([binary, "-m", gguf, "-t", str(args.threads), "-np", str(slots), "--cont-batching",
+                       "-c", str(slots * 256), "--host", "127.0.0.1", "--port", str(port)], env, url)
+    try:
+        results["llama.cpp"] = bench_server(f"llama.cpp server ({binary})", url, "smollm2", clients, args.max_tokens,
+                                            not args.no_sequential)
+    finally:
+        stop(proc)
+    print("\n== arlm / llama.cpp ==")
+    for c in clients:
+        a, l = results["arlm"][c], results["llama.cpp"][c]
+        print(f"{c:>3} clients: throughput {a['tokens_per_s'] / l['tokens_per_s']:.2f}x, "
+              f"median TTFT {a['ttft_median']:.3f} s vs {l['ttft_median']:.3f} s")
+    return results
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--threads", type=int, default=2, help="torch / llama.cpp threads (default: 2)")
+    p.add_argument("--clients", default="1,8,32", help="concurrency levels (default: 1,8,32)")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--context", type=int, default=128, help="tokens of context for the engine decode step")
+    p.add_argument("--llama-server", default=None, help="path to llama.cpp's llama-server binary")
+    p.add_argument("--no-sequential", action="store_true", help="skip the one-at-a-time baseline")
+    p.add_argument("--skip-engine", action="store_true")
+    p.add_argument("--skip-http", action="store_true")
+    p.add_argument("--json", default=None, help="also write the results here")
+    args = p.parse_args()
+    print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} (other work skews every number)")
+    results = {}
+    if not args.skip_engine:
+        results["engine"] = bench_engine(args.threads, args.context)
+    if not args.skip_http:
+        results["http"] = bench_http(args)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
