@@ -1,0 +1,127 @@
+"""The `arlm` command in a subprocess: bad input fails cleanly; --json and piped chat match the API.
+
+Bad input: non-zero exit, exactly one line on stderr naming the problem, no traceback, nothing on
+stdout. These fail before the model loads, so they are cheap and run concurrently.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from arlm.llm import ChatSession
+from arlm.sampling import SamplingParams
+
+ENV = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONWARNINGS": "ignore"}
+ENV.pop("ARLM_DEBUG", None)
+
+
+def arlm(*args: str, stdin: str | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "arlm", *args], input=stdin, capture_output=True, text=True,
+                          env=ENV, timeout=timeout)
+
+
+def bad_inputs(tmp: Path, gguf: Path) -> dict[str, tuple[list[str], str]]:
+    """name -> (arguments, a word the one-line error must contain)."""
+    not_gguf = tmp / "weights.gguf"
+    not_gguf.write_text("this is not a model\n")
+    truncated = tmp / "truncated.gguf"
+    with open(gguf, "rb") as src:
+        truncated.write_bytes(src.read(1 << 20))
+    empty_dir = tmp / "empty_model_dir"
+    empty_dir.mkdir()
+    return {
+        "empty-prompt": (["generate", ""], "empty"),
+        "unknown-model-name": (["generate", "hi", "--model", "no-such-model"], "unknown model"),
+        "missing-path": (["generate", "hi", "--model", str(tmp / "missing.gguf")], "unknown model"),
+        "not-gguf": (["generate", "hi", "--model", str(not_gguf)], "not a GGUF"),
+        "truncated-gguf": (["generate", "hi", "--model", str(truncated)], "truncated"),
+        "dir-without-config": (["generate", "hi", "--model", str(empty_dir)], "config.json"),
+        "negative-temperature": (["generate", "hi", "--temperature", "-1"], "temperature"),
+        "top-p-zero": (["generate", "hi", "--top-p", "0"], "top_p"),
+        "top-p-above-one": (["generate", "hi", "--top-p", "1.5"], "top_p"),
+        "negative-top-k": (["generate", "hi", "--top-k", "-1"], "top_k"),
+        "non-numeric-temperature": (["generate", "hi", "--temperature", "warm"], "temperature"),
+        "zero-max-new-tokens": (["generate", "hi", "--max-new-tokens", "0"], "max_new_tokens"),
+        "chat-bad-top-p": (["chat", "--top-p", "2"], "top_p"),
+        "no-subcommand": ([], "command"),
+    }
+
+
+@pytest.fixture(scope="module")
+def bad_runs(tmp_path_factory, smollm2_path):
+    """Start every bad-input command at once and collect (returncode, stdout, stderr)."""
+    cases = bad_inputs(tmp_path_factory.mktemp("cli"), smollm2_path)
+    assert sorted(cases) == sorted(BAD_INPUTS)
+    procs = {name: subprocess.Popen([sys.executable, "-m", "arlm", *args], stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, env=ENV)
+             for name, (args, _) in cases.items()}
+    results = {}
+    for name, p in procs.items():
+        out, err = p.communicate(timeout=300)
+        results[name] = (p.returncode, out, err, cases[name][1])
+    return results
+
+
+BAD_INPUTS = ["empty-prompt", "unknown-model-name", "missing-path", "not-gguf", "truncated-gguf",
+              "dir-without-config", "negative-temperature", "top-p-zero", "top-p-above-one", "negative-top-k",
+              "non-numeric-temperature", "zero-max-new-tokens", "chat-bad-top-p", "no-subcommand"]
+
+
+@pytest.mark.parametrize("name", BAD_INPUTS)
+def test_bad_input_fails_with_one_line(bad_runs, name):
+    code, out, err, word = bad_runs[name]
+    assert code != 0
+    assert "Traceback" not in err
+    lines = err.strip("\n").splitlines()
+    assert len(lines) == 1, err
+    assert word.lower() in lines[0].lower()
+    assert out == ""
+
+
+def test_console_script_entry_point():
+    script = shutil.which("arlm", path=str(Path(sys.executable).parent))
+    if script is None:
+        pytest.skip("the arlm console script is not installed next to this interpreter")
+    r = subprocess.run([script, "generate", "hi", "--top-k", "-1"], capture_output=True, text=True, env=ENV)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "top_k" in r.stderr
+
+
+def test_generate_json_matches_api(smollm2):
+    prompt = "The capital of France is"
+    r = arlm("generate", prompt, "--temperature", "0", "--max-new-tokens", "12", "--quantize", "none", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert set(out) >= {"prompt_token_ids", "completion_token_ids", "text", "finish_reason", "stats"}
+    assert set(out["stats"]) >= {"prompt_tokens", "prefill_tokens_per_s", "decode_tokens", "decode_tokens_per_s",
+                                 "kv_cache_bytes"}
+    ref = smollm2.generate(prompt, SamplingParams(max_new_tokens=12, temperature=0))[0]
+    assert out["prompt_token_ids"] == ref.prompt_ids
+    assert out["completion_token_ids"] == ref.token_ids
+    assert out["text"] == ref.text and out["finish_reason"] == ref.finish_reason
+    assert out["stats"]["prompt_tokens"] == len(ref.prompt_ids)
+
+
+def test_chat_through_stdin_two_turns(smollm2):
+    turns = ["What is the capital of France?", "And of Germany?"]
+    r = arlm("chat", "--temperature", "0", "--max-new-tokens", "24", "--quantize", "none", stdin="\n".join(turns) + "\n")
+    assert r.returncode == 0, r.stderr
+    assert "Traceback" not in r.stderr
+    session = ChatSession(smollm2, SamplingParams(max_new_tokens=24, temperature=0), max_context=4096)
+    replies, prefills = [], []
+    for t in turns:
+        replies.append("".join(c.text for c in session.send(t)))
+        prefills.append(session.last_prefill_tokens)
+    assert r.stdout == "".join(reply + "\n" for reply in replies)
+    stats = [line for line in r.stderr.splitlines() if line.startswith("[prefilled")]
+    assert len(stats) == 2
+    new = [int(line.split()[1]) for line in stats]
+    cached = [int(line.split(",")[1].split()[0]) for line in stats]
+    assert new == prefills
+    assert new[1] < 20 and new[1] < cached[1] / 3  # turn two prefills only its own tokens

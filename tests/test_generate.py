@@ -1,0 +1,339 @@
+"""Generation against references: the uncached path, each prompt alone, HF generate, hand-made stops.
+
+Token sequences are compared exactly (greedy, float32); logits within the tolerance each test
+states. Real text behaviour (stop strings, EOS, chat) uses SmolLM2; the rest a tiny random
+Llama-GQA model (see `conftest.randomize_`) whose logits have clear gaps.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from arlm.config import ModelConfig
+from arlm.generate import CONTEXT, EOS, LENGTH, STOP, Generation, generate, prefill
+from arlm.kv_cache import KVCache
+from arlm.llm import ChatSession, TextChunk, _StopWatcher
+from arlm.loading import build_model
+from arlm.model import Transformer
+from arlm.sampling import SamplingParams, sample
+
+from conftest import randomize_
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+def tiny_gqa(max_seq_len: int = 256, seed: int = 3) -> Transformer:
+    config = ModelConfig.llama(vocab_size=199, n_layer=3, n_head=6, n_kv_heads=2, d_model=96, d_ff=160,
+                               max_seq_len=max_seq_len, rope_theta=10000.0, tie_embeddings=False)
+    torch.manual_seed(seed)
+    model = Transformer(config)
+    return randomize_(model, seed).eval()
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_gqa()
+
+
+def random_prompts(lengths, vocab=199, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def run(model, prompts, params, eos_ids=()):
+    results, stats = generate(model, prompts, params, eos_ids)
+    return [r.token_ids for r in results], [r.finish_reason for r in results], stats
+
+
+def recompute_greedy(model, prompt, n, params=None, generator=None):
+    """The reference: no cache, the whole sequence through the model for every new token."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(torch.tensor([ids]))[:, -1]
+            ids.append(int(logits.argmax(-1)) if params is None else int(sample(logits, params, generator)))
+    return ids[len(prompt):]
+
+
+# -- cached == uncached -----------------------------------------------------------------------------
+
+def test_cached_greedy_equals_recompute_tiny_gqa(tiny):
+    prompt = random_prompts([9], seed=1)[0]
+    tokens, reasons, _ = run(tiny, [prompt], SamplingParams(max_new_tokens=140, **GREEDY))
+    assert reasons == [LENGTH] and len(tokens[0]) == 140
+    assert tokens[0] == recompute_greedy(tiny, prompt, 140)
+    assert len(set(tokens[0])) > 5, "degenerate output would make this comparison weak"
+
+
+def test_cached_seeded_sampling_equals_recompute_tiny_gqa(tiny):
+    """Same seed, same draws: the cached path and the uncached one sample identical tokens."""
+    prompt = random_prompts([5], seed=2)[0]
+    params = SamplingParams(max_new_tokens=100, temperature=1.0, top_k=50, top_p=0.95, seed=11, ignore_eos=True)
+    tokens, _, _ = run(tiny, [prompt], params)
+    ref = recompute_greedy(tiny, prompt, 100, params, torch.Generator().manual_seed(11))
+    assert tokens[0] == ref
+    assert len(set(tokens[0])) > 20
+
+
+def test_cached_greedy_equals_recompute_smollm2(smollm2):
+    prompt = smollm2.tokenizer.encode("The history of the printing press")
+    tokens, _, _ = run(smollm2.model, [prompt], SamplingParams(max_new_tokens=100, **GREEDY))
+    assert tokens[0] == recompute_greedy(smollm2.model, prompt, 100)
+
+
+# -- ragged batches ----------------------------------------------------------------------------------
+
+def first_logits(model, prompts):
+    B, P = len(prompts), max(map(len, prompts))
+    cache = KVCache.for_model(model.config, B, P)
+    tokens = torch.zeros(B, P, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        tokens[b, :len(p)] = torch.tensor(p)
+    with torch.inference_mode():
+        return prefill(model, cache, tokens, torch.arange(P).expand(B, P), torch.tensor([len(p) for p in prompts]) - 1, P)
+
+
+def test_ragged_batch_equals_each_prompt_alone_smollm2(smollm2):
+    """Prompts of 1, 11 and 27 tokens: first-step logits within 1e-4, 24 greedy tokens identical."""
+    texts = ["Hi", "The quick brown fox jumps over the lazy dog and then",
+             "In the beginning of the twentieth century, the city of Vienna was a centre of art, science and "
+             "philosophy, where painters, composers and"]
+    prompts = [smollm2.tokenizer.encode(t) for t in texts]
+    assert len({len(p) for p in prompts}) == 3
+    batch_logits = first_logits(smollm2.model, prompts)
+    for b, p in enumerate(prompts):
+        torch.testing.assert_close(batch_logits[b], first_logits(smollm2.model, [p])[0], atol=1e-4, rtol=0)
+    params = SamplingParams(max_new_tokens=24, **GREEDY)
+    batch, _, _ = run(smollm2.model, prompts, params)
+    for b, p in enumerate(prompts):
+        assert batch[b] == run(smollm2.model, [p], params)[0][0]
+
+
+def test_ragged_batch_rows_finishing_early_tiny_gqa(tiny):
+    """Rows that hit EOS early ride along frozen; the others still match running alone."""
+    prompts = random_prompts([3, 17, 40, 8], seed=4)
+    alone = [run(tiny, [p], SamplingParams(max_new_tokens=30, **GREEDY))[0][0] for p in prompts]
+    # Row 0 stops at the first new token it emits after its 3rd; others may stop too, wherever they emit it.
+    stop_at = next(i for i in range(3, 30) if alone[0][i] not in alone[0][:i])
+    eos = alone[0][stop_at]
+    params = SamplingParams(max_new_tokens=30, temperature=0.0)
+    ref = [run(tiny, [p], params, eos_ids=[eos]) for p in prompts]
+    batch_logits = first_logits(tiny, prompts)
+    for b, p in enumerate(prompts):
+        torch.testing.assert_close(batch_logits[b], first_logits(tiny, [p])[0], atol=1e-4, rtol=0)
+    tokens, reasons, stats = run(tiny, prompts, params, eos_ids=[eos])
+    assert tokens == [r[0][0] for r in ref] and reasons == [r[1][0] for r in ref]
+    assert reasons[0] == EOS and len(tokens[0]) == stop_at + 1
+    assert LENGTH in reasons, "some row should outlive row 0"
+    assert stats.prompt_tokens == sum(map(len, prompts))
+    assert stats.decode_tokens == sum(map(len, tokens)) - len(prompts)  # the first token comes from prefill
+
+
+# -- HF generate with a repetition penalty -------------------------------------------------------------
+
+def test_repetition_penalty_greedy_matches_hf_generate(smollm2, hf_smollm2):
+    prompt = smollm2.tokenizer.encode("List of fruits: apple, banana, apple, banana,")
+    x = torch.tensor([prompt])
+    with torch.no_grad():
+        out = hf_smollm2.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=32,
+                                  repetition_penalty=1.3, eos_token_id=2, pad_token_id=2)
+    ref = out[0, len(prompt):].tolist()
+    params = SamplingParams(max_new_tokens=32, temperature=0.0, repetition_penalty=1.3)
+    tokens, _, _ = run(smollm2.model, [prompt], params, eos_ids=[2])
+    assert tokens[0] == ref
+    plain, _, _ = run(smollm2.model, [prompt], SamplingParams(max_new_tokens=32, temperature=0.0), eos_ids=[2])
+    assert plain[0] != ref, "the penalty should change this output, or the test proves nothing"
+
+
+# -- seeded sampling -------------------------------------------------------------------------------------
+
+def test_seeded_sampling_reproducible_smollm2(smollm2):
+    prompts = ["Once upon a time", "My favourite food is"]
+
+    def texts(seed):
+        out = smollm2.generate(prompts, SamplingParams(max_new_tokens=16, temperature=1.0, seed=seed,
+                                                       ignore_eos=True))
+        return [c.token_ids for c in out]
+
+    a, b, c = texts(1234), texts(1234), texts(98765)
+    assert a == b
+    assert a[0] != c[0] and a[1] != c[1]
+
+
+# -- stop conditions ---------------------------------------------------------------------------------------
+
+def stream_chunks(llm, prompt, params):
+    it = llm.stream([prompt], params)
+    gen = next(it)
+    chunks = list(it)
+    assert all(isinstance(c, TextChunk) for c in chunks)
+    return gen, chunks
+
+
+@pytest.fixture(scope="module")
+def story(smollm2):
+    """A greedy continuation without stop strings, and its stream chunk boundaries in the text."""
+    prompt = "Once upon a time, in a small village by the sea, there lived"
+    params = SamplingParams(max_new_tokens=48, **GREEDY)
+    gen, chunks = stream_chunks(smollm2, prompt, params)
+    text = "".join(c.text for c in chunks)
+    bounds, pos = [], 0
+    for c in chunks[:-1]:
+        pos += len(c.text)
+        bounds.append(pos)
+    return prompt, text, bounds, gen.completions[0]
+
+
+def check_stop(llm, prompt, stop, full_text, max_new_tokens=48):
+    """Streamed and non-streamed text both equal the reference cut before the stop string."""
+    params = SamplingParams(max_new_tokens=max_new_tokens, stop=[stop], **GREEDY)
+    gen, chunks = stream_chunks(llm, prompt, params)
+    streamed = "".join(c.text for c in chunks)
+    done = llm.generate(prompt, params)[0]
+    expect = full_text[:full_text.index(stop)]
+    assert stop not in streamed
+    assert streamed == expect == done.text
+    assert chunks[-1].finish_reason == STOP == done.finish_reason == gen.finish_reasons[0]
+    return gen, chunks
+
+
+def test_stop_string_spanning_several_tokens(smollm2, story):
+    prompt, text, bounds, _ = story
+    # Five tokens' worth of text starting at a token boundary well into the reply.
+    start, end = bounds[8], bounds[13]
+    stop = text[start:end]
+    assert text.index(stop) == start and len(stop) >= 5
+    gen, _ = check_stop(smollm2, prompt, stop, text)
+    assert 13 <= len(gen.completions[0]) < 48  # it stopped once the stop string was complete
+
+
+def test_stop_string_straddling_stream_chunks(smollm2, story):
+    prompt, text, bounds, _ = story
+    for b in bounds[5:]:
+        stop = text[b - 2:b + 2]  # starts inside one chunk, ends inside the next
+        if text.index(stop) == b - 2 and stop.strip():
+            break
+    else:
+        pytest.fail("no chunk boundary to straddle")
+    check_stop(smollm2, prompt, stop, text)
+
+
+def test_stop_string_completed_by_the_last_allowed_token(smollm2, story):
+    """max_new_tokens and the stop string end on the same token: the text is cut, so 'stop'."""
+    prompt, text, bounds, completion = story
+    n = 12
+    stop = text[bounds[n - 3]:bounds[n - 1]]  # tokens n-2 and n-1 (1-based) complete it
+    assert text.index(stop) == bounds[n - 3]
+    check_stop(smollm2, prompt, stop, text, max_new_tokens=n)
+
+
+def test_stop_prefixes_that_never_complete_are_released(smollm2, story):
+    prompt, text, _, _ = story
+    word = text.split()[3]
+    stop = word + "\u2603"  # the word then a snowman: its prefix keeps appearing, never the whole
+    params = SamplingParams(max_new_tokens=48, stop=[stop, " the@@"], **GREEDY)
+    gen, chunks = stream_chunks(smollm2, prompt, params)
+    assert "".join(c.text for c in chunks) == text
+    assert gen.finish_reasons == [LENGTH]
+
+
+def test_stop_watcher_hand_made_pieces():
+    w = _StopWatcher(["o w"])
+    assert w.push("Hel", False) == ("Hel", False)
+    assert w.push("lo", False) == ("l", False)  # "o" might start "o w": held back
+    assert w.push(" wo", False) == ("", True)
+    # Several stop strings with overlapping prefixes: each held tail is kept until resolved.
+    w = _StopWatcher(["abcdZ", "XabcdY"])
+    out = [w.push(p, False) for p in ["..", "Xab", "cd", "Y"]]
+    assert "".join(o[0] for o in out) == ".." and out[-1][1]
+    w = _StopWatcher(["abcdZ", "XabcdY"])
+    out = [w.push(p, i == 4) for i, p in enumerate(["..", "Xab", "cd", "Q", "!"])]
+    assert "".join(o[0] for o in out) == "..XabcdQ!" and not any(o[1] for o in out)
+
+
+def test_eos_finishes_with_eos(smollm2):
+    prompt = smollm2.apply_chat_template([{"role": "user", "content": "What is 2+2? Answer with one number."}])
+    gen, chunks = stream_chunks(smollm2, prompt, SamplingParams(max_new_tokens=48, temperature=0.0))
+    assert gen.finish_reasons == [EOS]
+    assert gen.completions[0][-1] in smollm2.tokenizer.eos_ids
+    assert chunks[-1].finish_reason == EOS
+    text = "".join(c.text for c in chunks)
+    assert "4" in text and "<|im_end|>" not in text
+
+
+def test_max_new_tokens_finishes_with_length(tiny):
+    for n in (1, 2, 17):
+        tokens, reasons, _ = run(tiny, random_prompts([6, 2]), SamplingParams(max_new_tokens=n, **GREEDY))
+        assert [len(t) for t in tokens] == [n, n] and reasons == [LENGTH, LENGTH]
+
+
+def test_context_limit_finishes_with_context():
+    """max_seq_len 32: a row stops once its last sampled token has no position left to go to."""
+    model = tiny_gqa(max_seq_len=32, seed=5)
+    prompts = random_prompts([20, 5, 32], seed=6)
+    params = SamplingParams(max_new_tokens=100, **GREEDY)
+    tokens, reasons, _ = run(model, prompts, params)
+    assert reasons == [CONTEXT] * 3
+    # The whole window is used: the prompt plus every fed token fill 32 positions, + 1 sampled.
+    assert [len(t) for t in tokens] == [32 - 20 + 1, 32 - 5 + 1, 1]
+    for p, t in zip(prompts, tokens):
+        assert t == recompute_greedy(model, p, len(t))
+        assert run(model, [p], params)[0][0] == t
+    with pytest.raises(ValueError, match="context window"):
+        Generation(model, random_prompts([33]), params)
+
+
+# -- the KV cache --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kv_cache_bytes_per_token(dtype):
+    for cfg in (ModelConfig.llama(), ModelConfig.gpt2(), ModelConfig.llama(n_head=6, n_kv_heads=1, d_model=96)):
+        cache = KVCache.for_model(cfg, batch_size=3, capacity=16, dtype=dtype)
+        element = torch.tensor([], dtype=dtype).element_size()
+        assert cache.bytes_per_token == 2 * cfg.n_layer * cfg.n_kv_heads * cfg.head_dim * element
+        assert cache.nbytes == 3 * 16 * cache.bytes_per_token
+    assert KVCache.for_model(ModelConfig.llama(), 1, 1).bytes_per_token == 2 * 30 * 3 * 64 * 4  # SmolLM2: 46080
+
+
+def test_kv_cache_in_place_and_seq_lens(tiny):
+    """The cache tensors are never re-allocated during decode; seq_lens track every row; the cached
+    K/V equal those of a fresh prefill of each row's fed tokens (<= 1e-4)."""
+    prompts = random_prompts([4, 15, 9], seed=7)
+    gen = Generation(tiny, prompts, SamplingParams(max_new_tokens=12, **GREEDY))
+    cache = gen.cache
+    ptrs = (cache.k.data_ptr(), cache.v.data_ptr())
+    for step in gen:
+        assert gen.cache is cache and (cache.k.data_ptr(), cache.v.data_ptr()) == ptrs
+        for b, p in enumerate(prompts):
+            assert cache.seq_lens[b] == len(p) + len(gen.completions[b]) - 1  # the newest is not fed yet
+    for b, p in enumerate(prompts):
+        fed = p + gen.completions[b][:-1]
+        ref = KVCache.for_model(tiny.config, 1, len(fed))
+        with torch.inference_mode():
+            prefill(tiny, ref, torch.tensor([fed]), torch.arange(len(fed))[None], torch.tensor([len(fed) - 1]),
+                    len(fed))
+        n = len(fed)
+        torch.testing.assert_close(cache.k[:, b, :, :n], ref.k[:, 0], atol=1e-4, rtol=0)
+        torch.testing.assert_close(cache.v[:, b, :, :n], ref.v[:, 0], atol=1e-4, rtol=0)
+
+
+# -- chat ------------------------------------------------------------------------------------------------
+
+def test_chat_second_turn_equals_whole_conversation_from_scratch(smollm2):
+    params = SamplingParams(max_new_tokens=40, temperature=0.0)
+    session = ChatSession(smollm2, params, max_context=1024)
+    first = "".join(c.text for c in session.send("What is the capital of France?"))
+    first_prefill = session.last_prefill_tokens
+    second = "".join(c.text for c in session.send("And of Germany?"))
+    second_tokens = list(session.generation.completions[0])
+
+    history = [{"role": "user", "content": "What is the capital of France?"},
+               {"role": "assistant", "content": first}, {"role": "user", "content": "And of Germany?"}]
+    full = smollm2.tokenizer.encode(smollm2.apply_chat_template(history))
+    assert session.messages[:3] == history and session.messages[3] == {"role": "assistant", "content": second}
+    scratch = smollm2.generate([full], params)[0]
+    assert second_tokens == scratch.token_ids and second == scratch.text
+    assert first_prefill == len(smollm2.tokenizer.encode(smollm2.apply_chat_template(history[:1])))
+    # Only the new turn is prefilled: "<|im_end|>\n<|im_start|>user\nAnd of Germany?<|im_end|>\n..."
+    assert session.last_prefill_tokens < 20 and session.last_prefill_tokens < len(full) / 3

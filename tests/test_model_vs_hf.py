@@ -1,0 +1,133 @@
+"""arlm's Transformer against HF transformers on the same random weights (GPT-2 and Llama families).
+
+Reference: HF `GPT2LMHeadModel` / `LlamaForCausalLM` (float32, eager attention), random weights of
+a useful scale (see `conftest.randomize_`), converted by `hf_to_arlm` + `config_from_hf` and
+loaded by `build_model`. Tolerance: max |Δ logits| <= 1e-4 in float32, with logits of std > 1.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from arlm.generate import decode_step, prefill
+from arlm.kv_cache import KVCache
+from arlm.loading import load_model
+from arlm.loading.hf import config_from_hf
+
+from conftest import arlm_from_hf, hf_gpt2, hf_llama
+
+pytest.importorskip("transformers")
+
+ATOL = 1e-4
+
+MODELS = {
+    "gpt2-tied": lambda: hf_gpt2(seed=10, tie=True),
+    "gpt2-untied": lambda: hf_gpt2(seed=11, tie=False),
+    "gpt2-exact-gelu": lambda: hf_gpt2(seed=12, activation="gelu"),
+    "llama-gqa-untied": lambda: hf_llama(seed=13, n_head=6, n_kv_heads=2, tie=False),
+    "llama-gqa-tied": lambda: hf_llama(seed=14, n_head=6, n_kv_heads=2, tie=True),
+    "llama-mqa": lambda: hf_llama(seed=15, n_head=6, n_kv_heads=1),
+    "llama-mha": lambda: hf_llama(seed=16, n_head=4, n_kv_heads=4),
+}
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def pair(request):
+    hf = MODELS[request.param]()
+    return request.param, hf, arlm_from_hf(hf)
+
+
+def hf_logits(hf, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(ids).logits.float()
+
+
+def test_config_maps_every_field(pair):
+    name, hf, model = pair
+    c, h = model.config, hf.config
+    if name.startswith("gpt2"):
+        expect = dict(vocab_size=h.vocab_size, n_layer=h.n_layer, n_head=h.n_head, n_kv_heads=h.n_head,
+                      d_model=h.n_embd, d_ff=h.n_inner, max_seq_len=h.n_positions, norm_eps=h.layer_norm_epsilon,
+                      tie_embeddings=h.tie_word_embeddings, pos_embedding="learned", norm="layernorm", mlp="gelu",
+                      gelu_approximate="none" if h.activation_function == "gelu" else "tanh", bias=True)
+    else:
+        expect = dict(vocab_size=h.vocab_size, n_layer=h.num_hidden_layers, n_head=h.num_attention_heads,
+                      n_kv_heads=h.num_key_value_heads, d_model=h.hidden_size, d_ff=h.intermediate_size,
+                      max_seq_len=h.max_position_embeddings, norm_eps=h.rms_norm_eps,
+                      rope_theta=h.rope_parameters["rope_theta"], tie_embeddings=h.tie_word_embeddings,
+                      pos_embedding="rope", norm="rmsnorm", mlp="swiglu", bias=False)
+    assert {k: getattr(c, k) for k in expect} == expect
+    assert (model.lm_head.weight is model.tok_emb.weight) == c.tie_embeddings
+
+
+def test_full_sequence_logits_match_hf(pair):
+    """Whole sequences, no cache, up to the full context window."""
+    _, hf, model = pair
+    g = torch.Generator().manual_seed(100)
+    ids = torch.randint(0, model.config.vocab_size, (3, model.config.max_seq_len), generator=g)
+    ref = hf_logits(hf, ids)
+    with torch.no_grad():
+        got = model(ids)
+    assert ref.std() > 1.0, "logits too flat for the comparison to mean anything"
+    assert got.shape == ref.shape
+    torch.testing.assert_close(got, ref, atol=ATOL, rtol=0)
+
+
+def test_cached_decode_matches_hf_full_sequence(pair):
+    """Prefill ragged prefixes (7 and 19 tokens) into a KVCache, then decode one token per step.
+
+    Every step's logits must equal HF's full-sequence logits at that position (<= 1e-4).
+    """
+    _, hf, model = pair
+    T = 48
+    g = torch.Generator().manual_seed(101)
+    seqs = torch.randint(0, model.config.vocab_size, (2, T), generator=g)
+    ref = hf_logits(hf, seqs)  # [2, T, V]
+    prefix = [7, 19]
+    cache = KVCache.for_model(model.config, batch_size=2, capacity=T)
+    P = max(prefix)
+    tokens = torch.zeros(2, P, dtype=torch.long)
+    for b, n in enumerate(prefix):
+        tokens[b, :n] = seqs[b, :n]
+    input_pos = torch.arange(P).expand(2, P)
+    with torch.inference_mode():
+        logits = prefill(model, cache, tokens, input_pos, torch.tensor(prefix) - 1, kv_len=P)
+        for b, n in enumerate(prefix):
+            torch.testing.assert_close(logits[b], ref[b, n - 1], atol=ATOL, rtol=0)
+        pos = torch.tensor(prefix)
+        worst = 0.0
+        # Rows advance together but sit 12 positions apart, so each decode step is ragged.
+        while pos.max() < T:
+            step_pos = pos.clamp(max=T - 1)
+            step_tok = seqs[torch.arange(2), step_pos][:, None]
+            logits = decode_step(model, cache, step_tok, step_pos[:, None], kv_len=int(step_pos.max()) + 1)
+            for b in range(2):
+                if pos[b] < T:
+                    worst = max(worst, (logits[b] - ref[b, pos[b]]).abs().max().item())
+            pos += 1
+    assert worst <= ATOL, f"cached decode differs from HF by {worst:.2e}"
+
+
+@pytest.mark.parametrize("name", ["gpt2-untied", "gpt2-tied", "llama-gqa-tied", "llama-mqa"])
+def test_load_hf_directory(name, tmp_path):
+    """save_pretrained (safetensors) -> arlm.loading.load_model(dir) gives the same logits."""
+    hf = MODELS[name]()
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    assert list(tmp_path.glob("*.safetensors"))
+    loaded = load_model(str(tmp_path))
+    assert loaded.source == "hf"
+    assert loaded.config == config_from_hf(hf.config.to_dict())
+    ids = torch.randint(0, hf.config.vocab_size, (2, 33), generator=torch.Generator().manual_seed(102))
+    with torch.no_grad():
+        got = loaded.model(ids)
+    torch.testing.assert_close(got, hf_logits(hf, ids), atol=ATOL, rtol=0)
+
+
+def test_unsupported_gpt2_activation_is_refused():
+    from arlm.loading.errors import LoadError
+
+    cfg = hf_gpt2(seed=0).config.to_dict()
+    cfg["activation_function"] = "relu"
+    with pytest.raises(LoadError, match="relu"):
+        config_from_hf(cfg)

@@ -1,0 +1,163 @@
+"""Sampling filters on hand-made distributions, HF's logits processors as a reference, draw statistics.
+
+Hand-made cases have clear margins and expect exact keep-sets; comparisons with HF's processors
+on random logits expect identical -inf masks and logits equal to 1e-6.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from arlm.sampling import (SamplingParams, apply_repetition_penalty, filtered_logits, min_p_filter, sample,
+                           top_k_filter, top_p_filter)
+
+
+def logits_of(probs: list[float]) -> torch.Tensor:
+    return torch.tensor([probs]).log()
+
+
+def kept(logits: torch.Tensor) -> list[int]:
+    return torch.isfinite(logits[0]).nonzero().flatten().tolist()
+
+
+# -- top-k -----------------------------------------------------------------------------------------
+
+def test_top_k_keeps_the_k_largest():
+    x = torch.tensor([[0.5, 3.0, -1.0, 2.0, 1.0]])
+    assert kept(top_k_filter(x, 2)) == [1, 3]
+    assert kept(top_k_filter(x, 1)) == [1]
+    out = top_k_filter(x, 3)
+    assert torch.equal(out[0, [1, 3, 4]], x[0, [1, 3, 4]])  # kept logits are untouched
+
+
+def test_top_k_keeps_ties_at_the_kth_value():
+    x = torch.tensor([[1.0, 2.0, 2.0, 2.0, 0.0]])
+    assert kept(top_k_filter(x, 2)) == [1, 2, 3]  # as HF's TopKLogitsWarper: `scores < kth` removed
+
+
+def test_top_k_disabled_or_larger_than_vocab():
+    x = torch.randn(2, 7)
+    assert torch.equal(top_k_filter(x, 0), x)
+    assert torch.equal(top_k_filter(x, 7), x)
+    assert torch.equal(top_k_filter(x, 100), x)
+
+
+# -- top-p -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("p, expect", [
+    (0.3, [0]),           # the top token alone already has 0.5 >= 0.3
+    (0.5 - 1e-3, [0]),
+    (0.7, [0, 1]),        # 0.5 + 0.3 = 0.8 >= 0.7
+    (0.85, [0, 1, 2]),    # 0.95 >= 0.85
+    (0.99, [0, 1, 2, 3]),
+])
+def test_top_p_keeps_smallest_set_reaching_p(p, expect):
+    x = logits_of([0.5, 0.3, 0.15, 0.05])
+    perm = torch.tensor([2, 0, 3, 1])  # the filter must not depend on token order
+    assert kept(top_p_filter(x, p)) == expect
+    assert sorted(perm[kept(top_p_filter(x[:, perm], p))].tolist()) == expect
+
+
+def test_top_p_one_keeps_everything():
+    x = logits_of([0.999997, 1e-6, 1e-6, 1e-6])
+    assert torch.equal(top_p_filter(x, 1.0), x)
+    assert kept(filtered_logits(x, SamplingParams(top_p=1.0, temperature=1.0))) == [0, 1, 2, 3]
+
+
+# -- min-p -----------------------------------------------------------------------------------------
+
+def test_min_p_is_relative_to_the_top_probability():
+    x = logits_of([0.1, 0.6, 0.2, 0.06, 0.04])
+    assert kept(min_p_filter(x, 0.2)) == [1, 2]  # threshold 0.12
+    assert kept(min_p_filter(x, 0.09)) == [0, 1, 2, 3]  # threshold 0.054
+    assert kept(min_p_filter(x, 1.0)) == [1]
+    assert torch.equal(min_p_filter(x, 0.0), x)
+    # The same relative cut on a flatter distribution keeps more: not an absolute threshold.
+    assert kept(min_p_filter(logits_of([0.3, 0.25, 0.25, 0.2]), 0.2)) == [0, 1, 2, 3]
+
+
+# -- against HF's processors -------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def hf_processors():
+    return pytest.importorskip("transformers.generation.logits_process")
+
+
+def test_repetition_penalty_matches_hf(hf_processors):
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randn(4, 50, generator=g) * 3  # both signs
+    input_ids = torch.randint(0, 50, (4, 30), generator=g)  # with repeats
+    seen = torch.zeros(4, 50, dtype=torch.bool).scatter_(1, input_ids, True)
+    for penalty in (1.3, 0.7):
+        ref = hf_processors.RepetitionPenaltyLogitsProcessor(penalty)(input_ids, logits.clone())
+        got = apply_repetition_penalty(logits, seen, penalty)
+        torch.testing.assert_close(got, ref, atol=1e-6, rtol=0)
+        assert not torch.equal(got, logits)
+
+
+def test_filter_chain_matches_hf_warpers(hf_processors):
+    """Temperature, then top-k, top-p, min-p, in HF's order, on random logits."""
+    lp = hf_processors
+    g = torch.Generator().manual_seed(8)
+    for temperature, top_k, top_p, min_p in [(0.7, 20, 0.9, 0.0), (1.5, 0, 0.8, 0.05), (1.0, 5, 1.0, 0.1),
+                                             (2.0, 40, 0.95, 0.02)]:
+        logits = torch.randn(8, 100, generator=g) * 2
+        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+        ref = lp.TemperatureLogitsWarper(temperature)(None, logits.clone())
+        if top_k:
+            ref = lp.TopKLogitsWarper(top_k)(None, ref)
+        if top_p < 1:
+            ref = lp.TopPLogitsWarper(top_p)(None, ref)
+        if min_p:
+            ref = lp.MinPLogitsWarper(min_p)(None, ref)
+        got = filtered_logits(logits, params)
+        assert torch.equal(torch.isinf(got), torch.isinf(ref))
+        assert torch.isinf(got).any()
+        finite = torch.isfinite(ref)
+        torch.testing.assert_close(got[finite], ref[finite], atol=1e-6, rtol=0)
+
+
+# -- drawing -----------------------------------------------------------------------------------------
+
+def test_draws_follow_the_filtered_distribution():
+    """20000 draws: frequencies within 0.015 of the target (>= 4 standard deviations)."""
+    probs = torch.tensor([0.4, 0.25, 0.2, 0.1, 0.05])
+    n = 20000
+    logits = probs.log().expand(n, -1)
+    g = torch.Generator().manual_seed(9)
+    freq = torch.bincount(sample(logits, SamplingParams(temperature=1.0), g), minlength=5).float() / n
+    assert (freq - probs).abs().max() < 0.015, freq
+    # Temperature 0.5 squares the odds: p^2 / sum p^2.
+    target = probs ** 2 / (probs ** 2).sum()
+    freq = torch.bincount(sample(logits, SamplingParams(temperature=0.5), g), minlength=5).float() / n
+    assert (freq - target).abs().max() < 0.015, freq
+    # top_p 0.7 keeps {0.4, 0.25, 0.2} (0.65 < 0.7): renormalised, nothing else ever drawn.
+    draws = sample(logits, SamplingParams(temperature=1.0, top_p=0.7), g)
+    freq = torch.bincount(draws, minlength=5).float() / n
+    assert freq[3:].sum() == 0
+    assert (freq[:3] - probs[:3] / probs[:3].sum()).abs().max() < 0.015, freq
+
+
+def test_greedy_is_argmax_and_seed_reproduces():
+    g = torch.Generator().manual_seed(10)
+    logits = torch.randn(16, 300, generator=g)
+    assert torch.equal(sample(logits, SamplingParams(temperature=0)), logits.argmax(-1))
+    p = SamplingParams(temperature=1.0)
+    a = sample(logits, p, torch.Generator().manual_seed(3))
+    b = sample(logits, p, torch.Generator().manual_seed(3))
+    c = sample(logits, p, torch.Generator().manual_seed(4))
+    assert torch.equal(a, b)
+    assert not torch.equal(a, c)  # 16 draws from near-uniform 300-way distributions
+
+
+# -- parameter validation ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bad", [dict(temperature=-0.1), dict(temperature=math.nan), dict(top_p=0.0),
+                                 dict(top_p=1.5), dict(top_k=-1), dict(min_p=-0.1), dict(min_p=1.1),
+                                 dict(repetition_penalty=0.0), dict(max_new_tokens=0), dict(stop=[""])])
+def test_invalid_params_are_refused(bad):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        SamplingParams(**bad)
