@@ -1,4 +1,4 @@
-"""Weight-only int8: the native kernel against float math, and the quantized model's quality.
+"""Weight-only int8 and 4-bit: the native kernels against float math, and the quantized model's quality.
 
 References: float64 matmul of the same (dequantized) weights for the kernel; the float32 model's
 perplexity on tiny Shakespeare's validation text for quality.
@@ -15,7 +15,7 @@ import torch
 from arlm import kernels
 from arlm.generate import Generation
 from arlm.llm import LLM
-from arlm.quant import Int8Linear, quantize_int8, weight_bytes
+from arlm.quant import Int8Linear, Q4Linear, quantize, quantize_int8, weight_bytes
 from arlm.sampling import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,6 +38,44 @@ def test_int8_linear_matches_float64(M, N, K):
     # float32 accumulation over K terms: relative error ~ sqrt(K) * 2^-24; 1e-5 of the scale of y.
     assert y.dtype == torch.float32 and y.shape == (M, N)
     assert (y.double() - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+
+
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 33])
+@pytest.mark.parametrize("N,K", [(1536, 576), (67, 96), (5, 32)])
+def test_q4_linear_matches_float64(M, N, K):
+    g = torch.Generator().manual_seed(M * 7 + N + K)
+    x = torch.randn(M, K, generator=g)
+    w = torch.randint(0, 256, (N, K // 2), generator=g, dtype=torch.uint8)
+    scale = (torch.rand(N, K // 32, generator=g) * 0.05).half()
+    mins = (torch.randn(N, K // 32, generator=g) * 0.05).half()
+    y = kernels.q4_linear(x, w, scale, mins)
+    # Reference built independently of unpack_q4: element 32g + j is the low nibble of byte 16g + j
+    # (j < 16) or the high nibble of byte 16g + j - 16.
+    q = torch.empty(N, K, dtype=torch.float64)
+    for k in range(K):
+        grp, j = divmod(k, 32)
+        byte = w[:, grp * 16 + j % 16].to(torch.int64)
+        q[:, k] = (byte & 15 if j < 16 else byte >> 4).double()
+    dense = q * scale.double().repeat_interleave(32, 1) + mins.double().repeat_interleave(32, 1)
+    ref = x.double() @ dense.T
+    assert (y.double() - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+
+
+def test_q4_round_trip_is_exact_on_4bit_values_and_bounded_otherwise():
+    g = torch.Generator().manual_seed(3)
+    # Values that are already Q4_1 (as a Q4_1 GGUF dequantizes to): every group has 16 levels
+    # d * q + m with q = 0 and q = 15 present. Quantizing them again must change nothing.
+    d = (torch.rand(40, 4, 1, generator=g) * 0.02 + 1e-3).half().float()
+    m = (torch.randn(40, 4, 1, generator=g) * 0.05).half().float()
+    q = torch.randint(0, 16, (40, 4, 32), generator=g).float()
+    q[..., 0], q[..., 1] = 0, 15
+    w = (d * q + m).view(40, 128)
+    assert torch.equal(Q4Linear.from_float(w).dequantize(), w)
+    # Arbitrary float weights: within half a step (scale / 2) of each group, plus fp16 rounding.
+    w = torch.randn(40, 128, generator=g)
+    err = (Q4Linear.from_float(w).dequantize() - w).abs().view(40, 4, 32)
+    step = (w.view(40, 4, 32).amax(-1) - w.view(40, 4, 32).amin(-1)) / 15
+    assert (err.amax(-1) <= step * 0.5 * 1.01 + 1e-3).all()
 
 
 def test_int8_linear_rows_are_independent():
@@ -65,12 +103,22 @@ def test_quantize_error_bounded_by_half_step():
     assert torch.allclose(q(x).double(), ref, rtol=0, atol=1e-4)
 
 
+def _quantized(smollm2, mode):
+    llm = LLM(smollm2.loaded)
+    llm.model = quantize(copy.deepcopy(smollm2.model), mode)
+    llm.quantization = mode
+    return llm
+
+
 @pytest.fixture(scope="module")
 def int8_smollm2(smollm2):
-    llm = LLM(smollm2.loaded)
-    llm.model = quantize_int8(copy.deepcopy(smollm2.model))
-    llm.quantization = "int8"
-    return llm
+    return _quantized(smollm2, "int8")
+
+
+@pytest.fixture(scope="module")
+def auto_smollm2(smollm2):
+    """The default CPU path: 4-bit for the Q4_1 blocks (lossless), int8 for the Q8_0 head."""
+    return _quantized(smollm2, "auto")
 
 
 def _perplexity(model, ids: torch.Tensor) -> float:
@@ -80,13 +128,36 @@ def _perplexity(model, ids: torch.Tensor) -> float:
     return nll.exp().item()
 
 
-def test_int8_perplexity_within_one_percent(smollm2, int8_smollm2):
+@pytest.fixture(scope="module")
+def val_ids(smollm2):
     text = (ROOT / "data" / "tinyshakespeare.txt").read_text()
     val = text[int(0.9 * len(text)):]  # the usual validation split: last 10%
-    ids = torch.tensor(smollm2.tokenizer.encode(val)[:4096]).view(4, 1024)
-    fp32, int8 = _perplexity(smollm2.model, ids), _perplexity(int8_smollm2.model, ids)
+    return torch.tensor(smollm2.tokenizer.encode(val)[:4096]).view(4, 1024)
+
+
+@pytest.fixture(scope="module")
+def fp32_perplexity(smollm2, val_ids):
+    return _perplexity(smollm2.model, val_ids)
+
+
+@pytest.mark.parametrize("path", ["int8", "auto"])
+def test_quantized_perplexity_within_one_percent(int8_smollm2, auto_smollm2, val_ids, fp32_perplexity, path):
+    quantized = {"int8": int8_smollm2, "auto": auto_smollm2}[path]
+    fp32, q = fp32_perplexity, _perplexity(quantized.model, val_ids)
     assert 5 < fp32 < 100  # a sane model on English text
-    assert abs(int8 / fp32 - 1) <= 0.01, (fp32, int8)
+    assert abs(q / fp32 - 1) <= 0.01, (fp32, q)
+
+
+def test_auto_uses_lossless_4bit_for_smollm2_blocks(smollm2, auto_smollm2):
+    layers = [m for m in auto_smollm2.model.modules() if isinstance(m, (Q4Linear, Int8Linear))]
+    q4 = [m for m in layers if isinstance(m, Q4Linear)]
+    assert len(q4) == 4 * smollm2.model.config.n_layer  # wqkv, wo, gate_up, down in every block
+    assert isinstance(auto_smollm2.model.lm_head, Int8Linear)  # the Q8_0 head is not 4-bit data
+    ref = dict(smollm2.model.named_modules())
+    for name, m in auto_smollm2.model.named_modules():
+        if isinstance(m, Q4Linear):
+            assert torch.equal(m.dequantize(), ref[name].weight.detach()), name
+    assert weight_bytes(auto_smollm2.model) < 0.18 * weight_bytes(smollm2.model)
 
 
 def test_int8_weights_are_a_quarter(smollm2, int8_smollm2):
@@ -95,15 +166,17 @@ def test_int8_weights_are_a_quarter(smollm2, int8_smollm2):
     assert int8 < 0.26 * fp32
 
 
-def test_int8_generation_runs_the_same_engine(int8_smollm2):
+@pytest.mark.parametrize("path", ["int8", "auto"])
+def test_quantized_generation_runs_the_same_engine(int8_smollm2, auto_smollm2, path):
     # The quantized model goes through the same prefill + KV-cached decode; cached equals
     # uncached recomputation for it too.
-    ids = int8_smollm2.tokenizer.encode("The capital of France is")
-    gen = Generation(int8_smollm2.model, [ids], SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True))
+    llm = {"int8": int8_smollm2, "auto": auto_smollm2}[path]
+    ids = llm.tokenizer.encode("The capital of France is")
+    gen = Generation(llm.model, [ids], SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True))
     for _ in gen:
         pass
     seq = list(ids)
     with torch.inference_mode():
         for _ in range(12):
-            seq.append(int(int8_smollm2.model(torch.tensor([seq]))[0, -1].argmax()))
+            seq.append(int(llm.model(torch.tensor([seq]))[0, -1].argmax()))
     assert gen.completions[0] == seq[len(ids):]

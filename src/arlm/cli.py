@@ -38,8 +38,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     p.add_argument("--dtype", default="auto", choices=("auto",) + DTYPES,
                    help="weight and activation dtype (auto: float32 on CPU, bfloat16 on CUDA)")
-    p.add_argument("--quantize", default="auto", choices=("auto", "none", "int8"),
-                   help="weight-only quantization for decode (auto: int8 on CPU when the native kernel builds)")
+    p.add_argument("--quantize", default="auto", choices=("auto", "none", "int8", "q4"),
+                   help="weight-only quantization (auto, on CPU: 4-bit where that is lossless, as for "
+                        "a Q4_1 GGUF, int8 elsewhere; none on GPU)")
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: all cores)")
 

@@ -108,8 +108,8 @@ class LLM:
     @classmethod
     def load(cls, spec: str = "smollm2", device: str = "cpu", dtype: torch.dtype = torch.float32,
              quantize: str | None = "auto", compile: bool = False) -> "LLM":
-        """Load a model by name or path. quantize: "auto" (int8 on CPU when the native kernel
-        builds, else none), "int8" or None; compile: torch.compile the decode step."""
+        """Load a model by name or path; `quantize` and `compile` pick the decode path (see
+        `configure`)."""
         from .loading import load_model
 
         llm = cls(load_model(spec, device=device, dtype=dtype))
@@ -117,19 +117,23 @@ class LLM:
         return llm
 
     def configure(self, quantize: str | None = None, compile: bool = False) -> None:
-        """Pick the decode path: weight quantization and (optionally) a compiled decode step."""
+        """Pick the decode path: weight quantization and (optionally) a compiled decode step.
+
+        quantize: None/"none", "int8", "q4", or "auto": on CPU with the native kernels, 4-bit for
+        the matrices it holds exactly (a Q4_1 GGUF's) and int8 for the rest; elsewhere none.
+        """
         from . import kernels
         from .generate import decode_step
 
         device = next(self.model.parameters()).device
-        if quantize == "auto":
-            quantize = "int8" if device.type == "cpu" and kernels.native_available() else None
-        if quantize not in (None, "none", "int8"):
-            raise ValueError(f"unknown quantization {quantize!r} (expected none, int8 or auto)")
-        if quantize == "int8":
-            from .quant import quantize_int8
+        if quantize not in (None, "none", "auto", "int8", "q4"):
+            raise ValueError(f"unknown quantization {quantize!r} (expected none, auto, int8 or q4)")
+        if quantize == "auto" and not (device.type == "cpu" and kernels.native_available()):
+            quantize = None
+        if quantize in ("auto", "int8", "q4"):
+            from .quant import quantize as quantize_model
 
-            quantize_int8(self.model)
+            quantize_model(self.model, quantize)
         self.quantization = quantize if quantize != "none" else None
         self.static_kv_len = compile and device.type == "cuda"
         if compile and device.type == "cuda":  # CUDA graphs: one launch per decode step

@@ -1,9 +1,13 @@
-"""Weight-only int8 quantization for decode.
+"""Weight-only quantization for decode: int8 per output channel, and 4-bit in groups of 32.
 
 Decode reads every weight once per step, so its speed is bytes of weights / memory bandwidth:
-int8 weights (1 byte + a float scale per output row) move 4x fewer bytes than float32. Activations
-stay float32 and the matmul accumulates in float32 (`arlm.kernels.int8_linear`), so the only
-error is the rounding of each weight to 1/127 of its row's largest magnitude.
+int8 weights (1 byte + a float scale per output row) move 4x fewer bytes than float32, 4-bit ones
+(Q4_1's layout: a float16 scale and min per 32 weights) 6.4x fewer. Activations stay float32 and
+the matmuls accumulate in float32 (`arlm.kernels`), so the only error is the weights' rounding.
+
+`quantize(model, "auto")` keeps that error where it already is: a matrix whose values are exactly
+4-bit grouped values (a model that came from a Q4_1 GGUF, like SmolLM2's) goes to 4-bit without
+any loss; every other matrix goes to int8.
 """
 
 from __future__ import annotations
@@ -51,17 +55,81 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-channel"
 
 
-def quantize_int8(model: Transformer) -> Transformer:
-    """Replace every nn.Linear (attention, MLP, LM head) with Int8Linear, in place.
+class Q4Linear(nn.Module):
+    """y = x @ W.T + bias, W[n, k] = scale[n, k // 32] * q[n, k] + mins[n, k // 32], q in 0..15."""
 
-    A tied LM head gets its own int8 copy of the embedding; the embedding table stays float for
-    the lookup (it is gathered, one row per token, not streamed).
+    GROUP = 32
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__()
+        if in_features % self.GROUP:
+            raise ValueError(f"4-bit layers need in_features divisible by {self.GROUP}, got {in_features}")
+        self.in_features, self.out_features = in_features, out_features
+        groups = in_features // self.GROUP
+        self.register_buffer("weight", torch.zeros(out_features, in_features // 2, dtype=torch.uint8))
+        self.register_buffer("scale", torch.zeros(out_features, groups, dtype=torch.float16))
+        self.register_buffer("mins", torch.zeros(out_features, groups, dtype=torch.float16))
+        self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> "Q4Linear":
+        """Asymmetric 4-bit quantization per group of 32 (Q4_1): min and (max - min) / 15."""
+        w = weight.detach().float()
+        N, K = w.shape
+        layer = cls(K, N, bias is not None).to(weight.device)
+        g = w.view(N, K // cls.GROUP, cls.GROUP)
+        lo, hi = g.amin(dim=-1), g.amax(dim=-1)
+        scale = ((hi - lo) / 15).half()
+        mins = lo.half()
+        step = scale.float().clamp_min(1e-30)[..., None]
+        q = torch.round((g - mins.float()[..., None]) / step).clamp_(0, 15).to(torch.uint8)  # [N, G, 32]
+        layer.weight.copy_((q[..., :16] | (q[..., 16:] << 4)).view(N, K // 2))
+        layer.scale.copy_(scale)
+        layer.mins.copy_(mins)
+        if bias is not None:
+            layer.bias.data.copy_(bias.detach().float())
+        return layer
+
+    def dequantize(self) -> torch.Tensor:
+        return kernels.unpack_q4(self.weight, self.scale, self.mins)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = kernels.q4_linear(x.reshape(-1, self.in_features).float(), self.weight, self.scale, self.mins)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, 4-bit groups of 32"
+
+
+def quantize(model: Transformer, mode: str = "auto") -> Transformer:
+    """Replace every nn.Linear (attention, MLP, LM head) with a quantized layer, in place.
+
+    mode "int8": all int8. "q4": 4-bit where in_features allows, else int8. "auto": 4-bit for
+    matrices that 4-bit represents exactly (the round trip changes no weight by more than 1e-6 of
+    its largest), int8 for the rest. A tied LM head gets its own copy; the embedding table stays
+    float for the lookup (it is gathered one row per token, not streamed).
     """
+    if mode not in ("auto", "int8", "q4"):
+        raise ValueError(f"unknown quantization {mode!r} (expected auto, int8 or q4)")
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear):
-                setattr(module, name, Int8Linear.from_float(child.weight, child.bias))
+            if not isinstance(child, nn.Linear):
+                continue
+            layer: nn.Module = Int8Linear.from_float(child.weight, child.bias)
+            if mode != "int8" and child.in_features % Q4Linear.GROUP == 0:
+                q4 = Q4Linear.from_float(child.weight, child.bias)
+                err = (q4.dequantize() - child.weight.detach().float()).abs().max()
+                if mode == "q4" or err <= 1e-6 * child.weight.detach().abs().max():
+                    layer = q4
+            setattr(module, name, layer)
     return model
+
+
+def quantize_int8(model: Transformer) -> Transformer:
+    """All nn.Linear layers to int8 (see `quantize`)."""
+    return quantize(model, "int8")
 
 
 def weight_bytes(model: nn.Module) -> int:

@@ -1,7 +1,8 @@
 """Native CPU kernels, compiled on first use with the machine's C++ compiler for its own CPU.
 
-`int8_linear(x, w, scale)` is the decode matmul for int8 weights. When the kernel cannot be built
-(no compiler, a build error) the same op runs as a pure-PyTorch fallback: correct, slower.
+`int8_linear(x, w, scale)` and `q4_linear(x, w, scale, mins)` are the decode matmuls for int8 and
+4-bit weights. When the kernels cannot be built (no compiler, a build error) the same ops run as
+pure-PyTorch fallbacks: correct, slower.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 import torch
 
 log = logging.getLogger(__name__)
-_SOURCE = Path(__file__).with_name("int8_linear.cpp")
+_SOURCES = [Path(__file__).with_name(name) for name in ("int8_linear.cpp", "q4_linear.cpp")]
 _state: dict[str, bool] = {}
 
 
@@ -24,7 +25,8 @@ def _build_dir() -> Path:
     # Keyed by source, torch version and CPU: the build uses -march=native for this very CPU.
     cpu = platform.processor() + open("/proc/cpuinfo").read().split("flags", 1)[-1][:2000] \
         if os.path.exists("/proc/cpuinfo") else platform.processor()
-    key = hashlib.sha256(_SOURCE.read_bytes() + torch.__version__.encode() + cpu.encode()).hexdigest()[:16]
+    source = b"".join(p.read_bytes() for p in _SOURCES)
+    key = hashlib.sha256(source + torch.__version__.encode() + cpu.encode()).hexdigest()[:16]
     root = Path(os.environ.get("ARLM_CACHE", Path.home() / ".cache" / "arlm"))
     return root / "kernels" / key
 
@@ -44,11 +46,11 @@ def native_available() -> bool:
             if lib.exists():
                 torch.ops.load_library(str(lib))
             else:
-                print("arlm: building the native int8 kernel for this CPU (once, ~1 min)...", file=sys.stderr)
-                load(name="arlm_kernels", sources=[str(_SOURCE)], build_directory=str(build),
+                print("arlm: building the native int8/4-bit kernels for this CPU (once, ~1 min)...", file=sys.stderr)
+                load(name="arlm_kernels", sources=[str(p) for p in _SOURCES], build_directory=str(build),
                      extra_cflags=["-O3", "-march=native", "-ffp-contract=fast"], is_python_module=False,
                      verbose=False)
-            _state["native"] = hasattr(torch.ops.arlm, "int8_linear")
+            _state["native"] = hasattr(torch.ops.arlm, "int8_linear") and hasattr(torch.ops.arlm, "q4_linear")
             if _state["native"]:
                 _register_fake()
         except Exception as e:  # no compiler, no ninja, a build error: fall back, say so once
@@ -63,9 +65,28 @@ def _register_fake() -> None:
     def _(x, w, scale):
         return x.new_empty(x.shape[0], w.shape[0])
 
+    @torch.library.register_fake("arlm::q4_linear")
+    def _(x, w, scale, mins):
+        return x.new_empty(x.shape[0], w.shape[0])
+
 
 def _fallback(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.linear(x, w.to(x.dtype)) * scale
+
+
+def unpack_q4(w: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
+    """Packed 4-bit weights (see q4_linear.cpp for the layout) -> float32 [N, K]."""
+    N = w.shape[0]
+    groups = w.view(N, -1, 16)  # [N, G, 16]: byte j holds elements j (low) and 16 + j (high)
+    q = torch.cat([groups & 0x0F, groups >> 4], dim=-1).float()  # [N, G, 32]
+    return (q * scale.float()[..., None] + mins.float()[..., None]).view(N, -1)
+
+
+def q4_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
+    """x [M, K] float32, w [N, K/2] uint8, scale and mins [N, K/32] float16 -> [M, N] float32."""
+    if x.device.type == "cpu" and native_available():
+        return torch.ops.arlm.q4_linear(x.contiguous(), w, scale, mins)
+    return torch.nn.functional.linear(x, unpack_q4(w, scale, mins).to(x.dtype))
 
 
 def int8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
