@@ -77,7 +77,7 @@ def bench_engine(threads: int, context: int) -> dict:
     from arlm.serve.paged_cache import PagedKVCache
 
     torch.set_num_threads(threads)
-    llm = LLM.load("smollm2")
+    llm = LLM.load("smollm2", quantize="int8")  # as `arlm serve` runs it
     model, cfg = llm.model, llm.model.config
     out: dict = {"quantization": llm.quantization, "context": context, "decode": {}}
     print(f"\n== engine alone: decode step at {context} tokens of context, {threads} thread(s), "

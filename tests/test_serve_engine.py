@@ -22,6 +22,16 @@ GREEDY = SamplingParams(max_new_tokens=8, temperature=0.0)
 
 
 @pytest.fixture(scope="module")
+def smollm2():
+    """SmolLM2 as `arlm serve` runs it: int8 weights, whose kernel computes each row of a batch
+    independently (the session fixture's 4-bit kernel blocks rows differently for one row)."""
+    from arlm.llm import LLM
+    from arlm.loading import resolve_model_path
+
+    return LLM.load(str(resolve_model_path("smollm2")), quantize="int8")
+
+
+@pytest.fixture(scope="module")
 def engine(smollm2):
     return Engine(smollm2.model, smollm2.tokenizer.eos_ids, EngineConfig(kv_cache_tokens=4096))
 

@@ -20,6 +20,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
             raise UsageError(f"arlm serve: error: --{name.replace('_', '-')} must be positive")
     if args.kv_cache_tokens is not None and args.kv_cache_tokens < 1:
         raise UsageError("arlm serve: error: --kv-cache-tokens must be positive")
+    if args.quantize == "auto":
+        # int8, not 4-bit: its kernel computes each row of a batch independently of the others,
+        # so a request's output does not depend on what it is batched with (and batched decode
+        # is compute-bound, where int8's cheaper unpacking wins anyway).
+        from .. import kernels
+
+        args.quantize = "int8" if args.device == "cpu" and kernels.native_available() else "none"
     api_key = args.api_key or os.environ.get("ARLM_API_KEY") or None
     config = EngineConfig(block_size=args.block_size, kv_cache_memory=memory, kv_cache_tokens=args.kv_cache_tokens,
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -48,7 +55,7 @@ def add_serve(sub) -> None:
     from ..cli import add_model_args
 
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API (continuous batching)")
-    add_model_args(p)
+    add_model_args(p)  # for serving, --quantize auto means int8 on CPU (see cmd_serve)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 (or set ARLM_API_KEY)")
