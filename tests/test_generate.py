@@ -337,3 +337,17 @@ def test_chat_second_turn_equals_whole_conversation_from_scratch(smollm2):
     assert first_prefill == len(smollm2.tokenizer.encode(smollm2.apply_chat_template(history[:1])))
     # Only the new turn is prefilled: "<|im_end|>\n<|im_start|>user\nAnd of Germany?<|im_end|>\n..."
     assert session.last_prefill_tokens < 20 and session.last_prefill_tokens < len(full) / 3
+
+
+def test_chat_repetition_penalty_counts_earlier_turns(smollm2):
+    """HF semantics: the penalty covers every token of the input, earlier turns included, so the
+    cached second turn must still equal the whole conversation run from scratch."""
+    params = SamplingParams(max_new_tokens=24, temperature=0.0, repetition_penalty=1.3)
+    session = ChatSession(smollm2, params, max_context=1024)
+    turns = ["Name three colours of the rainbow.", "Name three more colours of the rainbow."]
+    first = "".join(c.text for c in session.send(turns[0]))
+    "".join(c.text for c in session.send(turns[1]))
+    history = [{"role": "user", "content": turns[0]}, {"role": "assistant", "content": first},
+               {"role": "user", "content": turns[1]}]
+    full = smollm2.tokenizer.encode(smollm2.apply_chat_template(history))
+    assert session.generation.completions[0] == smollm2.generate([full], params)[0].token_ids

@@ -237,6 +237,8 @@ class ChatSession:
         self.messages = history
         it = self.llm.stream([new], self.params, cache=self.cache)
         gen: Generation = next(it)  # type: ignore[assignment]
+        if gen.seen is not None:  # a repetition penalty covers the earlier turns too (HF semantics)
+            gen.seen[0, torch.tensor(ids[:keep], dtype=torch.long, device=gen.seen.device)] = True
         self.generation = gen
         reply = ""
         for chunk in it:
