@@ -186,7 +186,8 @@ async def one_stream(client, url: str, model: str, prompt: str, max_tokens: int)
 async def load(url: str, model: str, prompts: list[str], max_tokens: int, concurrent: bool) -> dict:
     import httpx
 
-    limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
+    # No keep-alive: a server that closes an idle connection races a client reusing it.
+    limits = httpx.Limits(max_connections=64, max_keepalive_connections=0)
     async with httpx.AsyncClient(limits=limits) as client:
         t0 = time.perf_counter()
         if concurrent:

@@ -32,7 +32,7 @@ from ..llm import LLM, PromptError, _StopWatcher
 from ..sampling import SamplingParams
 from ..tokenizer import IncrementalDetokenizer
 from . import metrics
-from .engine import AsyncEngine
+from .engine import AsyncEngine, EngineDead
 
 log = logging.getLogger(__name__)
 
@@ -316,6 +316,10 @@ def create_app(server: Server) -> FastAPI:
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError) -> JSONResponse:
         return error_response(e.status, e.message, e.param, e.code, e.type)
+
+    @app.exception_handler(EngineDead)
+    async def engine_dead(request: Request, e: EngineDead) -> JSONResponse:
+        return error_response(503, f"the engine has stopped: {e}", type_="server_error", code="engine_dead")
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:

@@ -321,6 +321,15 @@ class AsyncEngine:
             self._deliver(out.request_id, out)
 
     def _run(self) -> None:
+        try:
+            self._loop_steps()
+        except BaseException as e:  # the thread itself broke: say so on /health, fail the waiters
+            log.exception("engine thread stopped")
+            self.dead = f"{type(e).__name__}: {e}"
+            for request_id in list(self._queues):
+                self._loop.call_soon_threadsafe(self._deliver, request_id, EngineDead(self.dead))
+
+    def _loop_steps(self) -> None:
         engine = self.engine
         while not self._stopping:
             while self._inbox:
