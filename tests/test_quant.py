@@ -78,15 +78,23 @@ def test_q4_round_trip_is_exact_on_4bit_values_and_bounded_otherwise():
     assert (err.amax(-1) <= step * 0.5 * 1.01 + 1e-3).all()
 
 
-def test_int8_linear_rows_are_independent():
-    # Batching must not change a row's result (continuous batching relies on it): bitwise.
+@pytest.mark.parametrize("fmt", ["int8", "q4"])
+def test_rows_are_independent(fmt):
+    # Batching must not change a row's result, bitwise: a request decoded in a batch of 9 (or in
+    # a continuous batch) must give exactly the tokens it gives alone.
     g = torch.Generator().manual_seed(0)
     x = torch.randn(9, 576, generator=g)
-    w = torch.randint(-127, 128, (300, 576), generator=g, dtype=torch.int8)
-    s = torch.rand(300, generator=g)
-    together = kernels.int8_linear(x, w, s)
+    if fmt == "int8":
+        args = (torch.randint(-127, 128, (300, 576), generator=g, dtype=torch.int8), torch.rand(300, generator=g))
+        op = kernels.int8_linear
+    else:
+        args = (torch.randint(0, 256, (300, 288), generator=g, dtype=torch.uint8),
+                (torch.rand(300, 18, generator=g) * 0.05).half(), (torch.randn(300, 18, generator=g) * 0.05).half())
+        op = kernels.q4_linear
+    together = op(x, *args)
     for i in range(9):
-        assert torch.equal(kernels.int8_linear(x[i:i + 1].contiguous(), w, s)[0], together[i])
+        assert torch.equal(op(x[i:i + 1].contiguous(), *args)[0], together[i])
+    assert torch.equal(op(x[2:5].contiguous(), *args), together[2:5])
 
 
 def test_quantize_error_bounded_by_half_step():

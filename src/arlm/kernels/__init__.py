@@ -25,7 +25,7 @@ def _build_dir() -> Path:
     # Keyed by source, torch version and CPU: the build uses -march=native for this very CPU.
     cpu = platform.processor() + open("/proc/cpuinfo").read().split("flags", 1)[-1][:2000] \
         if os.path.exists("/proc/cpuinfo") else platform.processor()
-    source = b"".join(p.read_bytes() for p in _SOURCES)
+    source = b"".join(p.read_bytes() for p in _SOURCES) + b"-fopenmp"
     key = hashlib.sha256(source + torch.__version__.encode() + cpu.encode()).hexdigest()[:16]
     root = Path(os.environ.get("ARLM_CACHE", Path.home() / ".cache" / "arlm"))
     return root / "kernels" / key
@@ -48,7 +48,10 @@ def native_available() -> bool:
             else:
                 print("arlm: building the native int8/4-bit kernels for this CPU (once, ~1 min)...", file=sys.stderr)
                 load(name="arlm_kernels", sources=[str(p) for p in _SOURCES], build_directory=str(build),
-                     extra_cflags=["-O3", "-march=native", "-ffp-contract=fast"], is_python_module=False,
+                     # -fopenmp: at::parallel_for is an OpenMP pragma in a header; without the flag
+                     # it silently runs on one thread. libgomp.so.1 resolves to torch's own copy.
+                     extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                     is_python_module=False,
                      verbose=False)
             _state["native"] = hasattr(torch.ops.arlm, "int8_linear") and hasattr(torch.ops.arlm, "q4_linear")
             if _state["native"]:

@@ -29,11 +29,12 @@ inline __m256 u8_to_ps(__m128i v) {  // low 8 bytes -> 8 floats
   return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
 }
 
-// MB rows of x against kRows weight rows, all groups. With one x row there are only kRows
-// accumulation chains, too few to hide FMA latency, so each row gets two (kSplit).
+// MB rows of x against kRows weight rows, all groups. Each (x row, weight row) pair sums in the
+// same order whatever MB is, so a row's result does not depend on how many rows share the call:
+// batched decode and continuous batching give bitwise the results of running alone.
 template <int MB>
 void block(const float* x, int64_t K, const uint8_t* w, const float* d, const float* mn, float* out) {
-  constexpr int kSplit = MB == 1 ? 2 : 1;
+  constexpr int kSplit = 2;  // two accumulators per pair: more independent FMA chains
   const int64_t G = K / kGroup, ldw = K / 2;
   const __m128i low4 = _mm_set1_epi8(0x0F);
   __m256 acc[kSplit][MB][kRows];
@@ -64,7 +65,7 @@ void block(const float* x, int64_t K, const uint8_t* w, const float* d, const fl
   }
   for (int i = 0; i < MB; ++i)
     for (int r = 0; r < kRows; ++r)
-      out[i * kRows + r] = hsum(kSplit == 2 ? _mm256_add_ps(acc[0][i][r], acc[kSplit - 1][i][r]) : acc[0][i][r]);
+      out[i * kRows + r] = hsum(_mm256_add_ps(acc[0][i][r], acc[1][i][r]));
 }
 #endif
 
@@ -81,13 +82,8 @@ void tile(const float* x, int64_t M, int64_t K, const uint8_t* w, const float* d
   const int64_t G = K / kGroup;
 #if defined(__AVX2__) && defined(__FMA__)
   if (rows == kRows) {
-    float out[3 * kRows];
+    float out[2 * kRows];
     int64_t m = 0;
-    for (; m + 3 <= M; m += 3) {
-      block<3>(x + m * K, K, w, d, mn, out);
-      for (int i = 0; i < 3; ++i)
-        for (int r = 0; r < kRows; ++r) y[(m + i) * N + r] = out[i * kRows + r];
-    }
     for (; m + 2 <= M; m += 2) {
       block<2>(x + m * K, K, w, d, mn, out);
       for (int i = 0; i < 2; ++i)
