@@ -252,12 +252,16 @@ def bench_http(args) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false"}
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    proc = run_server([sys.executable, "-m", "arlm", "serve", "--model", "smollm2", "--port", str(port),
-                       "--kv-cache-memory", "1GiB"], env, url)
-    try:
-        results["arlm"] = bench_server("arlm serve", url, "smollm2", clients, args.max_tokens, not args.no_sequential)
-    finally:
-        stop(proc)
+    if args.servers in ("both", "arlm"):
+        proc = run_server([sys.executable, "-m", "arlm", "serve", "--model", "smollm2", "--port", str(port),
+                           "--kv-cache-memory", "1GiB"], env, url)
+        try:
+            results["arlm"] = bench_server("arlm serve", url, "smollm2", clients, args.max_tokens,
+                                           not args.no_sequential)
+        finally:
+            stop(proc)
+    if args.servers == "arlm":
+        return results
 
     binary = find_llama_server(args.llama_server)
     if binary is None:
@@ -277,6 +281,8 @@ def bench_http(args) -> dict:
                                             not args.no_sequential)
     finally:
         stop(proc)
+    if "arlm" not in results:
+        return results
     print("\n== arlm / llama.cpp ==")
     for c in clients:
         a, l = results["arlm"][c], results["llama.cpp"][c]
@@ -293,6 +299,7 @@ def main() -> None:
     p.add_argument("--context", type=int, default=128, help="tokens of context for the engine decode step")
     p.add_argument("--llama-server", default=None, help="path to llama.cpp's llama-server binary")
     p.add_argument("--no-sequential", action="store_true", help="skip the one-at-a-time baseline")
+    p.add_argument("--servers", default="both", choices=("both", "arlm", "llama.cpp"), help="which servers to load")
     p.add_argument("--skip-engine", action="store_true")
     p.add_argument("--skip-http", action="store_true")
     p.add_argument("--json", default=None, help="also write the results here")
