@@ -56,14 +56,22 @@ def percentile(values: list[float], q: float) -> float:
 # -- 1. the engine alone ----------------------------------------------------------------------------
 
 def median_time(fn, repeat: int = 10) -> float:
-    fn()
-    fn()
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
+    return median_times([fn], repeat)[0]
+
+
+def median_times(fns: list, repeat: int = 10) -> list[float]:
+    """Median wall time of each fn, timed in turns so that a change in the machine's load
+    (it is shared) hits them all alike."""
+    for fn in fns:
         fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        fn()
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeat):
+        for fn, t in zip(fns, times):
+            t0 = time.perf_counter()
+            fn()
+            t.append(time.perf_counter() - t0)
+    return [statistics.median(t) for t in times]
 
 
 def bench_engine(threads: int, context: int) -> dict:
@@ -91,7 +99,6 @@ def bench_engine(threads: int, context: int) -> dict:
             model(prompt, torch.arange(context).expand(B, context), kv_cache=cache, kv_len=context,
                   output_index=torch.full((B,), context - 1))
             tok, pos = prompt[:, :1].clone(), torch.full((B, 1), context)
-            contiguous = median_time(lambda: decode_step(model, cache, tok, pos, context + 1))
             # The same step over the paged pool, laid out as the engine lays it out: [1, B] tokens.
             bs = 16
             per_seq = -(-(context + 1) // bs)
@@ -102,7 +109,8 @@ def bench_engine(threads: int, context: int) -> dict:
                   output_index=torch.tensor([0]))
             pool.set_batch(table, torch.arange(B))
             ptok, ppos, rows = tok.view(1, B), torch.full((1, B), context), torch.arange(B)
-            paged = median_time(lambda: model(ptok, ppos, kv_cache=pool, output_index=rows))
+            contiguous, paged = median_times([lambda: decode_step(model, cache, tok, pos, context + 1),
+                                              lambda: model(ptok, ppos, kv_cache=pool, output_index=rows)])
         # A whole engine step: scheduling, the forward pass, per-request sampling, bookkeeping.
         engine = Engine(model, llm.tokenizer.eos_ids, EngineConfig(kv_cache_tokens=B * (context + 64)))
         for i in range(B):
@@ -201,22 +209,23 @@ async def load(url: str, model: str, prompts: list[str], max_tokens: int, concur
             "ttft_median": statistics.median(ttfts), "ttft_p95": percentile(ttfts, 0.95)}
 
 
-def bench_server(name: str, url: str, model: str, clients: list[int], max_tokens: int, sequential: bool) -> dict:
-    asyncio.run(load(url, model, PROMPTS[:2], 8, concurrent=True))  # warm-up
-    out = {}
+def run_level(url: str, model: str, c: int, max_tokens: int, sequential: bool) -> dict:
+    """c concurrent clients, then (if asked) the same c requests one at a time."""
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(c)]
+    result = asyncio.run(load(url, model, prompts, max_tokens, concurrent=True))
+    seq = asyncio.run(load(url, model, prompts, max_tokens, concurrent=False)) if sequential and c > 1 else None
+    result["sequential_tokens_per_s"] = seq["tokens_per_s"] if seq else result["tokens_per_s"] if c == 1 else None
+    result["ratio_to_sequential"] = (result["tokens_per_s"] / result["sequential_tokens_per_s"]
+                                     if result["sequential_tokens_per_s"] else None)
+    return result
+
+
+def print_table(name: str, max_tokens: int, rows: dict) -> None:
     print(f"\n== {name}: {max_tokens} tokens per request, greedy ==")
     print(f"{'clients':>7} {'tok/s':>8} {'TTFT p50 s':>11} {'TTFT p95 s':>11} {'one-at-a-time tok/s':>20} {'ratio':>6}")
-    for c in clients:
-        prompts = [PROMPTS[i % len(PROMPTS)] for i in range(c)]
-        conc = asyncio.run(load(url, model, prompts, max_tokens, concurrent=True))
-        seq = asyncio.run(load(url, model, prompts, max_tokens, concurrent=False)) if sequential and c > 1 else None
-        conc["sequential_tokens_per_s"] = seq["tokens_per_s"] if seq else conc["tokens_per_s"] if c == 1 else None
-        ratio = conc["tokens_per_s"] / conc["sequential_tokens_per_s"] if conc["sequential_tokens_per_s"] else None
-        conc["ratio_to_sequential"] = ratio
-        out[c] = conc
-        print(f"{c:>7} {conc['tokens_per_s']:>8.1f} {conc['ttft_median']:>11.3f} {conc['ttft_p95']:>11.3f} "
-              f"{conc['sequential_tokens_per_s'] or float('nan'):>20.1f} {ratio or float('nan'):>6.2f}")
-    return out
+    for c, r in rows.items():
+        print(f"{c:>7} {r['tokens_per_s']:>8.1f} {r['ttft_median']:>11.3f} {r['ttft_p95']:>11.3f} "
+              f"{r['sequential_tokens_per_s'] or float('nan'):>20.1f} {r['ratio_to_sequential'] or float('nan'):>6.2f}")
 
 
 def find_llama_server(flag: str | None) -> str | None:
@@ -245,49 +254,48 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 def bench_http(args) -> dict:
+    """Start the servers, then run each load level on each server in turn (arlm, llama.cpp, next
+    level), so that the machine's changing load skews both alike."""
     from arlm.loading import resolve_model_path
 
     clients = [int(c) for c in args.clients.split(",")]
-    results = {}
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false"}
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    if args.servers in ("both", "arlm"):
-        proc = run_server([sys.executable, "-m", "arlm", "serve", "--model", "smollm2", "--port", str(port),
-                           "--kv-cache-memory", "1GiB"], env, url)
-        try:
-            results["arlm"] = bench_server("arlm serve", url, "smollm2", clients, args.max_tokens,
-                                           not args.no_sequential)
-        finally:
-            stop(proc)
-    if args.servers == "arlm":
-        return results
-
-    binary = find_llama_server(args.llama_server)
-    if binary is None:
-        print("\nllama.cpp: skipped (no llama-server: pass --llama-server PATH, put it on PATH, or build it "
-              "with `make bench-peers`)")
-        return results
-    gguf = str(resolve_model_path("smollm2"))
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    lib_dir = str(Path(binary).parent)
-    env = {**os.environ, "LD_LIBRARY_PATH": lib_dir + ":" + os.environ.get("LD_LIBRARY_PATH", "")}
-    slots = max(clients)
-    proc = run_server([binary, "-m", gguf, "-t", str(args.threads), "-np", str(slots), "--cont-batching",
-                       "-c", str(slots * 256), "--host", "127.0.0.1", "--port", str(port)], env, url)
+    servers: dict[str, tuple[str, subprocess.Popen]] = {}
     try:
-        results["llama.cpp"] = bench_server(f"llama.cpp server ({binary})", url, "smollm2", clients, args.max_tokens,
-                                            not args.no_sequential)
+        if args.servers in ("both", "arlm"):
+            port = free_port()
+            env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false"}
+            url = f"http://127.0.0.1:{port}"
+            servers["arlm"] = url, run_server([sys.executable, "-m", "arlm", "serve", "--model", "smollm2",
+                                               "--port", str(port), "--kv-cache-memory", "1GiB"], env, url)
+        binary = find_llama_server(args.llama_server) if args.servers in ("both", "llama.cpp") else None
+        if binary is None and args.servers != "arlm":
+            print("\nllama.cpp: skipped (no llama-server: pass --llama-server PATH, put it on PATH, or build it "
+                  "with `make bench-peers`)")
+        if binary is not None:
+            port = free_port()
+            url = f"http://127.0.0.1:{port}"
+            env = {**os.environ, "LD_LIBRARY_PATH": f"{Path(binary).parent}:{os.environ.get('LD_LIBRARY_PATH', '')}"}
+            slots = max(clients)
+            servers["llama.cpp"] = url, run_server(
+                [binary, "-m", str(resolve_model_path("smollm2")), "-t", str(args.threads), "-np", str(slots),
+                 "--cont-batching", "-c", str(slots * 256), "--host", "127.0.0.1", "--port", str(port)], env, url)
+        results: dict[str, dict] = {name: {} for name in servers}
+        for name, (url, _) in servers.items():
+            asyncio.run(load(url, "smollm2", PROMPTS[:2], 8, concurrent=True))  # warm-up
+        for c in clients:
+            for name, (url, _) in servers.items():
+                results[name][c] = run_level(url, "smollm2", c, args.max_tokens, not args.no_sequential)
     finally:
-        stop(proc)
-    if "arlm" not in results:
-        return results
-    print("\n== arlm / llama.cpp ==")
-    for c in clients:
-        a, l = results["arlm"][c], results["llama.cpp"][c]
-        print(f"{c:>3} clients: throughput {a['tokens_per_s'] / l['tokens_per_s']:.2f}x, "
-              f"median TTFT {a['ttft_median']:.3f} s vs {l['ttft_median']:.3f} s")
+        for _, proc in servers.values():
+            stop(proc)
+    for name in results:
+        print_table("arlm serve" if name == "arlm" else f"llama.cpp server ({binary})", args.max_tokens, results[name])
+    if len(results) == 2:
+        print("\n== arlm / llama.cpp ==")
+        for c in clients:
+            a, l = results["arlm"][c], results["llama.cpp"][c]
+            print(f"{c:>3} clients: throughput {a['tokens_per_s'] / l['tokens_per_s']:.2f}x, "
+                  f"median TTFT {a['ttft_median']:.3f} s vs {l['ttft_median']:.3f} s")
     return results
 
 
