@@ -188,3 +188,19 @@ def test_quantized_generation_runs_the_same_engine(int8_smollm2, auto_smollm2, p
         for _ in range(12):
             seq.append(int(llm.model(torch.tensor([seq]))[0, -1].argmax()))
     assert gen.completions[0] == seq[len(ids):]
+
+
+def test_prefill_uses_the_float_weights(smollm2, auto_smollm2):
+    # Prefill is compute-bound: quantized layers multiply with their float originals there, so
+    # the first token's logits are exactly the float model's.
+    from arlm.generate import prefill
+    from arlm.kv_cache import KVCache
+
+    ids = smollm2.tokenizer.encode("The capital of France is")
+    out = []
+    for llm in (smollm2, auto_smollm2):
+        cache = KVCache.for_model(llm.model.config, 1, 32)
+        with torch.inference_mode():
+            out.append(prefill(llm.model, cache, torch.tensor([ids]), torch.arange(len(ids))[None],
+                               torch.tensor([len(ids) - 1]), len(ids)))
+    assert torch.equal(out[0], out[1])

@@ -15,6 +15,7 @@ import torch
 
 from .kv_cache import KVCache
 from .model import Transformer
+from .quant import dense_weights
 from .sampling import SamplingParams, sample
 
 # Why a row stopped. The OpenAI-style "stop"/"length" pair loses which limit was hit, so the
@@ -27,9 +28,11 @@ def prefill(model: Transformer, cache: KVCache, tokens: torch.Tensor, input_pos:
     """Run prompts [B, P] (right-padded) at positions [B, P] through the model in one pass.
 
     Writes every prompt token's K/V into `cache`; returns the logits [B, vocab] at `last_index`
-    [B], each row's last real prompt token.
+    [B], each row's last real prompt token. Quantized layers use their float weights here: many
+    rows per weight make prefill compute-bound, where float GEMMs are fastest.
     """
-    return model(tokens, input_pos, kv_cache=cache, kv_len=kv_len, output_index=last_index)
+    with dense_weights():
+        return model(tokens, input_pos, kv_cache=cache, kv_len=kv_len, output_index=last_index)
 
 
 def decode_step(model: Transformer, cache: KVCache, tokens: torch.Tensor, input_pos: torch.Tensor,

@@ -12,11 +12,40 @@ any loss; every other matrix goes to int8.
 
 from __future__ import annotations
 
+import threading
+from contextlib import contextmanager
+
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from . import kernels
 from .model import Transformer
+
+
+_mode = threading.local()
+
+
+@contextmanager
+def dense_weights():
+    """Inside this block, quantized layers multiply with their original float weights.
+
+    Prefill runs hundreds of rows against each weight: compute-bound, where the float GEMM is
+    fastest and the bytes saved by quantization do not matter. Decode (a row per sequence) stays
+    on the quantized kernels. `arlm.generate.prefill` uses it.
+    """
+    previous = getattr(_mode, "dense", False)
+    _mode.dense = True
+    try:
+        yield
+    finally:
+        _mode.dense = previous
+
+
+def _dense_forward(layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    if getattr(_mode, "dense", False) and layer.dense_weight is not None:
+        return F.linear(x, layer.dense_weight.to(x.dtype), layer.bias)
+    return None
 
 
 class Int8Linear(nn.Module):
@@ -28,6 +57,7 @@ class Int8Linear(nn.Module):
         self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.int8))
         self.register_buffer("scale", torch.ones(out_features, dtype=torch.float32))
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
+        self.dense_weight: torch.Tensor | None = None  # the float original, for prefill (see dense_weights)
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> "Int8Linear":
@@ -46,6 +76,8 @@ class Int8Linear(nn.Module):
         return self.weight.float() * self.scale[:, None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (y := _dense_forward(self, x)) is not None:
+            return y
         y = kernels.int8_linear(x.reshape(-1, self.in_features).float(), self.weight, self.scale)
         if self.bias is not None:
             y = y + self.bias
@@ -70,6 +102,7 @@ class Q4Linear(nn.Module):
         self.register_buffer("scale", torch.zeros(out_features, groups, dtype=torch.float16))
         self.register_buffer("mins", torch.zeros(out_features, groups, dtype=torch.float16))
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
+        self.dense_weight: torch.Tensor | None = None  # the float original, for prefill (see dense_weights)
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> "Q4Linear":
@@ -94,6 +127,8 @@ class Q4Linear(nn.Module):
         return kernels.unpack_q4(self.weight, self.scale, self.mins)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (y := _dense_forward(self, x)) is not None:
+            return y
         y = kernels.q4_linear(x.reshape(-1, self.in_features).float(), self.weight, self.scale, self.mins)
         if self.bias is not None:
             y = y + self.bias
@@ -103,13 +138,14 @@ class Q4Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, 4-bit groups of 32"
 
 
-def quantize(model: Transformer, mode: str = "auto") -> Transformer:
+def quantize(model: Transformer, mode: str = "auto", keep_dense: bool = True) -> Transformer:
     """Replace every nn.Linear (attention, MLP, LM head) with a quantized layer, in place.
 
     mode "int8": all int8. "q4": 4-bit where in_features allows, else int8. "auto": 4-bit for
     matrices that 4-bit represents exactly (the round trip changes no weight by more than 1e-6 of
     its largest), int8 for the rest. A tied LM head gets its own copy; the embedding table stays
-    float for the lookup (it is gathered one row per token, not streamed).
+    float for the lookup (it is gathered one row per token, not streamed). keep_dense keeps each
+    layer's float weight beside it for prefill (`dense_weights`): more memory, faster prefill.
     """
     if mode not in ("auto", "int8", "q4"):
         raise ValueError(f"unknown quantization {mode!r} (expected auto, int8 or q4)")
@@ -123,6 +159,8 @@ def quantize(model: Transformer, mode: str = "auto") -> Transformer:
                 err = (q4.dequantize() - child.weight.detach().float()).abs().max()
                 if mode == "q4" or err <= 1e-6 * child.weight.detach().abs().max():
                     layer = q4
+            if keep_dense:
+                layer.dense_weight = child.weight.detach()  # shared with the float model, no copy
             setattr(module, name, layer)
     return model
 
