@@ -257,16 +257,12 @@ class Server:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    def jobs(self, prompts: list[list[int]], params: SamplingParams, n: int) -> list[tuple[int, list[int], SamplingParams]]:
-        """One job per (prompt, sample); sample j of a seeded request uses seed + j."""
-        jobs = []
-        for i, ids in enumerate(prompts):
-            for j in range(n):
-                p = params
-                if params.seed is not None and j:
-                    p = dataclasses.replace(params, seed=(params.seed + j) % 2**64)
-                jobs.append((i * n + j, ids, p))
-        return jobs
+    def jobs(self, first: int, prompt_ids: list[int], params: SamplingParams,
+             n: int) -> list[tuple[int, list[int], SamplingParams]]:
+        """n choices of one prompt, indexed from `first`; choice j of a seeded request uses seed + j."""
+        return [(first + j, prompt_ids,
+                 params if params.seed is None or j == 0 else dataclasses.replace(params, seed=(params.seed + j) % 2**64))
+                for j in range(n)]
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -366,49 +362,11 @@ def create_app(server: Server) -> FastAPI:
         if any(not p or min(p) < 0 or max(p) >= vocab for p in prompts):
             raise APIError(400, f"prompt: token ids must be in 0..{vocab - 1} and non-empty", param="prompt",
                            code="invalid_value")
-        params = [server.sampling_params(req, req.max_tokens or 16, len(p), "prompt") for p in prompts]
-        jobs = [job for i, (ids, sp) in enumerate(zip(prompts, params))
-                for job in server.jobs([ids], sp, req.n)]
-        jobs = [(i, ids, sp) for i, (_, ids, sp) in enumerate(jobs)]
-        prompt_tokens = sum(len(p) for p in prompts)
-        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-
-        def body(choices: list[dict], usage: dict | None) -> dict:
-            return {"id": rid, "object": "text_completion", "created": created, "model": server.model_name,
-                    "choices": choices, "usage": usage}
-
-        if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-
-            async def events() -> AsyncIterator[str]:
-                counts = [0] * len(jobs)
-                try:
-                    async for d in server.run_all(jobs):
-                        counts[d.index] = d.num_tokens
-                        if d.text or d.finish_reason:
-                            yield _sse(body([{"index": d.index, "text": d.text, "logprobs": None,
-                                              "finish_reason": d.finish_reason}], None))
-                    if include_usage:
-                        yield _sse(body([], _usage(prompt_tokens, sum(counts))))
-                except Exception as e:  # noqa: BLE001 - the stream has started: report in-band
-                    log.warning("stream failed: %s", e)
-                    yield _sse({"error": {"message": str(e), "type": "server_error", "param": None,
-                                          "code": "internal_error"}})
-                yield "data: [DONE]\n\n"
-
-            return StreamingResponse(events(), media_type="text/event-stream")
-
-        async def collect() -> dict:
-            texts, reasons, counts = [""] * len(jobs), [None] * len(jobs), [0] * len(jobs)
-            async for d in server.run_all(jobs):
-                texts[d.index] += d.text
-                counts[d.index] = d.num_tokens
-                reasons[d.index] = d.finish_reason or reasons[d.index]
-            return body([{"index": i, "text": t, "logprobs": None, "finish_reason": r}
-                         for i, (t, r) in enumerate(zip(texts, reasons))], _usage(prompt_tokens, sum(counts)))
-
-        result = await _unless_disconnected(request, collect())
-        return JSONResponse(result) if result is not None else Response(status_code=499)
+        jobs = []
+        for ids in prompts:
+            params = server.sampling_params(req, req.max_tokens or 16, len(ids), "prompt")
+            jobs += server.jobs(len(jobs), ids, params, req.n)
+        return await respond(request, req, jobs, sum(map(len, prompts)), chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -422,33 +380,45 @@ def create_app(server: Server) -> FastAPI:
         except PromptError as e:
             raise APIError(400, str(e), param="messages", code="invalid_value") from None
         params = server.sampling_params(req, req.max_completion_tokens or req.max_tokens, len(ids), "messages")
-        jobs = server.jobs([ids], params, req.n)
-        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        return await respond(request, req, server.jobs(0, ids, params, req.n), len(ids), chat=True)
+
+    async def respond(request: Request, req: _SamplingRequest, jobs: list, prompt_tokens: int,
+                      chat: bool) -> Response:
+        """Run the jobs (one per choice) and answer in OpenAI's format: a completion or a chat
+        completion, streamed as server-sent events or as one JSON body."""
+        rid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
 
         def body(obj: str, choices: list[dict], usage: dict | None) -> dict:
             return {"id": rid, "object": obj, "created": created, "model": server.model_name,
                     "choices": choices, "usage": usage}
 
         if req.stream:
+            obj = "chat.completion.chunk" if chat else "text_completion"
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+            def chunk(index: int, text: str | None, finish_reason: str | None, role: bool = False) -> str:
+                if chat:
+                    delta = {"role": "assistant", "content": ""} if role else {"content": text} if text else {}
+                    choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+                else:
+                    choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+                return _sse(body(obj, [choice], None))
 
             async def events() -> AsyncIterator[str]:
                 counts = [0] * len(jobs)
-                for i in range(len(jobs)):  # the role comes first, as OpenAI sends it
-                    yield _sse(body("chat.completion.chunk", [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                                               "logprobs": None, "finish_reason": None}], None))
+                if chat:  # the role comes first, as OpenAI sends it
+                    for i in range(len(jobs)):
+                        yield chunk(i, None, None, role=True)
                 try:
                     async for d in server.run_all(jobs):
                         counts[d.index] = d.num_tokens
-                        if d.text:
-                            yield _sse(body("chat.completion.chunk", [{"index": d.index, "delta": {"content": d.text},
-                                                                       "logprobs": None, "finish_reason": None}], None))
-                        if d.finish_reason:
-                            yield _sse(body("chat.completion.chunk", [{"index": d.index, "delta": {},
-                                                                       "logprobs": None,
-                                                                       "finish_reason": d.finish_reason}], None))
+                        if chat and d.text and d.finish_reason:  # content, then an empty finishing delta
+                            yield chunk(d.index, d.text, None)
+                            yield chunk(d.index, None, d.finish_reason)
+                        elif d.text or d.finish_reason:
+                            yield chunk(d.index, d.text, d.finish_reason)
                     if include_usage:
-                        yield _sse(body("chat.completion.chunk", [], _usage(len(ids), sum(counts))))
+                        yield _sse(body(obj, [], _usage(prompt_tokens, sum(counts))))
                 except Exception as e:  # noqa: BLE001 - the stream has started: report in-band
                     log.warning("stream failed: %s", e)
                     yield _sse({"error": {"message": str(e), "type": "server_error", "param": None,
@@ -463,10 +433,13 @@ def create_app(server: Server) -> FastAPI:
                 texts[d.index] += d.text
                 counts[d.index] = d.num_tokens
                 reasons[d.index] = d.finish_reason or reasons[d.index]
-            return body("chat.completion", [{"index": i, "message": {"role": "assistant", "content": t},
-                                             "logprobs": None, "finish_reason": r}
-                                            for i, (t, r) in enumerate(zip(texts, reasons))],
-                        _usage(len(ids), sum(counts)))
+            if chat:
+                choices = [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": None,
+                            "finish_reason": r} for i, (t, r) in enumerate(zip(texts, reasons))]
+            else:
+                choices = [{"index": i, "text": t, "logprobs": None, "finish_reason": r}
+                           for i, (t, r) in enumerate(zip(texts, reasons))]
+            return body("chat.completion" if chat else "text_completion", choices, _usage(prompt_tokens, sum(counts)))
 
         result = await _unless_disconnected(request, collect())
         return JSONResponse(result) if result is not None else Response(status_code=499)
