@@ -51,7 +51,7 @@ def tiny(data_dir: Path, out_dir: Path, **overrides) -> TrainConfig:
     """A model and run small enough for a test: 2 layers, d_model 32, 16-token context."""
     base = dict(data_dir=str(data_dir), out_dir=str(out_dir), n_layer=2, n_head=2, d_model=32, context_length=16,
                 batch_size=4, max_steps=6, warmup_steps=2, lr=3e-3, min_lr=3e-4, eval_interval=3, eval_batches=2,
-                log_interval=1, progress=False, plot=False, threads=1)
+                log_interval=1, progress=False, plot=False, threads=1, dtype="float32")
     return TrainConfig(**{**base, **overrides})
 
 

@@ -47,11 +47,16 @@ def add_prepare(sub) -> None:
 # -- arlm train ------------------------------------------------------------------------------------
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from ..cli import UsageError
+    from ..config import ConfigError
     from .config import TrainConfig, load_config, parse_value
     from .trainer import train
 
-    overrides = {f.name: parse_value(f.name, getattr(args, "set_" + f.name))
-                 for f in dataclasses.fields(TrainConfig) if getattr(args, "set_" + f.name) is not None}
+    try:
+        overrides = {f.name: parse_value(f.name, getattr(args, "set_" + f.name))
+                     for f in dataclasses.fields(TrainConfig) if getattr(args, "set_" + f.name) is not None}
+    except ConfigError as e:
+        raise UsageError(f"arlm train: error: {e}") from None
     cfg = load_config(args.config, overrides)
     result = train(cfg, resume=args.resume, overwrite=args.overwrite)
     if int(os.environ.get("RANK", 0)) == 0:
@@ -67,6 +72,7 @@ def add_train(sub) -> None:
 
     p = sub.add_parser(
         "train", help="train from scratch or fine-tune (teacher-forced; DDP under torchrun)",
+        usage="arlm train [--config FILE] [--resume] [--overwrite] [--SETTING VALUE ...]",
         description="Settings come from the defaults (nanoGPT's tiny-Shakespeare CPU recipe), then --config, "
                     "then these flags. Run `torchrun --nproc_per_node=K -m arlm train ...` for DDP.")
     p.add_argument("--config", default=None, metavar="FILE", help="TOML or YAML file of settings (flat key = value)")
@@ -77,7 +83,9 @@ def add_train(sub) -> None:
     for f in dataclasses.fields(TrainConfig):
         flags = [f"--{f.name.replace('_', '-')}"] + ([f"--{f.name}"] if "_" in f.name else [])
         is_bool = bool in (hints[f.name], *typing.get_args(hints[f.name]))
-        settings.add_argument(*flags, dest="set_" + f.name, default=None, metavar=f.name.upper() if not is_bool else "BOOL",
+        settings.add_argument(*flags, dest="set_" + f.name, default=None,
+                              metavar="BOOL" if is_bool else f.name.upper(),
                               nargs="?" if is_bool else None, const="true" if is_bool else None,
-                              help=f"{f.metadata.get('help', '')} (default: {f.default})".replace("%", "%%"))
+                              help=(f.metadata.get("help", "") + ("" if f.default is None else
+                                                                  f" (default: {f.default})")).replace("%", "%%"))
     p.set_defaults(func=cmd_train)

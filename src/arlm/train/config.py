@@ -36,7 +36,7 @@ class TrainConfig:
     d_model: int = _f(128, "residual stream width")
     d_ff: int | None = _f(None, "MLP hidden width; default 4*d_model (gpt2), 8/3*d_model rounded up to 32 (llama)")
     context_length: int = _f(64, "tokens per training sequence (and the model's context window from scratch)")
-    bias: bool = _f(False, "biases in linear layers and norms (GPT-2 has them; nanoGPT leaves them out: a bit better and faster)")
+    bias: bool = _f(False, "biases in linears and norms (GPT-2 has them; nanoGPT drops them: a bit better, faster)")
     gelu_approximate: str = _f("none", "gpt2's GELU: none (exact, nanoGPT's; ~3x faster on CPU) or tanh (GPT-2's)")
     dropout: float = _f(0.0, "dropout on embeddings, attention and residual branches")
 
@@ -63,7 +63,8 @@ class TrainConfig:
 
     # system
     device: str = _f("auto", "auto, cpu, cuda or cuda:N")
-    dtype: str = _f("auto", "autocast dtype: auto (bfloat16 on CUDA that supports it, else float32), float32, bfloat16, float16")
+    dtype: str = _f("auto", "autocast dtype: auto (bfloat16 where the GPU or CPU has it natively, else "
+                            "float32), float32, bfloat16, float16")
     compile: bool = _f(False, "torch.compile the model")
     fused_adamw: bool = _f(True, "use the fused AdamW kernel where torch has one")
     seed: int = _f(1337, "seeds initialization, dropout and batch sampling")
