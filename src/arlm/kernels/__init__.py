@@ -21,43 +21,52 @@ _SOURCES = [Path(__file__).with_name(name) for name in ("int8_linear.cpp", "q4_l
 _state: dict[str, bool] = {}
 
 
-def _build_dir() -> Path:
+def _build_dir(name: str, sources: list[Path]) -> Path:
     # Keyed by source, torch version and CPU: the build uses -march=native for this very CPU.
     cpu = platform.processor() + open("/proc/cpuinfo").read().split("flags", 1)[-1][:2000] \
         if os.path.exists("/proc/cpuinfo") else platform.processor()
-    source = b"".join(p.read_bytes() for p in _SOURCES) + b"-fopenmp"
+    source = b"".join(p.read_bytes() for p in sources) + b"-fopenmp"
     key = hashlib.sha256(source + torch.__version__.encode() + cpu.encode()).hexdigest()[:16]
     root = Path(os.environ.get("ARLM_CACHE", Path.home() / ".cache" / "arlm"))
-    return root / "kernels" / key
+    return root / "kernels" / f"{name}-{key}"
+
+
+def load_native(name: str, sources: list[Path], what: str) -> bool:
+    """Build (once per machine and source version) and load a library of torch ops.
+
+    Returns False, with one warning, when it cannot be built (no compiler, no ninja, a build
+    error) or ARLM_NO_NATIVE is set; callers then use their PyTorch fallbacks.
+    """
+    if os.environ.get("ARLM_NO_NATIVE"):
+        return False
+    try:
+        from torch.utils.cpp_extension import load
+
+        build = _build_dir(name, sources)
+        build.mkdir(parents=True, exist_ok=True)
+        lib = build / f"{name}.so"
+        if lib.exists():
+            torch.ops.load_library(str(lib))
+        else:
+            print(f"arlm: building the {what} for this CPU (once, ~1 min)...", file=sys.stderr)
+            load(name=name, sources=[str(p) for p in sources], build_directory=str(build),
+                 # -fopenmp: at::parallel_for is an OpenMP pragma in a header; without the flag it
+                 # silently runs on one thread. libgomp.so.1 resolves to torch's own copy.
+                 extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                 is_python_module=False, verbose=False)
+        return True
+    except Exception as e:  # noqa: BLE001 - any build failure means: use the fallback
+        log.warning("%s unavailable (%s); using the PyTorch fallback", what, e)
+        return False
 
 
 def native_available() -> bool:
-    """Build (once per machine, ~1 min) and load the native kernels; False if that fails."""
+    """The int8 and 4-bit linear kernels are built and loaded."""
     if "native" not in _state:
-        _state["native"] = False
-        if os.environ.get("ARLM_NO_NATIVE"):
-            return False
-        try:
-            from torch.utils.cpp_extension import load
-
-            build = _build_dir()
-            build.mkdir(parents=True, exist_ok=True)
-            lib = build / "arlm_kernels.so"
-            if lib.exists():
-                torch.ops.load_library(str(lib))
-            else:
-                print("arlm: building the native int8/4-bit kernels for this CPU (once, ~1 min)...", file=sys.stderr)
-                load(name="arlm_kernels", sources=[str(p) for p in _SOURCES], build_directory=str(build),
-                     # -fopenmp: at::parallel_for is an OpenMP pragma in a header; without the flag
-                     # it silently runs on one thread. libgomp.so.1 resolves to torch's own copy.
-                     extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
-                     is_python_module=False,
-                     verbose=False)
-            _state["native"] = hasattr(torch.ops.arlm, "int8_linear") and hasattr(torch.ops.arlm, "q4_linear")
-            if _state["native"]:
-                _register_fake()
-        except Exception as e:  # no compiler, no ninja, a build error: fall back, say so once
-            log.warning("native kernels unavailable (%s); using the PyTorch fallback", e)
+        _state["native"] = (load_native("arlm_kernels", _SOURCES, "native int8/4-bit kernels")
+                            and hasattr(torch.ops.arlm, "int8_linear") and hasattr(torch.ops.arlm, "q4_linear"))
+        if _state["native"]:
+            _register_fake()
     return _state["native"]
 
 

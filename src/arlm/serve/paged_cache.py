@@ -14,10 +14,7 @@ place; elsewhere a PyTorch fallback gathers each token's keys and calls SDPA.
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
-import sys
 from pathlib import Path
 
 import torch
@@ -33,26 +30,10 @@ _native: dict[str, bool] = {}
 def native_available() -> bool:
     """Build (once per machine and source version) and load the paged-attention kernel."""
     if "ok" not in _native:
-        _native["ok"] = False
-        if os.environ.get("ARLM_NO_NATIVE"):
-            return False
-        try:
-            from torch.utils.cpp_extension import load
+        from ..kernels import load_native
 
-            flags = open("/proc/cpuinfo").read().split("flags", 1)[-1][:2000] if os.path.exists("/proc/cpuinfo") else ""
-            key = hashlib.sha256(_SOURCE.read_bytes() + torch.__version__.encode() + flags.encode()).hexdigest()[:16]
-            build = Path(os.environ.get("ARLM_CACHE", Path.home() / ".cache" / "arlm")) / "kernels" / f"serve-{key}"
-            build.mkdir(parents=True, exist_ok=True)
-            lib = build / "arlm_serve_kernels.so"
-            if lib.exists():
-                torch.ops.load_library(str(lib))
-            else:
-                print("arlm: building the paged-attention kernel for this CPU (once)...", file=sys.stderr)
-                load(name="arlm_serve_kernels", sources=[str(_SOURCE)], build_directory=str(build),
-                     extra_cflags=["-O3", "-march=native"], is_python_module=False, verbose=False)
-            _native["ok"] = hasattr(torch.ops.arlm_serve, "paged_attention")
-        except Exception as e:  # no compiler, a build error: the PyTorch fallback still serves
-            log.warning("paged-attention kernel unavailable (%s); using the PyTorch fallback", e)
+        _native["ok"] = (load_native("arlm_serve_kernels", [_SOURCE], "paged-attention kernel")
+                         and hasattr(torch.ops.arlm_serve, "paged_attention"))
     return _native["ok"]
 
 
