@@ -14,7 +14,6 @@ place; elsewhere a PyTorch fallback gathers each token's keys and calls SDPA.
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import torch
@@ -22,7 +21,6 @@ import torch.nn.functional as F
 
 from ..config import ModelConfig
 
-log = logging.getLogger(__name__)
 _SOURCE = Path(__file__).with_name("paged_attention.cpp")
 _native: dict[str, bool] = {}
 
