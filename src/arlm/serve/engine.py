@@ -87,6 +87,7 @@ class EngineStats:
     generation_tokens: int = 0
     finished: dict[str, int] = field(default_factory=dict)  # by finish reason
     steps: int = 0
+    step_seconds: float = 0.0  # wall time inside `step` (the rest is idle or the HTTP side)
     time_to_first_token: Histogram = field(default_factory=lambda: Histogram(
         (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)))
 
@@ -168,6 +169,7 @@ class Engine:
     # -- one step of continuous batching ----------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
         batch = self.scheduler.schedule()
         if not batch:
             return []
@@ -200,7 +202,6 @@ class Engine:
                 next_ids = sample_rows(logits, [s.params for s in seqs], [s.generator for s in seqs],
                                        self._seen(seqs)).tolist()  # the step's one host sync
                 sampled = dict(zip(out_rows, next_ids))
-        self.stats.steps += 1
         outputs = []
         for seq in self.scheduler.update(batch, sampled):
             self.stats.generation_tokens += 1
@@ -210,6 +211,8 @@ class Engine:
             if seq.status == FINISHED:
                 del self.requests[seq.request_id]
                 self.stats.finished[seq.finish_reason] = self.stats.finished.get(seq.finish_reason, 0) + 1
+        self.stats.steps += 1
+        self.stats.step_seconds += time.perf_counter() - t0
         return outputs
 
     def _seen(self, seqs: list[Sequence]) -> torch.Tensor | None:

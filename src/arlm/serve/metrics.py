@@ -53,6 +53,8 @@ def render(engine: AsyncEngine, http_requests: dict[tuple[str, int], int]) -> st
     _metric(out, "arlm_num_preemptions_total", "counter", "Sequences preempted (freed, to be recomputed).",
             [(sched.stats.preemptions, None)])
     _metric(out, "arlm_engine_steps_total", "counter", "Forward passes run by the engine.", [(stats.steps, None)])
+    _metric(out, "arlm_engine_step_seconds_total", "counter", "Time spent in engine steps.",
+            [(round(stats.step_seconds, 6), None)])
     _histogram(out, "arlm_time_to_first_token_seconds", "Time from arrival to the first generated token.",
                stats.time_to_first_token)
     return "\n".join(out) + "\n"
