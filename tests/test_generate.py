@@ -204,8 +204,9 @@ def test_stop_string_spanning_several_tokens(smollm2, story):
     start, end = bounds[8], bounds[13]
     stop = text[start:end]
     assert text.index(stop) == start and len(stop) >= 5
+    assert bounds[13] > bounds[12]  # the 14th token ends the stop string
     gen, _ = check_stop(smollm2, prompt, stop, text)
-    assert 13 <= len(gen.completions[0]) < 48  # it stopped once the stop string was complete
+    assert len(gen.completions[0]) == 14  # it stopped on the token that completed the stop string
 
 
 def test_stop_string_straddling_stream_chunks(smollm2, story):
@@ -223,9 +224,10 @@ def test_stop_string_completed_by_the_last_allowed_token(smollm2, story):
     """max_new_tokens and the stop string end on the same token: the text is cut, so 'stop'."""
     prompt, text, bounds, completion = story
     n = 12
-    stop = text[bounds[n - 3]:bounds[n - 1]]  # tokens n-2 and n-1 (1-based) complete it
-    assert text.index(stop) == bounds[n - 3]
-    check_stop(smollm2, prompt, stop, text, max_new_tokens=n)
+    stop = text[bounds[n - 3]:bounds[n - 1]]  # the text of tokens n-1 and n: the n-th completes it
+    assert text.index(stop) == bounds[n - 3] and bounds[n - 1] > bounds[n - 2]
+    gen, _ = check_stop(smollm2, prompt, stop, text, max_new_tokens=n)
+    assert len(gen.completions[0]) == n
 
 
 def test_stop_prefixes_that_never_complete_are_released(smollm2, story):
