@@ -298,10 +298,16 @@ async def _unless_disconnected(request: Request, work) -> Any:
     return task.result()
 
 
-def create_app(server: Server) -> FastAPI:
+def create_app(server: Server, engine_thread: bool = True) -> FastAPI:
+    """The FastAPI app. With `engine_thread` the app runs the engine loop on a background thread
+    of its own; without, the caller runs `server.engine.run()` (as `arlm serve` does)."""
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        server.engine.start(asyncio.get_running_loop())
+        if engine_thread:
+            server.engine.start(asyncio.get_running_loop())
+        else:
+            server.engine.attach(asyncio.get_running_loop())
         yield
         server.engine.stop()
 

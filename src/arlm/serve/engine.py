@@ -243,11 +243,13 @@ class EngineDead(RuntimeError):
 
 
 class AsyncEngine:
-    """Drives an `Engine` on a background thread; `generate` is an async iterator per request.
+    """Drives an `Engine` in a loop on its own thread; `generate` is an async iterator per request.
 
-    Requests and aborts go to the thread through an inbox (the scheduler is not thread-safe);
-    each step's outputs come back to the event loop in one `call_soon_threadsafe`. A request
-    whose consumer stops iterating (client disconnected, stop string seen) is aborted at once.
+    Requests and aborts go to the engine's thread through an inbox (the scheduler is not
+    thread-safe); each step's outputs come back to the event loop in one `call_soon_threadsafe`.
+    A request whose consumer stops iterating (client disconnected, stop string seen) is aborted
+    at once. `run` is the loop, for a thread of the caller's choosing (`arlm serve` gives it the
+    main thread, see `serve.cli`); `start` runs it on a background thread instead.
     """
 
     def __init__(self, engine: Engine) -> None:
@@ -257,18 +259,25 @@ class AsyncEngine:
         self._queues: dict[str, asyncio.Queue] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
-        self._thread = threading.Thread(target=self._run, name="arlm-engine", daemon=True)
+        self._thread: threading.Thread | None = None
         self._next_id = 0
-        self.dead: str | None = None  # why the engine thread stopped, if it did
+        self.dead: str | None = None  # why the engine loop stopped, if it did
+
+    def attach(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The event loop that consumes the outputs (set before any request arrives)."""
+        self._loop = loop
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
+        """Attach to `loop` and run the engine loop on a background thread."""
+        self.attach(loop)
+        self._thread = threading.Thread(target=self.run, name="arlm-engine", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
+        """End the loop (from any thread); requests still open fail with EngineDead."""
         self._stopping = True
         self._wake.set()
-        if self._thread.is_alive():
+        if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=10)
 
     @property
@@ -323,12 +332,16 @@ class AsyncEngine:
         for out in outputs:
             self._deliver(out.request_id, out)
 
-    def _run(self) -> None:
+    def run(self) -> None:
+        """The engine loop: add and abort requests, step while there is work, sleep otherwise.
+        Returns after `stop`; if it breaks, it says so on /health and fails the open requests."""
         try:
             self._loop_steps()
-        except BaseException as e:  # the thread itself broke: say so on /health, fail the waiters
-            log.exception("engine thread stopped")
+            self.dead = "the server is shutting down"
+        except BaseException as e:
+            log.exception("engine loop stopped")
             self.dead = f"{type(e).__name__}: {e}"
+        if self._loop is not None and not self._loop.is_closed():
             for request_id in list(self._queues):
                 self._loop.call_soon_threadsafe(self._deliver, request_id, EngineDead(self.dead))
 
