@@ -23,12 +23,16 @@ GREEDY = SamplingParams(max_new_tokens=8, temperature=0.0)
 
 @pytest.fixture(scope="module")
 def smollm2():
-    """SmolLM2 as `arlm serve` runs it: int8 weights, whose kernel computes each row of a batch
-    independently (the session fixture's 4-bit kernel blocks rows differently for one row)."""
+    """SmolLM2 as `arlm serve` runs it: int8 weights for every token, prefill too (no float
+    copies), so `LLM.generate` below computes what the engine computes."""
     from arlm.llm import LLM
     from arlm.loading import resolve_model_path
 
-    return LLM.load(str(resolve_model_path("smollm2")), quantize="int8")
+    llm = LLM.load(str(resolve_model_path("smollm2")), quantize="int8")
+    for module in llm.model.modules():
+        if getattr(module, "dense_weight", None) is not None:
+            module.dense_weight = None
+    return llm
 
 
 @pytest.fixture(scope="module")
