@@ -58,10 +58,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     http = uvicorn.Server(uvicorn.Config(create_app(server, engine_thread=False), host=args.host, port=args.port,
                                          log_level=args.log_level, access_log=args.log_level == "debug",
                                          timeout_graceful_shutdown=5))
-    # The engine keeps the main thread and HTTP gets a thread of its own: the main thread has
-    # already run the model (loading, quantizing), and on a quiet machine torch's OpenMP work then
-    # ran ~1.5x slower from a second thread (an engine decode step at batch 1: 19-20 ms on the
-    # main thread, 28-33 ms on another, 2 threads). HTTP does no OpenMP work.
+    # The engine loop keeps the main thread, which loaded the model, and owns the signals; HTTP
+    # (I/O and text, no OpenMP work) gets a thread of its own.
     http_thread = threading.Thread(target=http.run, name="arlm-http", daemon=True)
     http_thread.start()
     while not http.started:
