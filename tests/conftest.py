@@ -38,8 +38,8 @@ def smollm2(smollm2_path):
 @pytest.fixture(scope="session")
 def hf_smollm2(smollm2_path):
     """HF transformers' LlamaForCausalLM from the same GGUF file (float32, eval), loaded once."""
-    transformers = pytest.importorskip("transformers")
-    pytest.importorskip("accelerate")
+    import accelerate  # noqa: F401  (HF's GGUF loading needs it; `make test` installs it)
+    import transformers
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     model = transformers.AutoModelForCausalLM.from_pretrained(
@@ -49,7 +49,7 @@ def hf_smollm2(smollm2_path):
 
 @pytest.fixture(scope="session")
 def hf_smollm2_tokenizer(smollm2_path):
-    transformers = pytest.importorskip("transformers")
+    import transformers
     transformers.logging.set_verbosity_error()
     return transformers.AutoTokenizer.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name)
 
@@ -120,6 +120,5 @@ def arlm_from_hf(hf_model):
 @pytest.fixture(scope="session")
 def tiny_llama():
     """(hf, arlm) pair: random Llama with GQA (6 query heads, 2 KV heads), untied head."""
-    pytest.importorskip("transformers")
     hf = hf_llama(seed=1)
     return hf, arlm_from_hf(hf)

@@ -85,8 +85,7 @@ def test_bad_input_fails_with_one_line(bad_runs, name):
 
 def test_console_script_entry_point():
     script = shutil.which("arlm", path=str(Path(sys.executable).parent))
-    if script is None:
-        pytest.skip("the arlm console script is not installed next to this interpreter")
+    assert script is not None, "pip install -e . installs the arlm console script beside the interpreter"
     r = subprocess.run([script, "generate", "hi", "--top-k", "-1"], capture_output=True, text=True, env=ENV)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "top_k" in r.stderr
 

@@ -17,7 +17,6 @@ from arlm.loading.hf import config_from_hf
 
 from conftest import arlm_from_hf, hf_gpt2, hf_llama
 
-pytest.importorskip("transformers")
 
 ATOL = 1e-4
 
