@@ -210,7 +210,8 @@ def samples(checkpoint: str, n: int = 3) -> list[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--family", nargs="+", default=["gpt2", "llama"], choices=["gpt2", "llama"])
+    ap.add_argument("--family", nargs="*", default=["gpt2", "llama"], choices=["gpt2", "llama"],
+                    help="arlm's model styles to train (none: the reference alone)")
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                     help="arlm's autocast dtype (auto: bfloat16 on CPUs with AVX512-BF16 or AMX, else float32)")
@@ -243,7 +244,8 @@ def main() -> None:
         timed(run_arlm, family, data_dir, args.out, args.steps, args.compile, args.dtype)
     if ref_steps:
         timed(nanogpt_reference, data_dir, ref_steps)
-    report["samples"] = samples(report["runs"][0]["checkpoint"])
+    arlm_runs = [r for r in report["runs"] if "checkpoint" in r]
+    report["samples"] = samples(arlm_runs[0]["checkpoint"]) if arlm_runs else []
 
     ref = next((r for r in report["runs"] if r["family"] == "nanoGPT reference"), None)
     print(f"\n| model | precision, threads | val loss @{args.steps}: 20 batches / full split | training tokens/s "
