@@ -1,6 +1,6 @@
 """Issue-2 baseline: arlm beside HF transformers on the same SmolLM2-135M-Instruct weights, one run.
 
-    .venv/bin/python benchmarks/decode.py [--threads 2] [--repeat 3] [--json out.json]
+    .venv/bin/python benchmarks/decode.py [--threads 2] [--repeat 5] [--json out.json]
 
 Both sides run float32 on the CPU with the same torch thread count, from the same GGUF file.
   prefill: one forward pass over a 512-token prompt, tokens/s. arlm: `prefill` into a KVCache;
@@ -73,7 +73,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prompt-tokens", type=int, default=512)
     ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--json", type=Path, default=None, help="write the figures here")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
