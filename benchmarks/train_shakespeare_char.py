@@ -142,7 +142,7 @@ def nanogpt_reference(data_dir: Path, steps: int) -> dict:
     data = TokenData.open(data_dir)
     train_data = data.splits["train"]
     T, B = cfg.context_length, cfg.batch_size
-    torch.manual_seed(1337)
+    torch.manual_seed(cfg.seed)
     model = RefGPT(data.vocab_size, cfg.n_layer, cfg.n_head, cfg.d_model, T)
     params = list(model.parameters())
     opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
@@ -200,6 +200,35 @@ def run_arlm(family: str, data_dir: Path, out_root: Path, steps: int, compile: b
             "wall_s": result.wall_s, "checkpoint": str(out_root / family / "latest")}
 
 
+def run_arlm_ddp(family: str, data_dir: Path, out_root: Path, steps: int, dtype: str, procs: int) -> dict:
+    """The same recipe under `torchrun`: `procs` processes of one thread, each taking 12 / procs
+    sequences of the global batch of 12 (so the optimizer sees the same batches' gradient)."""
+    import subprocess
+
+    out = out_root / f"{family}-ddp{procs}"
+    cfg = TrainConfig(**{**RECIPE, "max_steps": steps, "batch_size": RECIPE["batch_size"] // procs,
+                         "grad_accum": procs}, family=family, data_dir=str(data_dir), out_dir=str(out),
+                      dtype=dtype, threads=1, progress=False)
+    flags = [f"--{k}={v}" for k, v in cfg.to_dict().items() if v is not None]
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={procs}",
+                    "-m", "arlm", "train", *flags, "--overwrite"], check=True, cwd=ROOT,
+                   env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")})
+    wall = time.perf_counter() - t0
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    windows = [r["tokens_per_s"] for r in records if r["kind"] == "train"][1:]
+    model = load_model(str(out / "latest")).model
+    return {"family": f"{family} DDP {procs}x1", "params": model.num_params(), "compile": False,
+            "dtype": str(autocast_dtype(cfg, torch.device("cpu")) or "float32").replace("torch.", ""),
+            "threads": f"{procs} procs x 1", "steps": steps,
+            "val_loss_run": [r for r in records if r["kind"] == "eval"][-1]["val_loss"],
+            "val_loss_full": full_val_loss(model, np.asarray(TokenData.open(data_dir).splits["val"]),
+                                           cfg.context_length),
+            "tokens_per_s": len(windows) / sum(1 / w for w in windows),  # steps-weighted mean of the windows
+            "tokens_per_s_median_window": float(np.median(windows)), "wall_s": wall, "cpu_s": math.nan,
+            "checkpoint": str(out / "latest")}
+
+
 def samples(checkpoint: str, n: int = 3) -> list[str]:
     """Text from the checkpoint through arlm's generation path (prefill, then KV-cached decode)."""
     llm = LLM.load(checkpoint, quantize=None)  # the trained float32 weights as they are
@@ -219,9 +248,13 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads (default: all cores)")
     ap.add_argument("--reference-steps", type=int, default=None, help="steps of the nanoGPT reference "
                     "(default: --steps; 0 skips it)")
+    ap.add_argument("--ddp", type=int, default=0, metavar="K",
+                    help="also train the GPT-2 style under torchrun: K processes of one thread each")
+    ap.add_argument("--seed", type=int, default=RECIPE["seed"], help="seeds arlm's runs and the reference")
     ap.add_argument("--out", type=Path, default=ROOT / "out" / "bench_train")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    RECIPE["seed"] = args.seed
     ref_steps = args.steps if args.reference_steps is None else args.reference_steps
 
     data_dir = args.out / "data"
@@ -235,13 +268,16 @@ def main() -> None:
         run = fn(*a)
         # CPU seconds of this process: with one thread, what the wall time would be on an idle
         # machine (the two differ by the time other processes held the core).
-        run.update(loadavg_start=load, loadavg_end=os.getloadavg()[0], cpu_s=time.process_time() - cpu)
+        run.update(loadavg_start=load, loadavg_end=os.getloadavg()[0])
+        run.setdefault("cpu_s", time.process_time() - cpu)
         print(json.dumps(run), file=sys.stderr)
         report["runs"].append(run)
         return run
 
     for family in args.family:
         timed(run_arlm, family, data_dir, args.out, args.steps, args.compile, args.dtype)
+    if args.ddp:
+        timed(run_arlm_ddp, "gpt2", data_dir, args.out, args.steps, args.dtype, args.ddp)
     if ref_steps:
         timed(nanogpt_reference, data_dir, ref_steps)
     arlm_runs = [r for r in report["runs"] if "checkpoint" in r]

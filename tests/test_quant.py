@@ -61,6 +61,88 @@ def test_q4_linear_matches_float64(M, N, K):
     assert (y.double() - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
 
 
+def _q4_dense(w, scale, mins):
+    """float64 [N, K] from packed 4-bit weights, built independently of unpack_q4."""
+    N, K = w.shape[0], w.shape[1] * 2
+    q = torch.empty(N, K, dtype=torch.float64)
+    for k in range(K):
+        grp, j = divmod(k, 32)
+        byte = w[:, grp * 16 + j % 16].to(torch.int64)
+        q[:, k] = (byte & 15 if j < 16 else byte >> 4).double()
+    return q * scale.double().repeat_interleave(32, 1) + mins.double().repeat_interleave(32, 1)
+
+
+def test_activation_quantization_bound():
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(7, 576, generator=g) * torch.rand(7, 576, generator=g) * 10
+    x[0, :32] = 0  # an all-zero group: scale 0, codes 0
+    q, d = kernels.quantize_activations(x)
+    assert q.dtype == torch.int8 and d.shape == (7, 18) and q.abs().max() <= 127
+    back = q.view(7, 18, 32).double() * d.double()[..., None]
+    err = (back - x.view(7, 18, 32).double()).abs()
+    assert (err <= d.double()[..., None] * 0.5 * (1 + 1e-6)).all()  # within half a step
+    assert torch.equal(q[0, :32], torch.zeros(32, dtype=torch.int8))
+
+
+def _dequantized_x(x):
+    q, d = kernels.quantize_activations(x)
+    return (q.view(*d.shape, 32).double() * d.double()[..., None]).view(x.shape)
+
+
+def _assert_within_rounding_bound(y, x, dense):
+    # Against the exact float product: each activation moved by at most half its group's step
+    # (d / 2), so |y - x @ W.T| <= |W| @ (d / 2) row by row (+ float32 summation).
+    _, d = kernels.quantize_activations(x)
+    half_step = (d.double() / 2).repeat_interleave(32, 1)
+    bound = half_step @ dense.abs().T
+    err = (y.double() - x.double() @ dense.T).abs()
+    assert (err <= bound * (1 + 1e-6) + 1e-5 * (x.double() @ dense.T).abs().max()).all()
+
+
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 9, 33])
+@pytest.mark.parametrize("N,K", [(1536, 576), (1539, 576), (6, 64)])
+def test_int8_linear_a8_matches_float64(M, N, K):
+    # Integer path: exactly (quantized x) @ (int8 weights * scale), up to float32 summation.
+    g = torch.Generator().manual_seed(M * 31 + N + K)
+    x = torch.randn(M, K, generator=g) * 3
+    w = torch.randint(-127, 128, (N, K), generator=g, dtype=torch.int8)
+    scale = torch.rand(N, generator=g) * 0.01 + 1e-3
+    y = kernels.int8_linear_a8(x, w, scale)
+    ref = _dequantized_x(x) @ (w.double() * scale.double()[:, None]).T
+    assert y.dtype == torch.float32 and y.shape == (M, N)
+    assert (y.double() - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+    _assert_within_rounding_bound(y, x, w.double() * scale.double()[:, None])
+
+
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 9, 33])
+@pytest.mark.parametrize("N,K", [(1536, 576), (67, 96), (5, 32)])
+def test_q4_linear_a8_matches_float64(M, N, K):
+    g = torch.Generator().manual_seed(M * 11 + N + K)
+    x = torch.randn(M, K, generator=g) * 3
+    w = torch.randint(0, 256, (N, K // 2), generator=g, dtype=torch.uint8)
+    scale = (torch.rand(N, K // 32, generator=g) * 0.05).half()
+    mins = (torch.randn(N, K // 32, generator=g) * 0.05).half()
+    y = kernels.q4_linear_a8(x, w, scale, mins)
+    dense = _q4_dense(w, scale, mins)
+    ref = _dequantized_x(x) @ dense.T
+    assert (y.double() - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+    _assert_within_rounding_bound(y, x, dense)
+
+
+def test_a8_fallback_matches_native():
+    # The pure-PyTorch fallback quantizes x bitwise like the kernel: same results to float32 order.
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(3, 576, generator=g)
+    w8 = torch.randint(-127, 128, (40, 576), generator=g, dtype=torch.int8)
+    s8 = torch.rand(40, generator=g) * 0.01
+    w4 = torch.randint(0, 256, (40, 288), generator=g, dtype=torch.uint8)
+    s4, m4 = (torch.rand(40, 18, generator=g) * 0.05).half(), (torch.randn(40, 18, generator=g) * 0.05).half()
+    deq = kernels._dequantized_activations(x)
+    torch.testing.assert_close(kernels.int8_linear_a8(x, w8, s8), kernels._fallback(deq, w8, s8), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(kernels.q4_linear_a8(x, w4, s4, m4),
+                               torch.nn.functional.linear(deq, kernels.unpack_q4(w4, s4, m4)), rtol=1e-5, atol=1e-6)
+
+
 def test_q4_round_trip_is_exact_on_4bit_values_and_bounded_otherwise():
     g = torch.Generator().manual_seed(3)
     # Values that are already Q4_1 (as a Q4_1 GGUF dequantizes to): every group has 16 levels
@@ -78,19 +160,19 @@ def test_q4_round_trip_is_exact_on_4bit_values_and_bounded_otherwise():
     assert (err.amax(-1) <= step * 0.5 * 1.01 + 1e-3).all()
 
 
-@pytest.mark.parametrize("fmt", ["int8", "q4"])
+@pytest.mark.parametrize("fmt", ["int8", "q4", "int8_a8", "q4_a8"])
 def test_rows_are_independent(fmt):
     # Batching must not change a row's result, bitwise: a request decoded in a batch of 9 (or in
     # a continuous batch) must give exactly the tokens it gives alone.
     g = torch.Generator().manual_seed(0)
     x = torch.randn(9, 576, generator=g)
-    if fmt == "int8":
-        args = (torch.randint(-127, 128, (300, 576), generator=g, dtype=torch.int8), torch.rand(300, generator=g))
-        op = kernels.int8_linear
+    if fmt.startswith("int8"):
+        args = (torch.randint(-127, 128, (301, 576), generator=g, dtype=torch.int8), torch.rand(301, generator=g))
+        op = kernels.int8_linear_a8 if fmt.endswith("a8") else kernels.int8_linear
     else:
-        args = (torch.randint(0, 256, (300, 288), generator=g, dtype=torch.uint8),
-                (torch.rand(300, 18, generator=g) * 0.05).half(), (torch.randn(300, 18, generator=g) * 0.05).half())
-        op = kernels.q4_linear
+        args = (torch.randint(0, 256, (301, 288), generator=g, dtype=torch.uint8),
+                (torch.rand(301, 18, generator=g) * 0.05).half(), (torch.randn(301, 18, generator=g) * 0.05).half())
+        op = kernels.q4_linear_a8 if fmt.endswith("a8") else kernels.q4_linear
     together = op(x, *args)
     for i in range(9):
         assert torch.equal(op(x[i:i + 1].contiguous(), *args)[0], together[i])
@@ -175,10 +257,12 @@ def test_int8_weights_are_a_quarter(smollm2, int8_smollm2):
 
 
 @pytest.mark.parametrize("path", ["int8", "auto"])
-def test_quantized_generation_runs_the_same_engine(int8_smollm2, auto_smollm2, path):
+def test_quantized_generation_runs_the_same_engine(smollm2, path):
     # The quantized model goes through the same prefill + KV-cached decode; cached equals
-    # uncached recomputation for it too.
-    llm = {"int8": int8_smollm2, "auto": auto_smollm2}[path]
+    # uncached recomputation for it too. Without the float copies (keep_dense=False, as the
+    # server runs) prefill takes the quantized kernels too, so both sides do the same arithmetic.
+    llm = LLM(smollm2.loaded)
+    llm.model = quantize(copy.deepcopy(smollm2.model), path, keep_dense=False)
     ids = llm.tokenizer.encode("The capital of France is")
     gen = Generation(llm.model, [ids], SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True))
     for _ in gen:

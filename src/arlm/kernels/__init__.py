@@ -1,8 +1,10 @@
 """Native CPU kernels, compiled on first use with the machine's C++ compiler for its own CPU.
 
 `int8_linear(x, w, scale)` and `q4_linear(x, w, scale, mins)` are the decode matmuls for int8 and
-4-bit weights. When the kernels cannot be built (no compiler, a build error) the same ops run as
-pure-PyTorch fallbacks: correct, slower.
+4-bit weights with float32 activations; `int8_linear_a8` and `q4_linear_a8` quantize the
+activations to 8 bits in groups of 32 (`quantize_activations`) and multiply in integers, the
+faster path decode uses by default. When the kernels cannot be built (no compiler, a build error)
+the same ops run as pure-PyTorch fallbacks: correct, slower.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from pathlib import Path
 import torch
 
 log = logging.getLogger(__name__)
-_SOURCES = [Path(__file__).with_name(name) for name in ("int8_linear.cpp", "q4_linear.cpp")]
+_SOURCES = [Path(__file__).with_name(name) for name in ("int8_linear.cpp", "q4_linear.cpp", "a8_linear.cpp")]
 _state: dict[str, bool] = {}
 
 
@@ -64,7 +66,8 @@ def native_available() -> bool:
     """The int8 and 4-bit linear kernels are built and loaded."""
     if "native" not in _state:
         _state["native"] = (load_native("arlm_kernels", _SOURCES, "native int8/4-bit kernels")
-                            and hasattr(torch.ops.arlm, "int8_linear") and hasattr(torch.ops.arlm, "q4_linear"))
+                            and all(hasattr(torch.ops.arlm, op) for op in
+                                    ("int8_linear", "q4_linear", "int8_linear_a8", "q4_linear_a8")))
         if _state["native"]:
             _register_fake()
     return _state["native"]
@@ -78,6 +81,14 @@ def _register_fake() -> None:
         return x.new_empty(x.shape[0], w.shape[0])
 
     @torch.library.register_fake("arlm::q4_linear")
+    def _(x, w, scale, mins):
+        return x.new_empty(x.shape[0], w.shape[0])
+
+    @torch.library.register_fake("arlm::int8_linear_a8")
+    def _(x, w, scale):
+        return x.new_empty(x.shape[0], w.shape[0])
+
+    @torch.library.register_fake("arlm::q4_linear_a8")
     def _(x, w, scale, mins):
         return x.new_empty(x.shape[0], w.shape[0])
 
@@ -106,3 +117,34 @@ def int8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.
     if x.device.type == "cpu" and native_available():
         return torch.ops.arlm.int8_linear(x.contiguous(), w, scale)
     return _fallback(x, w, scale)
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] float32 (K a multiple of 32) -> (q int8 [M, K], scale [M, K/32]) with
+    x ~= q * scale per group of 32: scale = max|x| / 127, q = round-half-even(x * (1 / scale)).
+    The same float32 operations as the native kernels, so both quantize bitwise alike."""
+    M, K = x.shape
+    g = x.float().reshape(M, K // 32, 32)
+    d = g.abs().amax(dim=-1) / 127.0
+    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+    q = torch.round(g * inv[..., None]).to(torch.int8)
+    return q.view(M, K), d
+
+
+def _dequantized_activations(x: torch.Tensor) -> torch.Tensor:
+    q, d = quantize_activations(x)
+    return (q.view(*d.shape, 32).float() * d[..., None]).view(q.shape)
+
+
+def q4_linear_a8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
+    """Like `q4_linear`, with x quantized to 8 bits per group of 32 first (integer dot products)."""
+    if x.device.type == "cpu" and native_available():
+        return torch.ops.arlm.q4_linear_a8(x.contiguous(), w, scale, mins)
+    return torch.nn.functional.linear(_dequantized_activations(x), unpack_q4(w, scale, mins))
+
+
+def int8_linear_a8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Like `int8_linear`, with x quantized to 8 bits per group of 32 first (K a multiple of 32)."""
+    if x.device.type == "cpu" and native_available():
+        return torch.ops.arlm.int8_linear_a8(x.contiguous(), w, scale)
+    return _fallback(_dequantized_activations(x), w, scale)

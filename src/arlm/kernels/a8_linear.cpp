@@ -1,0 +1,280 @@
+// Integer-dot linear layers for CPU decode: int8 or 4-bit weights times 8-bit activations.
+//
+// The float kernels (int8_linear.cpp, q4_linear.cpp) widen every weight to float32 before the
+// multiply; for 4-bit weights that widening, not memory, bounds the step. Here the activations
+// are quantized instead, the way llama.cpp's Q8_0 does: each row of x is cut into groups of 32,
+// each group stored as int8 with one float scale (dx = max|x| / 127). A group of 32 weights times
+// a group of 32 activations is then one integer dot product (VNNI's vpdpbusd where the CPU has
+// it, else AVX2's maddubs + madd), scaled once per group in float32:
+//
+//   int8 weights  (w = s[n] * q):              y = s[n] * sum_g dx_g * sum_j q_j qx_j
+//   4-bit weights (w = d[n,g] * q + m[n,g]):   y = sum_g d dx_g * sum_j q_j qx_j + m * dx_g * sum_j qx_j
+//
+// The result is exactly the float product of the dequantized weights and the quantized
+// activations (up to float32 summation), which the tests check against float64.
+// x is quantized per row and every (row, weight row) pair is summed in the same order whatever
+// the number of rows M, so a sequence's result does not depend on what it is batched with.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <immintrin.h>
+
+#include <cmath>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kGroup = 32;  // activations (and 4-bit weights) per scale
+constexpr int64_t kRows = 4;    // weight rows per tile
+
+// x [M, K] float -> qx [M, K] int8, dx [M, K/32] (scale), sx [M, K/32] (dx * sum of the group's qx).
+void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* qx, float* dx, float* sx) {
+  const int64_t G = K / kGroup;
+  at::parallel_for(0, M * G, 64, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const float* src = x + b * kGroup;  // row-major [M, K] with K = G * 32: group b is contiguous
+      float amax = 0.f;
+      for (int j = 0; j < kGroup; ++j) amax = std::max(amax, std::fabs(src[j]));
+      const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
+      int sum = 0;
+      for (int j = 0; j < kGroup; ++j) {
+        const int q = static_cast<int>(std::nearbyint(src[j] * id));  // round half to even
+        qx[b * kGroup + j] = static_cast<int8_t>(q);
+        sum += q;
+      }
+      dx[b] = d;
+      sx[b] = d * static_cast<float>(sum);
+    }
+  });
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// Eight int32 partial sums of a[j] * b[j] over 32 bytes: a unsigned (0..255), b signed.
+inline __m256i dot_u8s8(__m256i a, __m256i b) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), a, b);
+#else
+  // maddubs: pairs of u8 * s8 into int16 (|15 * 127 * 2| and |127 * 127 * 2| fit); madd: into int32.
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1));
+#endif
+}
+
+// 16 packed bytes (element j in the low nibble of byte j, element 16 + j in the high) -> 32 bytes 0..15.
+inline __m256i unpack_nibbles(const uint8_t* p) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  const __m128i lo = _mm_and_si128(bytes, low4), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low4);
+  return _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
+}
+
+inline __m256i load32(const int8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
+// MB rows of quantized x against kRows 4-bit weight rows (scales widened to float in d, mn).
+template <int MB>
+void q4_block(const int8_t* qx, const float* dx, const float* sx, int64_t K, const uint8_t* w,
+              const float* d, const float* mn, float* out) {
+  const int64_t G = K / kGroup, ldw = K / 2;
+  __m256 acc[MB][kRows];
+  float macc[MB][kRows] = {};
+  for (int i = 0; i < MB; ++i)
+    for (int r = 0; r < kRows; ++r) acc[i][r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m256i wq[kRows];
+    for (int r = 0; r < kRows; ++r) wq[r] = unpack_nibbles(w + r * ldw + g * 16);
+    for (int i = 0; i < MB; ++i) {
+      const __m256i xq = load32(qx + i * K + g * kGroup);
+      const float dxi = dx[i * G + g], sxi = sx[i * G + g];
+      for (int r = 0; r < kRows; ++r) {
+        const __m256 dot = _mm256_cvtepi32_ps(dot_u8s8(wq[r], xq));
+        acc[i][r] = _mm256_fmadd_ps(dot, _mm256_set1_ps(d[r * G + g] * dxi), acc[i][r]);
+        macc[i][r] = std::fma(mn[r * G + g], sxi, macc[i][r]);  // explicit: same rounding for every MB
+      }
+    }
+  }
+  for (int i = 0; i < MB; ++i)
+    for (int r = 0; r < kRows; ++r) out[i * kRows + r] = hsum(acc[i][r]) + macc[i][r];
+}
+
+// MB rows of quantized x against kRows int8 weight rows (per-row scale applied by the caller).
+template <int MB>
+void i8_block(const int8_t* qx, const float* dx, int64_t K, const int8_t* w, float* out) {
+  const int64_t G = K / kGroup;
+  __m256 acc[MB][kRows];
+  for (int i = 0; i < MB; ++i)
+    for (int r = 0; r < kRows; ++r) acc[i][r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m256i wa[kRows], ws[kRows];
+    for (int r = 0; r < kRows; ++r) {
+      ws[r] = load32(w + r * K + g * kGroup);
+      wa[r] = _mm256_sign_epi8(ws[r], ws[r]);  // |w| as unsigned; the sign moves onto x below
+    }
+    for (int i = 0; i < MB; ++i) {
+      const __m256i xq = load32(qx + i * K + g * kGroup);
+      const __m256 dxv = _mm256_set1_ps(dx[i * G + g]);
+      for (int r = 0; r < kRows; ++r) {
+        const __m256 dot = _mm256_cvtepi32_ps(dot_u8s8(wa[r], _mm256_sign_epi8(xq, ws[r])));
+        acc[i][r] = _mm256_fmadd_ps(dot, dxv, acc[i][r]);
+      }
+    }
+  }
+  for (int i = 0; i < MB; ++i)
+    for (int r = 0; r < kRows; ++r) out[i * kRows + r] = hsum(acc[i][r]);
+}
+#endif
+
+// Scalar reference for tiles narrower than kRows and CPUs without AVX2. Same per-group math.
+float q4_scalar(const int8_t* qx, const float* dx, const float* sx, int64_t K, const uint8_t* w,
+                const float* d, const float* mn) {
+  const int64_t G = K / kGroup;
+  float acc = 0.f;
+  for (int64_t g = 0; g < G; ++g) {
+    int dot = 0;
+    for (int j = 0; j < 16; ++j) {
+      const uint8_t b = w[g * 16 + j];
+      dot += (b & 0x0F) * qx[g * kGroup + j] + (b >> 4) * qx[g * kGroup + 16 + j];
+    }
+    acc += static_cast<float>(dot) * (d[g] * dx[g]) + mn[g] * sx[g];
+  }
+  return acc;
+}
+
+float i8_scalar(const int8_t* qx, const float* dx, int64_t K, const int8_t* w) {
+  const int64_t G = K / kGroup;
+  float acc = 0.f;
+  for (int64_t g = 0; g < G; ++g) {
+    int dot = 0;
+    for (int j = 0; j < kGroup; ++j) dot += w[g * kGroup + j] * qx[g * kGroup + j];
+    acc += static_cast<float>(dot) * dx[g];
+  }
+  return acc;
+}
+
+// Runs `kernel(m, count, out)` over the rows of x in blocks of 4, 2 and 1.
+template <typename F4, typename F2, typename F1>
+inline void over_rows(int64_t M, F4 k4, F2 k2, F1 k1) {
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) k4(m);
+  for (; m + 2 <= M; m += 2) k2(m);
+  for (; m < M; ++m) k1(m);
+}
+
+struct QuantizedX {
+  std::vector<int8_t> q;
+  std::vector<float> d, s;
+  QuantizedX(const at::Tensor& x) : q(x.numel()), d(x.numel() / kGroup), s(x.numel() / kGroup) {
+    quantize_rows(x.data_ptr<float>(), x.size(0), x.size(1), q.data(), d.data(), s.data());
+  }
+};
+
+}  // namespace
+
+at::Tensor q4_linear_a8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, const at::Tensor& mins) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && scale.dim() == 2 && mins.dim() == 2,
+              "q4_linear_a8: x [M,K], w [N,K/2], scale and mins [N,K/32]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kByte &&
+              scale.scalar_type() == at::kHalf && mins.scalar_type() == at::kHalf,
+              "q4_linear_a8: x float32, w uint8, scale and mins float16");
+  TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && scale.is_contiguous() && mins.is_contiguous(),
+              "q4_linear_a8: contiguous inputs");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0), G = K / kGroup;
+  TORCH_CHECK(K % kGroup == 0 && w.size(1) == K / 2 && scale.size(0) == N && scale.size(1) == G &&
+              mins.sizes() == scale.sizes(), "q4_linear_a8: shape mismatch (K must be a multiple of 32)");
+  const QuantizedX xq(x);
+  at::Tensor y = at::empty({M, N}, x.options());
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const at::Half* sp = scale.data_ptr<at::Half>();
+  const at::Half* mp = mins.data_ptr<at::Half>();
+  float* yp = y.data_ptr<float>();
+  const int64_t tiles = (N + kRows - 1) / kRows;
+  at::parallel_for(0, tiles, 16, [&](int64_t t0, int64_t t1) {
+    std::vector<float> d(kRows * G), mn(kRows * G);  // one tile's scales, widened once
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t n = t * kRows, rows = std::min(kRows, N - n);
+      for (int64_t i = 0; i < rows * G; ++i) {
+        d[i] = static_cast<float>(sp[n * G + i]);
+        mn[i] = static_cast<float>(mp[n * G + i]);
+      }
+      const uint8_t* wt = wp + n * (K / 2);
+      const int8_t* q = xq.q.data();
+      const float *dx = xq.d.data(), *sx = xq.s.data();
+#if defined(__AVX2__) && defined(__FMA__)
+      if (rows == kRows) {
+        float out[4 * kRows];
+        auto store = [&](int64_t m, int mb) {
+          for (int i = 0; i < mb; ++i)
+            for (int r = 0; r < kRows; ++r) yp[(m + i) * N + n + r] = out[i * kRows + r];
+        };
+        over_rows(M,
+            [&](int64_t m) { q4_block<4>(q + m * K, dx + m * G, sx + m * G, K, wt, d.data(), mn.data(), out); store(m, 4); },
+            [&](int64_t m) { q4_block<2>(q + m * K, dx + m * G, sx + m * G, K, wt, d.data(), mn.data(), out); store(m, 2); },
+            [&](int64_t m) { q4_block<1>(q + m * K, dx + m * G, sx + m * G, K, wt, d.data(), mn.data(), out); store(m, 1); });
+        continue;
+      }
+#endif
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t r = 0; r < rows; ++r)
+          yp[m * N + n + r] = q4_scalar(q + m * K, dx + m * G, sx + m * G, K, wt + r * (K / 2),
+                                        d.data() + r * G, mn.data() + r * G);
+    }
+  });
+  return y;
+}
+
+at::Tensor int8_linear_a8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && scale.dim() == 1, "int8_linear_a8: x [M,K], w [N,K], scale [N]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kChar && scale.scalar_type() == at::kFloat,
+              "int8_linear_a8: x float32, w int8, scale float32");
+  TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && scale.is_contiguous(), "int8_linear_a8: contiguous inputs");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0), G = K / kGroup;
+  TORCH_CHECK(K % kGroup == 0 && w.size(1) == K && scale.size(0) == N,
+              "int8_linear_a8: shape mismatch (K must be a multiple of 32)");
+  const QuantizedX xq(x);
+  at::Tensor y = at::empty({M, N}, x.options());
+  const int8_t* wp = w.data_ptr<int8_t>();
+  const float* sp = scale.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t tiles = (N + kRows - 1) / kRows;
+  at::parallel_for(0, tiles, 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t n = t * kRows, rows = std::min(kRows, N - n);
+      const int8_t* wt = wp + n * K;
+      const int8_t* q = xq.q.data();
+      const float* dx = xq.d.data();
+#if defined(__AVX2__) && defined(__FMA__)
+      if (rows == kRows) {
+        float out[4 * kRows];
+        auto store = [&](int64_t m, int mb) {
+          for (int i = 0; i < mb; ++i)
+            for (int r = 0; r < kRows; ++r) yp[(m + i) * N + n + r] = out[i * kRows + r] * sp[n + r];
+        };
+        over_rows(M,
+            [&](int64_t m) { i8_block<4>(q + m * K, dx + m * G, K, wt, out); store(m, 4); },
+            [&](int64_t m) { i8_block<2>(q + m * K, dx + m * G, K, wt, out); store(m, 2); },
+            [&](int64_t m) { i8_block<1>(q + m * K, dx + m * G, K, wt, out); store(m, 1); });
+        continue;
+      }
+#endif
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t r = 0; r < rows; ++r)
+          yp[m * N + n + r] = i8_scalar(q + m * K, dx + m * G, K, wt + r * K) * sp[n + r];
+    }
+  });
+  return y;
+}
+
+TORCH_LIBRARY_FRAGMENT(arlm, m) {
+  m.def("q4_linear_a8(Tensor x, Tensor w, Tensor scale, Tensor mins) -> Tensor");
+  m.def("int8_linear_a8(Tensor x, Tensor w, Tensor scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(arlm, CPU, m) {
+  m.impl("q4_linear_a8", &q4_linear_a8);
+  m.impl("int8_linear_a8", &int8_linear_a8);
+}
