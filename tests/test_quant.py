@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from arlm import kernels
-from arlm.generate import Generation
+from arlm.generate import Generation, decode_step
 from arlm.llm import LLM
 from arlm.quant import Int8Linear, Q4Linear, quantize, quantize_int8, weight_bytes
 from arlm.sampling import SamplingParams
@@ -264,7 +264,9 @@ def test_quantized_generation_runs_the_same_engine(smollm2, path):
     llm = LLM(smollm2.loaded)
     llm.model = quantize(copy.deepcopy(smollm2.model), path, keep_dense=False)
     ids = llm.tokenizer.encode("The capital of France is")
-    gen = Generation(llm.model, [ids], SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True))
+    # The module path (decode_step); the native step is held to the same model in test_fused_decode.py.
+    gen = Generation(llm.model, [ids], SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True),
+                     decode_fn=decode_step)
     for _ in gen:
         pass
     seq = list(ids)

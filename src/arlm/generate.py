@@ -7,6 +7,7 @@ batch of ragged prompts and yields each step's new tokens; `generate` runs it to
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
@@ -39,6 +40,65 @@ def decode_step(model: Transformer, cache: KVCache, tokens: torch.Tensor, input_
                 kv_len: int) -> torch.Tensor:
     """One token per row: tokens [B, 1] at input_pos [B, 1] -> next-token logits [B, vocab]."""
     return model(tokens, input_pos, kv_cache=cache, kv_len=kv_len)[:, -1]
+
+
+def native_decode_fn(model: Transformer, cache: KVCache) -> Callable | None:
+    """`decode_step`'s native twin for Llama-family models on CPU, or None where it does not apply.
+
+    The whole stack of layers runs as one call to `torch.ops.arlm.decode_llama` (see
+    arlm/kernels/decode.cpp): the same math as the modules, without ~2,000 small tensor ops per
+    step. Applies to: RoPE + RMSNorm + SwiGLU, no biases, float32 weights and cache on CPU, every
+    linear float32 or quantized (arlm.quant) with one activation mode, the native kernels built.
+    The embedding lookup, final norm and LM head stay in Python (three ops).
+    """
+    from . import kernels
+    from .quant import Int8Linear, Q4Linear
+
+    cfg = model.config
+    if (cfg.pos_embedding != "rope" or cfg.norm != "rmsnorm" or cfg.mlp != "swiglu" or cfg.bias or cache.paged
+            or model.training or cache.k.dtype != torch.float32 or cache.k.device.type != "cpu"
+            or os.environ.get("ARLM_NO_FUSED") or not kernels.native_available()):
+        return None
+    none = torch.empty(0)
+    weights: list[torch.Tensor] = []
+    a8: set[bool] = set()
+
+    def linear(layer: torch.nn.Module) -> bool:
+        if isinstance(layer, Q4Linear) and layer.bias is None:
+            weights.extend([layer.weight, layer.scale, layer.mins])
+        elif isinstance(layer, Int8Linear) and layer.bias is None:
+            weights.extend([layer.weight, layer.scale, none])
+        elif type(layer) is torch.nn.Linear and layer.bias is None and layer.weight.dtype == torch.float32:
+            weights.extend([layer.weight.detach().contiguous(), none, none])
+            return True
+        else:
+            return False
+        a8.add(layer.int8_activations)
+        return True
+
+    for block in model.blocks:
+        norms = (block.attn_norm.weight, block.mlp_norm.weight)
+        if any(w.dtype != torch.float32 for w in norms):
+            return None
+        weights.append(norms[0].detach())
+        if not (linear(block.attn.wqkv) and linear(block.attn.wo)):
+            return None
+        weights.append(norms[1].detach())
+        if not (linear(block.mlp.gate_up) and linear(block.mlp.down)):
+            return None
+    if len(a8) > 1:
+        return None
+    int8_activations = a8 == {True}
+    args = (model.rope_cos, model.rope_sin)
+
+    def step(model: Transformer, cache: KVCache, tokens: torch.Tensor, input_pos: torch.Tensor,
+             kv_len: int) -> torch.Tensor:
+        x = model.tok_emb(tokens[:, 0])
+        x = torch.ops.arlm.decode_llama(x, weights, cache.k, cache.v, input_pos[:, 0].contiguous(), *args,
+                                        kv_len, cfg.n_head, cfg.n_kv_heads, cfg.norm_eps, int8_activations)
+        return model.lm_head(model.norm(x)).float()
+
+    return step
 
 
 @dataclass
@@ -93,7 +153,6 @@ class Generation:
             if min(p) < 0 or max(p) >= vocab:
                 raise ValueError(f"token id out of range for a vocabulary of {vocab}")
         self.model, self.params, self.prompts = model, params, [list(p) for p in prompts]
-        self.decode_fn = decode_fn or decode_step  # e.g. torch.compile(decode_step)
         # CUDA graphs replay fixed shapes: attend over the whole cache (masked) instead of the
         # slots in use, so every decode step has the same shapes.
         self.static_kv_len = static_kv_len
@@ -113,6 +172,8 @@ class Generation:
             raise ValueError(f"prompt of {P} tokens after {max(start)} cached ones exceeds the cache "
                              f"capacity of {cache.capacity} tokens")
         self.cache, self.device, self.start = cache, device, start
+        # decode_fn: e.g. torch.compile(decode_step); by default the native step where it applies
+        self.decode_fn = decode_fn or native_decode_fn(model, cache) or decode_step
         self.completions: list[list[int]] = [[] for _ in range(B)]
         self.finish_reasons: list[str | None] = [None] * B
         self.stats = GenerationStats(kv_cache_bytes=cache.nbytes)

@@ -102,7 +102,7 @@ class LLM:
         self.tokenizer: Tokenizer = loaded.tokenizer
         self.chat_template = loaded.chat_template
         self.quantization: str | None = None
-        self.decode_fn = None  # None: generate.decode_step
+        self.decode_fn = None  # None: the native step where it applies, else generate.decode_step
         self.static_kv_len = False
 
     @classmethod
@@ -141,7 +141,7 @@ class LLM:
         elif compile:
             self.decode_fn = torch.compile(decode_step, dynamic=True)
         else:
-            self.decode_fn = decode_step
+            self.decode_fn = None  # Generation picks the native step where it applies, else decode_step
 
     @property
     def context_length(self) -> int:

@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 
 log = logging.getLogger(__name__)
-_SOURCES = [Path(__file__).with_name(name) for name in ("int8_linear.cpp", "q4_linear.cpp", "a8_linear.cpp")]
+_SOURCES = [Path(__file__).with_name(name) for name in ("int8_linear.cpp", "q4_linear.cpp", "a8_linear.cpp",
+                                                         "decode.cpp")]
 _state: dict[str, bool] = {}
 
 
@@ -67,7 +68,8 @@ def native_available() -> bool:
     if "native" not in _state:
         _state["native"] = (load_native("arlm_kernels", _SOURCES, "native int8/4-bit kernels")
                             and all(hasattr(torch.ops.arlm, op) for op in
-                                    ("int8_linear", "q4_linear", "int8_linear_a8", "q4_linear_a8")))
+                                    ("int8_linear", "q4_linear", "int8_linear_a8", "q4_linear_a8",
+                                     "decode_llama")))
         if _state["native"]:
             _register_fake()
     return _state["native"]

@@ -1,0 +1,238 @@
+// The decode step of a Llama-family model (RMSNorm, RoPE, grouped-query attention, SwiGLU, no
+// biases) as one native call over all layers: [B, d] embeddings in, [B, d] hidden state out.
+//
+// It does the same math as `Transformer.forward` with a KV cache, op for op: the Python module
+// path is the reference (tests/test_fused_decode.py). What it removes is the overhead around the
+// math. A decode step of SmolLM2-135M multiplies ~84 MB of 4-bit weights, a few milliseconds of
+// memory traffic, but the module path spends as long again in ~2,000 small tensor ops
+// (views, RoPE's cat/mul/add, the cache scatter, the attention mask, SDPA for one query row),
+// each a dispatch and an allocation. Here each layer is: norm, one fused q/k/v matmul, RoPE and
+// the cache write in place, attention of one query row per head over its row's cached slots,
+// output matmul, norm, fused gate/up matmul, SiLU * up, down matmul; the matmuls are the same
+// kernels the quantized layers call (a8_linear.cpp, int8_linear.cpp, q4_linear.cpp), or for
+// float32 weights a row-streaming kernel below.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <immintrin.h>
+
+#include <cmath>
+#include <vector>
+
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale);
+at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, const at::Tensor& mins);
+at::Tensor int8_linear_a8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale);
+at::Tensor q4_linear_a8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, const at::Tensor& mins);
+
+namespace {
+
+constexpr int64_t kRows = 4;
+
+#if defined(__AVX2__) && defined(__FMA__)
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#endif
+
+// float32 y[m, n] = x[m, :] . w[n, :] for a few rows of x: each weight row is streamed once and
+// reused for every row of x (decode is a matrix-vector product; MKL's is slow at these shapes).
+at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& w) {
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  if (M > 4 || K % 8 != 0) return at::matmul(x, w.t());  // enough rows: a GEMM is the right tool
+  at::Tensor y = at::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, (N + kRows - 1) / kRows, 8, [&](int64_t t0, int64_t t1) {
+    for (int64_t n = t0 * kRows; n < std::min(N, t1 * kRows); n += kRows) {
+      const int64_t rows = std::min(kRows, N - n);
+      for (int64_t m = 0; m < M; ++m) {
+#if defined(__AVX2__) && defined(__FMA__)
+        if (rows == kRows) {
+          __m256 acc[kRows][2];
+          for (int r = 0; r < kRows; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+          int64_t k = 0;
+          for (; k + 16 <= K; k += 16) {
+            const __m256 x0 = _mm256_loadu_ps(xp + m * K + k), x1 = _mm256_loadu_ps(xp + m * K + k + 8);
+            for (int r = 0; r < kRows; ++r) {
+              acc[r][0] = _mm256_fmadd_ps(_mm256_loadu_ps(wp + (n + r) * K + k), x0, acc[r][0]);
+              acc[r][1] = _mm256_fmadd_ps(_mm256_loadu_ps(wp + (n + r) * K + k + 8), x1, acc[r][1]);
+            }
+          }
+          for (; k < K; k += 8) {
+            const __m256 x0 = _mm256_loadu_ps(xp + m * K + k);
+            for (int r = 0; r < kRows; ++r)
+              acc[r][0] = _mm256_fmadd_ps(_mm256_loadu_ps(wp + (n + r) * K + k), x0, acc[r][0]);
+          }
+          for (int r = 0; r < kRows; ++r) yp[m * N + n + r] = hsum(_mm256_add_ps(acc[r][0], acc[r][1]));
+          continue;
+        }
+#endif
+        for (int64_t r = 0; r < rows; ++r) {
+          float acc = 0.f;
+          for (int64_t k = 0; k < K; ++k) acc += xp[m * K + k] * wp[(n + r) * K + k];
+          yp[m * N + n + r] = acc;
+        }
+      }
+    }
+  });
+  return y;
+}
+
+// One linear layer given as (w, scale, mins): 4-bit (w uint8), int8 (w int8, mins undefined) or
+// float32 (w float, scale and mins undefined).
+at::Tensor linear(const at::Tensor& x, const at::Tensor* p, bool a8) {
+  const at::Tensor &w = p[0], &scale = p[1], &mins = p[2];
+  if (w.scalar_type() == at::kByte) return a8 ? q4_linear_a8(x, w, scale, mins) : q4_linear(x, w, scale, mins);
+  if (w.scalar_type() == at::kChar)
+    return a8 && x.size(1) % 32 == 0 ? int8_linear_a8(x, w, scale) : int8_linear(x, w, scale);
+  return f32_linear(x, w);
+}
+
+// out = x / sqrt(mean(x^2) + eps) * weight, row by row (as F.rms_norm, then the weight).
+void rms_norm(const float* x, const float* weight, int64_t B, int64_t d, double eps, float* out) {
+  for (int64_t b = 0; b < B; ++b) {
+    const float* xr = x + b * d;
+    float ss = 0.f;
+    for (int64_t i = 0; i < d; ++i) ss += xr[i] * xr[i];
+    const float inv = 1.f / std::sqrt(ss / static_cast<float>(d) + static_cast<float>(eps));
+    for (int64_t i = 0; i < d; ++i) out[b * d + i] = weight[i] * (xr[i] * inv);
+  }
+}
+
+// Half-split RoPE of one head in place: (x_i, x_{i + hd/2}) rotated by the angle of position pos.
+inline void rope(float* v, const float* cos, const float* sin, int64_t hd) {
+  const int64_t half = hd / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    const float a = v[i], b = v[i + half];
+    v[i] = a * cos[i] - b * sin[i];
+    v[i + half] = b * cos[i + half] + a * sin[i + half];
+  }
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if (n % 8 == 0) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    return hsum(acc);
+  }
+#endif
+  float s = 0.f;
+  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+}  // namespace
+
+// x [B, d]: the step's token embeddings. weights: 14 tensors per layer, in order: attn_norm,
+// wqkv (w, scale, mins), wo (w, scale, mins), mlp_norm, gate_up (w, scale, mins), down (w, scale,
+// mins); unused scale/mins are empty tensors. k_cache, v_cache [L, B, H_kv, T, hd] float32; pos [B]
+// int64, each row's position (its K/V go to slot pos); attention reads slots 0..pos of the row.
+// cos, sin [max_T, hd]. Returns the hidden state after the last layer [B, d] (before the final norm).
+at::Tensor decode_llama(const at::Tensor& x_in, at::TensorList weights, const at::Tensor& k_cache,
+                        const at::Tensor& v_cache, const at::Tensor& pos, const at::Tensor& cos,
+                        const at::Tensor& sin, int64_t kv_len, int64_t n_head, int64_t n_kv_heads,
+                        double eps, bool a8) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "decode_llama: x [B, d] float32");
+  TORCH_CHECK(k_cache.dim() == 5 && k_cache.scalar_type() == at::kFloat && k_cache.is_contiguous() &&
+              v_cache.sizes() == k_cache.sizes() && v_cache.is_contiguous() && v_cache.scalar_type() == at::kFloat,
+              "decode_llama: contiguous float32 caches [L, B, H_kv, T, hd]");
+  const int64_t L = k_cache.size(0), B = x_in.size(0), d = x_in.size(1), T = k_cache.size(3), hd = k_cache.size(4);
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == 14 * L, "decode_llama: 14 weight tensors per layer");
+  TORCH_CHECK(k_cache.size(1) == B && k_cache.size(2) == n_kv_heads && n_head % n_kv_heads == 0 && hd % 2 == 0,
+              "decode_llama: cache shape does not match the batch or the heads");
+  TORCH_CHECK(pos.dim() == 1 && pos.size(0) == B && pos.scalar_type() == at::kLong, "decode_llama: pos [B] int64");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.is_contiguous() && sin.is_contiguous() && cos.size(1) == hd,
+              "decode_llama: cos/sin [max_T, hd] float32");
+  TORCH_CHECK(0 < kv_len && kv_len <= T, "decode_llama: kv_len out of range");
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b)  // a finished row may sit past kv_len: it is written, never read
+    TORCH_CHECK(0 <= pp[b] && pp[b] < T && pp[b] < cos.size(0), "decode_llama: position out of range");
+
+  const int64_t H = n_head, Hkv = n_kv_heads, group = H / Hkv, qkv_dim = (H + 2 * Hkv) * hd;
+  const float scale = 1.f / std::sqrt(static_cast<float>(hd));
+  at::Tensor x = x_in.contiguous().clone();
+  at::Tensor h = at::empty({B, d}, x.options());
+  at::Tensor attn = at::empty({B, H * hd}, x.options());
+  at::Tensor scores = at::empty({B * H, kv_len}, x.options());
+  float* xp = x.data_ptr<float>();
+  float* hp = h.data_ptr<float>();
+  float* ap = attn.data_ptr<float>();
+  float* sp = scores.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* snp = sin.data_ptr<float>();
+
+  for (int64_t l = 0; l < L; ++l) {
+    const at::Tensor* W = weights.data() + 14 * l;
+    float* kl = k_cache.data_ptr<float>() + l * B * Hkv * T * hd;
+    float* vl = v_cache.data_ptr<float>() + l * B * Hkv * T * hd;
+
+    // attention: norm, q/k/v, RoPE, cache write, softmax(q K^T / sqrt(hd)) V, output projection
+    rms_norm(xp, W[0].data_ptr<float>(), B, d, eps, hp);
+    at::Tensor qkv = linear(h, W + 1, a8);  // [B, (H + 2 Hkv) * hd]
+    TORCH_CHECK(qkv.size(1) == qkv_dim, "decode_llama: wqkv has the wrong number of outputs");
+    float* qp = qkv.data_ptr<float>();
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t p = pp[b];
+      for (int64_t j = 0; j < H + Hkv; ++j) rope(qp + b * qkv_dim + j * hd, cp + p * hd, snp + p * hd, hd);
+      for (int64_t j = 0; j < Hkv; ++j) {
+        const float* k = qp + b * qkv_dim + (H + j) * hd;
+        const float* v = qp + b * qkv_dim + (H + Hkv + j) * hd;
+        std::copy(k, k + hd, kl + ((b * Hkv + j) * T + p) * hd);
+        std::copy(v, v + hd, vl + ((b * Hkv + j) * T + p) * hd);
+      }
+    }
+    at::parallel_for(0, B * H, 1, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t b = i / H, head = i % H, kvh = head / group, n = std::min(pp[b] + 1, kv_len);  // slots 0..pos
+        const float* q = qp + b * qkv_dim + head * hd;
+        const float* K = kl + (b * Hkv + kvh) * T * hd;
+        const float* V = vl + (b * Hkv + kvh) * T * hd;
+        float* s = sp + i * kv_len;
+        float mx = -INFINITY;
+        for (int64_t t = 0; t < n; ++t) mx = std::max(mx, s[t] = dot(q, K + t * hd, hd) * scale);
+        float sum = 0.f;
+        for (int64_t t = 0; t < n; ++t) sum += (s[t] = std::exp(s[t] - mx));
+        float* out = ap + b * H * hd + head * hd;
+        std::fill(out, out + hd, 0.f);
+        for (int64_t t = 0; t < n; ++t) {
+          const float pt = s[t] / sum;
+          const float* vt = V + t * hd;
+          for (int64_t e = 0; e < hd; ++e) out[e] += pt * vt[e];
+        }
+      }
+    });
+    at::Tensor o = linear(attn, W + 4, a8);
+    x.add_(o);
+
+    // MLP: norm, fused gate/up, SiLU(gate) * up, down
+    rms_norm(xp, W[7].data_ptr<float>(), B, d, eps, hp);
+    at::Tensor gu = linear(h, W + 8, a8);  // [B, 2 * d_ff]
+    const int64_t dff = gu.size(1) / 2;
+    at::Tensor act = at::empty({B, dff}, x.options());
+    const float* g = gu.data_ptr<float>();
+    float* ac = act.data_ptr<float>();
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t i = 0; i < dff; ++i) {
+        const float gate = g[b * 2 * dff + i];
+        ac[b * dff + i] = gate / (1.f + std::exp(-gate)) * g[b * 2 * dff + dff + i];
+      }
+    x.add_(linear(act, W + 11, a8));
+  }
+  return x;
+}
+
+TORCH_LIBRARY_FRAGMENT(arlm, m) {
+  m.def("decode_llama(Tensor x, Tensor[] weights, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor pos, "
+        "Tensor cos, Tensor sin, int kv_len, int n_head, int n_kv_heads, float eps, bool a8) -> Tensor");
+  m.def("f32_linear(Tensor x, Tensor w) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(arlm, CPU, m) {
+  m.impl("decode_llama", &decode_llama);
+  m.impl("f32_linear", &f32_linear);
+}

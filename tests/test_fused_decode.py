@@ -1,0 +1,135 @@
+"""The native decode step (`generate.native_decode_fn`, arlm/kernels/decode.cpp) against the module path.
+
+Reference: `generate.decode_step`, the `Transformer` modules with the same cache. Float32 models:
+logits within 1e-4 (relative to their scale) and identical greedy tokens. Quantized models (8-bit
+activations): each token's rounding of activations can flip on float32 noise, so the check is
+quality: the perplexity of teacher-forced decoding through the native step within 1% of the
+float32 model's, and logits close to the module path's.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+
+from arlm.generate import Generation, decode_step, native_decode_fn, prefill
+from arlm.kv_cache import KVCache
+from arlm.quant import quantize
+from arlm.sampling import SamplingParams
+
+from conftest import arlm_from_hf, hf_gpt2, hf_llama
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _greedy(model, prompts, n, decode_fn):
+    gen = Generation(model, prompts, SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True),
+                     decode_fn=decode_fn)
+    for _ in gen:
+        pass
+    return gen.completions, gen.decode_fn
+
+
+def _step_logits(model, prompts, steps, fn):
+    """Logits of `steps` teacher-forced decode steps after a ragged prefill, with `fn`."""
+    B, P = len(prompts), max(len(p) for p in prompts)
+    cache = KVCache.for_model(model.config, B, P + steps)
+    lens = torch.tensor([len(p) for p in prompts])
+    out = []
+    with torch.inference_mode():
+        for b, p in enumerate(prompts):  # each row prefilled alone: the batch only meets in decode
+            one = KVCache.for_model(model.config, 1, len(p))
+            prefill(model, one, torch.tensor([p]), torch.arange(len(p))[None], torch.tensor([len(p) - 1]), len(p))
+            cache.k[:, b, :, :len(p)], cache.v[:, b, :, :len(p)] = one.k[:, 0], one.v[:, 0]
+        for s in range(steps):  # each row's tokens depend on its prompt alone, not on the batch
+            tok = torch.tensor([[(7919 * s + 104729 * sum(p) + 13) % model.config.vocab_size] for p in prompts])
+            pos = (lens + s)[:, None]
+            out.append(fn(model, cache, tok, pos, int(pos.max()) + 1))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("n_head,n_kv_heads", [(6, 2), (4, 1), (4, 4)])
+def test_float_native_step_matches_modules(n_head, n_kv_heads):
+    model = arlm_from_hf(hf_llama(seed=n_head + n_kv_heads, n_head=n_head, n_kv_heads=n_kv_heads))
+    prompts = [[3, 5, 7, 9, 11], [2, 4], [8, 8, 8, 1, 2, 3, 4, 5, 6]]
+    native = native_decode_fn(model, KVCache.for_model(model.config, 3, 40))
+    assert native is not None
+    ref, got = _step_logits(model, prompts, 20, decode_step), _step_logits(model, prompts, 20, native)
+    assert (got - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
+    plain, _ = _greedy(model, prompts, 30, decode_step)
+    fused, fn = _greedy(model, prompts, 30, None)
+    assert fn is not decode_step and fused == plain
+
+
+def test_native_step_applies_only_where_it_can():
+    gpt2 = arlm_from_hf(hf_gpt2())
+    assert native_decode_fn(gpt2, KVCache.for_model(gpt2.config, 1, 8)) is None  # LayerNorm, GELU, biases
+    llama = arlm_from_hf(hf_llama())
+    bf16 = KVCache.for_model(llama.config, 1, 8, dtype=torch.bfloat16)
+    assert native_decode_fn(llama, bf16) is None
+    assert native_decode_fn(llama, KVCache.for_model(llama.config, 1, 8)) is not None
+
+
+def test_native_step_rows_are_independent():
+    # A row's result does not depend on its batch: bitwise, for the quantized kernels.
+    model = quantize(arlm_from_hf(hf_llama(seed=4, hidden_size=192, intermediate_size=256)), "int8")
+    prompts = [[3, 5, 7, 9, 11], [2, 4], [8, 8, 8, 1, 2, 3, 4, 5, 6]]
+    native = native_decode_fn(model, KVCache.for_model(model.config, 3, 40))
+    together = _step_logits(model, prompts, 6, native)
+    for b, p in enumerate(prompts):
+        alone = _step_logits(model, [p], 6, native_decode_fn(model, KVCache.for_model(model.config, 1, 40)))
+        assert torch.equal(alone[:, 0], together[:, b])
+
+
+def test_smollm2_float_native_step_same_greedy_tokens(smollm2):
+    prompts = [smollm2.tokenizer.encode(p) for p in ("The capital of France is", "def fibonacci(n):")]
+    plain, _ = _greedy(smollm2.model, prompts, 48, decode_step)
+    fused, fn = _greedy(smollm2.model, prompts, 48, None)
+    assert fn is not decode_step
+    assert fused == plain
+
+
+@pytest.fixture(scope="module")
+def val_tokens(smollm2):
+    text = (ROOT / "data" / "tinyshakespeare.txt").read_text()
+    return smollm2.tokenizer.encode(text[int(0.9 * len(text)):])[:1025]
+
+
+def _decode_nll(model, tokens, fn):
+    """Mean next-token NLL of tokens[1:], each step decoding one token with the KV cache."""
+    cache = KVCache.for_model(model.config, 1, len(tokens))
+    nll = []
+    with torch.inference_mode():
+        logits = prefill(model, cache, torch.tensor([tokens[:1]]), torch.zeros(1, 1, dtype=torch.long),
+                         torch.tensor([0]), 1)
+        for t in range(1, len(tokens)):
+            nll.append(torch.nn.functional.cross_entropy(logits, torch.tensor([tokens[t]])))
+            if t < len(tokens) - 1:
+                logits = fn(model, cache, torch.tensor([[tokens[t]]]), torch.tensor([[t]]), t + 1)
+    return torch.stack(nll).mean().item()
+
+
+def _forward_nll(model, tokens):
+    """The same NLL from one uncached forward pass over the whole text."""
+    ids = torch.tensor([tokens])
+    with torch.inference_mode():
+        logits = model(ids)[0, :-1]
+    return torch.nn.functional.cross_entropy(logits, ids[0, 1:]).item()
+
+
+@pytest.mark.parametrize("mode", ["auto", "int8"])
+def test_quantized_native_step_perplexity(smollm2, val_tokens, mode):
+    # 1,024 tokens decoded one at a time through the native step: perplexity within 1% of the
+    # float32 model's, and of the same quantized model's uncached forward pass (module path).
+    model = quantize(copy.deepcopy(smollm2.model), mode)
+    native = native_decode_fn(model, KVCache.for_model(model.config, 1, len(val_tokens)))
+    assert native is not None
+    nll = [_forward_nll(smollm2.model, val_tokens), _decode_nll(model, val_tokens, native),
+           _forward_nll(model, val_tokens)]
+    ppl = torch.tensor(nll).exp()
+    assert 5 < ppl[0] < 100
+    assert abs(ppl[1] / ppl[0] - 1) <= 0.01, ppl  # the stated bound: within 1% of float32
+    assert abs(ppl[1] / ppl[2] - 1) <= 0.01, ppl  # and next to the module path on the same weights
