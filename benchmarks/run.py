@@ -75,14 +75,20 @@ def prompt_ids(llm: LLM, n: int, seed: int) -> list[int]:
     return ids[:n]
 
 
-def arlm_decode(llm: LLM, prompts: list[list[int]], new_tokens: int) -> dict:
+def arlm_decode(llm: LLM, prompts: list[list[int]], new_tokens: int, repeat: int = 1) -> dict:
+    """Best of `repeat` runs (decode and prefill each at their fastest)."""
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0, ignore_eos=True)
     Generation(llm.model, [p[:8] for p in prompts], SamplingParams(max_new_tokens=4, temperature=0),
                decode_fn=llm.decode_fn).__iter__().__next__()  # warm-up
-    gen = Generation(llm.model, prompts, params, decode_fn=llm.decode_fn)
-    for _ in gen:
-        pass
+    runs = []
+    for _ in range(repeat):
+        gen = Generation(llm.model, prompts, params, decode_fn=llm.decode_fn)
+        for _ in gen:
+            pass
+        runs.append(gen)
+    gen = min(runs, key=lambda g: g.stats.decode_seconds)
     s = gen.stats
+    s.prefill_seconds = min(g.stats.prefill_seconds for g in runs)
     kv_per_step = s.kv_cache_bytes / gen.cache.capacity * (len(prompts[0]) + new_tokens / 2)
     return {"tokens_per_s": s.decode_tokens_per_s, "step_s": s.decode_seconds / (s.decode_tokens / len(prompts)),
             "prefill_tokens_per_s": s.prefill_tokens_per_s, "kv_bytes_per_step": kv_per_step}
@@ -96,7 +102,7 @@ def hf_load():
     return model.eval()
 
 
-def hf_decode(model, prompts: list[list[int]], new_tokens: int) -> dict:
+def hf_decode(model, prompts: list[list[int]], new_tokens: int, repeat: int = 1) -> dict:
     """HF generate, greedy, EOS off; decode time = total - time to first token."""
     ids = torch.tensor(prompts)
     mask = torch.ones_like(ids)
@@ -104,14 +110,15 @@ def hf_decode(model, prompts: list[list[int]], new_tokens: int) -> dict:
     with torch.inference_mode():
         model.generate(ids[:, :8], attention_mask=mask[:, :8], max_new_tokens=4, min_new_tokens=4,
                        do_sample=False, eos_token_id=None, pad_token_id=0)
-        ttft = best_of(lambda: model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw), 1)
-        total = best_of(lambda: model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw), 1)
+        ttft = best_of(lambda: model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw), repeat)
+        total = best_of(lambda: model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw),
+                        repeat)
     step = (total - ttft) / (new_tokens - 1)
     return {"tokens_per_s": len(prompts) / step, "step_s": step,
             "prefill_tokens_per_s": ids.numel() / ttft}
 
 
-def llama_cpp_decode(gguf: Path, prompt: list[int], new_tokens: int, threads: int) -> dict | None:
+def llama_cpp_decode(gguf: Path, prompt: list[int], new_tokens: int, threads: int, repeat: int = 1) -> dict | None:
     try:
         from llama_cpp import Llama
     except ImportError:
@@ -119,17 +126,21 @@ def llama_cpp_decode(gguf: Path, prompt: list[int], new_tokens: int, threads: in
     llm = Llama(model_path=str(gguf), n_threads=threads, n_threads_batch=threads, n_ctx=1024,
                 n_batch=512, verbose=False)
     llm.eval(prompt[:8])
-    llm.reset()
-    t0 = time.perf_counter()
-    llm.eval(prompt)
-    tok = llm.sample(temp=0.0)
-    t1 = time.perf_counter()
-    for _ in range(new_tokens - 1):
-        llm.eval([tok])
+    prefill_s, decode_s = [], []
+    for _ in range(repeat):
+        llm.reset()
+        t0 = time.perf_counter()
+        llm.eval(prompt)
         tok = llm.sample(temp=0.0)
-    t2 = time.perf_counter()
-    return {"tokens_per_s": (new_tokens - 1) / (t2 - t1), "step_s": (t2 - t1) / (new_tokens - 1),
-            "prefill_tokens_per_s": len(prompt) / (t1 - t0)}
+        t1 = time.perf_counter()
+        for _ in range(new_tokens - 1):
+            llm.eval([tok])
+            tok = llm.sample(temp=0.0)
+        t2 = time.perf_counter()
+        prefill_s.append(t1 - t0)
+        decode_s.append(t2 - t1)
+    return {"tokens_per_s": (new_tokens - 1) / min(decode_s), "step_s": min(decode_s) / (new_tokens - 1),
+            "prefill_tokens_per_s": len(prompt) / min(prefill_s)}
 
 
 def main() -> int:
@@ -137,6 +148,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--new-tokens", type=int, default=128, help="decode tokens per run at batch 1")
     ap.add_argument("--batch-new-tokens", type=int, default=32, help="decode tokens per run at batch 8/32")
+    ap.add_argument("--repeat", type=int, default=3, help="runs per case; each engine's best is reported")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
@@ -161,7 +173,7 @@ def main() -> int:
     for name, llm in engines.items():
         wbytes = weight_bytes(llm.model)
         for case, (prompts, n) in cases.items():
-            r = arlm_decode(llm, prompts, n)
+            r = arlm_decode(llm, prompts, n, args.repeat)
             r["bandwidth_fraction"] = (wbytes + r["kv_bytes_per_step"]) / r["step_s"] / (res["memory_read_gbs"] * 1e9)
             figures[f"{name}/{case}"] = r
             print(f"{name:10s} {case:10s} decode {r['tokens_per_s']:7.1f} tok/s  step {r['step_s'] * 1e3:6.1f} ms  "
@@ -173,7 +185,7 @@ def main() -> int:
     gguf = resolve_model_path("smollm2")
     for case in ("b1_short", "b1_ctx512"):
         prompts, n = cases[case]
-        r = llama_cpp_decode(gguf, prompts[0], n, args.threads)
+        r = llama_cpp_decode(gguf, prompts[0], n, args.threads, args.repeat)
         if r is None:
             print("llama.cpp: llama_cpp not importable (make bench-peers builds it); skipped")
             break
@@ -184,7 +196,7 @@ def main() -> int:
     if not args.skip_hf:
         hf = hf_load()
         for case, (prompts, n) in cases.items():
-            r = hf_decode(hf, prompts, n)
+            r = hf_decode(hf, prompts, n, args.repeat)
             peers[f"hf-fp32/{case}"] = r
             print(f"hf-fp32    {case:10s} decode {r['tokens_per_s']:7.1f} tok/s")
         peers["hf-fp32/prefill512"] = {"tokens_per_s": peers["hf-fp32/b1_ctx512"]["prefill_tokens_per_s"]}

@@ -77,12 +77,11 @@ def median_times(fns: list, repeat: int = 10) -> list[float]:
 def bench_engine(threads: int, context: int) -> dict:
     import torch
 
-    from arlm.generate import decode_step
+    from arlm.generate import decode_step, native_decode_fn
     from arlm.kv_cache import KVCache
     from arlm.llm import LLM
     from arlm.sampling import SamplingParams
     from arlm.serve.engine import Engine, EngineConfig
-    from arlm.serve.paged_cache import PagedKVCache
 
     torch.set_num_threads(threads)
     llm = LLM.load("smollm2", quantize="int8")  # as `arlm serve` runs it
@@ -99,18 +98,21 @@ def bench_engine(threads: int, context: int) -> dict:
             model(prompt, torch.arange(context).expand(B, context), kv_cache=cache, kv_len=context,
                   output_index=torch.full((B,), context - 1))
             tok, pos = prompt[:, :1].clone(), torch.full((B, 1), context)
-            # The same step over the paged pool, laid out as the engine lays it out: [1, B] tokens.
+            # The same step over the paged pool, as the engine runs it (Engine._forward: the native
+            # layer stack over the pool where it applies): [B] flattened tokens, one per sequence.
             bs = 16
             per_seq = -(-(context + 1) // bs)
-            pool = PagedKVCache.for_model(cfg, B * per_seq + 1, bs)
+            paged_engine = Engine(model, llm.tokenizer.eos_ids, EngineConfig(kv_cache_tokens=(B * per_seq + 1) * bs))
+            pool = paged_engine.cache
             table = torch.arange(1, B * per_seq + 1).view(B, per_seq)
             pool.set_batch(table, torch.arange(B).repeat_interleave(context))
-            model(prompt.reshape(1, -1), torch.arange(context).repeat(B)[None], kv_cache=pool,
-                  output_index=torch.tensor([0]))
+            paged_engine._forward(prompt.reshape(-1), torch.arange(context).repeat(B), torch.tensor([0]))
             pool.set_batch(table, torch.arange(B))
-            ptok, ppos, rows = tok.view(1, B), torch.full((1, B), context), torch.arange(B)
-            contiguous, paged = median_times([lambda: decode_step(model, cache, tok, pos, context + 1),
-                                              lambda: model(ptok, ppos, kv_cache=pool, output_index=rows)])
+            ptok, ppos, rows = tok.view(B), torch.full((B,), context), torch.arange(B)
+            # The contiguous-cache fast path: what `arlm generate` runs (the native step where it applies).
+            step_fn = native_decode_fn(model, cache) or decode_step
+            contiguous, paged = median_times([lambda: step_fn(model, cache, tok, pos, context + 1),
+                                              lambda: paged_engine._forward(ptok, ppos, rows)])
         # A whole engine step: scheduling, the forward pass, per-request sampling, bookkeeping.
         engine = Engine(model, llm.tokenizer.eos_ids, EngineConfig(kv_cache_tokens=B * (context + 64)))
         for i in range(B):

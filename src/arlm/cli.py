@@ -39,8 +39,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=("auto",) + DTYPES,
                    help="weight and activation dtype (auto: float32 on CPU, bfloat16 on CUDA)")
     p.add_argument("--quantize", default="auto", choices=("auto", "none", "int8", "q4"),
-                   help="weight-only quantization (auto, on CPU: 4-bit where that is lossless, as for "
-                        "a Q4_1 GGUF, int8 elsewhere; none on GPU)")
+                   help="weight quantization for decode (auto, on CPU: 4-bit where that is lossless, as "
+                        "for a Q4_1 GGUF, int8 elsewhere, with 8-bit activations; none on GPU)")
+    p.add_argument("--prefill-dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                   help="matmul dtype of a quantized model's prefill (auto: bfloat16 on CPUs with "
+                        "AVX512-BF16 or AMX, else float32)")
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: all cores)")
 
@@ -87,7 +90,7 @@ def load_llm(args: argparse.Namespace):
     quantize = None if args.quantize == "none" else args.quantize
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if args.device.startswith("cuda") else "float32")
     return LLM.load(args.model, device=args.device, dtype=_torch_dtype(dtype), quantize=quantize,
-                    compile=args.compile)
+                    compile=args.compile, prefill_dtype=args.prefill_dtype)
 
 
 def stats_line(stats, prefix: str = "") -> str:

@@ -42,22 +42,20 @@ def decode_step(model: Transformer, cache: KVCache, tokens: torch.Tensor, input_
     return model(tokens, input_pos, kv_cache=cache, kv_len=kv_len)[:, -1]
 
 
-def native_decode_fn(model: Transformer, cache: KVCache) -> Callable | None:
-    """`decode_step`'s native twin for Llama-family models on CPU, or None where it does not apply.
+def native_layers(model: Transformer) -> tuple[list[torch.Tensor], bool] | None:
+    """The weights of the layer stack in the order the native kernels take them (arlm/kernels/
+    decode.cpp: 14 tensors a layer) and the activation mode, or None where they do not apply.
 
-    The whole stack of layers runs as one call to `torch.ops.arlm.decode_llama` (see
-    arlm/kernels/decode.cpp): the same math as the modules, without ~2,000 small tensor ops per
-    step. Applies to: RoPE + RMSNorm + SwiGLU, no biases, float32 weights and cache on CPU, every
-    linear float32 or quantized (arlm.quant) with one activation mode, the native kernels built.
-    The embedding lookup, final norm and LM head stay in Python (three ops).
+    Applies to: RoPE + RMSNorm + SwiGLU without biases, float32 norms, every linear float32 or
+    quantized (arlm.quant) with one activation mode, on CPU with the native kernels built.
     """
     from . import kernels
     from .quant import Int8Linear, Q4Linear
 
     cfg = model.config
-    if (cfg.pos_embedding != "rope" or cfg.norm != "rmsnorm" or cfg.mlp != "swiglu" or cfg.bias or cache.paged
-            or model.training or cache.k.dtype != torch.float32 or cache.k.device.type != "cpu"
-            or os.environ.get("ARLM_NO_FUSED") or not kernels.native_available()):
+    if (cfg.pos_embedding != "rope" or cfg.norm != "rmsnorm" or cfg.mlp != "swiglu" or cfg.bias or model.training
+            or model.rope_cos.device.type != "cpu" or os.environ.get("ARLM_NO_FUSED")
+            or not kernels.native_available()):
         return None
     none = torch.empty(0)
     weights: list[torch.Tensor] = []
@@ -88,15 +86,43 @@ def native_decode_fn(model: Transformer, cache: KVCache) -> Callable | None:
             return None
     if len(a8) > 1:
         return None
-    int8_activations = a8 == {True}
+    return weights, a8 == {True}
+
+
+def native_head(model: Transformer) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Final norm + LM head for hidden states [N, d] -> float logits [N, vocab]. A float32 head
+    streams the most bytes of a decode step (vocab x d_model): the row-streaming kernel reads it at
+    memory speed, where F.linear's matrix-vector product does not."""
+    head = model.lm_head
+    if type(head) is torch.nn.Linear and head.bias is None and head.weight.dtype == torch.float32:
+        return lambda x: torch.ops.arlm.f32_linear(model.norm(x), head.weight)
+    return lambda x: head(model.norm(x)).float()
+
+
+def native_decode_fn(model: Transformer, cache: KVCache) -> Callable | None:
+    """`decode_step`'s native twin for Llama-family models on CPU, or None where it does not apply.
+
+    The whole stack of layers runs as one call to `torch.ops.arlm.decode_llama` (see
+    arlm/kernels/decode.cpp): the same math as the modules, without ~2,000 small tensor ops per
+    step. Applies where `native_layers` does, with a float32 contiguous cache. The embedding
+    lookup, final norm and LM head stay in Python (three ops).
+    """
+    if cache.paged or cache.k.dtype != torch.float32 or cache.k.device.type != "cpu":
+        return None
+    native = native_layers(model)
+    if native is None:
+        return None
+    weights, int8_activations = native
+    cfg = model.config
     args = (model.rope_cos, model.rope_sin)
+    head = native_head(model)
 
     def step(model: Transformer, cache: KVCache, tokens: torch.Tensor, input_pos: torch.Tensor,
              kv_len: int) -> torch.Tensor:
         x = model.tok_emb(tokens[:, 0])
         x = torch.ops.arlm.decode_llama(x, weights, cache.k, cache.v, input_pos[:, 0].contiguous(), *args,
                                         kv_len, cfg.n_head, cfg.n_kv_heads, cfg.norm_eps, int8_activations)
-        return model.lm_head(model.norm(x)).float()
+        return head(x)
 
     return step
 

@@ -102,25 +102,29 @@ class LLM:
         self.tokenizer: Tokenizer = loaded.tokenizer
         self.chat_template = loaded.chat_template
         self.quantization: str | None = None
+        self.prefill_dtype = "float32"  # of the dense weights prefill multiplies with (see configure)
         self.decode_fn = None  # None: the native step where it applies, else generate.decode_step
         self.static_kv_len = False
 
     @classmethod
     def load(cls, spec: str = "smollm2", device: str = "cpu", dtype: torch.dtype = torch.float32,
-             quantize: str | None = "auto", compile: bool = False) -> "LLM":
-        """Load a model by name or path; `quantize` and `compile` pick the decode path (see
-        `configure`)."""
+             quantize: str | None = "auto", compile: bool = False, prefill_dtype: str = "auto") -> "LLM":
+        """Load a model by name or path; `quantize`, `compile` and `prefill_dtype` pick the
+        decode and prefill paths (see `configure`)."""
         from .loading import load_model
 
         llm = cls(load_model(spec, device=device, dtype=dtype))
-        llm.configure(quantize=quantize, compile=compile)
+        llm.configure(quantize=quantize, compile=compile, prefill_dtype=prefill_dtype)
         return llm
 
-    def configure(self, quantize: str | None = None, compile: bool = False) -> None:
+    def configure(self, quantize: str | None = None, compile: bool = False, prefill_dtype: str = "auto") -> None:
         """Pick the decode path: weight quantization and (optionally) a compiled decode step.
 
         quantize: None/"none", "int8", "q4", or "auto": on CPU with the native kernels, 4-bit for
         the matrices it holds exactly (a Q4_1 GGUF's) and int8 for the rest; elsewhere none.
+        prefill_dtype (quantized models, whose prefill multiplies by a kept dense copy of each
+        weight): "float32", "bfloat16", or "auto": bfloat16 on CPUs with native bf16 matmuls
+        (AVX512-BF16 or AMX), else float32.
         """
         from . import kernels
         from .generate import decode_step
@@ -130,10 +134,16 @@ class LLM:
             raise ValueError(f"unknown quantization {quantize!r} (expected none, auto, int8 or q4)")
         if quantize == "auto" and not (device.type == "cpu" and kernels.native_available()):
             quantize = None
+        if prefill_dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"unknown prefill dtype {prefill_dtype!r} (expected auto, float32 or bfloat16)")
+        if prefill_dtype == "auto":
+            prefill_dtype = "bfloat16" if device.type == "cpu" and kernels.cpu_has_native_bf16() else "float32"
         if quantize in ("auto", "int8", "q4"):
             from .quant import quantize as quantize_model
 
-            quantize_model(self.model, quantize)
+            quantize_model(self.model, quantize,
+                           prefill_dtype=torch.bfloat16 if prefill_dtype == "bfloat16" else None)
+            self.prefill_dtype = prefill_dtype
         self.quantization = quantize if quantize != "none" else None
         self.static_kv_len = compile and device.type == "cuda"
         if compile and device.type == "cuda":  # CUDA graphs: one launch per decode step

@@ -63,6 +63,13 @@ def load_native(name: str, sources: list[Path], what: str) -> bool:
         return False
 
 
+def cpu_has_native_bf16() -> bool:
+    """AVX512-BF16 or AMX: bf16 matmuls run at over twice the float32 rate (2-core EPYC: a
+    512 x 576 x 3072 GEMM at 394 against 161 GFLOP/s)."""
+    caps = getattr(torch.cpu, "get_capabilities", dict)()
+    return bool(caps.get("avx512_bf16") or caps.get("amx_bf16"))
+
+
 def native_available() -> bool:
     """The int8 and 4-bit linear kernels are built and loaded."""
     if "native" not in _state:

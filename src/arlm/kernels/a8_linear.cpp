@@ -48,6 +48,27 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* qx, float* dx, 
   });
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512DQ__) && \
+    defined(__AVX2__) && defined(__FMA__)
+#define ARLM_AVX512 1  // two groups per instruction
+#endif
+
+// sum_g a[g] * b[g], in an order that depends on n alone.
+inline float dot_f32(const float* a, const float* b, int64_t n) {
+#ifdef ARLM_AVX512
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t g = 0; g < n; g += 16) {
+    const __mmask16 m = n - g >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - g)) - 1);
+    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + g), _mm512_maskz_loadu_ps(m, b + g), acc);
+  }
+  return _mm512_reduce_add_ps(acc);
+#else
+  float acc = 0.f;
+  for (int64_t g = 0; g < n; ++g) acc = std::fma(a[g], b[g], acc);
+  return acc;
+#endif
+}
+
 #if defined(__AVX2__) && defined(__FMA__)
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -76,56 +97,133 @@ inline __m256i unpack_nibbles(const uint8_t* p) {
 
 inline __m256i load32(const int8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 
+#ifdef ARLM_AVX512
+// Two groups at once in 512 bits: lanes 0-7 of a product belong to group g, lanes 8-15 to g + 1.
+inline __m512 pair(float a, float b) {
+  return _mm512_insertf32x8(_mm512_set1_ps(a), _mm256_set1_ps(b), 1);
+}
+
+// 32 packed bytes (groups g and g + 1) -> 64 bytes 0..15 in element order of both groups.
+inline __m512i unpack_nibbles_pair(const uint8_t* p) {
+  const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const __m256i lo = _mm256_and_si256(bytes, low4), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
+  // 128-bit lanes [g lo, g+1 lo, g hi, g+1 hi] -> [g lo, g hi, g+1 lo, g+1 hi]
+  const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+  return _mm512_shuffle_i64x2(w, w, _MM_SHUFFLE(3, 1, 2, 0));
+}
+#endif
+
 // MB rows of quantized x against kRows 4-bit weight rows (scales widened to float in d, mn).
+// y = sum_g (d * dx) * dot(q, qx)  +  sum_g m * (dx * sum qx): the second sum is one short dot
+// product per (row, weight row) after the main loop.
 template <int MB>
 void q4_block(const int8_t* qx, const float* dx, const float* sx, int64_t K, const uint8_t* w,
               const float* d, const float* mn, float* out) {
   const int64_t G = K / kGroup, ldw = K / 2;
-  __m256 acc[MB][kRows];
-  float macc[MB][kRows] = {};
+  int64_t g = 0;
+  float tail[MB][kRows] = {};
+#ifdef ARLM_AVX512
+  __m512 acc[MB][kRows];
   for (int i = 0; i < MB; ++i)
-    for (int r = 0; r < kRows; ++r) acc[i][r] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < G; ++g) {
-    __m256i wq[kRows];
-    for (int r = 0; r < kRows; ++r) wq[r] = unpack_nibbles(w + r * ldw + g * 16);
+    for (int r = 0; r < kRows; ++r) acc[i][r] = _mm512_setzero_ps();
+  for (; g + 2 <= G; g += 2) {
+    __m512i wq[kRows];
+    __m512 ws[kRows];
+    for (int r = 0; r < kRows; ++r) {
+      wq[r] = unpack_nibbles_pair(w + r * ldw + g * 16);
+      ws[r] = pair(d[r * G + g], d[r * G + g + 1]);
+    }
     for (int i = 0; i < MB; ++i) {
-      const __m256i xq = load32(qx + i * K + g * kGroup);
-      const float dxi = dx[i * G + g], sxi = sx[i * G + g];
+      const __m512i xq = _mm512_loadu_si512(qx + i * K + g * kGroup);
+      const __m512 xs = pair(dx[i * G + g], dx[i * G + g + 1]);
       for (int r = 0; r < kRows; ++r) {
-        const __m256 dot = _mm256_cvtepi32_ps(dot_u8s8(wq[r], xq));
-        acc[i][r] = _mm256_fmadd_ps(dot, _mm256_set1_ps(d[r * G + g] * dxi), acc[i][r]);
-        macc[i][r] = std::fma(mn[r * G + g], sxi, macc[i][r]);  // explicit: same rounding for every MB
+        const __m512 dot = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wq[r], xq));
+        acc[i][r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(ws[r], xs), acc[i][r]);
       }
     }
   }
   for (int i = 0; i < MB; ++i)
-    for (int r = 0; r < kRows; ++r) out[i * kRows + r] = hsum(acc[i][r]) + macc[i][r];
+    for (int r = 0; r < kRows; ++r) tail[i][r] = _mm512_reduce_add_ps(acc[i][r]);
+#endif
+  if (g < G) {  // groups left over (all of them without AVX-512): one at a time, in 256 bits
+    __m256 acc[MB][kRows];
+    for (int i = 0; i < MB; ++i)
+      for (int r = 0; r < kRows; ++r) acc[i][r] = _mm256_setzero_ps();
+    for (; g < G; ++g) {
+      __m256i wq[kRows];
+      for (int r = 0; r < kRows; ++r) wq[r] = unpack_nibbles(w + r * ldw + g * 16);
+      for (int i = 0; i < MB; ++i) {
+        const __m256i xq = load32(qx + i * K + g * kGroup);
+        const float dxi = dx[i * G + g];
+        for (int r = 0; r < kRows; ++r) {
+          const __m256 dot = _mm256_cvtepi32_ps(dot_u8s8(wq[r], xq));
+          acc[i][r] = _mm256_fmadd_ps(dot, _mm256_set1_ps(d[r * G + g] * dxi), acc[i][r]);
+        }
+      }
+    }
+    for (int i = 0; i < MB; ++i)
+      for (int r = 0; r < kRows; ++r) tail[i][r] += hsum(acc[i][r]);
+  }
+  for (int i = 0; i < MB; ++i)
+    for (int r = 0; r < kRows; ++r) out[i * kRows + r] = tail[i][r] + dot_f32(mn + r * G, sx + i * G, G);
 }
 
 // MB rows of quantized x against kRows int8 weight rows (per-row scale applied by the caller).
 template <int MB>
 void i8_block(const int8_t* qx, const float* dx, int64_t K, const int8_t* w, float* out) {
   const int64_t G = K / kGroup;
-  __m256 acc[MB][kRows];
+  int64_t g = 0;
+  float tail[MB][kRows] = {};
+#ifdef ARLM_AVX512
+  __m512 acc[MB][kRows];
   for (int i = 0; i < MB; ++i)
-    for (int r = 0; r < kRows; ++r) acc[i][r] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < G; ++g) {
-    __m256i wa[kRows], ws[kRows];
+    for (int r = 0; r < kRows; ++r) acc[i][r] = _mm512_setzero_ps();
+  for (; g + 2 <= G; g += 2) {
+    __m512i wa[kRows];
+    __mmask64 neg[kRows];
     for (int r = 0; r < kRows; ++r) {
-      ws[r] = load32(w + r * K + g * kGroup);
-      wa[r] = _mm256_sign_epi8(ws[r], ws[r]);  // |w| as unsigned; the sign moves onto x below
+      const __m512i ws = _mm512_loadu_si512(w + r * K + g * kGroup);
+      wa[r] = _mm512_abs_epi8(ws);  // |w| as unsigned; the sign moves onto x
+      neg[r] = _mm512_movepi8_mask(ws);
     }
     for (int i = 0; i < MB; ++i) {
-      const __m256i xq = load32(qx + i * K + g * kGroup);
-      const __m256 dxv = _mm256_set1_ps(dx[i * G + g]);
+      const __m512i xq = _mm512_loadu_si512(qx + i * K + g * kGroup);
+      const __m512 xs = pair(dx[i * G + g], dx[i * G + g + 1]);
       for (int r = 0; r < kRows; ++r) {
-        const __m256 dot = _mm256_cvtepi32_ps(dot_u8s8(wa[r], _mm256_sign_epi8(xq, ws[r])));
-        acc[i][r] = _mm256_fmadd_ps(dot, dxv, acc[i][r]);
+        const __m512i xsigned = _mm512_mask_sub_epi8(xq, neg[r], _mm512_setzero_si512(), xq);
+        const __m512 dot = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wa[r], xsigned));
+        acc[i][r] = _mm512_fmadd_ps(dot, xs, acc[i][r]);
       }
     }
   }
   for (int i = 0; i < MB; ++i)
-    for (int r = 0; r < kRows; ++r) out[i * kRows + r] = hsum(acc[i][r]);
+    for (int r = 0; r < kRows; ++r) tail[i][r] = _mm512_reduce_add_ps(acc[i][r]);
+#endif
+  if (g < G) {
+    __m256 acc[MB][kRows];
+    for (int i = 0; i < MB; ++i)
+      for (int r = 0; r < kRows; ++r) acc[i][r] = _mm256_setzero_ps();
+    for (; g < G; ++g) {
+      __m256i wa[kRows], ws[kRows];
+      for (int r = 0; r < kRows; ++r) {
+        ws[r] = load32(w + r * K + g * kGroup);
+        wa[r] = _mm256_sign_epi8(ws[r], ws[r]);  // |w| as unsigned; the sign moves onto x below
+      }
+      for (int i = 0; i < MB; ++i) {
+        const __m256i xq = load32(qx + i * K + g * kGroup);
+        const __m256 dxv = _mm256_set1_ps(dx[i * G + g]);
+        for (int r = 0; r < kRows; ++r) {
+          const __m256 dot = _mm256_cvtepi32_ps(dot_u8s8(wa[r], _mm256_sign_epi8(xq, ws[r])));
+          acc[i][r] = _mm256_fmadd_ps(dot, dxv, acc[i][r]);
+        }
+      }
+    }
+    for (int i = 0; i < MB; ++i)
+      for (int r = 0; r < kRows; ++r) tail[i][r] += hsum(acc[i][r]);
+  }
+  for (int i = 0; i < MB; ++i)
+    for (int r = 0; r < kRows; ++r) out[i * kRows + r] = tail[i][r];
 }
 #endif
 
@@ -140,9 +238,9 @@ float q4_scalar(const int8_t* qx, const float* dx, const float* sx, int64_t K, c
       const uint8_t b = w[g * 16 + j];
       dot += (b & 0x0F) * qx[g * kGroup + j] + (b >> 4) * qx[g * kGroup + 16 + j];
     }
-    acc += static_cast<float>(dot) * (d[g] * dx[g]) + mn[g] * sx[g];
+    acc += static_cast<float>(dot) * (d[g] * dx[g]);
   }
-  return acc;
+  return acc + dot_f32(mn, sx, G);
 }
 
 float i8_scalar(const int8_t* qx, const float* dx, int64_t K, const int8_t* w) {
@@ -154,6 +252,16 @@ float i8_scalar(const int8_t* qx, const float* dx, int64_t K, const int8_t* w) {
     acc += static_cast<float>(dot) * dx[g];
   }
   return acc;
+}
+
+// float16 -> float32, 8 at a time (F16C).
+inline void widen(const at::Half* src, int64_t n, float* dst) {
+  int64_t i = 0;
+#if defined(__F16C__)
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
 // Runs `kernel(m, count, out)` over the rows of x in blocks of 4, 2 and 1.
@@ -197,10 +305,8 @@ at::Tensor q4_linear_a8(const at::Tensor& x, const at::Tensor& w, const at::Tens
     std::vector<float> d(kRows * G), mn(kRows * G);  // one tile's scales, widened once
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t n = t * kRows, rows = std::min(kRows, N - n);
-      for (int64_t i = 0; i < rows * G; ++i) {
-        d[i] = static_cast<float>(sp[n * G + i]);
-        mn[i] = static_cast<float>(mp[n * G + i]);
-      }
+      widen(sp + n * G, rows * G, d.data());
+      widen(mp + n * G, rows * G, mn.data());
       const uint8_t* wt = wp + n * (K / 2);
       const int8_t* q = xq.q.data();
       const float *dx = xq.d.data(), *sx = xq.s.data();

@@ -13,6 +13,7 @@
 // float32 weights a row-streaming kernel below.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 #include <immintrin.h>
 
@@ -50,6 +51,21 @@ at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& w) {
     for (int64_t n = t0 * kRows; n < std::min(N, t1 * kRows); n += kRows) {
       const int64_t rows = std::min(kRows, N - n);
       for (int64_t m = 0; m < M; ++m) {
+#if defined(__AVX512F__)
+        if (rows == kRows && K % 16 == 0) {  // one 64-byte line of each of the 4 rows per step
+          __m512 acc[kRows];
+          for (int r = 0; r < kRows; ++r) acc[r] = _mm512_setzero_ps();
+          for (int64_t k = 0; k < K; k += 16) {
+            const __m512 xv = _mm512_loadu_ps(xp + m * K + k);
+            for (int r = 0; r < kRows; ++r) {
+              _mm_prefetch(reinterpret_cast<const char*>(wp + (n + r + 6 * kRows) * K + k), _MM_HINT_T0);
+              acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(wp + (n + r) * K + k), xv, acc[r]);
+            }
+          }
+          for (int r = 0; r < kRows; ++r) yp[m * N + n + r] = _mm512_reduce_add_ps(acc[r]);
+          continue;
+        }
+#endif
 #if defined(__AVX2__) && defined(__FMA__)
         if (rows == kRows) {
           __m256 acc[kRows][2];
@@ -128,67 +144,102 @@ inline float dot(const float* a, const float* b, int64_t n) {
 
 }  // namespace
 
-// x [B, d]: the step's token embeddings. weights: 14 tensors per layer, in order: attn_norm,
-// wqkv (w, scale, mins), wo (w, scale, mins), mlp_norm, gate_up (w, scale, mins), down (w, scale,
-// mins); unused scale/mins are empty tensors. k_cache, v_cache [L, B, H_kv, T, hd] float32; pos [B]
-// int64, each row's position (its K/V go to slot pos); attention reads slots 0..pos of the row.
-// cos, sin [max_T, hd]. Returns the hidden state after the last layer [B, d] (before the final norm).
+namespace {
+
+// The layer stack, with attention left to `attend(layer, qkv)`: qkv [N, (H + 2 H_kv) * hd] holds
+// the layer's queries, keys and values for the N tokens, RoPE already applied; it returns the
+// attention output [N, H * hd]. x [N, d] is updated in place.
+template <typename Attend>
+void run_layers(at::Tensor& x, at::TensorList weights, int64_t L, const int64_t* pos, const float* cos,
+                const float* sin, int64_t hd, int64_t H, int64_t Hkv, double eps, bool a8, Attend attend) {
+  const int64_t N = x.size(0), d = x.size(1), qkv_dim = (H + 2 * Hkv) * hd;
+  at::Tensor h = at::empty({N, d}, x.options());
+  float* xp = x.data_ptr<float>();
+  float* hp = h.data_ptr<float>();
+  for (int64_t l = 0; l < L; ++l) {
+    const at::Tensor* W = weights.data() + 14 * l;
+    // attention: norm, q/k/v, RoPE, attention (with the cache), output projection
+    rms_norm(xp, W[0].data_ptr<float>(), N, d, eps, hp);
+    at::Tensor qkv = linear(h, W + 1, a8);  // [N, (H + 2 Hkv) * hd]
+    TORCH_CHECK(qkv.size(1) == qkv_dim, "decode_llama: wqkv has the wrong number of outputs");
+    float* qp = qkv.data_ptr<float>();
+    for (int64_t i = 0; i < N; ++i)
+      for (int64_t j = 0; j < H + Hkv; ++j) rope(qp + i * qkv_dim + j * hd, cos + pos[i] * hd, sin + pos[i] * hd, hd);
+    x.add_(linear(attend(l, qkv), W + 4, a8));
+
+    // MLP: norm, fused gate/up, SiLU(gate) * up, down
+    rms_norm(xp, W[7].data_ptr<float>(), N, d, eps, hp);
+    at::Tensor gu = linear(h, W + 8, a8);  // [N, 2 * d_ff]
+    const int64_t dff = gu.size(1) / 2;
+    at::Tensor act = at::empty({N, dff}, x.options());
+    const float* g = gu.data_ptr<float>();
+    float* ac = act.data_ptr<float>();
+    for (int64_t i = 0; i < N; ++i)
+      for (int64_t j = 0; j < dff; ++j) {
+        const float gate = g[i * 2 * dff + j];
+        ac[i * dff + j] = gate / (1.f + std::exp(-gate)) * g[i * 2 * dff + dff + j];
+      }
+    x.add_(linear(act, W + 11, a8));
+  }
+}
+
+void check_common(const at::Tensor& x, at::TensorList weights, int64_t L, const at::Tensor& pos,
+                  const at::Tensor& cos, const at::Tensor& sin, int64_t hd, int64_t max_pos) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "decode_llama: x [N, d] float32");
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == 14 * L, "decode_llama: 14 weight tensors per layer");
+  TORCH_CHECK(pos.dim() == 1 && pos.size(0) == x.size(0) && pos.scalar_type() == at::kLong && pos.is_contiguous(),
+              "decode_llama: pos [N] int64");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+              sin.is_contiguous() && cos.size(1) == hd && sin.sizes() == cos.sizes(),
+              "decode_llama: cos/sin [max_T, hd] float32");
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  for (int64_t i = 0; i < x.size(0); ++i)
+    TORCH_CHECK(0 <= pp[i] && pp[i] < max_pos && pp[i] < cos.size(0), "decode_llama: position out of range");
+}
+
+}  // namespace
+
+// One decode step over a contiguous cache. x [B, d]: the step's token embeddings. weights: 14
+// tensors per layer, in order: attn_norm, wqkv (w, scale, mins), wo (w, scale, mins), mlp_norm,
+// gate_up (w, scale, mins), down (w, scale, mins); unused scale/mins are empty tensors. k_cache,
+// v_cache [L, B, H_kv, T, hd] float32; pos [B] int64, each row's position (its K/V go to slot pos);
+// attention reads slots 0..min(pos, kv_len - 1) of the row. cos, sin [max_T, hd]. Returns the
+// hidden state after the last layer [B, d] (before the final norm).
 at::Tensor decode_llama(const at::Tensor& x_in, at::TensorList weights, const at::Tensor& k_cache,
                         const at::Tensor& v_cache, const at::Tensor& pos, const at::Tensor& cos,
                         const at::Tensor& sin, int64_t kv_len, int64_t n_head, int64_t n_kv_heads,
                         double eps, bool a8) {
-  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "decode_llama: x [B, d] float32");
   TORCH_CHECK(k_cache.dim() == 5 && k_cache.scalar_type() == at::kFloat && k_cache.is_contiguous() &&
               v_cache.sizes() == k_cache.sizes() && v_cache.is_contiguous() && v_cache.scalar_type() == at::kFloat,
               "decode_llama: contiguous float32 caches [L, B, H_kv, T, hd]");
-  const int64_t L = k_cache.size(0), B = x_in.size(0), d = x_in.size(1), T = k_cache.size(3), hd = k_cache.size(4);
-  TORCH_CHECK(static_cast<int64_t>(weights.size()) == 14 * L, "decode_llama: 14 weight tensors per layer");
+  const int64_t L = k_cache.size(0), B = x_in.size(0), T = k_cache.size(3), hd = k_cache.size(4);
   TORCH_CHECK(k_cache.size(1) == B && k_cache.size(2) == n_kv_heads && n_head % n_kv_heads == 0 && hd % 2 == 0,
               "decode_llama: cache shape does not match the batch or the heads");
-  TORCH_CHECK(pos.dim() == 1 && pos.size(0) == B && pos.scalar_type() == at::kLong, "decode_llama: pos [B] int64");
-  TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.is_contiguous() && sin.is_contiguous() && cos.size(1) == hd,
-              "decode_llama: cos/sin [max_T, hd] float32");
   TORCH_CHECK(0 < kv_len && kv_len <= T, "decode_llama: kv_len out of range");
+  check_common(x_in, weights, L, pos, cos, sin, hd, T);  // a finished row may sit past kv_len: written, never read
   const int64_t* pp = pos.data_ptr<int64_t>();
-  for (int64_t b = 0; b < B; ++b)  // a finished row may sit past kv_len: it is written, never read
-    TORCH_CHECK(0 <= pp[b] && pp[b] < T && pp[b] < cos.size(0), "decode_llama: position out of range");
-
   const int64_t H = n_head, Hkv = n_kv_heads, group = H / Hkv, qkv_dim = (H + 2 * Hkv) * hd;
   const float scale = 1.f / std::sqrt(static_cast<float>(hd));
   at::Tensor x = x_in.contiguous().clone();
-  at::Tensor h = at::empty({B, d}, x.options());
   at::Tensor attn = at::empty({B, H * hd}, x.options());
   at::Tensor scores = at::empty({B * H, kv_len}, x.options());
-  float* xp = x.data_ptr<float>();
-  float* hp = h.data_ptr<float>();
   float* ap = attn.data_ptr<float>();
   float* sp = scores.data_ptr<float>();
-  const float* cp = cos.data_ptr<float>();
-  const float* snp = sin.data_ptr<float>();
 
-  for (int64_t l = 0; l < L; ++l) {
-    const at::Tensor* W = weights.data() + 14 * l;
+  auto attend = [&](int64_t l, at::Tensor& qkv) -> at::Tensor {
+    float* qp = qkv.data_ptr<float>();
     float* kl = k_cache.data_ptr<float>() + l * B * Hkv * T * hd;
     float* vl = v_cache.data_ptr<float>() + l * B * Hkv * T * hd;
-
-    // attention: norm, q/k/v, RoPE, cache write, softmax(q K^T / sqrt(hd)) V, output projection
-    rms_norm(xp, W[0].data_ptr<float>(), B, d, eps, hp);
-    at::Tensor qkv = linear(h, W + 1, a8);  // [B, (H + 2 Hkv) * hd]
-    TORCH_CHECK(qkv.size(1) == qkv_dim, "decode_llama: wqkv has the wrong number of outputs");
-    float* qp = qkv.data_ptr<float>();
-    for (int64_t b = 0; b < B; ++b) {
-      const int64_t p = pp[b];
-      for (int64_t j = 0; j < H + Hkv; ++j) rope(qp + b * qkv_dim + j * hd, cp + p * hd, snp + p * hd, hd);
+    for (int64_t b = 0; b < B; ++b)  // the new K/V into slot pos of the row
       for (int64_t j = 0; j < Hkv; ++j) {
         const float* k = qp + b * qkv_dim + (H + j) * hd;
         const float* v = qp + b * qkv_dim + (H + Hkv + j) * hd;
-        std::copy(k, k + hd, kl + ((b * Hkv + j) * T + p) * hd);
-        std::copy(v, v + hd, vl + ((b * Hkv + j) * T + p) * hd);
+        std::copy(k, k + hd, kl + ((b * Hkv + j) * T + pp[b]) * hd);
+        std::copy(v, v + hd, vl + ((b * Hkv + j) * T + pp[b]) * hd);
       }
-    }
     at::parallel_for(0, B * H, 1, [&](int64_t i0, int64_t i1) {
       for (int64_t i = i0; i < i1; ++i) {
-        const int64_t b = i / H, head = i % H, kvh = head / group, n = std::min(pp[b] + 1, kv_len);  // slots 0..pos
+        const int64_t b = i / H, head = i % H, kvh = head / group, n = std::min(pp[b] + 1, kv_len);
         const float* q = qp + b * qkv_dim + head * hd;
         const float* K = kl + (b * Hkv + kvh) * T * hd;
         const float* V = vl + (b * Hkv + kvh) * T * hd;
@@ -206,33 +257,53 @@ at::Tensor decode_llama(const at::Tensor& x_in, at::TensorList weights, const at
         }
       }
     });
-    at::Tensor o = linear(attn, W + 4, a8);
-    x.add_(o);
+    return attn;
+  };
+  run_layers(x, weights, L, pp, cos.data_ptr<float>(), sin.data_ptr<float>(), hd, H, Hkv, eps, a8, attend);
+  return x;
+}
 
-    // MLP: norm, fused gate/up, SiLU(gate) * up, down
-    rms_norm(xp, W[7].data_ptr<float>(), B, d, eps, hp);
-    at::Tensor gu = linear(h, W + 8, a8);  // [B, 2 * d_ff]
-    const int64_t dff = gu.size(1) / 2;
-    at::Tensor act = at::empty({B, dff}, x.options());
-    const float* g = gu.data_ptr<float>();
-    float* ac = act.data_ptr<float>();
-    for (int64_t b = 0; b < B; ++b)
-      for (int64_t i = 0; i < dff; ++i) {
-        const float gate = g[b * 2 * dff + i];
-        ac[b * dff + i] = gate / (1.f + std::exp(-gate)) * g[b * 2 * dff + dff + i];
-      }
-    x.add_(linear(act, W + 11, a8));
-  }
+// The same layer stack over the serving engine's paged pool (arlm.serve.paged_cache): x [N, d]
+// holds a flattened batch of tokens from any mix of sequences, token i of sequence seq_index[i]
+// at position pos[i]. Attention is arlm_serve::paged_attention (serve/paged_attention.cpp), which
+// writes the new K/V into the blocks and attends through the block table; it must be loaded.
+at::Tensor forward_llama_paged(const at::Tensor& x_in, at::TensorList weights, const at::Tensor& k_pool,
+                               const at::Tensor& v_pool, const at::Tensor& block_table,
+                               const at::Tensor& seq_index, const at::Tensor& pos, const at::Tensor& cos,
+                               const at::Tensor& sin, int64_t n_head, int64_t n_kv_heads, double eps, bool a8) {
+  TORCH_CHECK(k_pool.dim() == 5 && k_pool.scalar_type() == at::kFloat && v_pool.sizes() == k_pool.sizes(),
+              "forward_llama_paged: float32 pools [L, n_blocks, H_kv, block_size, hd]");
+  const int64_t L = k_pool.size(0), N = x_in.size(0), hd = k_pool.size(4);
+  const int64_t H = n_head, Hkv = n_kv_heads;
+  TORCH_CHECK(k_pool.size(2) == Hkv && H % Hkv == 0 && hd % 2 == 0, "forward_llama_paged: heads do not match");
+  check_common(x_in, weights, L, pos, cos, sin, hd, block_table.size(1) * k_pool.size(3));
+  static const auto paged_attention =
+      c10::Dispatcher::singleton().findSchemaOrThrow("arlm_serve::paged_attention", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, at::Tensor, at::Tensor,
+                            const at::Tensor&, const at::Tensor&, const at::Tensor&, double)>();
+  const double scale = 1.0 / std::sqrt(static_cast<double>(hd));
+  at::Tensor x = x_in.contiguous().clone();
+  auto attend = [&](int64_t l, at::Tensor& qkv) -> at::Tensor {
+    at::Tensor q = qkv.narrow(1, 0, H * hd).reshape({N, H, hd}).contiguous();
+    at::Tensor k = qkv.narrow(1, H * hd, Hkv * hd).reshape({N, Hkv, hd}).contiguous();
+    at::Tensor v = qkv.narrow(1, (H + Hkv) * hd, Hkv * hd).reshape({N, Hkv, hd}).contiguous();
+    return paged_attention.call(q, k, v, k_pool[l], v_pool[l], block_table, seq_index, pos, scale).reshape({N, H * hd});
+  };
+  run_layers(x, weights, L, pos.data_ptr<int64_t>(), cos.data_ptr<float>(), sin.data_ptr<float>(), hd, H, Hkv,
+             eps, a8, attend);
   return x;
 }
 
 TORCH_LIBRARY_FRAGMENT(arlm, m) {
   m.def("decode_llama(Tensor x, Tensor[] weights, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor pos, "
         "Tensor cos, Tensor sin, int kv_len, int n_head, int n_kv_heads, float eps, bool a8) -> Tensor");
+  m.def("forward_llama_paged(Tensor x, Tensor[] weights, Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor block_table, "
+        "Tensor seq_index, Tensor pos, Tensor cos, Tensor sin, int n_head, int n_kv_heads, float eps, bool a8) -> Tensor");
   m.def("f32_linear(Tensor x, Tensor w) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(arlm, CPU, m) {
   m.impl("decode_llama", &decode_llama);
+  m.impl("forward_llama_paged", &forward_llama_paged);
   m.impl("f32_linear", &f32_linear);
 }

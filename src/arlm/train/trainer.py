@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from .. import kernels
 from ..config import ConfigError, ModelConfig
 from ..loading import build_model, load_model
 from ..model import Transformer
@@ -100,16 +101,10 @@ def configure_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=fused or None)
 
 
-def cpu_has_native_bf16() -> bool:
-    """AVX512-BF16 or AMX: bf16 matmuls run at twice the float32 rate (measured on a 2-core EPYC)."""
-    caps = getattr(torch.cpu, "get_capabilities", dict)()
-    return bool(caps.get("avx512_bf16") or caps.get("amx_bf16"))
-
-
 def autocast_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype | None:
     """The autocast dtype, or None for plain float32. `auto`: bf16 where the device has it natively."""
     if cfg.dtype == "auto":
-        native = torch.cuda.is_bf16_supported() if device.type == "cuda" else cpu_has_native_bf16()
+        native = torch.cuda.is_bf16_supported() if device.type == "cuda" else kernels.cpu_has_native_bf16()
         return torch.bfloat16 if native else None
     return None if cfg.dtype == "float32" else getattr(torch, cfg.dtype)
 
