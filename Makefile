@@ -32,8 +32,9 @@ install-test: $(VENV)/.installed-test
 run: install
 	$(VENV)/bin/arlm generate "$(PROMPT)" $(ARGS)
 
+# PASSIVE: the tests run servers and clients side by side on the same cores (see src/arlm/__init__.py).
 test: install-test
-	$(PY) -m pytest -q tests
+	OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q tests
 
 # The decode/prefill harness: arlm beside HF transformers (and llama.cpp after `make bench-peers`).
 bench: install-test

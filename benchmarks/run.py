@@ -22,7 +22,6 @@ import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as `import arlm` sets it, before torch starts OpenMP
 import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

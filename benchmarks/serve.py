@@ -74,7 +74,7 @@ def median_times(fns: list, repeat: int = 10) -> list[float]:
     return [statistics.median(t) for t in times]
 
 
-def bench_engine(threads: int, context: int) -> dict:
+def bench_engine(threads: int, context: int, quantize: str) -> dict:
     import torch
 
     from arlm.generate import decode_step, native_decode_fn
@@ -84,7 +84,8 @@ def bench_engine(threads: int, context: int) -> dict:
     from arlm.serve.engine import Engine, EngineConfig
 
     torch.set_num_threads(threads)
-    llm = LLM.load("smollm2", quantize="int8")  # as `arlm serve` runs it
+    quantize = "int8" if quantize == "auto" else quantize  # what `arlm serve --quantize auto` picks on CPU
+    llm = LLM.load("smollm2", quantize=quantize)
     model, cfg = llm.model, llm.model.config
     out: dict = {"quantization": llm.quantization, "context": context, "decode": {}}
     print(f"\n== engine alone: decode step at {context} tokens of context, {threads} thread(s), "
@@ -268,7 +269,8 @@ def bench_http(args) -> dict:
             env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false"}
             url = f"http://127.0.0.1:{port}"
             servers["arlm"] = url, run_server([sys.executable, "-m", "arlm", "serve", "--model", "smollm2",
-                                               "--port", str(port), "--kv-cache-memory", "1GiB"], env, url)
+                                               "--port", str(port), "--kv-cache-memory", "1GiB",
+                                               "--quantize", args.quantize], env, url)
         binary = find_llama_server(args.llama_server) if args.servers in ("both", "llama.cpp") else None
         if binary is None and args.servers != "arlm":
             print("\nllama.cpp: skipped (no llama-server: pass --llama-server PATH, put it on PATH, or build it "
@@ -310,6 +312,8 @@ def main() -> None:
     p.add_argument("--llama-server", default=None, help="path to llama.cpp's llama-server binary")
     p.add_argument("--no-sequential", action="store_true", help="skip the one-at-a-time baseline")
     p.add_argument("--servers", default="both", choices=("both", "arlm", "llama.cpp"), help="which servers to load")
+    p.add_argument("--quantize", default="auto", choices=("auto", "int8", "q4"),
+                   help="weights for the engine alone and for arlm serve (default: arlm serve's own default)")
     p.add_argument("--skip-engine", action="store_true")
     p.add_argument("--skip-http", action="store_true")
     p.add_argument("--json", default=None, help="also write the results here")
@@ -317,7 +321,7 @@ def main() -> None:
     print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} (other work skews every number)")
     results = {}
     if not args.skip_engine:
-        results["engine"] = bench_engine(args.threads, args.context)
+        results["engine"] = bench_engine(args.threads, args.context, args.quantize)
     if not args.skip_http:
         results["http"] = bench_http(args)
     if args.json:

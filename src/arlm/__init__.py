@@ -1,12 +1,11 @@
 """arlm: autoregressive transformer language models, trained in parallel, decoded with a KV cache."""
 
-import os
-
-# OpenMP threads that spin while they wait turn a decode step of hundreds of small ops into a
-# crawl as soon as another process wants a core (measured on 2 cores: 77 ms a step spinning
-# against 31 ms passive, while the machine was busy; ~10% slower passive when it was idle). Only
-# takes effect if set before torch starts OpenMP, and never overrides the user's own setting.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# OpenMP's wait policy is left to the user. The native decode step runs ~200 short parallel
+# regions a step; with libgomp's default (threads spin briefly before they sleep) SmolLM2 decodes
+# at ~150 tokens/s on 2 cores, with OMP_WAIT_POLICY=PASSIVE (sleep at once) at ~67. On a machine
+# where other processes want the cores, spinning turns against you (the same step: 40 tokens/s
+# spinning, 74 passive, with one core taken): set OMP_WAIT_POLICY=PASSIVE there (`make test`
+# does, since its servers and clients share the cores).
 
 from .config import ModelConfig
 from .generate import Generation, decode_step, generate, prefill
