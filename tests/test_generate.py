@@ -353,3 +353,34 @@ def test_chat_repetition_penalty_counts_earlier_turns(smollm2):
                {"role": "user", "content": turns[1]}]
     full = smollm2.tokenizer.encode(smollm2.apply_chat_template(history))
     assert session.generation.completions[0] == smollm2.generate([full], params)[0].token_ids
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_context_shift_equals_recomputing_the_cropped_window(family):
+    # With context_shift, a row that fills the window goes on from its last half, recomputed at
+    # positions 0..: each token must be what an uncached forward over that window predicts
+    # (the reference below), and generation runs past the window to max_new_tokens.
+    from conftest import arlm_from_hf, hf_gpt2, hf_llama
+
+    hf = hf_llama(seed=7, max_position_embeddings=16) if family == "llama" else hf_gpt2(seed=7, n_positions=16)
+    model = arlm_from_hf(hf)
+    limit, keep = 16, 8
+    prompt = [5, 9, 2, 7, 3]
+    gen = Generation(model, [prompt], SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True),
+                     context_shift=True)
+    for _ in gen:
+        pass
+    assert gen.finish_reasons == ["length"] and len(gen.completions[0]) == 40
+    seq, w = list(prompt), 0
+    with torch.inference_mode():
+        while len(seq) < len(prompt) + 40:
+            if len(seq) - w > limit:
+                w = len(seq) - 1 - keep
+            window = seq[w:]
+            seq.append(int(model(torch.tensor([window]))[0, -1].argmax()))
+    assert gen.completions[0] == seq[len(prompt):]
+    # without it the row stops at the window
+    stop = Generation(model, [prompt], SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True))
+    for _ in stop:
+        pass
+    assert stop.finish_reasons == ["context"] and len(stop.completions[0]) == limit - len(prompt) + 1

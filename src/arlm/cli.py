@@ -110,7 +110,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         prompt = llm.apply_chat_template([{"role": "user", "content": args.prompt}])
     else:
         prompt = args.prompt
-    it = llm.stream([prompt], params)
+    it = llm.stream([prompt], params, context_shift=args.context_shift)
     gen = next(it)
     if not args.json and not args.chat:
         sys.stdout.write(prompt)  # show the continuation in context, as llama.cpp and gpt-fast do
@@ -138,6 +138,9 @@ def add_generate(sub) -> None:
     add_sampling_args(p, max_new_tokens=128)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    p.add_argument("--context-shift", action="store_true",
+                   help="when the context window fills, go on from its last half (recomputed), as "
+                        "nanoGPT's sample.py crops the context; default: stop (finish reason 'context')")
     p.set_defaults(func=cmd_generate)
 
 

@@ -170,7 +170,8 @@ class Generation:
 
     def __init__(self, model: Transformer, prompts: list[list[int]], params: SamplingParams,
                  eos_ids: list[int] | tuple[int, ...] = (), cache: KVCache | None = None,
-                 decode_fn: Callable | None = None, static_kv_len: bool = False) -> None:
+                 decode_fn: Callable | None = None, static_kv_len: bool = False,
+                 context_shift: bool = False) -> None:
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
         cfg = model.config
@@ -182,6 +183,11 @@ class Generation:
         # CUDA graphs replay fixed shapes: attend over the whole cache (masked) instead of the
         # slots in use, so every decode step has the same shapes.
         self.static_kv_len = static_kv_len
+        # context_shift: a row that fills the context window keeps going on its last half window
+        # (recomputed at positions 0..), as nanoGPT's sample.py crops the context, instead of
+        # finishing with CONTEXT.
+        self.context_shift = context_shift
+        self._to_shift: list[int] = []
         self.eos_ids = [] if params.ignore_eos else list(eos_ids)
         B, P = len(prompts), max(len(p) for p in prompts)
         device = next(model.parameters()).device
@@ -198,6 +204,7 @@ class Generation:
             raise ValueError(f"prompt of {P} tokens after {max(start)} cached ones exceeds the cache "
                              f"capacity of {cache.capacity} tokens")
         self.cache, self.device, self.start = cache, device, start
+        self.context_shift = self.context_shift and not any(start)  # it needs every row's whole history
         # decode_fn: e.g. torch.compile(decode_step); by default the native step where it applies
         self.decode_fn = decode_fn or native_decode_fn(model, cache) or decode_step
         self.completions: list[list[int]] = [[] for _ in range(B)]
@@ -240,10 +247,28 @@ class Generation:
             elif len(self.completions[b]) >= self.params.max_new_tokens:
                 self.finish(b, LENGTH)
             elif self.cache.seq_lens[b] >= limit:
-                self.finish(b, CONTEXT)  # the token just sampled has no slot left to be fed into
+                if self.context_shift and limit == self.model.config.max_seq_len and limit >= 2:
+                    self._to_shift.append(b)  # see _shift: the row goes on
+                else:
+                    self.finish(b, CONTEXT)  # the token just sampled has no slot left to be fed into
             if self.finish_reasons[b] is not None:
                 out.finished.append((b, self.finish_reasons[b]))
         return out
+
+    def _shift(self, b: int) -> int:
+        """Context shift of row b: refill its cache with the last half window of its tokens
+        (before the one just sampled) at positions 0.., by a prefill of that row alone. Returns
+        the position the sampled token is fed at."""
+        keep = self.model.config.max_seq_len // 2
+        window = (self.prompts[b] + self.completions[b])[-keep - 1:-1]
+        one = KVCache.for_model(self.model.config, 1, keep, dtype=self.cache.k.dtype, device=self.device)
+        with torch.inference_mode():
+            prefill(self.model, one, torch.tensor([window], device=self.device),
+                    torch.arange(keep, device=self.device)[None], torch.tensor([keep - 1], device=self.device), keep)
+            self.cache.k[:, b, :, :keep] = one.k[:, 0]
+            self.cache.v[:, b, :, :keep] = one.v[:, 0]
+        self.cache.seq_lens[b] = keep
+        return keep
 
     def __iter__(self) -> Iterator[StepOutput]:
         B, P = self.batch_size, max(len(p) for p in self.prompts)
@@ -273,6 +298,10 @@ class Generation:
         frozen: set[int] = set()
         t0 = time.perf_counter()
         while not self.done:
+            while self._to_shift:
+                b = self._to_shift.pop()
+                if self.finish_reasons[b] is None:
+                    pos[b, 0] = self._shift(b)
             for b, reason in enumerate(self.finish_reasons):
                 if reason is not None and b not in frozen:  # rare: only when a row stops
                     frozen.add(b)

@@ -176,11 +176,12 @@ class LLM:
         return render_chat(self.chat_template, messages, add_generation_prompt, **special)
 
     def stream(self, prompts: list[str] | list[list[int]], params: SamplingParams,
-               cache: KVCache | None = None) -> Iterator[TextChunk | Generation]:
-        """Yield the `Generation` first (for stats and results), then TextChunks as they come."""
+               cache: KVCache | None = None, context_shift: bool = False) -> Iterator[TextChunk | Generation]:
+        """Yield the `Generation` first (for stats and results), then TextChunks as they come.
+        context_shift: go on past a full context window on its last half (see `Generation`)."""
         ids = [p if isinstance(p, list) else self.encode_prompt(p) for p in prompts]
         gen = Generation(self.model, ids, params, self.tokenizer.eos_ids, cache=cache, decode_fn=self.decode_fn,
-                         static_kv_len=self.static_kv_len)
+                         static_kv_len=self.static_kv_len, context_shift=context_shift)
         detok = [IncrementalDetokenizer(self.tokenizer) for _ in ids]
         watch = [_StopWatcher(params.stop) for _ in ids]
         yield gen
@@ -196,10 +197,10 @@ class LLM:
                 yield TextChunk(row, [tok], text, finished.get(row))
 
     def generate(self, prompts: str | list[str] | list[list[int]], params: SamplingParams,
-                 cache: KVCache | None = None) -> list[Completion]:
+                 cache: KVCache | None = None, context_shift: bool = False) -> list[Completion]:
         single = isinstance(prompts, str)
         prompts = [prompts] if single else prompts
-        it = self.stream(prompts, params, cache)
+        it = self.stream(prompts, params, cache, context_shift)
         gen: Generation = next(it)  # type: ignore[assignment]
         texts = [""] * len(prompts)
         for chunk in it:
