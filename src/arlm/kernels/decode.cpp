@@ -52,17 +52,23 @@ at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& w) {
       const int64_t rows = std::min(kRows, N - n);
       for (int64_t m = 0; m < M; ++m) {
 #if defined(__AVX512F__)
-        if (rows == kRows && K % 16 == 0) {  // one 64-byte line of each of the 4 rows per step
-          __m512 acc[kRows];
-          for (int r = 0; r < kRows; ++r) acc[r] = _mm512_setzero_ps();
-          for (int64_t k = 0; k < K; k += 16) {
-            const __m512 xv = _mm512_loadu_ps(xp + m * K + k);
-            for (int r = 0; r < kRows; ++r) {
-              _mm_prefetch(reinterpret_cast<const char*>(wp + (n + r + 6 * kRows) * K + k), _MM_HINT_T0);
-              acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(wp + (n + r) * K + k), xv, acc[r]);
+        if (K % 64 == 0) {  // each row read front to back: one sequential stream per thread
+          for (int64_t r = 0; r < rows; ++r) {
+            const float* wr = wp + (n + r) * K;
+            __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(),
+                   a3 = _mm512_setzero_ps();
+            for (int64_t k = 0; k < K; k += 64) {
+              _mm_prefetch(reinterpret_cast<const char*>(wr + 32 * K + k), _MM_HINT_T0);
+              _mm_prefetch(reinterpret_cast<const char*>(wr + 32 * K + k + 16), _MM_HINT_T0);
+              _mm_prefetch(reinterpret_cast<const char*>(wr + 32 * K + k + 32), _MM_HINT_T0);
+              _mm_prefetch(reinterpret_cast<const char*>(wr + 32 * K + k + 48), _MM_HINT_T0);
+              a0 = _mm512_fmadd_ps(_mm512_loadu_ps(wr + k), _mm512_loadu_ps(xp + m * K + k), a0);
+              a1 = _mm512_fmadd_ps(_mm512_loadu_ps(wr + k + 16), _mm512_loadu_ps(xp + m * K + k + 16), a1);
+              a2 = _mm512_fmadd_ps(_mm512_loadu_ps(wr + k + 32), _mm512_loadu_ps(xp + m * K + k + 32), a2);
+              a3 = _mm512_fmadd_ps(_mm512_loadu_ps(wr + k + 48), _mm512_loadu_ps(xp + m * K + k + 48), a3);
             }
+            yp[m * N + n + r] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
           }
-          for (int r = 0; r < kRows; ++r) yp[m * N + n + r] = _mm512_reduce_add_ps(acc[r]);
           continue;
         }
 #endif
