@@ -61,6 +61,14 @@ def test_q4_linear_matches_float64(M, N, K):
     assert (y.double() - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
 
 
+def test_a8_kernels_propagate_nan():
+    x = torch.randn(2, 64)
+    x[1, 3] = float("nan")
+    w = torch.randint(-127, 128, (8, 64), dtype=torch.int8)
+    y = kernels.int8_linear_a8(x, w, torch.ones(8))
+    assert torch.isfinite(y[0]).all() and torch.isnan(y[1]).all()
+
+
 def _q4_dense(w, scale, mins):
     """float64 [N, K] from packed 4-bit weights, built independently of unpack_q4."""
     N, K = w.shape[0], w.shape[1] * 2
@@ -131,6 +139,7 @@ def test_q4_linear_a8_matches_float64(M, N, K):
 
 def test_a8_fallback_matches_native():
     # The pure-PyTorch fallback quantizes x bitwise like the kernel: same results to float32 order.
+    assert kernels.native_available()  # else both sides below would be the fallback
     g = torch.Generator().manual_seed(9)
     x = torch.randn(3, 576, generator=g)
     w8 = torch.randint(-127, 128, (40, 576), generator=g, dtype=torch.int8)

@@ -34,7 +34,12 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* qx, float* dx, 
     for (int64_t b = b0; b < b1; ++b) {
       const float* src = x + b * kGroup;  // row-major [M, K] with K = G * 32: group b is contiguous
       float amax = 0.f;
-      for (int j = 0; j < kGroup; ++j) amax = std::max(amax, std::fabs(src[j]));
+      for (int j = 0; j < kGroup; ++j) amax = std::isnan(src[j]) ? NAN : std::max(amax, std::fabs(src[j]));
+      if (!std::isfinite(amax)) {  // NaN or inf in the group: the result is NaN, as in float math
+        for (int j = 0; j < kGroup; ++j) qx[b * kGroup + j] = 0;
+        dx[b] = sx[b] = NAN;
+        continue;
+      }
       const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
       int sum = 0;
       for (int j = 0; j < kGroup; ++j) {

@@ -40,7 +40,12 @@ inline float hsum(__m256 v) {
 
 // float32 y[m, n] = x[m, :] . w[n, :] for a few rows of x: each weight row is streamed once and
 // reused for every row of x (decode is a matrix-vector product; MKL's is slow at these shapes).
+// Rows of x are not batch-invariant here: above 4 rows the GEMM sums in its own order (float32
+// models only; the quantized kernels are invariant).
 at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& w) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1) && x.scalar_type() == at::kFloat &&
+              w.scalar_type() == at::kFloat && x.is_contiguous() && w.is_contiguous(),
+              "f32_linear: x [M, K], w [N, K], contiguous float32");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   if (M > 4 || K % 8 != 0) return at::matmul(x, w.t());  // enough rows: a GEMM is the right tool
   at::Tensor y = at::empty({M, N}, x.options());
@@ -55,13 +60,14 @@ at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& w) {
         if (K % 64 == 0) {  // each row read front to back: one sequential stream per thread
           for (int64_t r = 0; r < rows; ++r) {
             const float* wr = wp + (n + r) * K;
+            const float* ahead = wp + std::min(n + r + 32, N - 1) * K;  // prefetch 32 rows on, within w
             __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(),
                    a3 = _mm512_setzero_ps();
             for (int64_t k = 0; k < K; k += 64) {
-              _mm_prefetch(reinterpret_cast<const char*>(wr + 32 * K + k), _MM_HINT_T0);
-              _mm_prefetch(reinterpret_cast<const char*>(wr + 32 * K + k + 16), _MM_HINT_T0);
-              _mm_prefetch(reinterpret_cast<const char*>(wr + 32 * K + k + 32), _MM_HINT_T0);
-              _mm_prefetch(reinterpret_cast<const char*>(wr + 32 * K + k + 48), _MM_HINT_T0);
+              _mm_prefetch(reinterpret_cast<const char*>(ahead + k), _MM_HINT_T0);
+              _mm_prefetch(reinterpret_cast<const char*>(ahead + k + 16), _MM_HINT_T0);
+              _mm_prefetch(reinterpret_cast<const char*>(ahead + k + 32), _MM_HINT_T0);
+              _mm_prefetch(reinterpret_cast<const char*>(ahead + k + 48), _MM_HINT_T0);
               a0 = _mm512_fmadd_ps(_mm512_loadu_ps(wr + k), _mm512_loadu_ps(xp + m * K + k), a0);
               a1 = _mm512_fmadd_ps(_mm512_loadu_ps(wr + k + 16), _mm512_loadu_ps(xp + m * K + k + 16), a1);
               a2 = _mm512_fmadd_ps(_mm512_loadu_ps(wr + k + 32), _mm512_loadu_ps(xp + m * K + k + 32), a2);
@@ -201,6 +207,12 @@ void check_common(const at::Tensor& x, at::TensorList weights, int64_t L, const 
   const int64_t* pp = pos.data_ptr<int64_t>();
   for (int64_t i = 0; i < x.size(0); ++i)
     TORCH_CHECK(0 <= pp[i] && pp[i] < max_pos && pp[i] < cos.size(0), "decode_llama: position out of range");
+  for (int64_t l = 0; l < L; ++l)
+    for (int64_t j : {0, 7}) {  // the two norm weights of each layer (the linears check their own shapes)
+      const at::Tensor& w = weights[14 * l + j];
+      TORCH_CHECK(w.numel() == x.size(1) && w.scalar_type() == at::kFloat && w.is_contiguous(),
+                  "decode_llama: norm weights must be contiguous float32 [d]");
+    }
 }
 
 }  // namespace

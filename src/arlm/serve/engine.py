@@ -121,7 +121,8 @@ class Engine:
                                    config.max_num_batched_tokens, config.enable_prefix_caching)
         self.eos_ids = frozenset(eos_ids)
         # The native layer stack over the paged pool where it applies (Llama family on CPU with
-        # the paged-attention kernel): one call a step instead of ~60 tensor ops a layer.
+        # the paged-attention kernel): one call a step instead of ~60 tensor ops a layer. The
+        # weight list is taken now: re-quantizing the model later needs a new Engine.
         self.native = native_layers(model) if self.cache.use_kernel else None
         self.head = native_head(model)
         self.requests: dict[str, Sequence] = {}
