@@ -147,9 +147,11 @@ def test_a8_fallback_matches_native():
     w4 = torch.randint(0, 256, (40, 288), generator=g, dtype=torch.uint8)
     s4, m4 = (torch.rand(40, 18, generator=g) * 0.05).half(), (torch.randn(40, 18, generator=g) * 0.05).half()
     deq = kernels._dequantized_activations(x)
-    torch.testing.assert_close(kernels.int8_linear_a8(x, w8, s8), kernels._fallback(deq, w8, s8), rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(kernels.q4_linear_a8(x, w4, s4, m4),
-                               torch.nn.functional.linear(deq, kernels.unpack_q4(w4, s4, m4)), rtol=1e-5, atol=1e-6)
+    for native, fallback in ((kernels.int8_linear_a8(x, w8, s8), kernels._fallback(deq, w8, s8)),
+                             (kernels.q4_linear_a8(x, w4, s4, m4),
+                              torch.nn.functional.linear(deq, kernels.unpack_q4(w4, s4, m4)))):
+        # float32 sums in different orders: within 1e-6 of the outputs' scale
+        torch.testing.assert_close(native, fallback, rtol=0, atol=1e-6 * fallback.abs().max().item())
 
 
 def test_q4_round_trip_is_exact_on_4bit_values_and_bounded_otherwise():

@@ -176,59 +176,72 @@ void q4_block(const int8_t* qx, const float* dx, const float* sx, int64_t K, con
 
 // MB rows of quantized x against kRows int8 weight rows (per-row scale applied by the caller).
 template <int MB>
-void i8_block(const int8_t* qx, const float* dx, int64_t K, const int8_t* w, float* out) {
+void i8_block(const int8_t* qx, const float* dx, const float* sx, int64_t K, const int8_t* w, float* out) {
   const int64_t G = K / kGroup;
-  int64_t g = 0;
-  float tail[MB][kRows] = {};
 #ifdef ARLM_AVX512
+  // vpdpbusd multiplies unsigned by signed bytes. w + 128 (w XOR 0x80) is unsigned, so each group is
+  // one instruction with no sign juggling; it adds 128 * sum(qx) to the group's dot, which costs
+  // 128 * sum_g dx_g * sum(qx_g) = 128 * sum_g sx_g per row of x, taken off once at the end.
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
   __m512 acc[MB][kRows];
   for (int i = 0; i < MB; ++i)
     for (int r = 0; r < kRows; ++r) acc[i][r] = _mm512_setzero_ps();
+  int64_t g = 0;
   for (; g + 2 <= G; g += 2) {
-    __m512i wa[kRows];
-    __mmask64 neg[kRows];
-    for (int r = 0; r < kRows; ++r) {
-      const __m512i ws = _mm512_loadu_si512(w + r * K + g * kGroup);
-      wa[r] = _mm512_abs_epi8(ws);  // |w| as unsigned; the sign moves onto x
-      neg[r] = _mm512_movepi8_mask(ws);
-    }
+    __m512i wu[kRows];
+    for (int r = 0; r < kRows; ++r) wu[r] = _mm512_xor_si512(_mm512_loadu_si512(w + r * K + g * kGroup), flip);
     for (int i = 0; i < MB; ++i) {
       const __m512i xq = _mm512_loadu_si512(qx + i * K + g * kGroup);
       const __m512 xs = pair(dx[i * G + g], dx[i * G + g + 1]);
       for (int r = 0; r < kRows; ++r) {
-        const __m512i xsigned = _mm512_mask_sub_epi8(xq, neg[r], _mm512_setzero_si512(), xq);
-        const __m512 dot = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wa[r], xsigned));
+        const __m512 dot = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wu[r], xq));
         acc[i][r] = _mm512_fmadd_ps(dot, xs, acc[i][r]);
       }
     }
   }
+  float tail[MB][kRows];
   for (int i = 0; i < MB; ++i)
     for (int r = 0; r < kRows; ++r) tail[i][r] = _mm512_reduce_add_ps(acc[i][r]);
-#endif
-  if (g < G) {
-    __m256 acc[MB][kRows];
-    for (int i = 0; i < MB; ++i)
-      for (int r = 0; r < kRows; ++r) acc[i][r] = _mm256_setzero_ps();
-    for (; g < G; ++g) {
-      __m256i wa[kRows], ws[kRows];
+  if (g < G) {  // an odd group left
+    const __m256i flip8 = _mm256_set1_epi8(static_cast<char>(0x80));
+    for (int i = 0; i < MB; ++i) {
+      const __m256i xq = load32(qx + i * K + g * kGroup);
       for (int r = 0; r < kRows; ++r) {
-        ws[r] = load32(w + r * K + g * kGroup);
-        wa[r] = _mm256_sign_epi8(ws[r], ws[r]);  // |w| as unsigned; the sign moves onto x below
-      }
-      for (int i = 0; i < MB; ++i) {
-        const __m256i xq = load32(qx + i * K + g * kGroup);
-        const __m256 dxv = _mm256_set1_ps(dx[i * G + g]);
-        for (int r = 0; r < kRows; ++r) {
-          const __m256 dot = _mm256_cvtepi32_ps(dot_u8s8(wa[r], _mm256_sign_epi8(xq, ws[r])));
-          acc[i][r] = _mm256_fmadd_ps(dot, dxv, acc[i][r]);
-        }
+        const __m256i wu = _mm256_xor_si256(load32(w + r * K + g * kGroup), flip8);
+        const __m256 dot = _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), wu, xq));
+        tail[i][r] += hsum(_mm256_mul_ps(dot, _mm256_set1_ps(dx[i * G + g])));
       }
     }
-    for (int i = 0; i < MB; ++i)
-      for (int r = 0; r < kRows; ++r) tail[i][r] += hsum(acc[i][r]);
   }
+  for (int i = 0; i < MB; ++i) {
+    float shift = 0.f;
+    for (int64_t j = 0; j < G; ++j) shift += sx[i * G + j];
+    for (int r = 0; r < kRows; ++r) out[i * kRows + r] = tail[i][r] - 128.f * shift;
+  }
+#else
+  int64_t g = 0;
+  __m256 acc[MB][kRows];
   for (int i = 0; i < MB; ++i)
-    for (int r = 0; r < kRows; ++r) out[i * kRows + r] = tail[i][r];
+    for (int r = 0; r < kRows; ++r) acc[i][r] = _mm256_setzero_ps();
+  for (; g < G; ++g) {
+    __m256i wa[kRows], ws[kRows];
+    for (int r = 0; r < kRows; ++r) {
+      ws[r] = load32(w + r * K + g * kGroup);
+      wa[r] = _mm256_sign_epi8(ws[r], ws[r]);  // |w| as unsigned; the sign moves onto x below
+    }
+    for (int i = 0; i < MB; ++i) {
+      const __m256i xq = load32(qx + i * K + g * kGroup);
+      const __m256 dxv = _mm256_set1_ps(dx[i * G + g]);
+      for (int r = 0; r < kRows; ++r) {
+        const __m256 dot = _mm256_cvtepi32_ps(dot_u8s8(wa[r], _mm256_sign_epi8(xq, ws[r])));
+        acc[i][r] = _mm256_fmadd_ps(dot, dxv, acc[i][r]);
+      }
+    }
+  }
+  (void)sx;
+  for (int i = 0; i < MB; ++i)
+    for (int r = 0; r < kRows; ++r) out[i * kRows + r] = hsum(acc[i][r]);
+#endif
 }
 #endif
 
@@ -357,7 +370,7 @@ at::Tensor int8_linear_a8(const at::Tensor& x, const at::Tensor& w, const at::Te
       const int64_t n = t * kRows, rows = std::min(kRows, N - n);
       const int8_t* wt = wp + n * K;
       const int8_t* q = xq.q.data();
-      const float* dx = xq.d.data();
+      const float *dx = xq.d.data(), *sx = xq.s.data();
 #if defined(__AVX2__) && defined(__FMA__)
       if (rows == kRows) {
         float out[4 * kRows];
@@ -366,9 +379,9 @@ at::Tensor int8_linear_a8(const at::Tensor& x, const at::Tensor& w, const at::Te
             for (int r = 0; r < kRows; ++r) yp[(m + i) * N + n + r] = out[i * kRows + r] * sp[n + r];
         };
         over_rows(M,
-            [&](int64_t m) { i8_block<4>(q + m * K, dx + m * G, K, wt, out); store(m, 4); },
-            [&](int64_t m) { i8_block<2>(q + m * K, dx + m * G, K, wt, out); store(m, 2); },
-            [&](int64_t m) { i8_block<1>(q + m * K, dx + m * G, K, wt, out); store(m, 1); });
+            [&](int64_t m) { i8_block<4>(q + m * K, dx + m * G, sx + m * G, K, wt, out); store(m, 4); },
+            [&](int64_t m) { i8_block<2>(q + m * K, dx + m * G, sx + m * G, K, wt, out); store(m, 2); },
+            [&](int64_t m) { i8_block<1>(q + m * K, dx + m * G, sx + m * G, K, wt, out); store(m, 1); });
         continue;
       }
 #endif
