@@ -28,7 +28,8 @@ def _build_dir(name: str, sources: list[Path]) -> Path:
     # Keyed by source, torch version and CPU: the build uses -march=native for this very CPU.
     cpu = platform.processor() + open("/proc/cpuinfo").read().split("flags", 1)[-1][:2000] \
         if os.path.exists("/proc/cpuinfo") else platform.processor()
-    source = b"".join(p.read_bytes() for p in sources) + b"-fopenmp"
+    headers = sorted({h for p in sources for h in p.parent.glob("*.h")})  # included by the sources
+    source = b"".join(p.read_bytes() for p in [*sources, *headers]) + b"-fopenmp"
     key = hashlib.sha256(source + torch.__version__.encode() + cpu.encode()).hexdigest()[:16]
     root = Path(os.environ.get("ARLM_CACHE", Path.home() / ".cache" / "arlm"))
     return root / "kernels" / f"{name}-{key}"

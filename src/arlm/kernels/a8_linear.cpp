@@ -19,6 +19,8 @@
 #include <torch/library.h>
 #include <immintrin.h>
 
+#include "simd.h"
+
 #include <cmath>
 #include <vector>
 
@@ -75,12 +77,7 @@ inline float dot_f32(const float* a, const float* b, int64_t n) {
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+using arlm_simd::hsum;
 
 // Eight int32 partial sums of a[j] * b[j] over 32 bytes: a unsigned (0..255), b signed.
 inline __m256i dot_u8s8(__m256i a, __m256i b) {

@@ -17,6 +17,8 @@
 #include <torch/library.h>
 #include <immintrin.h>
 
+#include "simd.h"
+
 #include <cmath>
 #include <vector>
 
@@ -30,12 +32,7 @@ namespace {
 constexpr int64_t kRows = 4;
 
 #if defined(__AVX2__) && defined(__FMA__)
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+using arlm_simd::hsum;
 #endif
 
 // float32 y[m, n] = x[m, :] . w[n, :] for a few rows of x: each weight row is streamed once and

@@ -10,6 +10,8 @@
 #include <torch/library.h>
 #include <immintrin.h>
 
+#include "simd.h"
+
 #include <vector>
 
 namespace {
@@ -18,12 +20,7 @@ constexpr int64_t kRows = 4;   // weight rows per tile
 constexpr int64_t kGroup = 32;  // weights per scale/min pair
 
 #if defined(__AVX2__) && defined(__FMA__)
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+using arlm_simd::hsum;
 
 inline __m256 u8_to_ps(__m128i v) {  // low 8 bytes -> 8 floats
   return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));

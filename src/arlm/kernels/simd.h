@@ -1,0 +1,17 @@
+// SIMD helpers shared by arlm's CPU kernels (included by the .cpp files next to it).
+#pragma once
+#include <immintrin.h>
+
+#if defined(__AVX2__) && defined(__FMA__)
+namespace arlm_simd {
+
+// The sum of the 8 lanes.
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+}  // namespace arlm_simd
+#endif
