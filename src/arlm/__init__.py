@@ -2,10 +2,10 @@
 
 # OpenMP's wait policy is left to the user. The native decode step runs ~200 short parallel
 # regions a step; with libgomp's default (threads spin briefly before they sleep) SmolLM2 decodes
-# at ~150 tokens/s on 2 cores, with OMP_WAIT_POLICY=PASSIVE (sleep at once) at ~67. On a machine
-# where other processes want the cores, spinning turns against you (the same step: 40 tokens/s
-# spinning, 74 passive, with one core taken): set OMP_WAIT_POLICY=PASSIVE there (`make test`
-# does, since its servers and clients share the cores).
+# at ~150 tokens/s on 2 cores, with OMP_WAIT_POLICY=PASSIVE (sleep at once) at ~67
+# (benchmarks/run.py, docs/benchmarks.md). Where other processes want the same cores, spinning
+# turns against you: set OMP_WAIT_POLICY=PASSIVE there (`make test` does, since its servers and
+# clients share the cores).
 
 from .config import ModelConfig
 from .generate import Generation, decode_step, generate, prefill

@@ -65,8 +65,7 @@ def load_native(name: str, sources: list[Path], what: str) -> bool:
 
 
 def cpu_has_native_bf16() -> bool:
-    """AVX512-BF16 or AMX: bf16 matmuls run at over twice the float32 rate (2-core EPYC: a
-    512 x 576 x 3072 GEMM at 394 against 161 GFLOP/s)."""
+    """AVX512-BF16 or AMX: native bf16 matmuls (prefill on them: docs/benchmarks.md, issue 4)."""
     caps = getattr(torch.cpu, "get_capabilities", dict)()
     return bool(caps.get("avx512_bf16") or caps.get("amx_bf16"))
 
@@ -86,21 +85,8 @@ def native_available() -> bool:
 def _register_fake() -> None:
     """Shape rule for torch.compile: it traces the op as an opaque call instead of breaking."""
 
-    @torch.library.register_fake("arlm::int8_linear")
-    def _(x, w, scale):
-        return x.new_empty(x.shape[0], w.shape[0])
-
-    @torch.library.register_fake("arlm::q4_linear")
-    def _(x, w, scale, mins):
-        return x.new_empty(x.shape[0], w.shape[0])
-
-    @torch.library.register_fake("arlm::int8_linear_a8")
-    def _(x, w, scale):
-        return x.new_empty(x.shape[0], w.shape[0])
-
-    @torch.library.register_fake("arlm::q4_linear_a8")
-    def _(x, w, scale, mins):
-        return x.new_empty(x.shape[0], w.shape[0])
+    for op in ("int8_linear", "q4_linear", "int8_linear_a8", "q4_linear_a8"):  # all [M, K] x [N, .] -> [M, N]
+        torch.library.register_fake(f"arlm::{op}")(lambda x, w, *scales: x.new_empty(x.shape[0], w.shape[0]))
 
 
 def _fallback(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

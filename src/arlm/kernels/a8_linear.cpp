@@ -19,7 +19,7 @@
 #include <torch/library.h>
 #include <immintrin.h>
 
-#include "simd.h"
+#include "common.h"
 
 #include <cmath>
 #include <vector>
@@ -77,7 +77,7 @@ inline float dot_f32(const float* a, const float* b, int64_t n) {
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
-using arlm_simd::hsum;
+using arlm_kernels::hsum;
 
 // Eight int32 partial sums of a[j] * b[j] over 32 bytes: a unsigned (0..255), b signed.
 inline __m256i dot_u8s8(__m256i a, __m256i b) {
@@ -299,16 +299,8 @@ struct QuantizedX {
 }  // namespace
 
 at::Tensor q4_linear_a8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, const at::Tensor& mins) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && scale.dim() == 2 && mins.dim() == 2,
-              "q4_linear_a8: x [M,K], w [N,K/2], scale and mins [N,K/32]");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kByte &&
-              scale.scalar_type() == at::kHalf && mins.scalar_type() == at::kHalf,
-              "q4_linear_a8: x float32, w uint8, scale and mins float16");
-  TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && scale.is_contiguous() && mins.is_contiguous(),
-              "q4_linear_a8: contiguous inputs");
+  arlm_kernels::check_q4("q4_linear_a8", x, w, scale, mins);
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0), G = K / kGroup;
-  TORCH_CHECK(K % kGroup == 0 && w.size(1) == K / 2 && scale.size(0) == N && scale.size(1) == G &&
-              mins.sizes() == scale.sizes(), "q4_linear_a8: shape mismatch (K must be a multiple of 32)");
   const QuantizedX xq(x);
   at::Tensor y = at::empty({M, N}, x.options());
   const uint8_t* wp = w.data_ptr<uint8_t>();
@@ -349,13 +341,8 @@ at::Tensor q4_linear_a8(const at::Tensor& x, const at::Tensor& w, const at::Tens
 }
 
 at::Tensor int8_linear_a8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && scale.dim() == 1, "int8_linear_a8: x [M,K], w [N,K], scale [N]");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kChar && scale.scalar_type() == at::kFloat,
-              "int8_linear_a8: x float32, w int8, scale float32");
-  TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && scale.is_contiguous(), "int8_linear_a8: contiguous inputs");
+  arlm_kernels::check_int8("int8_linear_a8", x, w, scale, true);
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0), G = K / kGroup;
-  TORCH_CHECK(K % kGroup == 0 && w.size(1) == K && scale.size(0) == N,
-              "int8_linear_a8: shape mismatch (K must be a multiple of 32)");
   const QuantizedX xq(x);
   at::Tensor y = at::empty({M, N}, x.options());
   const int8_t* wp = w.data_ptr<int8_t>();

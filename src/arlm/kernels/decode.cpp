@@ -17,7 +17,7 @@
 #include <torch/library.h>
 #include <immintrin.h>
 
-#include "simd.h"
+#include "common.h"
 
 #include <cmath>
 #include <vector>
@@ -32,7 +32,7 @@ namespace {
 constexpr int64_t kRows = 4;
 
 #if defined(__AVX2__) && defined(__FMA__)
-using arlm_simd::hsum;
+using arlm_kernels::hsum;
 #endif
 
 // float32 y[m, n] = x[m, :] . w[n, :] for a few rows of x: each weight row is streamed once and

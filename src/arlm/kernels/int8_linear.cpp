@@ -9,14 +9,14 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
-#include "simd.h"
+#include "common.h"
 
 namespace {
 
 constexpr int64_t kRows = 4;  // weight rows per tile: 4 independent accumulators hide FMA latency
 
 #if defined(__AVX2__) && defined(__FMA__)
-using arlm_simd::hsum;
+using arlm_kernels::hsum;
 
 inline __m256 widen8(const int8_t* p) {  // 8 int8 -> 8 float
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
@@ -79,12 +79,8 @@ inline void tile(const float* x, int64_t M, const int8_t* w, int64_t K, int64_t 
 }  // namespace
 
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && scale.dim() == 1, "int8_linear: x [M,K], w [N,K], scale [N]");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kChar && scale.scalar_type() == at::kFloat,
-              "int8_linear: x float32, w int8, scale float32");
-  TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && scale.is_contiguous(), "int8_linear: contiguous inputs");
+  arlm_kernels::check_int8("int8_linear", x, w, scale, false);
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  TORCH_CHECK(w.size(1) == K && scale.size(0) == N, "int8_linear: shape mismatch");
   at::Tensor y = at::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
   const int8_t* wp = w.data_ptr<int8_t>();

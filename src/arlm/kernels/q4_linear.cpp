@@ -10,7 +10,7 @@
 #include <torch/library.h>
 #include <immintrin.h>
 
-#include "simd.h"
+#include "common.h"
 
 #include <vector>
 
@@ -20,7 +20,7 @@ constexpr int64_t kRows = 4;   // weight rows per tile
 constexpr int64_t kGroup = 32;  // weights per scale/min pair
 
 #if defined(__AVX2__) && defined(__FMA__)
-using arlm_simd::hsum;
+using arlm_kernels::hsum;
 
 inline __m256 u8_to_ps(__m128i v) {  // low 8 bytes -> 8 floats
   return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
@@ -104,16 +104,8 @@ void tile(const float* x, int64_t M, int64_t K, const uint8_t* w, const float* d
 }  // namespace
 
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, const at::Tensor& mins) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && scale.dim() == 2 && mins.dim() == 2,
-              "q4_linear: x [M,K], w [N,K/2], scale and mins [N,K/32]");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kByte &&
-              scale.scalar_type() == at::kHalf && mins.scalar_type() == at::kHalf,
-              "q4_linear: x float32, w uint8, scale and mins float16");
-  TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && scale.is_contiguous() && mins.is_contiguous(),
-              "q4_linear: contiguous inputs");
+  arlm_kernels::check_q4("q4_linear", x, w, scale, mins);
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0), G = K / kGroup;
-  TORCH_CHECK(K % kGroup == 0 && w.size(1) == K / 2 && scale.size(0) == N && scale.size(1) == G &&
-              mins.sizes() == scale.sizes(), "q4_linear: shape mismatch (K must be a multiple of 32)");
   at::Tensor y = at::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
   const uint8_t* wp = w.data_ptr<uint8_t>();
