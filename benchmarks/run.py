@@ -120,7 +120,7 @@ def hf_decode(model, prompts: list[list[int]], new_tokens: int, repeat: int = 1)
 def llama_cpp_decode(gguf: Path, prompt: list[int], new_tokens: int, threads: int, repeat: int = 1) -> dict | None:
     try:
         from llama_cpp import Llama
-    except ImportError:
+    except (ImportError, OSError):  # not installed, or its shared library not found
         return None
     llm = Llama(model_path=str(gguf), n_threads=threads, n_threads_batch=threads, n_ctx=1024,
                 n_batch=512, verbose=False)
@@ -186,7 +186,8 @@ def main() -> int:
         prompts, n = cases[case]
         r = llama_cpp_decode(gguf, prompts[0], n, args.threads, args.repeat)
         if r is None:
-            print("llama.cpp: llama_cpp not importable (make bench-peers builds it); skipped")
+            print("llama.cpp: llama_cpp not importable (make bench-peers builds it; `make bench` points "
+                  "LLAMA_CPP_LIB_PATH at build/llama.cpp/bin); skipped")
             break
         peers[f"llama.cpp/{case}"] = r
         print(f"llama.cpp  {case:10s} decode {r['tokens_per_s']:7.1f} tok/s  prefill {r['prefill_tokens_per_s']:.1f} tok/s")

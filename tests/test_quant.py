@@ -137,6 +137,81 @@ def test_q4_linear_a8_matches_float64(M, N, K):
     _assert_within_rounding_bound(y, x, dense)
 
 
+def _cpu_has_vnni() -> bool:
+    caps = torch.cpu.get_capabilities()
+    return bool(caps.get("avx512_vnni")) and bool(caps.get("avx512_bw"))
+
+
+def test_packed_kernels_are_built_where_the_cpu_has_vnni():
+    # The packed layout is the fast path on AVX-512 VNNI CPUs (CI's among them); elsewhere the
+    # layers keep the row-layout kernels and must not claim otherwise.
+    assert kernels.packed_available() == _cpu_has_vnni()
+    layer = Int8Linear.from_float(torch.randn(32, 64))
+    layer.int8_activations = True
+    layer.pack()
+    assert (layer.packed is not None) == _cpu_has_vnni()
+
+
+def _packed_case(g, N, K):
+    w8 = torch.randint(-127, 128, (N, K), generator=g, dtype=torch.int8)
+    s8 = torch.rand(N, generator=g) * 0.01 + 1e-3
+    w4 = torch.randint(0, 256, (N, K // 2), generator=g, dtype=torch.uint8)
+    s4 = (torch.rand(N, K // 32, generator=g) * 0.05).half()
+    m4 = (torch.randn(N, K // 32, generator=g) * 0.05).half()
+    return (w8, s8), (w4, s4, m4)
+
+
+@pytest.mark.skipif(not _cpu_has_vnni(), reason="packed kernels need AVX-512 VNNI (this CPU lacks it)")
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 9, 33])
+@pytest.mark.parametrize("N,K", [(1536, 576), (48, 1536), (16, 32)])
+def test_packed_kernels_match_float64(M, N, K):
+    # Same products as the row-layout kernels: (quantized x) @ dequantized weights, to float32 order.
+    g = torch.Generator().manual_seed(M * 7 + N + K)
+    x = torch.randn(M, K, generator=g) * 3
+    (w8, s8), (w4, s4, m4) = _packed_case(g, N, K)
+    xq = _dequantized_x(x)
+    for y, dense in ((kernels.int8_linear_a8p(x, kernels.pack_int8(w8), s8), w8.double() * s8.double()[:, None]),
+                     (kernels.q4_linear_a8p(x, *kernels.pack_q4(w4, s4, m4)), _q4_dense(w4, s4, m4))):
+        ref = xq @ dense.T
+        assert y.dtype == torch.float32 and y.shape == (M, N)
+        assert (y.double() - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+        _assert_within_rounding_bound(y, x, dense)
+
+
+@pytest.mark.skipif(not _cpu_has_vnni(), reason="packed kernels need AVX-512 VNNI (this CPU lacks it)")
+def test_packed_rows_are_independent_and_nan_stays_in_its_row():
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(11, 576, generator=g)
+    (w8, s8), (w4, s4, m4) = _packed_case(g, 96, 576)
+    for op, args in ((kernels.int8_linear_a8p, (kernels.pack_int8(w8), s8)),
+                     (kernels.q4_linear_a8p, kernels.pack_q4(w4, s4, m4))):
+        together = op(x, *args)
+        for i in range(11):  # blocks of 4, 2 and 1 rows: each row bitwise the same alone
+            assert torch.equal(op(x[i:i + 1].contiguous(), *args)[0], together[i])
+        bad = x.clone()
+        bad[3, 100] = float("nan")
+        y = op(bad, *args)
+        assert torch.isnan(y[3]).all() and torch.equal(y[torch.arange(11) != 3], together[torch.arange(11) != 3])
+
+
+def test_quantized_layers_use_the_packed_layout():
+    # quantize() packs the int8-activation layers; their forward equals the row-layout kernel's
+    # up to float32 summation order, and a layer whose width does not fit the packing keeps rows.
+    g = torch.Generator().manual_seed(6)
+    for cls in (Int8Linear, Q4Linear):
+        layer = cls.from_float(torch.randn(64, 96, generator=g))
+        layer.int8_activations = True
+        layer.pack()
+        x = torch.randn(3, 96, generator=g)
+        y = layer(x)
+        packed, layer.packed = layer.packed, None
+        torch.testing.assert_close(y, layer(x), rtol=0, atol=1e-6 * y.abs().max().item())
+        assert (packed is not None) == kernels.packed_available()
+        odd = cls.from_float(torch.randn(40, 96, generator=g))
+        odd.pack()
+        assert odd.packed is None
+
+
 def test_a8_fallback_matches_native():
     # The pure-PyTorch fallback quantizes x bitwise like the kernel: same results to float32 order.
     assert kernels.native_available()  # else both sides below would be the fallback

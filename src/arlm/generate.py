@@ -62,10 +62,12 @@ def native_layers(model: Transformer) -> tuple[list[torch.Tensor], bool] | None:
     a8: set[bool] = set()
 
     def linear(layer: torch.nn.Module) -> bool:
-        if isinstance(layer, Q4Linear) and layer.bias is None:
-            weights.extend([layer.weight, layer.scale, layer.mins])
+        if isinstance(layer, Q4Linear) and layer.bias is None:  # packed layout where it has one (quant.py)
+            packed = layer.int8_activations and layer.packed is not None
+            weights.extend(layer.packed if packed else [layer.weight, layer.scale, layer.mins])
         elif isinstance(layer, Int8Linear) and layer.bias is None:
-            weights.extend([layer.weight, layer.scale, none])
+            packed = layer.int8_activations and layer.packed is not None
+            weights.extend([layer.packed if packed else layer.weight, layer.scale, none])
         elif type(layer) is torch.nn.Linear and layer.bias is None and layer.weight.dtype == torch.float32:
             weights.extend([layer.weight.detach().contiguous(), none, none])
             return True

@@ -22,6 +22,7 @@
 #include "common.h"
 
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -279,13 +280,14 @@ inline void widen(const at::Half* src, int64_t n, float* dst) {
   for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
-// Runs `kernel(m, count, out)` over the rows of x in blocks of 4, 2 and 1.
-template <typename F4, typename F2, typename F1>
-inline void over_rows(int64_t M, F4 k4, F2 k2, F1 k1) {
+// Calls block(MB, m) over the rows of x in blocks of MB = 4, 2 and 1 rows (MB as a type, so that
+// it can be a template argument).
+template <typename Block>
+inline void row_blocks(int64_t M, Block block) {
   int64_t m = 0;
-  for (; m + 4 <= M; m += 4) k4(m);
-  for (; m + 2 <= M; m += 2) k2(m);
-  for (; m < M; ++m) k1(m);
+  for (; m + 4 <= M; m += 4) block(std::integral_constant<int, 4>{}, m);
+  for (; m + 2 <= M; m += 2) block(std::integral_constant<int, 2>{}, m);
+  for (; m < M; ++m) block(std::integral_constant<int, 1>{}, m);
 }
 
 struct QuantizedX {
@@ -296,6 +298,119 @@ struct QuantizedX {
   }
 };
 
+
+#ifdef ARLM_AVX512
+// ---- Packed layouts: 16 output channels per 512-bit vector ----------------------------------
+//
+// The kernels above put one weight row's 32 K-values in a vector and reduce across lanes at the
+// end; every group pair then costs a dot, a convert, a multiply and an FMA. With many rows of x
+// (batched decode, serving) that bookkeeping, not memory, bounds the step. The packed layouts
+// put 16 output channels in the vector instead, 4 consecutive K-values per channel (the operand
+// shape of vpdpbusd): each instruction takes 4 bytes of x broadcast to every lane, and a group
+// of 32 K-values is 8 instructions into one int32 accumulator per channel, then one convert and
+// one FMA with the group's scale. A weight vector is loaded once and used for up to 4 rows of x.
+//
+//   int8: wp [N/16, K/4, 16, 4] bytes, w XOR 0x80 (unsigned; the 128 * sum(x) is taken off once
+//         per row, as above), scale [N] float32.
+//   4-bit: wp [N/16, K/8, 16, 4] bytes, low nibble of byte (c, t) = q[c, 8p + t], high nibble
+//          = q[c, 8p + 4 + t]; scale and mins [N/16, K/32, 16] float16.
+// N a multiple of 16. arlm.kernels.pack_int8 / pack_q4 build them from the row layouts.
+
+constexpr int64_t kLanes = 16;
+
+// Accumulator tiles: MB rows of x by NB blocks of 16 channels.
+template <typename V, int MB, int NB>
+inline void zero(V (&a)[MB][NB]) {
+  for (int i = 0; i < MB; ++i)
+    for (int b = 0; b < NB; ++b) a[i][b] = V{};
+}
+
+template <int MB, int NB>
+inline void store(const __m512 (&acc)[MB][NB], float* out) {
+  for (int i = 0; i < MB; ++i)
+    for (int b = 0; b < NB; ++b) _mm512_storeu_ps(out + (i * NB + b) * kLanes, acc[i][b]);
+}
+
+// MB rows of quantized x against NB blocks of 16 channels of packed int8 weights.
+// out[i * NB * 16 + c]: sum_g dx_g * dot_g(w + 128, qx) for row i, channel c of the blocks.
+// pf: where to prefetch the next tile from (the same offsets as w), or null.
+template <int MB, int NB>
+void i8p_block(const int8_t* qx, const float* dx, int64_t K, const uint8_t* w, const uint8_t* pf, float* out) {
+  const int64_t G = K / kGroup, block = K * kLanes;
+  __m512 acc[MB][NB];
+  zero(acc);
+  for (int64_t g = 0; g < G; ++g) {
+    __m512i dot[MB][NB];
+    zero(dot);
+#pragma GCC unroll 8
+    for (int64_t j = 0; j < kGroup / 4; ++j) {
+      const int64_t k = g * kGroup + 4 * j;
+      __m512i wv[NB];
+      for (int b = 0; b < NB; ++b) {
+        wv[b] = _mm512_loadu_si512(w + b * block + k * kLanes);
+        if (pf) _mm_prefetch(reinterpret_cast<const char*>(pf + b * block + k * kLanes), _MM_HINT_T0);
+      }
+      for (int i = 0; i < MB; ++i) {
+        const __m512i xb = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(qx + i * K + k));
+        for (int b = 0; b < NB; ++b) dot[i][b] = _mm512_dpbusd_epi32(dot[i][b], wv[b], xb);
+      }
+    }
+    for (int i = 0; i < MB; ++i) {
+      const __m512 s = _mm512_set1_ps(dx[i * G + g]);
+      for (int b = 0; b < NB; ++b) acc[i][b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i][b]), s, acc[i][b]);
+    }
+  }
+  store(acc, out);
+}
+
+// MB rows of quantized x against NB blocks of 16 channels of packed 4-bit weights:
+// out = sum_g (d * dx_g) * dot_g(q, qx) + m * sx_g.
+template <int MB, int NB>
+void q4p_block(const int8_t* qx, const float* dx, const float* sx, int64_t K, const uint8_t* w,
+               const at::Half* d, const at::Half* mn, const uint8_t* pf, float* out) {
+  const int64_t G = K / kGroup, block = K / 2 * kLanes, sblock = G * kLanes;
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  __m512 acc[MB][NB];
+  zero(acc);
+  for (int64_t g = 0; g < G; ++g) {
+    __m512i dot[MB][NB];
+    zero(dot);
+#pragma GCC unroll 4
+    for (int64_t p = 0; p < kGroup / 8; ++p) {
+      const int64_t k = g * kGroup + 8 * p;
+      __m512i lo[NB], hi[NB];
+      for (int b = 0; b < NB; ++b) {
+        const __m512i v = _mm512_loadu_si512(w + b * block + k / 2 * kLanes);
+        if (pf) _mm_prefetch(reinterpret_cast<const char*>(pf + b * block + k / 2 * kLanes), _MM_HINT_T0);
+        lo[b] = _mm512_and_si512(v, low4);
+        hi[b] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+      }
+      for (int i = 0; i < MB; ++i) {
+        const __m512i x0 = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(qx + i * K + k));
+        const __m512i x1 = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(qx + i * K + k + 4));
+        for (int b = 0; b < NB; ++b) {
+          dot[i][b] = _mm512_dpbusd_epi32(dot[i][b], lo[b], x0);
+          dot[i][b] = _mm512_dpbusd_epi32(dot[i][b], hi[b], x1);
+        }
+      }
+    }
+    __m512 ds[NB], ms[NB];
+    for (int b = 0; b < NB; ++b) {
+      ds[b] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + b * sblock + g * kLanes)));
+      ms[b] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mn + b * sblock + g * kLanes)));
+    }
+    for (int i = 0; i < MB; ++i) {
+      const __m512 dxi = _mm512_set1_ps(dx[i * G + g]), sxi = _mm512_set1_ps(sx[i * G + g]);
+      for (int b = 0; b < NB; ++b) {
+        acc[i][b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i][b]), _mm512_mul_ps(ds[b], dxi), acc[i][b]);
+        acc[i][b] = _mm512_fmadd_ps(ms[b], sxi, acc[i][b]);
+      }
+    }
+  }
+  store(acc, out);
+}
+
+#endif
 }  // namespace
 
 at::Tensor q4_linear_a8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, const at::Tensor& mins) {
@@ -324,10 +439,10 @@ at::Tensor q4_linear_a8(const at::Tensor& x, const at::Tensor& w, const at::Tens
           for (int i = 0; i < mb; ++i)
             for (int r = 0; r < kRows; ++r) yp[(m + i) * N + n + r] = out[i * kRows + r];
         };
-        over_rows(M,
-            [&](int64_t m) { q4_block<4>(q + m * K, dx + m * G, sx + m * G, K, wt, d.data(), mn.data(), out); store(m, 4); },
-            [&](int64_t m) { q4_block<2>(q + m * K, dx + m * G, sx + m * G, K, wt, d.data(), mn.data(), out); store(m, 2); },
-            [&](int64_t m) { q4_block<1>(q + m * K, dx + m * G, sx + m * G, K, wt, d.data(), mn.data(), out); store(m, 1); });
+        row_blocks(M, [&](auto mb, int64_t m) {
+          q4_block<decltype(mb)::value>(q + m * K, dx + m * G, sx + m * G, K, wt, d.data(), mn.data(), out);
+          store(m, decltype(mb)::value);
+        });
         continue;
       }
 #endif
@@ -362,10 +477,10 @@ at::Tensor int8_linear_a8(const at::Tensor& x, const at::Tensor& w, const at::Te
           for (int i = 0; i < mb; ++i)
             for (int r = 0; r < kRows; ++r) yp[(m + i) * N + n + r] = out[i * kRows + r] * sp[n + r];
         };
-        over_rows(M,
-            [&](int64_t m) { i8_block<4>(q + m * K, dx + m * G, sx + m * G, K, wt, out); store(m, 4); },
-            [&](int64_t m) { i8_block<2>(q + m * K, dx + m * G, sx + m * G, K, wt, out); store(m, 2); },
-            [&](int64_t m) { i8_block<1>(q + m * K, dx + m * G, sx + m * G, K, wt, out); store(m, 1); });
+        row_blocks(M, [&](auto mb, int64_t m) {
+          i8_block<decltype(mb)::value>(q + m * K, dx + m * G, sx + m * G, K, wt, out);
+          store(m, decltype(mb)::value);
+        });
         continue;
       }
 #endif
@@ -377,12 +492,117 @@ at::Tensor int8_linear_a8(const at::Tensor& x, const at::Tensor& w, const at::Te
   return y;
 }
 
+
+// The packed twins of int8_linear_a8 / q4_linear_a8 (layouts above; AVX-512 VNNI only).
+at::Tensor int8_linear_a8p(const at::Tensor& x, const at::Tensor& wp, const at::Tensor& scale) {
+#ifdef ARLM_AVX512
+  const int64_t M = x.size(0), K = x.size(1), N = scale.size(0), G = K / kGroup, NB = wp.size(0);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && K % kGroup == 0,
+              "int8_linear_a8p: x [M, K] contiguous float32, K a multiple of 32");
+  TORCH_CHECK(wp.dim() == 3 && wp.scalar_type() == at::kByte && wp.is_contiguous() && wp.size(1) == K / 4 &&
+              wp.size(2) == 4 * kLanes && NB * kLanes == N && scale.dim() == 1 &&
+              scale.scalar_type() == at::kFloat && scale.is_contiguous(),
+              "int8_linear_a8p: wp [N/16, K/4, 64] uint8, scale [N] float32");
+  const QuantizedX xq(x);
+  std::vector<float> shift(M);  // 128 * sum_g sx_g per row: the unsigned offset's contribution
+  for (int64_t i = 0; i < M; ++i) {
+    float s = 0.f;
+    for (int64_t g = 0; g < G; ++g) s += xq.s[i * G + g];
+    shift[i] = 128.f * s;
+  }
+  at::Tensor y = at::empty({M, N}, x.options());
+  const uint8_t* wpp = wp.data_ptr<uint8_t>();
+  const float* sp = scale.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, (NB + 1) / 2, 4, [&](int64_t t0, int64_t t1) {
+    float out[4 * 2 * kLanes];
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t b0 = 2 * t, nb = std::min<int64_t>(2, NB - b0);
+      const uint8_t* wt = wpp + b0 * K * kLanes;
+      auto run = [&](auto mb, int64_t m) {
+        constexpr int MB = decltype(mb)::value;
+        const int8_t* q = xq.q.data() + m * K;
+        const float* dx = xq.d.data() + m * G;
+        const uint8_t* pf = m == 0 && t + 1 < t1 ? wt + 2 * K * kLanes : nullptr;  // the next tile
+        if (nb == 2) i8p_block<MB, 2>(q, dx, K, wt, pf, out); else i8p_block<MB, 1>(q, dx, K, wt, pf, out);
+        for (int i = 0; i < MB; ++i)
+          for (int64_t c = 0; c < nb * kLanes; ++c) {
+            const int64_t n = b0 * kLanes + c;
+            yp[(m + i) * N + n] = (out[i * nb * kLanes + c] - shift[m + i]) * sp[n];
+          }
+      };
+      row_blocks(M, run);
+    }
+  });
+  return y;
+#else
+  TORCH_CHECK(false, "int8_linear_a8p: built without AVX-512 VNNI");
+#endif
+}
+
+at::Tensor q4_linear_a8p(const at::Tensor& x, const at::Tensor& wp, const at::Tensor& scale, const at::Tensor& mins) {
+#ifdef ARLM_AVX512
+  const int64_t M = x.size(0), K = x.size(1), G = K / kGroup, NB = wp.size(0), N = NB * kLanes;
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && K % kGroup == 0,
+              "q4_linear_a8p: x [M, K] contiguous float32, K a multiple of 32");
+  TORCH_CHECK(wp.dim() == 3 && wp.scalar_type() == at::kByte && wp.is_contiguous() && wp.size(1) == K / 8 &&
+              wp.size(2) == 4 * kLanes && scale.dim() == 3 &&
+              scale.scalar_type() == at::kHalf && scale.is_contiguous() && scale.size(0) == NB &&
+              scale.size(1) == G && scale.size(2) == kLanes && mins.sizes() == scale.sizes() &&
+              mins.scalar_type() == at::kHalf && mins.is_contiguous(),
+              "q4_linear_a8p: wp [N/16, K/8, 64] uint8, scale and mins [N/16, K/32, 16] float16");
+  const QuantizedX xq(x);
+  at::Tensor y = at::empty({M, N}, x.options());
+  const uint8_t* wpp = wp.data_ptr<uint8_t>();
+  const at::Half* dp = scale.data_ptr<at::Half>();
+  const at::Half* mp = mins.data_ptr<at::Half>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, (NB + 1) / 2, 4, [&](int64_t t0, int64_t t1) {
+    float out[4 * 2 * kLanes];
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t b0 = 2 * t, nb = std::min<int64_t>(2, NB - b0);
+      const uint8_t* wt = wpp + b0 * K / 2 * kLanes;
+      const at::Half *d = dp + b0 * G * kLanes, *mn = mp + b0 * G * kLanes;
+      auto run = [&](auto mb, int64_t m) {
+        constexpr int MB = decltype(mb)::value;
+        const int8_t* q = xq.q.data() + m * K;
+        const float *dx = xq.d.data() + m * G, *sx = xq.s.data() + m * G;
+        const uint8_t* pf = m == 0 && t + 1 < t1 ? wt + K * kLanes : nullptr;  // the next tile
+        if (nb == 2) q4p_block<MB, 2>(q, dx, sx, K, wt, d, mn, pf, out);
+        else q4p_block<MB, 1>(q, dx, sx, K, wt, d, mn, pf, out);
+        for (int i = 0; i < MB; ++i)
+          for (int64_t c = 0; c < nb * kLanes; ++c)
+            yp[(m + i) * N + b0 * kLanes + c] = out[i * nb * kLanes + c];
+      };
+      row_blocks(M, run);
+    }
+  });
+  return y;
+#else
+  TORCH_CHECK(false, "q4_linear_a8p: built without AVX-512 VNNI");
+#endif
+}
+
+bool packed_a8_available() {
+#ifdef ARLM_AVX512
+  return true;
+#else
+  return false;
+#endif
+}
+
 TORCH_LIBRARY_FRAGMENT(arlm, m) {
   m.def("q4_linear_a8(Tensor x, Tensor w, Tensor scale, Tensor mins) -> Tensor");
   m.def("int8_linear_a8(Tensor x, Tensor w, Tensor scale) -> Tensor");
+  m.def("int8_linear_a8p(Tensor x, Tensor wp, Tensor scale) -> Tensor");
+  m.def("q4_linear_a8p(Tensor x, Tensor wp, Tensor scale, Tensor mins) -> Tensor");
+  m.def("packed_a8_available() -> bool", &packed_a8_available);
 }
 
 TORCH_LIBRARY_IMPL(arlm, CPU, m) {
   m.impl("q4_linear_a8", &q4_linear_a8);
   m.impl("int8_linear_a8", &int8_linear_a8);
+  m.impl("int8_linear_a8p", &int8_linear_a8p);
+  m.impl("q4_linear_a8p", &q4_linear_a8p);
 }
+

@@ -1,8 +1,10 @@
-// What arlm's CPU linear kernels share (included by the .cpp files next to it): the weight
-// layouts' argument checks and a SIMD helper.
+// What arlm's CPU kernels share (included by the .cpp files next to it and by
+// serve/paged_attention.cpp): the weight layouts' argument checks and SIMD helpers.
 #pragma once
 #include <ATen/ATen.h>
 #include <immintrin.h>
+
+#include <cmath>
 
 namespace arlm_kernels {
 
@@ -49,3 +51,54 @@ inline float hsum(__m256 v) {
 
 }  // namespace arlm_kernels
 #endif
+
+namespace arlm_kernels {
+
+#if defined(__AVX512F__)
+// e^x for 16 floats: x = n ln2 + r with |r| <= ln2 / 2, e^r by Cephes' expf polynomial (about
+// 1 ulp), times 2^n by scalef, which also gives inf / 0 out of range and keeps NaN.
+inline __m512 exp16(__m512 x) {
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+inline __mmask16 tail_mask(int64_t left) {
+  return left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
+}
+#endif
+
+// s[j] = exp(s[j] - max(s)) in place for j < n; returns their sum. The same operations for each
+// element whatever n (16 at a time, the tail masked), so results do not depend on the batch.
+inline float softmax_numerators(float* s, int64_t n) {
+#if defined(__AVX512F__)
+  __m512 mv = _mm512_set1_ps(-INFINITY);
+  for (int64_t j = 0; j < n; j += 16)
+    mv = _mm512_max_ps(mv, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), tail_mask(n - j), s + j));
+  const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
+  __m512 total = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 m = tail_mask(n - j);
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), mx));
+    _mm512_mask_storeu_ps(s + j, m, e);
+    total = _mm512_mask_add_ps(total, m, total, e);
+  }
+  return _mm512_reduce_add_ps(total);
+#else
+  float mx = -INFINITY, total = 0.f;
+  for (int64_t j = 0; j < n; ++j) mx = std::max(mx, s[j]);
+  for (int64_t j = 0; j < n; ++j) total += (s[j] = std::exp(s[j] - mx));
+  return total;
+#endif
+}
+
+}  // namespace arlm_kernels

@@ -26,6 +26,8 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, const at::Tensor& mins);
 at::Tensor int8_linear_a8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale);
 at::Tensor q4_linear_a8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, const at::Tensor& mins);
+at::Tensor int8_linear_a8p(const at::Tensor& x, const at::Tensor& wp, const at::Tensor& scale);
+at::Tensor q4_linear_a8p(const at::Tensor& x, const at::Tensor& wp, const at::Tensor& scale, const at::Tensor& mins);
 
 namespace {
 
@@ -107,10 +109,15 @@ at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& w) {
   return y;
 }
 
-// One linear layer given as (w, scale, mins): 4-bit (w uint8), int8 (w int8, mins undefined) or
-// float32 (w float, scale and mins undefined).
+// One linear layer given as (w, scale, mins): 4-bit (w uint8), int8 (w int8, mins undefined),
+// float32 (w float, scale and mins undefined), or either quantized kind in the packed layout
+// (w 3-D, a8_linear.cpp; a8 only): int8 with scale [N] float32, 4-bit with scale [N/16, G, 16].
 at::Tensor linear(const at::Tensor& x, const at::Tensor* p, bool a8) {
   const at::Tensor &w = p[0], &scale = p[1], &mins = p[2];
+  if (w.dim() == 3) {
+    TORCH_CHECK(a8, "decode: packed weights need 8-bit activations");
+    return scale.dim() == 1 ? int8_linear_a8p(x, w, scale) : q4_linear_a8p(x, w, scale, mins);
+  }
   if (w.scalar_type() == at::kByte) return a8 ? q4_linear_a8(x, w, scale, mins) : q4_linear(x, w, scale, mins);
   if (w.scalar_type() == at::kChar)
     return a8 && x.size(1) % 32 == 0 ? int8_linear_a8(x, w, scale) : int8_linear(x, w, scale);
@@ -151,6 +158,30 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return s;
 }
 
+// out[i, j] = SiLU(gu[i, j]) * gu[i, dff + j] for N rows of the fused gate/up output [N, 2 dff].
+// Every element takes the same instructions whatever N (masked tail per row): batch-invariant.
+void silu_mul(const float* gu, int64_t N, int64_t dff, float* out) {
+  at::parallel_for(0, N, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const float* g = gu + i * 2 * dff;
+      const float* u = g + dff;
+      float* o = out + i * dff;
+#if defined(__AVX512F__)
+      const __m512 one = _mm512_set1_ps(1.f);
+      for (int64_t j = 0; j < dff; j += 16) {
+        const __mmask16 m = arlm_kernels::tail_mask(dff - j);
+        const __m512 gv = _mm512_maskz_loadu_ps(m, g + j);
+        const __m512 e = arlm_kernels::exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+        const __m512 s = _mm512_div_ps(gv, _mm512_add_ps(one, e));
+        _mm512_mask_storeu_ps(o + j, m, _mm512_mul_ps(s, _mm512_maskz_loadu_ps(m, u + j)));
+      }
+#else
+      for (int64_t j = 0; j < dff; ++j) o[j] = g[j] / (1.f + std::exp(-g[j])) * u[j];
+#endif
+    }
+  });
+}
+
 }  // namespace
 
 namespace {
@@ -181,13 +212,7 @@ void run_layers(at::Tensor& x, at::TensorList weights, int64_t L, const int64_t*
     at::Tensor gu = linear(h, W + 8, a8);  // [N, 2 * d_ff]
     const int64_t dff = gu.size(1) / 2;
     at::Tensor act = at::empty({N, dff}, x.options());
-    const float* g = gu.data_ptr<float>();
-    float* ac = act.data_ptr<float>();
-    for (int64_t i = 0; i < N; ++i)
-      for (int64_t j = 0; j < dff; ++j) {
-        const float gate = g[i * 2 * dff + j];
-        ac[i * dff + j] = gate / (1.f + std::exp(-gate)) * g[i * 2 * dff + dff + j];
-      }
+    silu_mul(gu.data_ptr<float>(), N, dff, act.data_ptr<float>());
     x.add_(linear(act, W + 11, a8));
   }
 }
@@ -259,10 +284,8 @@ at::Tensor decode_llama(const at::Tensor& x_in, at::TensorList weights, const at
         const float* K = kl + (b * Hkv + kvh) * T * hd;
         const float* V = vl + (b * Hkv + kvh) * T * hd;
         float* s = sp + i * kv_len;
-        float mx = -INFINITY;
-        for (int64_t t = 0; t < n; ++t) mx = std::max(mx, s[t] = dot(q, K + t * hd, hd) * scale);
-        float sum = 0.f;
-        for (int64_t t = 0; t < n; ++t) sum += (s[t] = std::exp(s[t] - mx));
+        for (int64_t t = 0; t < n; ++t) s[t] = dot(q, K + t * hd, hd) * scale;
+        const float sum = arlm_kernels::softmax_numerators(s, n);
         float* out = ap + b * H * hd + head * hd;
         std::fill(out, out + hd, 0.f);
         for (int64_t t = 0; t < n; ++t) {

@@ -13,9 +13,7 @@
 #include <cmath>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#endif
+#include "../kernels/common.h"  // softmax_numerators
 
 namespace {
 
@@ -110,21 +108,12 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
       const int64_t* row = bt + sp[i] * M;
       const float* qv = qd + (i * H + h) * D;
       scores.resize(L);
-      float mx = -INFINITY;
       for (int64_t j0 = 0; j0 < L; j0 += BS) {
         const float* kb = kp + (row[j0 / BS] * Hkv + g) * BS * D;
         const int64_t n = std::min(BS, L - j0);
-        for (int64_t s = 0; s < n; ++s) {
-          const float x = dot(qv, kb + s * D, D) * fscale;
-          scores[j0 + s] = x;
-          mx = std::max(mx, x);
-        }
+        for (int64_t s = 0; s < n; ++s) scores[j0 + s] = dot(qv, kb + s * D, D) * fscale;
       }
-      float total = 0.f;
-      for (int64_t j = 0; j < L; ++j) {
-        scores[j] = std::exp(scores[j] - mx);
-        total += scores[j];
-      }
+      const float total = arlm_kernels::softmax_numerators(scores.data(), L);
       float* o = od + (i * H + h) * D;
       for (int64_t j0 = 0; j0 < L; j0 += BS) {
         const float* vb = vp + (row[j0 / BS] * Hkv + g) * BS * D;
