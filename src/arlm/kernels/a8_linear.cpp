@@ -22,6 +22,7 @@
 #include "common.h"
 
 #include <cmath>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -31,11 +32,27 @@ constexpr int64_t kGroup = 32;  // activations (and 4-bit weights) per scale
 constexpr int64_t kRows = 4;    // weight rows per tile
 
 // x [M, K] float -> qx [M, K] int8, dx [M, K/32] (scale), sx [M, K/32] (dx * sum of the group's qx).
+// The vector and scalar paths do the same float32 operations (round half to even is the CPU's
+// default rounding), so every build quantizes bitwise alike, as kernels.quantize_activations does.
 void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* qx, float* dx, float* sx) {
   const int64_t G = K / kGroup;
-  at::parallel_for(0, M * G, 64, [&](int64_t b0, int64_t b1) {
+  at::parallel_for(0, M * G, 256, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const float* src = x + b * kGroup;  // row-major [M, K] with K = G * 32: group b is contiguous
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+      const __m512 lo = _mm512_loadu_ps(src), hi = _mm512_loadu_ps(src + 16);
+      const float vmax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+      if (std::isfinite(vmax) && !_mm512_cmp_ps_mask(lo, hi, _CMP_UNORD_Q)) {  // no inf, no NaN (else below)
+        const float d = vmax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
+        const __m512 idv = _mm512_set1_ps(id);
+        const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(lo, idv)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(hi, idv));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(qx + b * kGroup), _mm512_cvtepi32_epi8(q0));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(qx + b * kGroup + 16), _mm512_cvtepi32_epi8(q1));
+        dx[b] = d;
+        sx[b] = d * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
+        continue;
+      }
+#endif
       float amax = 0.f;
       for (int j = 0; j < kGroup; ++j) amax = std::isnan(src[j]) ? NAN : std::max(amax, std::fabs(src[j]));
       if (!std::isfinite(amax)) {  // NaN or inf in the group: the result is NaN, as in float math
@@ -291,10 +308,11 @@ inline void row_blocks(int64_t M, Block block) {
 }
 
 struct QuantizedX {
-  std::vector<int8_t> q;
-  std::vector<float> d, s;
-  QuantizedX(const at::Tensor& x) : q(x.numel()), d(x.numel() / kGroup), s(x.numel() / kGroup) {
-    quantize_rows(x.data_ptr<float>(), x.size(0), x.size(1), q.data(), d.data(), s.data());
+  std::unique_ptr<int8_t[]> q;  // written in full by quantize_rows: no zero-fill first
+  std::unique_ptr<float[]> d, s;
+  QuantizedX(const at::Tensor& x)
+      : q(new int8_t[x.numel()]), d(new float[x.numel() / kGroup]), s(new float[x.numel() / kGroup]) {
+    quantize_rows(x.data_ptr<float>(), x.size(0), x.size(1), q.get(), d.get(), s.get());
   }
 };
 
@@ -430,8 +448,8 @@ at::Tensor q4_linear_a8(const at::Tensor& x, const at::Tensor& w, const at::Tens
       widen(sp + n * G, rows * G, d.data());
       widen(mp + n * G, rows * G, mn.data());
       const uint8_t* wt = wp + n * (K / 2);
-      const int8_t* q = xq.q.data();
-      const float *dx = xq.d.data(), *sx = xq.s.data();
+      const int8_t* q = xq.q.get();
+      const float *dx = xq.d.get(), *sx = xq.s.get();
 #if defined(__AVX2__) && defined(__FMA__)
       if (rows == kRows) {
         float out[4 * kRows];
@@ -468,8 +486,8 @@ at::Tensor int8_linear_a8(const at::Tensor& x, const at::Tensor& w, const at::Te
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t n = t * kRows, rows = std::min(kRows, N - n);
       const int8_t* wt = wp + n * K;
-      const int8_t* q = xq.q.data();
-      const float *dx = xq.d.data(), *sx = xq.s.data();
+      const int8_t* q = xq.q.get();
+      const float *dx = xq.d.get(), *sx = xq.s.get();
 #if defined(__AVX2__) && defined(__FMA__)
       if (rows == kRows) {
         float out[4 * kRows];
@@ -521,8 +539,8 @@ at::Tensor int8_linear_a8p(const at::Tensor& x, const at::Tensor& wp, const at::
       const uint8_t* wt = wpp + b0 * K * kLanes;
       auto run = [&](auto mb, int64_t m) {
         constexpr int MB = decltype(mb)::value;
-        const int8_t* q = xq.q.data() + m * K;
-        const float* dx = xq.d.data() + m * G;
+        const int8_t* q = xq.q.get() + m * K;
+        const float* dx = xq.d.get() + m * G;
         const uint8_t* pf = m == 0 && t + 1 < t1 ? wt + 2 * K * kLanes : nullptr;  // the next tile
         if (nb == 2) i8p_block<MB, 2>(q, dx, K, wt, pf, out); else i8p_block<MB, 1>(q, dx, K, wt, pf, out);
         for (int i = 0; i < MB; ++i)
@@ -565,8 +583,8 @@ at::Tensor q4_linear_a8p(const at::Tensor& x, const at::Tensor& wp, const at::Te
       const at::Half *d = dp + b0 * G * kLanes, *mn = mp + b0 * G * kLanes;
       auto run = [&](auto mb, int64_t m) {
         constexpr int MB = decltype(mb)::value;
-        const int8_t* q = xq.q.data() + m * K;
-        const float *dx = xq.d.data() + m * G, *sx = xq.s.data() + m * G;
+        const int8_t* q = xq.q.get() + m * K;
+        const float *dx = xq.d.get() + m * G, *sx = xq.s.get() + m * G;
         const uint8_t* pf = m == 0 && t + 1 < t1 ? wt + K * kLanes : nullptr;  // the next tile
         if (nb == 2) q4p_block<MB, 2>(q, dx, sx, K, wt, d, mn, pf, out);
         else q4p_block<MB, 1>(q, dx, sx, K, wt, d, mn, pf, out);

@@ -32,6 +32,9 @@ at::Tensor q4_linear_a8p(const at::Tensor& x, const at::Tensor& wp, const at::Te
 namespace {
 
 constexpr int64_t kRows = 4;
+// Row-wise work (norms, RoPE) goes to the thread pool in tasks of this many rows: a batch of 32
+// splits across the cores, a single row stays on the calling thread (no hand-off).
+constexpr int64_t kRowsPerTask = 8;
 
 #if defined(__AVX2__) && defined(__FMA__)
 using arlm_kernels::hsum;
@@ -126,13 +129,15 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor* p, bool a8) {
 
 // out = x / sqrt(mean(x^2) + eps) * weight, row by row (as F.rms_norm, then the weight).
 void rms_norm(const float* x, const float* weight, int64_t B, int64_t d, double eps, float* out) {
-  for (int64_t b = 0; b < B; ++b) {
-    const float* xr = x + b * d;
-    float ss = 0.f;
-    for (int64_t i = 0; i < d; ++i) ss += xr[i] * xr[i];
-    const float inv = 1.f / std::sqrt(ss / static_cast<float>(d) + static_cast<float>(eps));
-    for (int64_t i = 0; i < d; ++i) out[b * d + i] = weight[i] * (xr[i] * inv);
-  }
+  at::parallel_for(0, B, kRowsPerTask, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const float* xr = x + b * d;
+      float ss = 0.f;
+      for (int64_t i = 0; i < d; ++i) ss += xr[i] * xr[i];
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(d) + static_cast<float>(eps));
+      for (int64_t i = 0; i < d; ++i) out[b * d + i] = weight[i] * (xr[i] * inv);
+    }
+  });
 }
 
 // Half-split RoPE of one head in place: (x_i, x_{i + hd/2}) rotated by the angle of position pos.
@@ -203,8 +208,10 @@ void run_layers(at::Tensor& x, at::TensorList weights, int64_t L, const int64_t*
     at::Tensor qkv = linear(h, W + 1, a8);  // [N, (H + 2 Hkv) * hd]
     TORCH_CHECK(qkv.size(1) == qkv_dim, "decode_llama: wqkv has the wrong number of outputs");
     float* qp = qkv.data_ptr<float>();
-    for (int64_t i = 0; i < N; ++i)
-      for (int64_t j = 0; j < H + Hkv; ++j) rope(qp + i * qkv_dim + j * hd, cos + pos[i] * hd, sin + pos[i] * hd, hd);
+    at::parallel_for(0, N, kRowsPerTask, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i)
+        for (int64_t j = 0; j < H + Hkv; ++j) rope(qp + i * qkv_dim + j * hd, cos + pos[i] * hd, sin + pos[i] * hd, hd);
+    });
     x.add_(linear(attend(l, qkv), W + 4, a8));
 
     // MLP: norm, fused gate/up, SiLU(gate) * up, down
