@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 
 namespace arlm_kernels {
@@ -99,6 +100,76 @@ inline float softmax_numerators(float* s, int64_t n) {
   for (int64_t j = 0; j < n; ++j) total += (s[j] = std::exp(s[j] - mx));
   return total;
 #endif
+}
+
+}  // namespace arlm_kernels
+
+namespace arlm_kernels {
+
+// sum_i a[i] * b[i], in an order that depends on n alone.
+inline float dot(const float* a, const float* b, int64_t n) {
+#if defined(__AVX512F__)
+  if (n % 32 == 0) {
+    __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 32) {
+      s0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), s0);
+      s1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16), _mm512_loadu_ps(b + i + 16), s1);
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));
+  }
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+  if (n % 8 == 0) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    return hsum(acc);
+  }
+#endif
+  float s = 0.f;
+  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+#if defined(__AVX512F__)
+// out = inv * sum_t s[t] V[t] for rows of C * 16 floats, the sums held in registers.
+template <int C, typename Spans>
+inline void weighted_rows(const float* s, Spans spans, float inv, float* out) {
+  __m512 acc[C];
+  for (int c = 0; c < C; ++c) acc[c] = _mm512_setzero_ps();
+  int64_t t = 0;
+  spans([&](const float*, const float* v, int64_t len) {
+    for (int64_t j = 0; j < len; ++j, ++t) {
+      const __m512 p = _mm512_set1_ps(s[t]);
+      for (int c = 0; c < C; ++c) acc[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + j * C * 16 + c * 16), acc[c]);
+    }
+  });
+  for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + c * 16, _mm512_mul_ps(acc[c], _mm512_set1_ps(inv)));
+}
+#endif
+
+// One query head's attention over its n cached slots: out = softmax(q . K_t * scale) V. The slots
+// come as spans of consecutive rows, spans(f) calling f(k, v, len) for each in order: one span
+// for a contiguous cache, one per block for the paged pool. Both run the same operations in the
+// same order, so a head's output does not depend on the cache layout, the batch or the thread.
+// s: n floats of scratch; out: hd floats.
+template <typename Spans>
+inline void attend_head(const float* q, int64_t hd, int64_t n, float scale, Spans spans, float* s, float* out) {
+  int64_t t = 0;
+  spans([&](const float* k, const float*, int64_t len) {
+    for (int64_t j = 0; j < len; ++j) s[t++] = dot(q, k + j * hd, hd) * scale;
+  });
+  const float inv = 1.f / softmax_numerators(s, n);
+#if defined(__AVX512F__)
+  if (hd == 64) return weighted_rows<4>(s, spans, inv, out);
+  if (hd == 128) return weighted_rows<8>(s, spans, inv, out);
+#endif
+  std::fill(out, out + hd, 0.f);
+  t = 0;
+  spans([&](const float*, const float* v, int64_t len) {
+    for (int64_t j = 0; j < len; ++j, ++t)
+      for (int64_t e = 0; e < hd; ++e) out[e] += s[t] * v[j * hd + e];
+  });
+  for (int64_t e = 0; e < hd; ++e) out[e] *= inv;
 }
 
 }  // namespace arlm_kernels

@@ -150,19 +150,6 @@ inline void rope(float* v, const float* cos, const float* sin, int64_t hd) {
   }
 }
 
-inline float dot(const float* a, const float* b, int64_t n) {
-#if defined(__AVX2__) && defined(__FMA__)
-  if (n % 8 == 0) {
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t i = 0; i < n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-    return hsum(acc);
-  }
-#endif
-  float s = 0.f;
-  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
-  return s;
-}
-
 // out[i, j] = SiLU(gu[i, j]) * gu[i, dff + j] for N rows of the fused gate/up output [N, 2 dff].
 // Every element takes the same instructions whatever N (masked tail per row): batch-invariant.
 void silu_mul(const float* gu, int64_t N, int64_t dff, float* out) {
@@ -290,16 +277,8 @@ at::Tensor decode_llama(const at::Tensor& x_in, at::TensorList weights, const at
         const float* q = qp + b * qkv_dim + head * hd;
         const float* K = kl + (b * Hkv + kvh) * T * hd;
         const float* V = vl + (b * Hkv + kvh) * T * hd;
-        float* s = sp + i * kv_len;
-        for (int64_t t = 0; t < n; ++t) s[t] = dot(q, K + t * hd, hd) * scale;
-        const float sum = arlm_kernels::softmax_numerators(s, n);
-        float* out = ap + b * H * hd + head * hd;
-        std::fill(out, out + hd, 0.f);
-        for (int64_t t = 0; t < n; ++t) {
-          const float pt = s[t] / sum;
-          const float* vt = V + t * hd;
-          for (int64_t e = 0; e < hd; ++e) out[e] += pt * vt[e];
-        }
+        arlm_kernels::attend_head(q, hd, n, scale, [&](auto f) { f(K, V, n); }, sp + i * kv_len,
+                                  ap + b * H * hd + head * hd);
       }
     });
     return attn;

@@ -13,43 +13,8 @@
 #include <cmath>
 #include <vector>
 
-#include "../kernels/common.h"  // softmax_numerators
+#include "../kernels/common.h"  // attend_head
 
-namespace {
-
-inline float dot(const float* a, const float* b, int64_t D) {
-#if defined(__AVX2__) && defined(__FMA__)
-  if (D % 16 == 0) {
-    __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
-    for (int64_t d = 0; d < D; d += 16) {
-      s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), s0);
-      s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d + 8), _mm256_loadu_ps(b + d + 8), s1);
-    }
-    __m256 s = _mm256_add_ps(s0, s1);
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    h = _mm_add_ss(h, _mm_movehdup_ps(h));
-    return _mm_cvtss_f32(h);
-  }
-#endif
-  float s = 0.f;
-  for (int64_t d = 0; d < D; ++d) s += a[d] * b[d];
-  return s;
-}
-
-inline void axpy(float w, const float* x, float* y, int64_t D) {  // y += w * x
-#if defined(__AVX2__) && defined(__FMA__)
-  if (D % 8 == 0) {
-    const __m256 wv = _mm256_set1_ps(w);
-    for (int64_t d = 0; d < D; d += 8)
-      _mm256_storeu_ps(y + d, _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + d), _mm256_loadu_ps(y + d)));
-    return;
-  }
-#endif
-  for (int64_t d = 0; d < D; ++d) y[d] += w * x[d];
-}
-
-}  // namespace
 
 // q [N, H, D]; k, v [N, Hkv, D]; k_pool, v_pool [n_blocks, Hkv, BS, D] (written in place);
 // block_table [S, M], seq, pos [N]: int64. Returns [N, H, D].
@@ -97,7 +62,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   });
 
   // 2. Attend: one (token, query head) per work item; softmax(q.K / sqrt(D)) V over 0..pos.
-  at::Tensor out = at::zeros({N, H, D}, q.options());
+  at::Tensor out = at::empty({N, H, D}, q.options());
   float* od = out.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
   at::parallel_for(0, N * H, 1, [&](int64_t w0, int64_t w1) {
@@ -108,20 +73,13 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
       const int64_t* row = bt + sp[i] * M;
       const float* qv = qd + (i * H + h) * D;
       scores.resize(L);
-      for (int64_t j0 = 0; j0 < L; j0 += BS) {
-        const float* kb = kp + (row[j0 / BS] * Hkv + g) * BS * D;
-        const int64_t n = std::min(BS, L - j0);
-        for (int64_t s = 0; s < n; ++s) scores[j0 + s] = dot(qv, kb + s * D, D) * fscale;
-      }
-      const float total = arlm_kernels::softmax_numerators(scores.data(), L);
-      float* o = od + (i * H + h) * D;
-      for (int64_t j0 = 0; j0 < L; j0 += BS) {
-        const float* vb = vp + (row[j0 / BS] * Hkv + g) * BS * D;
-        const int64_t n = std::min(BS, L - j0);
-        for (int64_t s = 0; s < n; ++s) axpy(scores[j0 + s], vb + s * D, o, D);
-      }
-      const float inv = 1.f / total;
-      for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+      auto blocks = [&](auto f) {  // slots 0..L-1 of the sequence, a block at a time
+        for (int64_t j0 = 0; j0 < L; j0 += BS) {
+          const int64_t off = (row[j0 / BS] * Hkv + g) * BS * D;
+          f(kp + off, vp + off, std::min(BS, L - j0));
+        }
+      };
+      arlm_kernels::attend_head(qv, D, L, fscale, blocks, scores.data(), od + (i * H + h) * D);
     }
   });
   return out;
