@@ -5,7 +5,8 @@
 // are quantized instead, the way llama.cpp's Q8_0 does: each row of x is cut into groups of 32,
 // each group stored as int8 with one float scale (dx = max|x| / 127). A group of 32 weights times
 // a group of 32 activations is then one integer dot product (VNNI's vpdpbusd where the CPU has
-// it, else AVX2's maddubs + madd), scaled once per group in float32:
+// it, else AVX2's maddubs + madd), scaled once per group in float32. On AVX-512 VNNI CPUs the
+// packed kernels further down do the same products 16 output channels at a time:
 //
 //   int8 weights  (w = s[n] * q):              y = s[n] * sum_g dx_g * sum_j q_j qx_j
 //   4-bit weights (w = d[n,g] * q + m[n,g]):   y = sum_g d dx_g * sum_j q_j qx_j + m * dx_g * sum_j qx_j
@@ -75,23 +76,14 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* qx, float* dx, 
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512DQ__) && \
     defined(__AVX2__) && defined(__FMA__)
-#define ARLM_AVX512 1  // two groups per instruction
+#define ARLM_AVX512 1  // the packed kernels below
 #endif
 
 // sum_g a[g] * b[g], in an order that depends on n alone.
 inline float dot_f32(const float* a, const float* b, int64_t n) {
-#ifdef ARLM_AVX512
-  __m512 acc = _mm512_setzero_ps();
-  for (int64_t g = 0; g < n; g += 16) {
-    const __mmask16 m = n - g >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - g)) - 1);
-    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + g), _mm512_maskz_loadu_ps(m, b + g), acc);
-  }
-  return _mm512_reduce_add_ps(acc);
-#else
   float acc = 0.f;
   for (int64_t g = 0; g < n; ++g) acc = std::fma(a[g], b[g], acc);
   return acc;
-#endif
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -117,22 +109,6 @@ inline __m256i unpack_nibbles(const uint8_t* p) {
 
 inline __m256i load32(const int8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 
-#ifdef ARLM_AVX512
-// Two groups at once in 512 bits: lanes 0-7 of a product belong to group g, lanes 8-15 to g + 1.
-inline __m512 pair(float a, float b) {
-  return _mm512_insertf32x8(_mm512_set1_ps(a), _mm256_set1_ps(b), 1);
-}
-
-// 32 packed bytes (groups g and g + 1) -> 64 bytes 0..15 in element order of both groups.
-inline __m512i unpack_nibbles_pair(const uint8_t* p) {
-  const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  const __m256i low4 = _mm256_set1_epi8(0x0F);
-  const __m256i lo = _mm256_and_si256(bytes, low4), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
-  // 128-bit lanes [g lo, g+1 lo, g hi, g+1 hi] -> [g lo, g hi, g+1 lo, g+1 hi]
-  const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-  return _mm512_shuffle_i64x2(w, w, _MM_SHUFFLE(3, 1, 2, 0));
-}
-#endif
 
 // MB rows of quantized x against kRows 4-bit weight rows (scales widened to float in d, mn).
 // y = sum_g (d * dx) * dot(q, qx)  +  sum_g m * (dx * sum qx): the second sum is one short dot
@@ -141,104 +117,33 @@ template <int MB>
 void q4_block(const int8_t* qx, const float* dx, const float* sx, int64_t K, const uint8_t* w,
               const float* d, const float* mn, float* out) {
   const int64_t G = K / kGroup, ldw = K / 2;
-  int64_t g = 0;
-  float tail[MB][kRows] = {};
-#ifdef ARLM_AVX512
-  __m512 acc[MB][kRows];
+  __m256 acc[MB][kRows];
   for (int i = 0; i < MB; ++i)
-    for (int r = 0; r < kRows; ++r) acc[i][r] = _mm512_setzero_ps();
-  for (; g + 2 <= G; g += 2) {
-    __m512i wq[kRows];
-    __m512 ws[kRows];
-    for (int r = 0; r < kRows; ++r) {
-      wq[r] = unpack_nibbles_pair(w + r * ldw + g * 16);
-      ws[r] = pair(d[r * G + g], d[r * G + g + 1]);
-    }
+    for (int r = 0; r < kRows; ++r) acc[i][r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m256i wq[kRows];
+    for (int r = 0; r < kRows; ++r) wq[r] = unpack_nibbles(w + r * ldw + g * 16);
     for (int i = 0; i < MB; ++i) {
-      const __m512i xq = _mm512_loadu_si512(qx + i * K + g * kGroup);
-      const __m512 xs = pair(dx[i * G + g], dx[i * G + g + 1]);
+      const __m256i xq = load32(qx + i * K + g * kGroup);
+      const float dxi = dx[i * G + g];
       for (int r = 0; r < kRows; ++r) {
-        const __m512 dot = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wq[r], xq));
-        acc[i][r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(ws[r], xs), acc[i][r]);
+        const __m256 dot = _mm256_cvtepi32_ps(dot_u8s8(wq[r], xq));
+        acc[i][r] = _mm256_fmadd_ps(dot, _mm256_set1_ps(d[r * G + g] * dxi), acc[i][r]);
       }
     }
   }
   for (int i = 0; i < MB; ++i)
-    for (int r = 0; r < kRows; ++r) tail[i][r] = _mm512_reduce_add_ps(acc[i][r]);
-#endif
-  if (g < G) {  // groups left over (all of them without AVX-512): one at a time, in 256 bits
-    __m256 acc[MB][kRows];
-    for (int i = 0; i < MB; ++i)
-      for (int r = 0; r < kRows; ++r) acc[i][r] = _mm256_setzero_ps();
-    for (; g < G; ++g) {
-      __m256i wq[kRows];
-      for (int r = 0; r < kRows; ++r) wq[r] = unpack_nibbles(w + r * ldw + g * 16);
-      for (int i = 0; i < MB; ++i) {
-        const __m256i xq = load32(qx + i * K + g * kGroup);
-        const float dxi = dx[i * G + g];
-        for (int r = 0; r < kRows; ++r) {
-          const __m256 dot = _mm256_cvtepi32_ps(dot_u8s8(wq[r], xq));
-          acc[i][r] = _mm256_fmadd_ps(dot, _mm256_set1_ps(d[r * G + g] * dxi), acc[i][r]);
-        }
-      }
-    }
-    for (int i = 0; i < MB; ++i)
-      for (int r = 0; r < kRows; ++r) tail[i][r] += hsum(acc[i][r]);
-  }
-  for (int i = 0; i < MB; ++i)
-    for (int r = 0; r < kRows; ++r) out[i * kRows + r] = tail[i][r] + dot_f32(mn + r * G, sx + i * G, G);
+    for (int r = 0; r < kRows; ++r) out[i * kRows + r] = hsum(acc[i][r]) + dot_f32(mn + r * G, sx + i * G, G);
 }
 
 // MB rows of quantized x against kRows int8 weight rows (per-row scale applied by the caller).
 template <int MB>
-void i8_block(const int8_t* qx, const float* dx, const float* sx, int64_t K, const int8_t* w, float* out) {
+void i8_block(const int8_t* qx, const float* dx, int64_t K, const int8_t* w, float* out) {
   const int64_t G = K / kGroup;
-#ifdef ARLM_AVX512
-  // vpdpbusd multiplies unsigned by signed bytes. w + 128 (w XOR 0x80) is unsigned, so each group is
-  // one instruction with no sign juggling; it adds 128 * sum(qx) to the group's dot, which costs
-  // 128 * sum_g dx_g * sum(qx_g) = 128 * sum_g sx_g per row of x, taken off once at the end.
-  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
-  __m512 acc[MB][kRows];
-  for (int i = 0; i < MB; ++i)
-    for (int r = 0; r < kRows; ++r) acc[i][r] = _mm512_setzero_ps();
-  int64_t g = 0;
-  for (; g + 2 <= G; g += 2) {
-    __m512i wu[kRows];
-    for (int r = 0; r < kRows; ++r) wu[r] = _mm512_xor_si512(_mm512_loadu_si512(w + r * K + g * kGroup), flip);
-    for (int i = 0; i < MB; ++i) {
-      const __m512i xq = _mm512_loadu_si512(qx + i * K + g * kGroup);
-      const __m512 xs = pair(dx[i * G + g], dx[i * G + g + 1]);
-      for (int r = 0; r < kRows; ++r) {
-        const __m512 dot = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wu[r], xq));
-        acc[i][r] = _mm512_fmadd_ps(dot, xs, acc[i][r]);
-      }
-    }
-  }
-  float tail[MB][kRows];
-  for (int i = 0; i < MB; ++i)
-    for (int r = 0; r < kRows; ++r) tail[i][r] = _mm512_reduce_add_ps(acc[i][r]);
-  if (g < G) {  // an odd group left
-    const __m256i flip8 = _mm256_set1_epi8(static_cast<char>(0x80));
-    for (int i = 0; i < MB; ++i) {
-      const __m256i xq = load32(qx + i * K + g * kGroup);
-      for (int r = 0; r < kRows; ++r) {
-        const __m256i wu = _mm256_xor_si256(load32(w + r * K + g * kGroup), flip8);
-        const __m256 dot = _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), wu, xq));
-        tail[i][r] += hsum(_mm256_mul_ps(dot, _mm256_set1_ps(dx[i * G + g])));
-      }
-    }
-  }
-  for (int i = 0; i < MB; ++i) {
-    float shift = 0.f;
-    for (int64_t j = 0; j < G; ++j) shift += sx[i * G + j];
-    for (int r = 0; r < kRows; ++r) out[i * kRows + r] = tail[i][r] - 128.f * shift;
-  }
-#else
-  int64_t g = 0;
   __m256 acc[MB][kRows];
   for (int i = 0; i < MB; ++i)
     for (int r = 0; r < kRows; ++r) acc[i][r] = _mm256_setzero_ps();
-  for (; g < G; ++g) {
+  for (int64_t g = 0; g < G; ++g) {
     __m256i wa[kRows], ws[kRows];
     for (int r = 0; r < kRows; ++r) {
       ws[r] = load32(w + r * K + g * kGroup);
@@ -253,10 +158,8 @@ void i8_block(const int8_t* qx, const float* dx, const float* sx, int64_t K, con
       }
     }
   }
-  (void)sx;
   for (int i = 0; i < MB; ++i)
     for (int r = 0; r < kRows; ++r) out[i * kRows + r] = hsum(acc[i][r]);
-#endif
 }
 #endif
 
@@ -320,8 +223,8 @@ struct QuantizedX {
 #ifdef ARLM_AVX512
 // ---- Packed layouts: 16 output channels per 512-bit vector ----------------------------------
 //
-// The kernels above put one weight row's 32 K-values in a vector and reduce across lanes at the
-// end; every group pair then costs a dot, a convert, a multiply and an FMA. With many rows of x
+// The kernels above (AVX2) put one weight row's 32 K-values in a vector and reduce across lanes
+// at the end; every group then costs a dot, a convert, a multiply and an FMA. With many rows of x
 // (batched decode, serving) that bookkeeping, not memory, bounds the step. The packed layouts
 // put 16 output channels in the vector instead, 4 consecutive K-values per channel (the operand
 // shape of vpdpbusd): each instruction takes 4 bytes of x broadcast to every lane, and a group
@@ -487,7 +390,7 @@ at::Tensor int8_linear_a8(const at::Tensor& x, const at::Tensor& w, const at::Te
       const int64_t n = t * kRows, rows = std::min(kRows, N - n);
       const int8_t* wt = wp + n * K;
       const int8_t* q = xq.q.get();
-      const float *dx = xq.d.get(), *sx = xq.s.get();
+      const float* dx = xq.d.get();
 #if defined(__AVX2__) && defined(__FMA__)
       if (rows == kRows) {
         float out[4 * kRows];
@@ -496,7 +399,7 @@ at::Tensor int8_linear_a8(const at::Tensor& x, const at::Tensor& w, const at::Te
             for (int r = 0; r < kRows; ++r) yp[(m + i) * N + n + r] = out[i * kRows + r] * sp[n + r];
         };
         row_blocks(M, [&](auto mb, int64_t m) {
-          i8_block<decltype(mb)::value>(q + m * K, dx + m * G, sx + m * G, K, wt, out);
+          i8_block<decltype(mb)::value>(q + m * K, dx + m * G, K, wt, out);
           store(m, decltype(mb)::value);
         });
         continue;

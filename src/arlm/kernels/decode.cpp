@@ -13,11 +13,11 @@
 // float32 weights a row-streaming kernel below.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 #include <immintrin.h>
 
 #include "common.h"
+#include "paged_attention.h"
 
 #include <cmath>
 #include <vector>
@@ -289,8 +289,8 @@ at::Tensor decode_llama(const at::Tensor& x_in, at::TensorList weights, const at
 
 // The same layer stack over the serving engine's paged pool (arlm.serve.paged_cache): x [N, d]
 // holds a flattened batch of tokens from any mix of sequences, token i of sequence seq_index[i]
-// at position pos[i]. Attention is arlm_serve::paged_attention (serve/paged_attention.cpp), which
-// writes the new K/V into the blocks and attends through the block table; it must be loaded.
+// at position pos[i]. Attention (paged_attention.h) writes the new K/V into the blocks and
+// attends through the block table.
 at::Tensor forward_llama_paged(const at::Tensor& x_in, at::TensorList weights, const at::Tensor& k_pool,
                                const at::Tensor& v_pool, const at::Tensor& block_table,
                                const at::Tensor& seq_index, const at::Tensor& pos, const at::Tensor& cos,
@@ -301,17 +301,25 @@ at::Tensor forward_llama_paged(const at::Tensor& x_in, at::TensorList weights, c
   const int64_t H = n_head, Hkv = n_kv_heads;
   TORCH_CHECK(k_pool.size(2) == Hkv && H % Hkv == 0 && hd % 2 == 0, "forward_llama_paged: heads do not match");
   check_common(x_in, weights, L, pos, cos, sin, hd, block_table.size(1) * k_pool.size(3));
-  static const auto paged_attention =
-      c10::Dispatcher::singleton().findSchemaOrThrow("arlm_serve::paged_attention", "")
-          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, at::Tensor, at::Tensor,
-                            const at::Tensor&, const at::Tensor&, const at::Tensor&, double)>();
-  const double scale = 1.0 / std::sqrt(static_cast<double>(hd));
+  TORCH_CHECK(block_table.scalar_type() == at::kLong && block_table.is_contiguous() && block_table.dim() == 2 &&
+              seq_index.scalar_type() == at::kLong && seq_index.is_contiguous() && seq_index.size(0) == N &&
+              k_pool.is_contiguous() && v_pool.is_contiguous() && v_pool.scalar_type() == at::kFloat,
+              "forward_llama_paged: contiguous int64 block_table [S, M] and seq_index [N], contiguous pools");
+  const int64_t BS = k_pool.size(3), M = block_table.size(1), layer = k_pool[0].numel();
+  const int64_t *table = block_table.data_ptr<int64_t>(), *seq = seq_index.data_ptr<int64_t>();
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  arlm_kernels::check_block_table("forward_llama_paged", table, block_table.size(0), M, seq, pp, N, BS,
+                                  k_pool.size(1));
+  const float scale = 1.f / std::sqrt(static_cast<float>(hd));
+  const int64_t qkv_dim = (H + 2 * Hkv) * hd;
   at::Tensor x = x_in.contiguous().clone();
-  auto attend = [&](int64_t l, at::Tensor& qkv) -> at::Tensor {
-    at::Tensor q = qkv.narrow(1, 0, H * hd).reshape({N, H, hd}).contiguous();
-    at::Tensor k = qkv.narrow(1, H * hd, Hkv * hd).reshape({N, Hkv, hd}).contiguous();
-    at::Tensor v = qkv.narrow(1, (H + Hkv) * hd, Hkv * hd).reshape({N, Hkv, hd}).contiguous();
-    return paged_attention.call(q, k, v, k_pool[l], v_pool[l], block_table, seq_index, pos, scale).reshape({N, H * hd});
+  at::Tensor attn = at::empty({N, H * hd}, x.options());
+  auto attend = [&](int64_t l, at::Tensor& qkv) -> at::Tensor {  // straight from the q/k/v rows, no copies
+    const float* qp = qkv.data_ptr<float>();
+    arlm_kernels::paged_attention(qp, qkv_dim, qp + H * hd, qp + (H + Hkv) * hd, qkv_dim,
+                                  k_pool.data_ptr<float>() + l * layer, v_pool.data_ptr<float>() + l * layer,
+                                  table, M, seq, pp, N, H, Hkv, hd, BS, scale, attn.data_ptr<float>());
+    return attn;
   };
   run_layers(x, weights, L, pos.data_ptr<int64_t>(), cos.data_ptr<float>(), sin.data_ptr<float>(), hd, H, Hkv,
              eps, a8, attend);

@@ -1,0 +1,65 @@
+// Paged attention over the serving engine's KV pool (arlm.serve.paged_cache), shared by the
+// attention op (serve/paged_attention.cpp) and the native layer stack (decode.cpp).
+//
+// The batch is flattened: N tokens from any number of sequences (one decode token each, or a
+// chunk of a prompt), token i belonging to sequence seq[i] at position pos[i]. Each token's K/V
+// are written into slot pos % BS of block table[seq, pos / BS]; then each query reads keys
+// 0..pos[i] of its own sequence, a block at a time, in place: no gather copy, no padding, no mask.
+// Every query's result is computed in the same order whatever else is in the batch, so a
+// sequence's logits are bit-identical alone, in a batch, or prefilled in chunks.
+#pragma once
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include "common.h"
+
+#include <vector>
+
+namespace arlm_kernels {
+
+// A bad table must not write out of the pool: every token needs a block-table entry in range.
+inline void check_block_table(const char* op, const int64_t* table, int64_t S, int64_t M, const int64_t* seq,
+                              const int64_t* pos, int64_t N, int64_t BS, int64_t n_blocks) {
+  for (int64_t i = 0; i < N; ++i) {
+    TORCH_CHECK(seq[i] >= 0 && seq[i] < S && pos[i] >= 0 && pos[i] / BS < M, op, ": token ", i,
+                " has no block-table entry");
+    const int64_t blk = table[seq[i] * M + pos[i] / BS];
+    TORCH_CHECK(blk >= 0 && blk < n_blocks, op, ": block id out of range");
+  }
+}
+
+// q: token i's H query heads of D floats at q + i * ldq; k, v: its Hkv heads at k + i * ldkv
+// (and v + i * ldkv). kp, vp: one layer's pool [n_blocks, Hkv, BS, D]; table [S, M]. Writes the
+// new K/V, then out [N, H * D] = softmax(q . K / sqrt(D)) V per head (scale given).
+inline void paged_attention(const float* q, int64_t ldq, const float* k, const float* v, int64_t ldkv, float* kp,
+                            float* vp, const int64_t* table, int64_t M, const int64_t* seq, const int64_t* pos,
+                            int64_t N, int64_t H, int64_t Hkv, int64_t D, int64_t BS, float scale, float* out) {
+  at::parallel_for(0, N, 16, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t blk = table[seq[i] * M + pos[i] / BS], slot = pos[i] % BS;
+      for (int64_t g = 0; g < Hkv; ++g) {
+        const int64_t dst = ((blk * Hkv + g) * BS + slot) * D;
+        std::copy(k + i * ldkv + g * D, k + i * ldkv + (g + 1) * D, kp + dst);
+        std::copy(v + i * ldkv + g * D, v + i * ldkv + (g + 1) * D, vp + dst);
+      }
+    }
+  });
+  const int64_t group = H / Hkv;
+  at::parallel_for(0, N * H, 1, [&](int64_t w0, int64_t w1) {  // one (token, query head) per item
+    std::vector<float> scores;
+    for (int64_t w = w0; w < w1; ++w) {
+      const int64_t i = w / H, h = w % H, g = h / group, L = pos[i] + 1;
+      const int64_t* row = table + seq[i] * M;
+      scores.resize(L);
+      auto blocks = [&](auto f) {  // slots 0..L-1 of the sequence, a block at a time
+        for (int64_t j0 = 0; j0 < L; j0 += BS) {
+          const int64_t off = (row[j0 / BS] * Hkv + g) * BS * D;
+          f(kp + off, vp + off, std::min(BS, L - j0));
+        }
+      };
+      attend_head(q + i * ldq + h * D, D, L, scale, blocks, scores.data(), out + (i * H + h) * D);
+    }
+  });
+}
+
+}  // namespace arlm_kernels
