@@ -77,6 +77,7 @@ def median_times(fns: list, repeat: int = 10) -> list[float]:
 def bench_engine(threads: int, context: int, quantize: str) -> dict:
     import torch
 
+    from arlm import kernels
     from arlm.generate import decode_step, native_decode_fn
     from arlm.kv_cache import KVCache
     from arlm.llm import LLM
@@ -84,7 +85,8 @@ def bench_engine(threads: int, context: int, quantize: str) -> dict:
     from arlm.serve.engine import Engine, EngineConfig
 
     torch.set_num_threads(threads)
-    quantize = "int8" if quantize == "auto" else quantize  # what `arlm serve --quantize auto` picks on CPU
+    if quantize == "auto":  # what `arlm serve --quantize auto` picks on CPU (serve/cli.py)
+        quantize = "auto" if kernels.packed_available() else "int8"
     llm = LLM.load("smollm2", quantize=quantize)
     model, cfg = llm.model, llm.model.config
     out: dict = {"quantization": llm.quantization, "context": context, "decode": {}}

@@ -398,3 +398,22 @@ def test_bf16_prefill_quality(smollm2, val_ids, fp32_perplexity):
         ref = smollm2.model(val_ids[:, :64])
     agree = (logits.argmax(-1) == ref.argmax(-1)).float().mean().item()
     assert agree >= 0.95, agree
+
+
+def test_prefill_dtype_choices(smollm2):
+    # "quantized" prefills through the decode kernels (no dense copies kept); the dense choices
+    # keep one per layer; "auto" picks quantized exactly where the packed kernels are built.
+    def configured(choice):
+        llm = LLM(smollm2.loaded)
+        llm.model = copy.deepcopy(smollm2.model)
+        llm.configure(quantize="auto", prefill_dtype=choice)
+        return llm, [m for m in llm.model.modules() if isinstance(m, (Q4Linear, Int8Linear))]
+
+    llm, layers = configured("quantized")
+    assert llm.prefill_dtype == "quantized" and all(m.dense_weight is None for m in layers)
+    llm, layers = configured("bfloat16")
+    assert all(m.dense_weight.dtype == torch.bfloat16 for m in layers)
+    llm, _ = configured("auto")
+    assert (llm.prefill_dtype == "quantized") == kernels.packed_available()
+    with pytest.raises(ValueError, match="prefill dtype"):
+        configured("int4")

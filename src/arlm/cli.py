@@ -41,8 +41,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantize", default="auto", choices=("auto", "none", "int8", "q4"),
                    help="weight quantization for decode (auto, on CPU: 4-bit where that is lossless, as "
                         "for a Q4_1 GGUF, int8 elsewhere, with 8-bit activations; none on GPU)")
-    p.add_argument("--prefill-dtype", default="auto", choices=("auto", "float32", "bfloat16"),
-                   help="matmul dtype of a quantized model's prefill (auto: bfloat16 on CPUs with "
+    p.add_argument("--prefill-dtype", default="auto", choices=("auto", "quantized", "float32", "bfloat16"),
+                   help="how a quantized model prefills: through the decode kernels (quantized) or a dense "
+                        "copy of the weights (auto: quantized on AVX-512 VNNI CPUs, else bfloat16 with "
                         "AVX512-BF16 or AMX, else float32)")
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: all cores)")

@@ -122,9 +122,11 @@ class LLM:
 
         quantize: None/"none", "int8", "q4", or "auto": on CPU with the native kernels, 4-bit for
         the matrices it holds exactly (a Q4_1 GGUF's) and int8 for the rest; elsewhere none.
-        prefill_dtype (quantized models, whose prefill multiplies by a kept dense copy of each
-        weight): "float32", "bfloat16", or "auto": bfloat16 on CPUs with native bf16 matmuls
-        (AVX512-BF16 or AMX), else float32.
+        prefill_dtype (quantized models): "quantized" runs prefill through the same integer-dot
+        kernels as decode (no second copy of the weights); "float32" / "bfloat16" keep a dense copy
+        of each weight for prefill's GEMMs; "auto": quantized where the packed kernels are built
+        (AVX-512 VNNI: faster than bf16 GEMMs there, docs/benchmarks.md), else bfloat16 on CPUs with
+        native bf16 matmuls (AVX512-BF16 or AMX), else float32.
         """
         from . import kernels
         from .generate import decode_step
@@ -134,14 +136,16 @@ class LLM:
             raise ValueError(f"unknown quantization {quantize!r} (expected none, auto, int8 or q4)")
         if quantize == "auto" and not (device.type == "cpu" and kernels.native_available()):
             quantize = None
-        if prefill_dtype not in ("auto", "float32", "bfloat16"):
-            raise ValueError(f"unknown prefill dtype {prefill_dtype!r} (expected auto, float32 or bfloat16)")
+        if prefill_dtype not in ("auto", "quantized", "float32", "bfloat16"):
+            raise ValueError(f"unknown prefill dtype {prefill_dtype!r} (expected auto, quantized, float32 or bfloat16)")
         if prefill_dtype == "auto":
-            prefill_dtype = "bfloat16" if device.type == "cpu" and kernels.cpu_has_native_bf16() else "float32"
+            cpu = device.type == "cpu"
+            prefill_dtype = ("quantized" if cpu and kernels.packed_available() else
+                             "bfloat16" if cpu and kernels.cpu_has_native_bf16() else "float32")
         if quantize in ("auto", "int8", "q4"):
             from .quant import quantize as quantize_model
 
-            quantize_model(self.model, quantize,
+            quantize_model(self.model, quantize, keep_dense=prefill_dtype != "quantized",
                            prefill_dtype=torch.bfloat16 if prefill_dtype == "bfloat16" else None)
             self.prefill_dtype = prefill_dtype
         self.quantization = quantize if quantize != "none" else None

@@ -24,12 +24,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.kv_cache_tokens is not None and args.kv_cache_tokens < 1:
         raise UsageError("arlm serve: error: --kv-cache-tokens must be positive")
     if args.quantize == "auto":
-        # int8 rather than 4-bit: a served batch is compute-bound, where int8's cheaper unpacking
-        # wins (engine step, 2 threads: batch 8 38 vs 41 ms, batch 32 91 vs 113 ms, prefill 520
-        # vs 380 tokens/s; 4-bit is faster only at batch 1, 18 vs 20 ms).
+        # As `arlm generate`: 4-bit where the weights already are (lossless), int8 elsewhere. With
+        # the packed kernels (AVX-512 VNNI) that is also the fastest choice at every batch size;
+        # with the row-layout kernels a served batch is compute-bound and int8 unpacks cheaper
+        # (docs/benchmarks.md, Serving).
         from .. import kernels
 
-        args.quantize = "int8" if args.device == "cpu" and kernels.native_available() else "none"
+        args.quantize = ("none" if args.device != "cpu" or not kernels.native_available() else
+                         "auto" if kernels.packed_available() else "int8")
     api_key = args.api_key or os.environ.get("ARLM_API_KEY") or None
     config = EngineConfig(block_size=args.block_size, kv_cache_memory=memory, kv_cache_tokens=args.kv_cache_tokens,
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -82,7 +84,7 @@ def add_serve(sub) -> None:
     from ..cli import add_model_args
 
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API (continuous batching)")
-    add_model_args(p)  # for serving, --quantize auto means int8 on CPU (see cmd_serve)
+    add_model_args(p)  # for serving, --quantize auto is decided in cmd_serve
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 (or set ARLM_API_KEY)")
