@@ -231,8 +231,9 @@ struct QuantizedX {
 // of 32 K-values is 8 instructions into one int32 accumulator per channel, then one convert and
 // one FMA with the group's scale. A weight vector is loaded once and used for up to 4 rows of x.
 //
-//   int8: wp [N/16, K/4, 16, 4] bytes, w XOR 0x80 (unsigned; the 128 * sum(x) is taken off once
-//         per row, as above), scale [N] float32.
+//   int8: wp [N/16, K/4, 16, 4] bytes, w XOR 0x80 = w + 128: vpdpbusd multiplies unsigned by
+//         signed bytes, so no sign work; the 128 * sum_g dx_g sum(qx_g) = 128 * sum_g sx_g this
+//         adds to a row's result is taken off once per row. scale [N] float32.
 //   4-bit: wp [N/16, K/8, 16, 4] bytes, low nibble of byte (c, t) = q[c, 8p + t], high nibble
 //          = q[c, 8p + 4 + t]; scale and mins [N/16, K/32, 16] float16.
 // N a multiple of 16. arlm.kernels.pack_int8 / pack_q4 build them from the row layouts.
