@@ -7,6 +7,9 @@ faster path decode uses by default. On CPUs with AVX-512 VNNI, `pack_int8` / `pa
 same weights out 16 output channels to a vector (`int8_linear_a8p`, `q4_linear_a8p`: the same
 products, 2-3x faster with several rows; a8_linear.cpp). When the kernels cannot be built (no
 compiler, a build error) the ops run as pure-PyTorch fallbacks: correct, slower.
+
+ARLM_MARCH (default "native") is the compiler's -march: e.g. ARLM_MARCH=znver3 builds the AVX2
+paths on an AVX-512 machine, to test what a CPU without AVX-512 runs.
 """
 
 from __future__ import annotations
@@ -33,9 +36,13 @@ def _build_dir(name: str, sources: list[Path]) -> Path:
     # included by the sources: headers beside them and this package's (serve's kernel includes common.h)
     headers = sorted({h for p in [*sources, Path(__file__)] for h in p.parent.glob("*.h")})
     source = b"".join(p.read_bytes() for p in [*sources, *headers]) + b"-fopenmp"
-    key = hashlib.sha256(source + torch.__version__.encode() + cpu.encode()).hexdigest()[:16]
+    key = hashlib.sha256(source + torch.__version__.encode() + cpu.encode() + _march().encode()).hexdigest()[:16]
     root = Path(os.environ.get("ARLM_CACHE", Path.home() / ".cache" / "arlm"))
     return root / "kernels" / f"{name}-{key}"
+
+
+def _march() -> str:
+    return os.environ.get("ARLM_MARCH", "native")
 
 
 def load_native(name: str, sources: list[Path], what: str) -> bool:
@@ -59,7 +66,7 @@ def load_native(name: str, sources: list[Path], what: str) -> bool:
             load(name=name, sources=[str(p) for p in sources], build_directory=str(build),
                  # -fopenmp: at::parallel_for is an OpenMP pragma in a header; without the flag it
                  # silently runs on one thread. libgomp.so.1 resolves to torch's own copy.
-                 extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                 extra_cflags=["-O3", f"-march={_march()}", "-fopenmp"], extra_ldflags=["-fopenmp"],
                  is_python_module=False, verbose=False)
         return True
     except Exception as e:  # noqa: BLE001 - any build failure means: use the fallback
