@@ -164,7 +164,7 @@ def _packed_case(g, N, K):
     return (w8, s8), (w4, s4, m4)
 
 
-@pytest.mark.skipif(not _cpu_has_vnni(), reason="packed kernels need AVX-512 VNNI (this CPU lacks it)")
+@pytest.mark.skipif(not _cpu_has_vnni(), reason="packed kernels not built here (no AVX-512 VNNI, or ARLM_MARCH set)")
 @pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 9, 33])
 @pytest.mark.parametrize("N,K", [(1536, 576), (48, 1536), (16, 32)])
 def test_packed_kernels_match_float64(M, N, K):
@@ -181,7 +181,7 @@ def test_packed_kernels_match_float64(M, N, K):
         _assert_within_rounding_bound(y, x, dense)
 
 
-@pytest.mark.skipif(not _cpu_has_vnni(), reason="packed kernels need AVX-512 VNNI (this CPU lacks it)")
+@pytest.mark.skipif(not _cpu_has_vnni(), reason="packed kernels not built here (no AVX-512 VNNI, or ARLM_MARCH set)")
 def test_packed_rows_are_independent_and_nan_stays_in_its_row():
     g = torch.Generator().manual_seed(4)
     x = torch.randn(11, 576, generator=g)
