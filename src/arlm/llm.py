@@ -102,7 +102,7 @@ class LLM:
         self.tokenizer: Tokenizer = loaded.tokenizer
         self.chat_template = loaded.chat_template
         self.quantization: str | None = None
-        self.prefill_dtype = "float32"  # of the dense weights prefill multiplies with (see configure)
+        self.prefill_dtype = "float32"  # how a quantized model prefills: "quantized" or a dense copy's dtype (configure)
         self.decode_fn = None  # None: the native step where it applies, else generate.decode_step
         self.static_kv_len = False
 

@@ -11,7 +11,9 @@ per group of 32, as llama.cpp does, and the kernels multiply in integers (one VN
 weight to float. The extra error is measured with the rest (perplexity, tests/test_quant.py).
 On CPUs with AVX-512 VNNI the layers also keep their weights in the kernels' packed layout (16
 output channels to a vector, `arlm.kernels.pack_int8` / `pack_q4`), which multiplies several rows
-2-3x faster than the row layout: batched decode and serving.
+2-3x faster than the row layout: batched decode and serving. The row layout stays beside it (the
+state dict, `dequantize`, float-activation kernels): the quantized bytes are held twice (~95 MB
+for SmolLM2-135M), while a decode step reads only the packed copy.
 
 `quantize(model, "auto")` keeps that error where it already is: a matrix whose values are exactly
 4-bit grouped values (a model that came from a Q4_1 GGUF, like SmolLM2's) goes to 4-bit without

@@ -32,10 +32,11 @@ namespace {
 constexpr int64_t kGroup = 32;  // activations (and 4-bit weights) per scale
 constexpr int64_t kRows = 4;    // weight rows per tile
 
-// x [M, K] float -> qx [M, K] int8, dx [M, K/32] (scale), sx [M, K/32] (dx * sum of the group's qx).
+// x [M, K] float -> qx [M, K] int8, dx [M, K/32] (scale), sx [M, K/32] (dx * sum of the group's qx),
+// qs [M, K/32] (that sum of qx itself).
 // The vector and scalar paths do the same float32 operations (round half to even is the CPU's
 // default rounding), so every build quantizes bitwise alike, as kernels.quantize_activations does.
-void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* qx, float* dx, float* sx) {
+void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* qx, float* dx, float* sx, int32_t* qs) {
   const int64_t G = K / kGroup;
   at::parallel_for(0, M * G, 256, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
@@ -49,8 +50,9 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* qx, float* dx, 
         const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(lo, idv)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(hi, idv));
         _mm_storeu_si128(reinterpret_cast<__m128i*>(qx + b * kGroup), _mm512_cvtepi32_epi8(q0));
         _mm_storeu_si128(reinterpret_cast<__m128i*>(qx + b * kGroup + 16), _mm512_cvtepi32_epi8(q1));
+        qs[b] = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
         dx[b] = d;
-        sx[b] = d * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
+        sx[b] = d * static_cast<float>(qs[b]);
         continue;
       }
 #endif
@@ -59,6 +61,7 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* qx, float* dx, 
       if (!std::isfinite(amax)) {  // NaN or inf in the group: the result is NaN, as in float math
         for (int j = 0; j < kGroup; ++j) qx[b * kGroup + j] = 0;
         dx[b] = sx[b] = NAN;
+        qs[b] = 0;
         continue;
       }
       const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
@@ -68,6 +71,7 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* qx, float* dx, 
         qx[b * kGroup + j] = static_cast<int8_t>(q);
         sum += q;
       }
+      qs[b] = sum;
       dx[b] = d;
       sx[b] = d * static_cast<float>(sum);
     }
@@ -213,9 +217,11 @@ inline void row_blocks(int64_t M, Block block) {
 struct QuantizedX {
   std::unique_ptr<int8_t[]> q;  // written in full by quantize_rows: no zero-fill first
   std::unique_ptr<float[]> d, s;
+  std::unique_ptr<int32_t[]> sum;
   QuantizedX(const at::Tensor& x)
-      : q(new int8_t[x.numel()]), d(new float[x.numel() / kGroup]), s(new float[x.numel() / kGroup]) {
-    quantize_rows(x.data_ptr<float>(), x.size(0), x.size(1), q.get(), d.get(), s.get());
+      : q(new int8_t[x.numel()]), d(new float[x.numel() / kGroup]), s(new float[x.numel() / kGroup]),
+        sum(new int32_t[x.numel() / kGroup]) {
+    quantize_rows(x.data_ptr<float>(), x.size(0), x.size(1), q.get(), d.get(), s.get(), sum.get());
   }
 };
 
@@ -232,8 +238,8 @@ struct QuantizedX {
 // one FMA with the group's scale. A weight vector is loaded once and used for up to 4 rows of x.
 //
 //   int8: wp [N/16, K/4, 16, 4] bytes, w XOR 0x80 = w + 128: vpdpbusd multiplies unsigned by
-//         signed bytes, so no sign work; the 128 * sum_g dx_g sum(qx_g) = 128 * sum_g sx_g this
-//         adds to a row's result is taken off once per row. scale [N] float32.
+//         signed bytes, so no sign work; the 128 * sum(qx) this adds to a group's integer dot
+//         product is taken off in integers (exact) before the convert. scale [N] float32.
 //   4-bit: wp [N/16, K/8, 16, 4] bytes, low nibble of byte (c, t) = q[c, 8p + t], high nibble
 //          = q[c, 8p + 4 + t]; scale and mins [N/16, K/32, 16] float16.
 // N a multiple of 16. arlm.kernels.pack_int8 / pack_q4 build them from the row layouts.
@@ -254,10 +260,12 @@ inline void store(const __m512 (&acc)[MB][NB], float* out) {
 }
 
 // MB rows of quantized x against NB blocks of 16 channels of packed int8 weights.
-// out[i * NB * 16 + c]: sum_g dx_g * dot_g(w + 128, qx) for row i, channel c of the blocks.
+// out[i * NB * 16 + c]: sum_g dx_g * dot_g(w, qx) for row i, channel c of the blocks; qs: the
+// rows' sums of qx per group (dot_g(w + 128, qx) - 128 * qs_g = dot_g(w, qx)).
 // pf: where to prefetch the next tile from (the same offsets as w), or null.
 template <int MB, int NB>
-void i8p_block(const int8_t* qx, const float* dx, int64_t K, const uint8_t* w, const uint8_t* pf, float* out) {
+void i8p_block(const int8_t* qx, const float* dx, const int32_t* qs, int64_t K, const uint8_t* w, const uint8_t* pf,
+               float* out) {
   const int64_t G = K / kGroup, block = K * kLanes;
   __m512 acc[MB][NB];
   zero(acc);
@@ -279,7 +287,9 @@ void i8p_block(const int8_t* qx, const float* dx, int64_t K, const uint8_t* w, c
     }
     for (int i = 0; i < MB; ++i) {
       const __m512 s = _mm512_set1_ps(dx[i * G + g]);
-      for (int b = 0; b < NB; ++b) acc[i][b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i][b]), s, acc[i][b]);
+      const __m512i offset = _mm512_set1_epi32(128 * qs[i * G + g]);
+      for (int b = 0; b < NB; ++b)
+        acc[i][b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(dot[i][b], offset)), s, acc[i][b]);
     }
   }
   store(acc, out);
@@ -426,12 +436,6 @@ at::Tensor int8_linear_a8p(const at::Tensor& x, const at::Tensor& wp, const at::
               scale.scalar_type() == at::kFloat && scale.is_contiguous(),
               "int8_linear_a8p: wp [N/16, K/4, 64] uint8, scale [N] float32");
   const QuantizedX xq(x);
-  std::vector<float> shift(M);  // 128 * sum_g sx_g per row: the unsigned offset's contribution
-  for (int64_t i = 0; i < M; ++i) {
-    float s = 0.f;
-    for (int64_t g = 0; g < G; ++g) s += xq.s[i * G + g];
-    shift[i] = 128.f * s;
-  }
   at::Tensor y = at::empty({M, N}, x.options());
   const uint8_t* wpp = wp.data_ptr<uint8_t>();
   const float* sp = scale.data_ptr<float>();
@@ -445,12 +449,13 @@ at::Tensor int8_linear_a8p(const at::Tensor& x, const at::Tensor& wp, const at::
         constexpr int MB = decltype(mb)::value;
         const int8_t* q = xq.q.get() + m * K;
         const float* dx = xq.d.get() + m * G;
+        const int32_t* qs = xq.sum.get() + m * G;
         const uint8_t* pf = m == 0 && t + 1 < t1 ? wt + 2 * K * kLanes : nullptr;  // the next tile
-        if (nb == 2) i8p_block<MB, 2>(q, dx, K, wt, pf, out); else i8p_block<MB, 1>(q, dx, K, wt, pf, out);
+        if (nb == 2) i8p_block<MB, 2>(q, dx, qs, K, wt, pf, out); else i8p_block<MB, 1>(q, dx, qs, K, wt, pf, out);
         for (int i = 0; i < MB; ++i)
           for (int64_t c = 0; c < nb * kLanes; ++c) {
             const int64_t n = b0 * kLanes + c;
-            yp[(m + i) * N + n] = (out[i * nb * kLanes + c] - shift[m + i]) * sp[n];
+            yp[(m + i) * N + n] = out[i * nb * kLanes + c] * sp[n];
           }
       };
       row_blocks(M, run);

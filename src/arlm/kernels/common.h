@@ -57,8 +57,10 @@ namespace arlm_kernels {
 
 #if defined(__AVX512F__)
 // e^x for 16 floats: x = n ln2 + r with |r| <= ln2 / 2, e^r by Cephes' expf polynomial (about
-// 1 ulp), times 2^n by scalef, which also gives inf / 0 out of range and keeps NaN.
+// 1 ulp), times 2^n by scalef. x is clamped to [-104, 89] first (e^x is 0 / inf beyond in
+// float32; max/min with x second keep NaN), so scalef gives 0 and inf there.
 inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_set1_ps(89.f), _mm512_max_ps(_mm512_set1_ps(-104.f), x));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);

@@ -310,7 +310,7 @@ at::Tensor forward_llama_paged(const at::Tensor& x_in, at::TensorList weights, c
   const int64_t* pp = pos.data_ptr<int64_t>();
   arlm_kernels::check_block_table("forward_llama_paged", table, block_table.size(0), M, seq, pp, N, BS,
                                   k_pool.size(1));
-  const float scale = 1.f / std::sqrt(static_cast<float>(hd));
+  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(hd)));  // as paged_cache.py's
   const int64_t qkv_dim = (H + 2 * Hkv) * hd;
   at::Tensor x = x_in.contiguous().clone();
   at::Tensor attn = at::empty({N, H * hd}, x.options());
