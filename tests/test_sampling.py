@@ -61,6 +61,30 @@ def test_top_p_keeps_smallest_set_reaching_p(p, expect):
     assert sorted(perm[kept(top_p_filter(x[:, perm], p))].tolist()) == expect
 
 
+def test_top_p_candidates_path_equals_the_full_sort():
+    # On CPU, top-p first looks at the NUCLEUS_CANDIDATES most likely tokens and sorts the whole row
+    # only where the nucleus reaches past them. Against the full sort on model-like rows (peaked,
+    # nucleus inside the candidates) and flat rows (nucleus far wider): the same tokens kept, and
+    # every row alone the same as in its batch.
+    from arlm.sampling import NUCLEUS_CANDIDATES, _top_p_sorted
+
+    g = torch.Generator().manual_seed(0)
+    peaked = torch.randn(6, 49152, generator=g) * 2
+    peaked[:, torch.randperm(49152, generator=g)[:40]] += torch.rand(6, 40, generator=g) * 8 + 8  # a few likely tokens
+    flat = torch.randn(3, 49152, generator=g) * 0.1
+    x = torch.cat([peaked, flat])
+    for p in (0.5, 0.9, 0.95):
+        fast = top_p_filter(x, p)
+        ref = _top_p_sorted(x, p)
+        assert torch.equal(fast.isfinite(), ref.isfinite())
+        assert (fast[:6].isfinite().sum(-1) < NUCLEUS_CANDIDATES).all()  # the candidates path ran
+        assert (fast[6:].isfinite().sum(-1) > NUCLEUS_CANDIDATES).all()  # the full sort ran
+        for i in (0, 7):
+            assert torch.equal(top_p_filter(x[i:i + 1], p), fast[i:i + 1])
+    per_row = torch.tensor([[0.5], [0.9], [0.95], [0.7], [0.99], [0.6], [0.9], [0.5], [0.8]])
+    assert torch.equal(top_p_filter(x, per_row).isfinite(), _top_p_sorted(x, per_row).isfinite())
+
+
 def test_top_p_one_keeps_everything():
     x = logits_of([0.999997, 1e-6, 1e-6, 1e-6])
     assert torch.equal(top_p_filter(x, 1.0), x)
