@@ -187,3 +187,21 @@ def test_greedy_is_argmax_and_seed_reproduces():
 def test_invalid_params_are_refused(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         SamplingParams(**bad)
+
+
+def test_native_argmax_is_torch_argmax():
+    # Greedy decoding's argmax (a native kernel on CPU): the same index as torch.argmax, ties to
+    # the first maximum, a NaN row to its first NaN, an all -inf row to 0, any width.
+    from arlm import kernels
+
+    assert kernels.native_available()
+    g = torch.Generator().manual_seed(3)
+    for V in (1, 15, 16, 17, 49152):
+        x = torch.randn(5, V, generator=g)
+        x[1] = x[1].round()  # ties
+        x[2, V // 2] = x[2].max() + 1
+        x[3] = float("-inf")
+        if V > 2:
+            x[4, V - 1] = float("nan")
+            x[4, 1] = float("nan")
+        assert torch.equal(torch.ops.arlm.argmax_rows(x), x.argmax(dim=-1)), V

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import kernels
+
 
 @dataclass
 class SamplingParams:
@@ -149,12 +151,12 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     if params.repetition_penalty != 1.0 and seen is not None:
         logits = apply_repetition_penalty(logits, seen, params.repetition_penalty)
     if params.greedy:
-        return logits.argmax(dim=-1)
+        return kernels.argmax_rows(logits)
     probs = filtered_logits(logits, params).softmax(dim=-1)
     # Exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) is a draw from p, without the host
     # sync of torch.multinomial; the generator makes it reproducible.
     race = torch.empty_like(probs).exponential_(1.0, generator=generator).clamp_min_(1e-20)
-    return (probs / race).argmax(dim=-1)
+    return kernels.argmax_rows(probs / race)
 
 
 def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
@@ -173,7 +175,7 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
     penalties = [p.repetition_penalty for p in params]
     if seen is not None and any(r != 1.0 for r in penalties):
         logits = apply_repetition_penalty(logits, seen, torch.tensor(penalties, device=dev)[:, None])
-    tokens = logits.argmax(dim=-1)
+    tokens = kernels.argmax_rows(logits)
     rows = [b for b, p in enumerate(params) if not p.greedy]
     if not rows:
         return tokens
@@ -193,5 +195,5 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
     race = torch.empty_like(probs)
     for i, b in enumerate(rows):  # per-request streams: a seeded row is reproducible in any batch
         race[i].exponential_(1.0, generator=generators[b] if generators else None)
-    tokens[rows] = (probs / race.clamp_min_(1e-20)).argmax(dim=-1)
+    tokens[rows] = kernels.argmax_rows(probs / race.clamp_min_(1e-20))
     return tokens

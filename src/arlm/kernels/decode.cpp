@@ -326,7 +326,53 @@ at::Tensor forward_llama_paged(const at::Tensor& x_in, at::TensorList weights, c
   return x;
 }
 
+// Greedy decoding's argmax over each row of logits [B, V] float32, as torch.argmax: the first
+// index of the largest value, or of the first NaN. torch's index reductions run ~30x slower than
+// its plain max on CPU (1.3 ms for [32, 49152]); a row here is a max pass and a compare pass.
+at::Tensor argmax_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) > 0,
+              "argmax_rows: x [B, V] contiguous float32");
+  const int64_t B = x.size(0), V = x.size(1);
+  at::Tensor out = at::empty({B}, x.options().dtype(at::kLong));
+  const float* xp = x.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const float* r = xp + b * V;
+      int64_t best = -1;
+#if defined(__AVX512F__)
+      __m512 mv = _mm512_set1_ps(-INFINITY);
+      __mmask16 nan = 0;
+      for (int64_t j = 0; j < V; j += 16) {
+        const __mmask16 m = arlm_kernels::tail_mask(V - j);
+        const __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), m, r + j);
+        nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        mv = _mm512_max_ps(mv, v);
+      }
+      if (!nan) {
+        const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
+        for (int64_t j = 0; j < V && best < 0; j += 16) {
+          const __mmask16 hit = _mm512_mask_cmp_ps_mask(arlm_kernels::tail_mask(V - j),
+                                                        _mm512_loadu_ps(r + j), top, _CMP_EQ_OQ);
+          if (hit) best = j + __builtin_ctz(hit);
+        }
+      }
+#endif
+      if (best < 0) {  // scalar: NaN rows (the first NaN wins) and CPUs without AVX-512
+        best = 0;
+        for (int64_t j = 0; j < V; ++j) {
+          if (std::isnan(r[j])) { best = j; break; }
+          if (r[j] > r[best]) best = j;
+        }
+      }
+      op[b] = best;
+    }
+  });
+  return out;
+}
+
 TORCH_LIBRARY_FRAGMENT(arlm, m) {
+  m.def("argmax_rows(Tensor x) -> Tensor");
   m.def("decode_llama(Tensor x, Tensor[] weights, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor pos, "
         "Tensor cos, Tensor sin, int kv_len, int n_head, int n_kv_heads, float eps, bool a8) -> Tensor");
   m.def("forward_llama_paged(Tensor x, Tensor[] weights, Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor block_table, "
@@ -338,4 +384,5 @@ TORCH_LIBRARY_IMPL(arlm, CPU, m) {
   m.impl("decode_llama", &decode_llama);
   m.impl("forward_llama_paged", &forward_llama_paged);
   m.impl("f32_linear", &f32_linear);
+  m.impl("argmax_rows", &argmax_rows);
 }
