@@ -47,7 +47,7 @@ def _step_logits(model, prompts, steps, fn):
         for s in range(steps):  # each row's tokens depend on its prompt alone, not on the batch
             tok = torch.tensor([[(7919 * s + 104729 * sum(p) + 13) % model.config.vocab_size] for p in prompts])
             pos = (lens + s)[:, None]
-            out.append(fn(model, cache, tok, pos, int(pos.max()) + 1))
+            out.append(fn(model, cache, tok, pos, int(pos.max()) + 1).clone())  # the native step reuses its buffer
     return torch.stack(out)
 
 
@@ -133,3 +133,31 @@ def test_quantized_native_step_perplexity(smollm2, val_tokens, mode):
     assert 5 < ppl[0] < 100
     assert abs(ppl[1] / ppl[0] - 1) <= 0.01, ppl  # the stated bound: within 1% of float32
     assert abs(ppl[1] / ppl[2] - 1) <= 0.01, ppl  # and next to the module path on the same weights
+
+
+@pytest.mark.parametrize("mode", [None, "int8", "auto"])
+def test_native_step_allocates_nothing(mode):
+    # Issue 4, item 2: after the first step (which sizes its buffers), a decode step allocates no
+    # tensor memory: the embeddings, every intermediate and the logits live in buffers kept from
+    # step to step. Counted by the profiler's allocator events. (The row-layout kernels still
+    # allocate their outputs: CPUs without AVX-512 VNNI, and layers whose width is not a multiple
+    # of 16, hence a vocabulary of 256 here.)
+    from arlm import kernels
+
+    if mode is not None and not kernels.packed_available():
+        pytest.skip("the allocation-free quantized step needs the packed kernels (AVX-512 VNNI)")
+    model = arlm_from_hf(hf_llama(seed=5, hidden_size=192, intermediate_size=256, vocab_size=256))
+    if mode is not None:
+        model = quantize(model, mode)
+    B = 4
+    cache = KVCache.for_model(model.config, B, 16)
+    step = native_decode_fn(model, cache)
+    tokens = torch.randint(0, model.config.vocab_size, (B, 1), generator=torch.Generator().manual_seed(0))
+    pos = torch.full((B, 1), 3), torch.full((B, 1), 4)
+    with torch.inference_mode():
+        first = step(model, cache, tokens, pos[0], 4).clone()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+            second = step(model, cache, tokens, pos[1], 5)
+    allocations = [e for e in prof.events() if e.cpu_memory_usage > 0]
+    assert allocations == [], [(e.name, e.cpu_memory_usage) for e in allocations]
+    assert torch.isfinite(second).all() and not torch.equal(first, second)  # it did run the step

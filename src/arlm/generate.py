@@ -42,6 +42,32 @@ def decode_step(model: Transformer, cache: KVCache, tokens: torch.Tensor, input_
     return model(tokens, input_pos, kv_cache=cache, kv_len=kv_len)[:, -1]
 
 
+def _native_applies(model: Transformer) -> bool:
+    from . import kernels
+
+    cfg = model.config
+    return not (cfg.pos_embedding != "rope" or cfg.norm != "rmsnorm" or cfg.mlp != "swiglu" or cfg.bias
+                or model.training or model.rope_cos.device.type != "cpu" or os.environ.get("ARLM_NO_FUSED")
+                or not kernels.native_available())
+
+
+def _native_linear(layer: torch.nn.Module) -> tuple[list[torch.Tensor], bool] | None:
+    """A linear layer as the native kernels take it, (w, scale, mins), and whether it wants 8-bit
+    activations; None for a layer they cannot run (biases, other dtypes)."""
+    from .quant import Int8Linear, Q4Linear
+
+    none = torch.empty(0)
+    if isinstance(layer, Q4Linear) and layer.bias is None:  # packed layout where it has one (quant.py)
+        packed = layer.int8_activations and layer.packed is not None
+        return list(layer.packed) if packed else [layer.weight, layer.scale, layer.mins], layer.int8_activations
+    if isinstance(layer, Int8Linear) and layer.bias is None:
+        packed = layer.int8_activations and layer.packed is not None
+        return [layer.packed if packed else layer.weight, layer.scale, none], layer.int8_activations
+    if type(layer) is torch.nn.Linear and layer.bias is None and layer.weight.dtype == torch.float32:
+        return [layer.weight.detach().contiguous(), none, none], False
+    return None
+
+
 def native_layers(model: Transformer) -> tuple[list[torch.Tensor], bool] | None:
     """The weights of the layer stack in the order the native kernels take them (arlm/kernels/
     decode.cpp: 14 tensors a layer) and the activation mode, or None where they do not apply.
@@ -49,31 +75,18 @@ def native_layers(model: Transformer) -> tuple[list[torch.Tensor], bool] | None:
     Applies to: RoPE + RMSNorm + SwiGLU without biases, float32 norms, every linear float32 or
     quantized (arlm.quant) with one activation mode, on CPU with the native kernels built.
     """
-    from . import kernels
-    from .quant import Int8Linear, Q4Linear
-
-    cfg = model.config
-    if (cfg.pos_embedding != "rope" or cfg.norm != "rmsnorm" or cfg.mlp != "swiglu" or cfg.bias or model.training
-            or model.rope_cos.device.type != "cpu" or os.environ.get("ARLM_NO_FUSED")
-            or not kernels.native_available()):
+    if not _native_applies(model):
         return None
-    none = torch.empty(0)
     weights: list[torch.Tensor] = []
     a8: set[bool] = set()
 
     def linear(layer: torch.nn.Module) -> bool:
-        if isinstance(layer, Q4Linear) and layer.bias is None:  # packed layout where it has one (quant.py)
-            packed = layer.int8_activations and layer.packed is not None
-            weights.extend(layer.packed if packed else [layer.weight, layer.scale, layer.mins])
-        elif isinstance(layer, Int8Linear) and layer.bias is None:
-            packed = layer.int8_activations and layer.packed is not None
-            weights.extend([layer.packed if packed else layer.weight, layer.scale, none])
-        elif type(layer) is torch.nn.Linear and layer.bias is None and layer.weight.dtype == torch.float32:
-            weights.extend([layer.weight.detach().contiguous(), none, none])
-            return True
-        else:
+        native = _native_linear(layer)
+        if native is None:
             return False
-        a8.add(layer.int8_activations)
+        weights.extend(native[0])
+        if native[0][1].numel():  # float32 layers run in either mode
+            a8.add(native[1])
         return True
 
     for block in model.blocks:
@@ -91,14 +104,28 @@ def native_layers(model: Transformer) -> tuple[list[torch.Tensor], bool] | None:
     return weights, a8 == {True}
 
 
-def native_head(model: Transformer) -> Callable[[torch.Tensor], torch.Tensor]:
-    """Final norm + LM head for hidden states [N, d] -> float logits [N, vocab]. A float32 head
-    streams the most bytes of a decode step (vocab x d_model): the row-streaming kernel reads it at
-    memory speed, where F.linear's matrix-vector product does not."""
-    head = model.lm_head
-    if type(head) is torch.nn.Linear and head.bias is None and head.weight.dtype == torch.float32:
-        return lambda x: torch.ops.arlm.f32_linear(model.norm(x), head.weight)
-    return lambda x: head(model.norm(x)).float()
+def native_head(model: Transformer) -> Callable[..., torch.Tensor]:
+    """Final norm + LM head: hidden states [N, d] -> float32 logits [N, vocab], written into `out`
+    when given. Natively (`torch.ops.arlm.llama_head`) where the layer stack runs natively: a
+    float32 head streams the most bytes of a decode step (vocab x d_model), and the row-streaming
+    kernel reads it at memory speed, where F.linear's matrix-vector product does not."""
+    head = _native_linear(model.lm_head) if _native_applies(model) else None
+    norm = model.norm.weight
+    if head is None or norm.dtype != torch.float32:
+        def module_head(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+            logits = model.lm_head(model.norm(x)).float()
+            return logits if out is None else out.copy_(logits)
+
+        return module_head
+    weights, a8 = head
+    norm, eps, vocab = norm.detach(), model.config.norm_eps, model.config.vocab_size
+
+    def native(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        out = x.new_empty(x.shape[0], vocab) if out is None else out
+        torch.ops.arlm.llama_head(x.contiguous(), norm, weights, eps, a8, out)
+        return out
+
+    return native
 
 
 def native_decode_fn(model: Transformer, cache: KVCache) -> Callable | None:
@@ -106,8 +133,10 @@ def native_decode_fn(model: Transformer, cache: KVCache) -> Callable | None:
 
     The whole stack of layers runs as one call to `torch.ops.arlm.decode_llama` (see
     arlm/kernels/decode.cpp): the same math as the modules, without ~2,000 small tensor ops per
-    step. Applies where `native_layers` does, with a float32 contiguous cache. The embedding
-    lookup, final norm and LM head stay in Python (three ops).
+    step, and the final norm and LM head as one more. Applies where `native_layers` does, with a
+    float32 contiguous cache. The step allocates nothing: the embeddings, every intermediate and
+    the logits live in buffers kept from step to step, so the logits it returns are valid until
+    the next step (as a CUDA graph's outputs are): clone them to keep them.
     """
     if cache.paged or cache.k.dtype != torch.float32 or cache.k.device.type != "cpu":
         return None
@@ -118,13 +147,23 @@ def native_decode_fn(model: Transformer, cache: KVCache) -> Callable | None:
     cfg = model.config
     args = (model.rope_cos, model.rope_sin)
     head = native_head(model)
+    emb = model.tok_emb.weight
+    buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # batch size -> (hidden state, logits)
 
     def step(model: Transformer, cache: KVCache, tokens: torch.Tensor, input_pos: torch.Tensor,
              kv_len: int) -> torch.Tensor:
-        x = model.tok_emb(tokens[:, 0])
-        x = torch.ops.arlm.decode_llama(x, weights, cache.k, cache.v, input_pos[:, 0].contiguous(), *args,
-                                        kv_len, cfg.n_head, cfg.n_kv_heads, cfg.norm_eps, int8_activations)
-        return head(x)
+        B = tokens.shape[0]
+        if B not in buffers:
+            buffers[B] = (emb.new_empty(B, cfg.d_model, dtype=torch.float32),
+                          emb.new_empty(B, cfg.vocab_size, dtype=torch.float32))
+        x, logits = buffers[B]
+        if emb.dtype == torch.float32:
+            torch.index_select(emb, 0, tokens[:, 0], out=x)
+        else:
+            x.copy_(model.tok_emb(tokens[:, 0]))
+        torch.ops.arlm.decode_llama(x, weights, cache.k, cache.v, input_pos[:, 0].contiguous(), *args,
+                                    kv_len, cfg.n_head, cfg.n_kv_heads, cfg.norm_eps, int8_activations)
+        return head(x, logits)
 
     return step
 

@@ -37,6 +37,30 @@ inline void check_int8(const char* op, const at::Tensor& x, const at::Tensor& w,
               op, groups_of_32 ? ": shape mismatch (K must be a multiple of 32)" : ": shape mismatch");
 }
 
+// 8-bit activations (a8_linear.cpp) in the caller's storage, as one flat run of values cut into
+// groups of 32: value e is q[e], its group e / 32 has scale d, s = d * sum of its q, and that sum.
+// Rows of K values (K a multiple of 32) lie one after another: row m starts at value m * K.
+struct Act8 {
+  int8_t* q;
+  float* d;
+  float* s;
+  int32_t* sum;
+};
+
+// Quantizes x[0..n) (n a multiple of 32) into values at..at+n of a (at a multiple of 32). Serial:
+// callers quantize what they just wrote, inside their own parallel loop.
+void quantize_span(const float* x, int64_t n, const Act8& a, int64_t at);
+
+// Packed int8 / 4-bit weights (a8_linear.cpp; wp 3-D, scale [N] for int8 or [N/16, K/32, 16] with
+// mins for 4-bit): checks the layout against K and returns N.
+int64_t packed_out_features(const char* op, int64_t K, const at::Tensor& wp, const at::Tensor& scale,
+                            const at::Tensor& mins);
+
+// y[m, n] (row stride ldy) = sum_k x[m, k] w[n, k] for M rows of quantized x, or y += that when
+// accumulate (a residual add). Over the thread pool; AVX-512 VNNI builds only.
+void linear_a8p(const Act8& x, int64_t M, int64_t K, const at::Tensor& wp, const at::Tensor& scale,
+                const at::Tensor& mins, float* y, int64_t ldy, bool accumulate);
+
 }  // namespace arlm_kernels
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -133,45 +157,72 @@ inline float dot(const float* a, const float* b, int64_t n) {
 }
 
 #if defined(__AVX512F__)
-// out = inv * sum_t s[t] V[t] for rows of C * 16 floats, the sums held in registers.
-template <int C, typename Spans>
-inline void weighted_rows(const float* s, Spans spans, float inv, float* out) {
-  __m512 acc[C];
-  for (int c = 0; c < C; ++c) acc[c] = _mm512_setzero_ps();
+// out[h] = inv[h] * sum_t s[h * n + t] V[t] for HB heads at once, V rows of C * 16 floats: each V
+// row is loaded once for all HB heads; every head's sum is in registers, in slot order.
+template <int C, int HB, typename Spans>
+inline void weighted_heads(const float* s, int64_t n, Spans spans, const float* inv, int64_t hd, float* out) {
+  __m512 acc[HB][C];
+  for (int h = 0; h < HB; ++h)
+    for (int c = 0; c < C; ++c) acc[h][c] = _mm512_setzero_ps();
   int64_t t = 0;
   spans([&](const float*, const float* v, int64_t len) {
-    for (int64_t j = 0; j < len; ++j, ++t) {
-      const __m512 p = _mm512_set1_ps(s[t]);
-      for (int c = 0; c < C; ++c) acc[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + j * C * 16 + c * 16), acc[c]);
-    }
+    for (int64_t j = 0; j < len; ++j, ++t)
+      for (int c = 0; c < C; ++c) {
+        const __m512 vc = _mm512_loadu_ps(v + j * C * 16 + c * 16);
+        for (int h = 0; h < HB; ++h) acc[h][c] = _mm512_fmadd_ps(_mm512_set1_ps(s[h * n + t]), vc, acc[h][c]);
+      }
   });
-  for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + c * 16, _mm512_mul_ps(acc[c], _mm512_set1_ps(inv)));
+  for (int h = 0; h < HB; ++h)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + h * hd + c * 16, _mm512_mul_ps(acc[h][c], _mm512_set1_ps(inv[h])));
+}
+
+// weighted_heads over G heads, 16 / C at a time (16 accumulators).
+template <int C, typename Spans>
+inline void weighted_group(const float* s, int64_t n, int64_t G, Spans spans, const float* inv, int64_t hd,
+                           float* out) {
+  constexpr int HB = 16 / C;
+  for (int64_t h = 0; h < G; h += HB) {
+    const float *sh = s + h * n, *ih = inv + h;
+    float* oh = out + h * hd;
+    switch (std::min<int64_t>(HB, G - h)) {
+      case 1: weighted_heads<C, 1>(sh, n, spans, ih, hd, oh); break;
+      case 2: weighted_heads<C, 2 <= HB ? 2 : 1>(sh, n, spans, ih, hd, oh); break;
+      case 3: weighted_heads<C, 3 <= HB ? 3 : 1>(sh, n, spans, ih, hd, oh); break;
+      default: weighted_heads<C, HB>(sh, n, spans, ih, hd, oh); break;
+    }
+  }
 }
 #endif
 
-// One query head's attention over its n cached slots: out = softmax(q . K_t * scale) V. The slots
-// come as spans of consecutive rows, spans(f) calling f(k, v, len) for each in order: one span
-// for a contiguous cache, one per block for the paged pool. Both run the same operations in the
-// same order, so a head's output does not depend on the cache layout, the batch or the thread.
-// s: n floats of scratch; out: hd floats.
+// The G query heads that share one KV head (G * hd floats at q, head after head) attend over its n
+// cached slots: out[h] = softmax(q_h . K_t * scale) V. The slots come as spans of consecutive
+// rows, spans(f) calling f(k, v, len) for each in order: one span for a contiguous cache, one per
+// block for the paged pool. Each K and V row is read once for all G heads. Every head runs the
+// same operations in the same order whatever G, the layout, the batch or the thread, so its
+// output does not depend on them. s: G * (n + 1) floats of scratch; out: G * hd floats.
 template <typename Spans>
-inline void attend_head(const float* q, int64_t hd, int64_t n, float scale, Spans spans, float* s, float* out) {
+inline void attend_group(const float* q, int64_t G, int64_t hd, int64_t n, float scale, Spans spans, float* s,
+                         float* out) {
   int64_t t = 0;
   spans([&](const float* k, const float*, int64_t len) {
-    for (int64_t j = 0; j < len; ++j) s[t++] = dot(q, k + j * hd, hd) * scale;
+    for (int64_t j = 0; j < len; ++j, ++t)
+      for (int64_t h = 0; h < G; ++h) s[h * n + t] = dot(q + h * hd, k + j * hd, hd) * scale;
   });
-  const float inv = 1.f / softmax_numerators(s, n);
+  float* inv = s + G * n;
+  for (int64_t h = 0; h < G; ++h) inv[h] = 1.f / softmax_numerators(s + h * n, n);
 #if defined(__AVX512F__)
-  if (hd == 64) return weighted_rows<4>(s, spans, inv, out);
-  if (hd == 128) return weighted_rows<8>(s, spans, inv, out);
+  if (hd == 64) return weighted_group<4>(s, n, G, spans, inv, hd, out);
+  if (hd == 128) return weighted_group<8>(s, n, G, spans, inv, hd, out);
 #endif
-  std::fill(out, out + hd, 0.f);
+  std::fill(out, out + G * hd, 0.f);
   t = 0;
   spans([&](const float*, const float* v, int64_t len) {
     for (int64_t j = 0; j < len; ++j, ++t)
-      for (int64_t e = 0; e < hd; ++e) out[e] += s[t] * v[j * hd + e];
+      for (int64_t h = 0; h < G; ++h)
+        for (int64_t e = 0; e < hd; ++e) out[h * hd + e] += s[h * n + t] * v[j * hd + e];
   });
-  for (int64_t e = 0; e < hd; ++e) out[e] *= inv;
+  for (int64_t h = 0; h < G; ++h)
+    for (int64_t e = 0; e < hd; ++e) out[h * hd + e] *= inv[h];
 }
 
 }  // namespace arlm_kernels

@@ -20,6 +20,8 @@
 #include "paged_attention.h"
 
 #include <cmath>
+#include <cstdlib>
+#include <memory>
 #include <vector>
 
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale);
@@ -40,20 +42,24 @@ constexpr int64_t kRowsPerTask = 8;
 using arlm_kernels::hsum;
 #endif
 
-// float32 y[m, n] = x[m, :] . w[n, :] for a few rows of x: each weight row is streamed once and
-// reused for every row of x (decode is a matrix-vector product; MKL's is slow at these shapes).
-// Rows of x are not batch-invariant here: above 4 rows the GEMM sums in its own order (float32
-// models only; the quantized kernels are invariant).
-at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& w) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1) && x.scalar_type() == at::kFloat &&
-              w.scalar_type() == at::kFloat && x.is_contiguous() && w.is_contiguous(),
-              "f32_linear: x [M, K], w [N, K], contiguous float32");
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  if (M > 4 || K % 8 != 0) return at::matmul(x, w.t());  // enough rows: a GEMM is the right tool
-  at::Tensor y = at::empty({M, N}, x.options());
-  const float* xp = x.data_ptr<float>();
+// float32 y[m, n] = x[m, :] . w[n, :] for a few rows of x (row stride of y: ldy; y += that when
+// accumulate): each weight row is streamed once and reused for every row of x (decode is a
+// matrix-vector product; MKL's is slow at these shapes). Rows of x are not batch-invariant here:
+// above 4 rows the GEMM sums in its own order (float32 models only; the quantized kernels are).
+void f32_linear_into(const float* xp, int64_t M, int64_t K, const at::Tensor& w, float* yp, int64_t ldy,
+                     bool accumulate) {
+  TORCH_CHECK(w.dim() == 2 && w.size(1) == K && w.scalar_type() == at::kFloat && w.is_contiguous(),
+              "f32_linear: w [N, K] contiguous float32");
+  const int64_t N = w.size(0);
+  if (M > 4 || K % 8 != 0) {  // enough rows: a GEMM is the right tool, straight into y
+    const at::Tensor xt = at::from_blob(const_cast<float*>(xp), {M, K}, at::TensorOptions().dtype(at::kFloat));
+    at::Tensor yt = at::from_blob(yp, {M, N}, {ldy, 1}, at::TensorOptions().dtype(at::kFloat));
+    if (accumulate) yt.addmm_(xt, w.t());
+    else at::mm_out(yt, xt, w.t());
+    return;
+  }
   const float* wp = w.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
+  auto put = [&](int64_t m, int64_t n, float v) { yp[m * ldy + n] = accumulate ? yp[m * ldy + n] + v : v; };
   at::parallel_for(0, (N + kRows - 1) / kRows, 8, [&](int64_t t0, int64_t t1) {
     for (int64_t n = t0 * kRows; n < std::min(N, t1 * kRows); n += kRows) {
       const int64_t rows = std::min(kRows, N - n);
@@ -75,7 +81,7 @@ at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& w) {
               a2 = _mm512_fmadd_ps(_mm512_loadu_ps(wr + k + 32), _mm512_loadu_ps(xp + m * K + k + 32), a2);
               a3 = _mm512_fmadd_ps(_mm512_loadu_ps(wr + k + 48), _mm512_loadu_ps(xp + m * K + k + 48), a3);
             }
-            yp[m * N + n + r] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+            put(m, n + r, _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3))));
           }
           continue;
         }
@@ -97,45 +103,85 @@ at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& w) {
             for (int r = 0; r < kRows; ++r)
               acc[r][0] = _mm256_fmadd_ps(_mm256_loadu_ps(wp + (n + r) * K + k), x0, acc[r][0]);
           }
-          for (int r = 0; r < kRows; ++r) yp[m * N + n + r] = hsum(_mm256_add_ps(acc[r][0], acc[r][1]));
+          for (int r = 0; r < kRows; ++r) put(m, n + r, hsum(_mm256_add_ps(acc[r][0], acc[r][1])));
           continue;
         }
 #endif
         for (int64_t r = 0; r < rows; ++r) {
           float acc = 0.f;
           for (int64_t k = 0; k < K; ++k) acc += xp[m * K + k] * wp[(n + r) * K + k];
-          yp[m * N + n + r] = acc;
+          put(m, n + r, acc);
         }
       }
     }
   });
+}
+
+at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& w) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "f32_linear: x [M, K] contiguous float32");
+  at::Tensor y = at::empty({x.size(0), w.size(0)}, x.options());
+  f32_linear_into(x.data_ptr<float>(), x.size(0), x.size(1), w, y.data_ptr<float>(), w.size(0), false);
   return y;
 }
 
 // One linear layer given as (w, scale, mins): 4-bit (w uint8), int8 (w int8, mins undefined),
 // float32 (w float, scale and mins undefined), or either quantized kind in the packed layout
 // (w 3-D, a8_linear.cpp; a8 only): int8 with scale [N] float32, 4-bit with scale [N/16, G, 16].
-at::Tensor linear(const at::Tensor& x, const at::Tensor* p, bool a8) {
-  const at::Tensor &w = p[0], &scale = p[1], &mins = p[2];
-  if (w.dim() == 3) {
-    TORCH_CHECK(a8, "decode: packed weights need 8-bit activations");
-    return scale.dim() == 1 ? int8_linear_a8p(x, w, scale) : q4_linear_a8p(x, w, scale, mins);
-  }
-  if (w.scalar_type() == at::kByte) return a8 ? q4_linear_a8(x, w, scale, mins) : q4_linear(x, w, scale, mins);
-  if (w.scalar_type() == at::kChar)
-    return a8 && x.size(1) % 32 == 0 ? int8_linear_a8(x, w, scale) : int8_linear(x, w, scale);
-  return f32_linear(x, w);
+inline bool packed(const at::Tensor* p) { return p[0].dim() == 3; }
+
+// The layer's output width for inputs of width K (and its layout checked against K).
+int64_t out_features(const at::Tensor* p, int64_t K) {
+  const at::Tensor& w = p[0];
+  if (packed(p)) return arlm_kernels::packed_out_features("decode", K, w, p[1], p[2]);
+  TORCH_CHECK(w.dim() == 2 && w.size(1) == (w.scalar_type() == at::kByte ? K / 2 : K),
+              "decode: a weight does not match its input width");
+  return w.size(0);
 }
 
-// out = x / sqrt(mean(x^2) + eps) * weight, row by row (as F.rms_norm, then the weight).
-void rms_norm(const float* x, const float* weight, int64_t B, int64_t d, double eps, float* out) {
+// y[M, N] (row stride ldy) = x W^T, or y += x W^T when accumulate (the residual adds). x [M, K]
+// float32; xq: x quantized (arlm_kernels::Act8), which packed layers read instead. Packed layers
+// write straight into y; the other layouts (AVX2 / float32 builds) go through their tensor ops.
+void linear_into(const float* x, const arlm_kernels::Act8* xq, int64_t M, int64_t K, const at::Tensor* p, bool a8,
+                 float* y, int64_t ldy, bool accumulate) {
+  if (packed(p)) {
+    TORCH_CHECK(a8 && xq, "decode: packed weights need 8-bit activations");
+    return arlm_kernels::linear_a8p(*xq, M, K, p[0], p[1], p[2], y, ldy, accumulate);
+  }
+  const at::Tensor &w = p[0], &scale = p[1], &mins = p[2];
+  if (w.scalar_type() == at::kFloat) return f32_linear_into(x, M, K, w, y, ldy, accumulate);
+  const at::Tensor xt = at::from_blob(const_cast<float*>(x), {M, K}, at::TensorOptions().dtype(at::kFloat));
+  at::Tensor r;
+  if (w.scalar_type() == at::kByte) r = a8 ? q4_linear_a8(xt, w, scale, mins) : q4_linear(xt, w, scale, mins);
+  else if (w.scalar_type() == at::kChar) r = a8 && K % 32 == 0 ? int8_linear_a8(xt, w, scale) : int8_linear(xt, w, scale);
+  else TORCH_CHECK(false, "decode: unsupported weight dtype ", w.scalar_type());
+  const float* rp = r.data_ptr<float>();
+  const int64_t N = r.size(1);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = 0; n < N; ++n) y[m * ldy + n] = accumulate ? y[m * ldy + n] + rp[m * N + n] : rp[m * N + n];
+}
+
+// out = x / sqrt(mean(x^2) + eps) * weight, row by row (as F.rms_norm, then the weight); with
+// xq, each row is also quantized (for a packed layer next) while it is in cache.
+void rms_norm(const float* x, const float* weight, int64_t B, int64_t d, double eps, float* out,
+              const arlm_kernels::Act8* xq) {
   at::parallel_for(0, B, kRowsPerTask, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const float* xr = x + b * d;
+      float* o = out + b * d;
       float ss = 0.f;
-      for (int64_t i = 0; i < d; ++i) ss += xr[i] * xr[i];
+      int64_t i = 0;
+#if defined(__AVX512F__)
+      __m512 acc = _mm512_setzero_ps();
+      for (; i + 16 <= d; i += 16) {
+        const __m512 v = _mm512_loadu_ps(xr + i);
+        acc = _mm512_fmadd_ps(v, v, acc);
+      }
+      ss = _mm512_reduce_add_ps(acc);
+#endif
+      for (; i < d; ++i) ss += xr[i] * xr[i];
       const float inv = 1.f / std::sqrt(ss / static_cast<float>(d) + static_cast<float>(eps));
-      for (int64_t i = 0; i < d; ++i) out[b * d + i] = weight[i] * (xr[i] * inv);
+      for (i = 0; i < d; ++i) o[i] = weight[i] * (xr[i] * inv);
+      if (xq) arlm_kernels::quantize_span(o, d, *xq, b * d);
     }
   });
 }
@@ -143,16 +189,27 @@ void rms_norm(const float* x, const float* weight, int64_t B, int64_t d, double 
 // Half-split RoPE of one head in place: (x_i, x_{i + hd/2}) rotated by the angle of position pos.
 inline void rope(float* v, const float* cos, const float* sin, int64_t hd) {
   const int64_t half = hd / 2;
-  for (int64_t i = 0; i < half; ++i) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= half; i += 16) {  // the same float operations as below, 16 at a time
+    const __m512 a = _mm512_loadu_ps(v + i), b = _mm512_loadu_ps(v + i + half);
+    _mm512_storeu_ps(v + i, _mm512_sub_ps(_mm512_mul_ps(a, _mm512_loadu_ps(cos + i)),
+                                          _mm512_mul_ps(b, _mm512_loadu_ps(sin + i))));
+    _mm512_storeu_ps(v + i + half, _mm512_add_ps(_mm512_mul_ps(b, _mm512_loadu_ps(cos + i + half)),
+                                                 _mm512_mul_ps(a, _mm512_loadu_ps(sin + i + half))));
+  }
+#endif
+  for (; i < half; ++i) {
     const float a = v[i], b = v[i + half];
     v[i] = a * cos[i] - b * sin[i];
     v[i + half] = b * cos[i + half] + a * sin[i + half];
   }
 }
 
-// out[i, j] = SiLU(gu[i, j]) * gu[i, dff + j] for N rows of the fused gate/up output [N, 2 dff].
-// Every element takes the same instructions whatever N (masked tail per row): batch-invariant.
-void silu_mul(const float* gu, int64_t N, int64_t dff, float* out) {
+// out[i, j] = SiLU(gu[i, j]) * gu[i, dff + j] for N rows of the fused gate/up output [N, 2 dff]
+// (quantized into xq too, when given). Every element takes the same instructions whatever N
+// (masked tail per row): batch-invariant.
+void silu_mul(const float* gu, int64_t N, int64_t dff, float* out, const arlm_kernels::Act8* xq) {
   at::parallel_for(0, N, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const float* g = gu + i * 2 * dff;
@@ -170,50 +227,102 @@ void silu_mul(const float* gu, int64_t N, int64_t dff, float* out) {
 #else
       for (int64_t j = 0; j < dff; ++j) o[j] = g[j] / (1.f + std::exp(-g[j])) * u[j];
 #endif
+      if (xq) arlm_kernels::quantize_span(o, dff, *xq, i * dff);
     }
   });
 }
 
-}  // namespace
+// One call's buffers, carved from a per-thread arena that grows to the largest call seen and is
+// then reused: a steady decode step allocates nothing.
+class Arena {
+ public:
+  explicit Arena(size_t bytes) {
+    thread_local std::unique_ptr<char, decltype(&std::free)> buf(nullptr, &std::free);
+    thread_local size_t size = 0;
+    if (bytes > size) {
+      buf.reset(static_cast<char*>(std::aligned_alloc(64, bytes)));
+      TORCH_CHECK(buf, "decode: out of memory for ", bytes, " bytes of scratch");
+      size = bytes;
+    }
+    next_ = buf.get();
+  }
+  template <typename T>
+  T* take(int64_t n) {
+    T* p = reinterpret_cast<T*>(next_);
+    next_ += round(n * sizeof(T));
+    return p;
+  }
+  static size_t round(size_t bytes) { return (bytes + 63) / 64 * 64; }
 
-namespace {
+ private:
+  char* next_;
+};
 
-// The layer stack, with attention left to `attend(layer, qkv)`: qkv [N, (H + 2 H_kv) * hd] holds
-// the layer's queries, keys and values for the N tokens, RoPE already applied; it returns the
-// attention output [N, H * hd]. x [N, d] is updated in place.
+// The layer stack's shapes, read off the weights and checked.
+struct Shapes {
+  int64_t N, d, H, Hkv, hd, qkv_dim, dff, kmax;
+  Shapes(int64_t N, int64_t d, at::TensorList weights, int64_t L, int64_t H, int64_t Hkv, int64_t hd)
+      : N(N), d(d), H(H), Hkv(Hkv), hd(hd), qkv_dim((H + 2 * Hkv) * hd) {
+    dff = out_features(weights.data() + 8, d) / 2;
+    for (int64_t l = 0; l < L; ++l) {
+      const at::Tensor* W = weights.data() + 14 * l;
+      TORCH_CHECK(out_features(W + 1, d) == qkv_dim, "decode: wqkv has the wrong number of outputs");
+      TORCH_CHECK(out_features(W + 4, H * hd) == d && out_features(W + 8, d) == 2 * dff &&
+                  out_features(W + 11, dff) == d, "decode: layer ", l, " does not match the model's widths");
+    }
+    kmax = std::max({d, H * hd, dff});
+  }
+};
+
+// Every float and 8-bit buffer of one pass: h (the normed x), qkv, attention output, gate/up,
+// SiLU * up, the 8-bit copy of the next linear's input, and attention scratch for `scratch`
+// floats per thread.
+struct Buffers {
+  float *h, *qkv, *attn, *gu, *act, *scores;
+  arlm_kernels::Act8 xq;
+  Buffers(const Shapes& s, int64_t scratch) {
+    const int64_t N = s.N, G = N * s.kmax / 32, T = at::get_num_threads();
+    const size_t floats = Arena::round(4 * N * s.d) + Arena::round(4 * N * s.qkv_dim) +
+                          Arena::round(4 * N * s.H * s.hd) + Arena::round(4 * N * 3 * s.dff) +
+                          Arena::round(4 * T * scratch) + Arena::round(N * s.kmax) + 3 * Arena::round(4 * G);
+    Arena arena(floats);
+    h = arena.take<float>(N * s.d);
+    qkv = arena.take<float>(N * s.qkv_dim);
+    attn = arena.take<float>(N * s.H * s.hd);
+    gu = arena.take<float>(N * 2 * s.dff);
+    act = arena.take<float>(N * s.dff);
+    scores = arena.take<float>(T * scratch);
+    xq = {arena.take<int8_t>(N * s.kmax), arena.take<float>(G), arena.take<float>(G), arena.take<int32_t>(G)};
+  }
+};
+
+// The layer stack over x [N, d] in place, with attention left to attend(layer, qkv, xq): qkv
+// [N, (H + 2 H_kv) * hd] holds the layer's queries, keys and values for the N tokens (before
+// RoPE); it writes the attention output [N, H * hd] to buf.attn, and quantized into xq when xq is
+// given. Per layer: norm (+ quantize), q/k/v, attention, output projection + residual, norm
+// (+ quantize), gate/up, SiLU * up (+ quantize), down + residual: eight passes over the threads.
 template <typename Attend>
-void run_layers(at::Tensor& x, at::TensorList weights, int64_t L, const int64_t* pos, const float* cos,
-                const float* sin, int64_t hd, int64_t H, int64_t Hkv, double eps, bool a8, Attend attend) {
-  const int64_t N = x.size(0), d = x.size(1), qkv_dim = (H + 2 * Hkv) * hd;
-  at::Tensor h = at::empty({N, d}, x.options());
-  float* xp = x.data_ptr<float>();
-  float* hp = h.data_ptr<float>();
+void run_layers(float* x, const Shapes& s, at::TensorList weights, int64_t L, double eps, bool a8, Buffers& buf,
+                Attend attend) {
+  const int64_t N = s.N, d = s.d;
   for (int64_t l = 0; l < L; ++l) {
     const at::Tensor* W = weights.data() + 14 * l;
-    // attention: norm, q/k/v, RoPE, attention (with the cache), output projection
-    rms_norm(xp, W[0].data_ptr<float>(), N, d, eps, hp);
-    at::Tensor qkv = linear(h, W + 1, a8);  // [N, (H + 2 Hkv) * hd]
-    TORCH_CHECK(qkv.size(1) == qkv_dim, "decode_llama: wqkv has the wrong number of outputs");
-    float* qp = qkv.data_ptr<float>();
-    at::parallel_for(0, N, kRowsPerTask, [&](int64_t i0, int64_t i1) {
-      for (int64_t i = i0; i < i1; ++i)
-        for (int64_t j = 0; j < H + Hkv; ++j) rope(qp + i * qkv_dim + j * hd, cos + pos[i] * hd, sin + pos[i] * hd, hd);
-    });
-    x.add_(linear(attend(l, qkv), W + 4, a8));
-
-    // MLP: norm, fused gate/up, SiLU(gate) * up, down
-    rms_norm(xp, W[7].data_ptr<float>(), N, d, eps, hp);
-    at::Tensor gu = linear(h, W + 8, a8);  // [N, 2 * d_ff]
-    const int64_t dff = gu.size(1) / 2;
-    at::Tensor act = at::empty({N, dff}, x.options());
-    silu_mul(gu.data_ptr<float>(), N, dff, act.data_ptr<float>());
-    x.add_(linear(act, W + 11, a8));
+    auto quantized_for = [&](const at::Tensor* p) { return packed(p) ? &buf.xq : nullptr; };
+    rms_norm(x, W[0].data_ptr<float>(), N, d, eps, buf.h, quantized_for(W + 1));
+    linear_into(buf.h, &buf.xq, N, d, W + 1, a8, buf.qkv, s.qkv_dim, false);
+    attend(l, buf.qkv, quantized_for(W + 4));
+    linear_into(buf.attn, &buf.xq, N, s.H * s.hd, W + 4, a8, x, d, true);
+    rms_norm(x, W[7].data_ptr<float>(), N, d, eps, buf.h, quantized_for(W + 8));
+    linear_into(buf.h, &buf.xq, N, d, W + 8, a8, buf.gu, 2 * s.dff, false);
+    silu_mul(buf.gu, N, s.dff, buf.act, quantized_for(W + 11));
+    linear_into(buf.act, &buf.xq, N, s.dff, W + 11, a8, x, d, true);
   }
 }
 
 void check_common(const at::Tensor& x, at::TensorList weights, int64_t L, const at::Tensor& pos,
                   const at::Tensor& cos, const at::Tensor& sin, int64_t hd, int64_t max_pos) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "decode_llama: x [N, d] float32");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "decode_llama: x [N, d] contiguous float32");
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == 14 * L, "decode_llama: 14 weight tensors per layer");
   TORCH_CHECK(pos.dim() == 1 && pos.size(0) == x.size(0) && pos.scalar_type() == at::kLong && pos.is_contiguous(),
               "decode_llama: pos [N] int64");
@@ -233,74 +342,77 @@ void check_common(const at::Tensor& x, at::TensorList weights, int64_t L, const 
 
 }  // namespace
 
-// One decode step over a contiguous cache. x [B, d]: the step's token embeddings. weights: 14
-// tensors per layer, in order: attn_norm, wqkv (w, scale, mins), wo (w, scale, mins), mlp_norm,
-// gate_up (w, scale, mins), down (w, scale, mins); unused scale/mins are empty tensors. k_cache,
-// v_cache [L, B, H_kv, T, hd] float32; pos [B] int64, each row's position (its K/V go to slot pos);
-// attention reads slots 0..min(pos, kv_len - 1) of the row. cos, sin [max_T, hd]. Returns the
-// hidden state after the last layer [B, d] (before the final norm).
-at::Tensor decode_llama(const at::Tensor& x_in, at::TensorList weights, const at::Tensor& k_cache,
-                        const at::Tensor& v_cache, const at::Tensor& pos, const at::Tensor& cos,
-                        const at::Tensor& sin, int64_t kv_len, int64_t n_head, int64_t n_kv_heads,
-                        double eps, bool a8) {
+// One decode step over a contiguous cache, in place on x [B, d]: the step's token embeddings in,
+// the hidden state after the last layer out (before the final norm). weights: 14 tensors per
+// layer, in order: attn_norm, wqkv (w, scale, mins), wo (w, scale, mins), mlp_norm, gate_up (w,
+// scale, mins), down (w, scale, mins); unused scale/mins are empty tensors. k_cache, v_cache
+// [L, B, H_kv, T, hd] float32; pos [B] int64, each row's position (its K/V go to slot pos);
+// attention reads slots 0..min(pos, kv_len - 1) of the row. cos, sin [max_T, hd].
+void decode_llama(const at::Tensor& x, at::TensorList weights, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                  const at::Tensor& pos, const at::Tensor& cos, const at::Tensor& sin, int64_t kv_len,
+                  int64_t n_head, int64_t n_kv_heads, double eps, bool a8) {
   TORCH_CHECK(k_cache.dim() == 5 && k_cache.scalar_type() == at::kFloat && k_cache.is_contiguous() &&
               v_cache.sizes() == k_cache.sizes() && v_cache.is_contiguous() && v_cache.scalar_type() == at::kFloat,
               "decode_llama: contiguous float32 caches [L, B, H_kv, T, hd]");
-  const int64_t L = k_cache.size(0), B = x_in.size(0), T = k_cache.size(3), hd = k_cache.size(4);
-  TORCH_CHECK(k_cache.size(1) == B && k_cache.size(2) == n_kv_heads && n_head % n_kv_heads == 0 && hd % 2 == 0,
-              "decode_llama: cache shape does not match the batch or the heads");
+  const int64_t L = k_cache.size(0), B = x.size(0), T = k_cache.size(3), hd = k_cache.size(4);
+  TORCH_CHECK(k_cache.size(1) == B && k_cache.size(2) == n_kv_heads && n_kv_heads > 0 && n_head % n_kv_heads == 0 &&
+              hd % 2 == 0, "decode_llama: cache shape does not match the batch or the heads");
   TORCH_CHECK(0 < kv_len && kv_len <= T, "decode_llama: kv_len out of range");
-  check_common(x_in, weights, L, pos, cos, sin, hd, T);  // a finished row may sit past kv_len: written, never read
+  check_common(x, weights, L, pos, cos, sin, hd, T);  // a finished row may sit past kv_len: written, never read
+  const Shapes s(B, x.size(1), weights, L, n_head, n_kv_heads, hd);
   const int64_t* pp = pos.data_ptr<int64_t>();
-  const int64_t H = n_head, Hkv = n_kv_heads, group = H / Hkv, qkv_dim = (H + 2 * Hkv) * hd;
+  const int64_t H = n_head, Hkv = n_kv_heads, group = H / Hkv, qkv_dim = s.qkv_dim;
   const float scale = 1.f / std::sqrt(static_cast<float>(hd));
-  at::Tensor x = x_in.contiguous().clone();
-  at::Tensor attn = at::empty({B, H * hd}, x.options());
-  at::Tensor scores = at::empty({B * H, kv_len}, x.options());
-  float* ap = attn.data_ptr<float>();
-  float* sp = scores.data_ptr<float>();
+  const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  Buffers buf(s, group * (kv_len + 1));
 
-  auto attend = [&](int64_t l, at::Tensor& qkv) -> at::Tensor {
-    float* qp = qkv.data_ptr<float>();
+  // One (row, KV head) per task: RoPE on its key and its query heads, the new K/V into slot pos,
+  // attention of the query heads over the row's slots, and the output quantized for wo.
+  auto attend = [&](int64_t l, float* qkv, const arlm_kernels::Act8* xq) {
     float* kl = k_cache.data_ptr<float>() + l * B * Hkv * T * hd;
     float* vl = v_cache.data_ptr<float>() + l * B * Hkv * T * hd;
-    for (int64_t b = 0; b < B; ++b)  // the new K/V into slot pos of the row
-      for (int64_t j = 0; j < Hkv; ++j) {
-        const float* k = qp + b * qkv_dim + (H + j) * hd;
-        const float* v = qp + b * qkv_dim + (H + Hkv + j) * hd;
-        std::copy(k, k + hd, kl + ((b * Hkv + j) * T + pp[b]) * hd);
-        std::copy(v, v + hd, vl + ((b * Hkv + j) * T + pp[b]) * hd);
-      }
-    at::parallel_for(0, B * H, 1, [&](int64_t i0, int64_t i1) {
+    const bool fused = xq && group * hd % 32 == 0;  // the task's output is whole groups of 32
+    at::parallel_for(0, B * Hkv, 1, [&](int64_t i0, int64_t i1) {
+      float* scratch = buf.scores + at::get_thread_num() * group * (kv_len + 1);
       for (int64_t i = i0; i < i1; ++i) {
-        const int64_t b = i / H, head = i % H, kvh = head / group, n = std::min(pp[b] + 1, kv_len);
-        const float* q = qp + b * qkv_dim + head * hd;
-        const float* K = kl + (b * Hkv + kvh) * T * hd;
-        const float* V = vl + (b * Hkv + kvh) * T * hd;
-        arlm_kernels::attend_head(q, hd, n, scale, [&](auto f) { f(K, V, n); }, sp + i * kv_len,
-                                  ap + b * H * hd + head * hd);
+        const int64_t b = i / Hkv, j = i % Hkv, n = std::min(pp[b] + 1, kv_len);
+        float* row = qkv + b * qkv_dim;
+        float *q = row + j * group * hd, *k = row + (H + j) * hd, *v = row + (H + Hkv + j) * hd;
+        const float *c = cp + pp[b] * hd, *sn = sp + pp[b] * hd;
+        rope(k, c, sn, hd);
+        for (int64_t h = 0; h < group; ++h) rope(q + h * hd, c, sn, hd);
+        float* K = kl + (b * Hkv + j) * T * hd;
+        float* V = vl + (b * Hkv + j) * T * hd;
+        std::copy(k, k + hd, K + pp[b] * hd);
+        std::copy(v, v + hd, V + pp[b] * hd);
+        float* out = buf.attn + b * H * hd + j * group * hd;
+        arlm_kernels::attend_group(q, group, hd, n, scale, [&](auto f) { f(K, V, n); }, scratch, out);
+        if (fused) arlm_kernels::quantize_span(out, group * hd, *xq, b * H * hd + j * group * hd);
       }
     });
-    return attn;
+    if (xq && !fused)
+      at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
+        for (int64_t b = b0; b < b1; ++b) arlm_kernels::quantize_span(buf.attn + b * H * hd, H * hd, *xq, b * H * hd);
+      });
   };
-  run_layers(x, weights, L, pp, cos.data_ptr<float>(), sin.data_ptr<float>(), hd, H, Hkv, eps, a8, attend);
-  return x;
+  run_layers(x.data_ptr<float>(), s, weights, L, eps, a8, buf, attend);
 }
 
-// The same layer stack over the serving engine's paged pool (arlm.serve.paged_cache): x [N, d]
-// holds a flattened batch of tokens from any mix of sequences, token i of sequence seq_index[i]
-// at position pos[i]. Attention (paged_attention.h) writes the new K/V into the blocks and
-// attends through the block table.
-at::Tensor forward_llama_paged(const at::Tensor& x_in, at::TensorList weights, const at::Tensor& k_pool,
-                               const at::Tensor& v_pool, const at::Tensor& block_table,
-                               const at::Tensor& seq_index, const at::Tensor& pos, const at::Tensor& cos,
-                               const at::Tensor& sin, int64_t n_head, int64_t n_kv_heads, double eps, bool a8) {
+// The same layer stack over the serving engine's paged pool (arlm.serve.paged_cache), in place on
+// x [N, d]: a flattened batch of tokens from any mix of sequences, token i of sequence
+// seq_index[i] at position pos[i]. Attention (paged_attention.h) writes the new K/V into the
+// blocks and attends through the block table.
+void forward_llama_paged(const at::Tensor& x, at::TensorList weights, const at::Tensor& k_pool,
+                         const at::Tensor& v_pool, const at::Tensor& block_table, const at::Tensor& seq_index,
+                         const at::Tensor& pos, const at::Tensor& cos, const at::Tensor& sin, int64_t n_head,
+                         int64_t n_kv_heads, double eps, bool a8) {
   TORCH_CHECK(k_pool.dim() == 5 && k_pool.scalar_type() == at::kFloat && v_pool.sizes() == k_pool.sizes(),
               "forward_llama_paged: float32 pools [L, n_blocks, H_kv, block_size, hd]");
-  const int64_t L = k_pool.size(0), N = x_in.size(0), hd = k_pool.size(4);
+  const int64_t L = k_pool.size(0), N = x.size(0), hd = k_pool.size(4);
   const int64_t H = n_head, Hkv = n_kv_heads;
-  TORCH_CHECK(k_pool.size(2) == Hkv && H % Hkv == 0 && hd % 2 == 0, "forward_llama_paged: heads do not match");
-  check_common(x_in, weights, L, pos, cos, sin, hd, block_table.size(1) * k_pool.size(3));
+  TORCH_CHECK(k_pool.size(2) == Hkv && Hkv > 0 && H % Hkv == 0 && hd % 2 == 0,
+              "forward_llama_paged: heads do not match");
+  check_common(x, weights, L, pos, cos, sin, hd, block_table.size(1) * k_pool.size(3));
   TORCH_CHECK(block_table.scalar_type() == at::kLong && block_table.is_contiguous() && block_table.dim() == 2 &&
               seq_index.scalar_type() == at::kLong && seq_index.is_contiguous() && seq_index.size(0) == N &&
               k_pool.is_contiguous() && v_pool.is_contiguous() && v_pool.scalar_type() == at::kFloat,
@@ -310,20 +422,52 @@ at::Tensor forward_llama_paged(const at::Tensor& x_in, at::TensorList weights, c
   const int64_t* pp = pos.data_ptr<int64_t>();
   arlm_kernels::check_block_table("forward_llama_paged", table, block_table.size(0), M, seq, pp, N, BS,
                                   k_pool.size(1));
+  const Shapes s(N, x.size(1), weights, L, H, Hkv, hd);
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(hd)));  // as paged_cache.py's
-  const int64_t qkv_dim = (H + 2 * Hkv) * hd;
-  at::Tensor x = x_in.contiguous().clone();
-  at::Tensor attn = at::empty({N, H * hd}, x.options());
-  auto attend = [&](int64_t l, at::Tensor& qkv) -> at::Tensor {  // straight from the q/k/v rows, no copies
-    const float* qp = qkv.data_ptr<float>();
-    arlm_kernels::paged_attention(qp, qkv_dim, qp + H * hd, qp + (H + Hkv) * hd, qkv_dim,
-                                  k_pool.data_ptr<float>() + l * layer, v_pool.data_ptr<float>() + l * layer,
-                                  table, M, seq, pp, N, H, Hkv, hd, BS, scale, attn.data_ptr<float>());
-    return attn;
+  const int64_t qkv_dim = s.qkv_dim, group = H / Hkv;
+  const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  Buffers buf(s, arlm_kernels::paged_scratch(pp, N, H, Hkv));
+  auto attend = [&](int64_t l, float* qkv, const arlm_kernels::Act8* xq) {  // straight from the q/k/v rows
+    float *kp = k_pool.data_ptr<float>() + l * layer, *vp = v_pool.data_ptr<float>() + l * layer;
+    at::parallel_for(0, N, 8, [&](int64_t i0, int64_t i1) {  // RoPE, then every token's K/V into the pool
+      for (int64_t i = i0; i < i1; ++i) {
+        for (int64_t j = 0; j < H + Hkv; ++j) rope(qkv + i * qkv_dim + j * hd, cp + pp[i] * hd, sp + pp[i] * hd, hd);
+        arlm_kernels::paged_write(qkv + H * hd, qkv + (H + Hkv) * hd, qkv_dim, kp, vp, table, M, seq, pp, i, Hkv,
+                                  hd, BS);
+      }
+    });
+    const bool fused = xq && group * hd % 32 == 0;
+    arlm_kernels::paged_attend(qkv, qkv_dim, kp, vp, table, M, seq, pp, N, H, Hkv, hd, BS, scale, buf.attn,
+                               buf.scores, [&](const float* o, int64_t at) {
+                                 if (fused) arlm_kernels::quantize_span(o, group * hd, *xq, at);
+                               });
+    if (xq && !fused)
+      at::parallel_for(0, N, 1, [&](int64_t i0, int64_t i1) {
+        for (int64_t i = i0; i < i1; ++i) arlm_kernels::quantize_span(buf.attn + i * H * hd, H * hd, *xq, i * H * hd);
+      });
   };
-  run_layers(x, weights, L, pos.data_ptr<int64_t>(), cos.data_ptr<float>(), sin.data_ptr<float>(), hd, H, Hkv,
-             eps, a8, attend);
-  return x;
+  run_layers(x.data_ptr<float>(), s, weights, L, eps, a8, buf, attend);
+}
+
+// The final norm and the LM head: logits out [N, V] = head(rms_norm(x) * norm). head: (w, scale,
+// mins) in any layout `decode_llama` takes. Writes into out (a buffer reused step after step).
+void llama_head(const at::Tensor& x, const at::Tensor& norm, at::TensorList head, double eps, bool a8,
+                const at::Tensor& out) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && head.size() == 3 &&
+              norm.numel() == x.size(1) && norm.scalar_type() == at::kFloat && norm.is_contiguous(),
+              "llama_head: x [N, d] contiguous float32, norm [d] float32, head (w, scale, mins)");
+  const int64_t N = x.size(0), d = x.size(1), V = out_features(head.data(), d);
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == N && out.size(1) == V && out.scalar_type() == at::kFloat &&
+              out.is_contiguous(), "llama_head: out [N, vocab] contiguous float32");
+  const size_t bytes = Arena::round(4 * N * d) + Arena::round(N * d) + 3 * Arena::round(4 * N * d / 32);
+  Arena arena(bytes);
+  float* h = arena.take<float>(N * d);
+  const int64_t G = N * d / 32;
+  const arlm_kernels::Act8 xq{arena.take<int8_t>(N * d), arena.take<float>(G), arena.take<float>(G),
+                              arena.take<int32_t>(G)};
+  TORCH_CHECK(!packed(head.data()) || d % 32 == 0, "llama_head: packed head needs d a multiple of 32");
+  rms_norm(x.data_ptr<float>(), norm.data_ptr<float>(), N, d, eps, h, packed(head.data()) ? &xq : nullptr);
+  linear_into(h, &xq, N, d, head.data(), a8, out.data_ptr<float>(), V, false);
 }
 
 // Greedy decoding's argmax over each row of logits [B, V] float32, as torch.argmax: the first
@@ -373,16 +517,19 @@ at::Tensor argmax_rows(const at::Tensor& x) {
 
 TORCH_LIBRARY_FRAGMENT(arlm, m) {
   m.def("argmax_rows(Tensor x) -> Tensor");
-  m.def("decode_llama(Tensor x, Tensor[] weights, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor pos, "
-        "Tensor cos, Tensor sin, int kv_len, int n_head, int n_kv_heads, float eps, bool a8) -> Tensor");
-  m.def("forward_llama_paged(Tensor x, Tensor[] weights, Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor block_table, "
-        "Tensor seq_index, Tensor pos, Tensor cos, Tensor sin, int n_head, int n_kv_heads, float eps, bool a8) -> Tensor");
+  m.def("decode_llama(Tensor(c!) x, Tensor[] weights, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor pos, "
+        "Tensor cos, Tensor sin, int kv_len, int n_head, int n_kv_heads, float eps, bool a8) -> ()");
+  m.def("forward_llama_paged(Tensor(c!) x, Tensor[] weights, Tensor(a!) k_pool, Tensor(b!) v_pool, "
+        "Tensor block_table, Tensor seq_index, Tensor pos, Tensor cos, Tensor sin, int n_head, int n_kv_heads, "
+        "float eps, bool a8) -> ()");
+  m.def("llama_head(Tensor x, Tensor norm, Tensor[] head, float eps, bool a8, Tensor(a!) out) -> ()");
   m.def("f32_linear(Tensor x, Tensor w) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(arlm, CPU, m) {
   m.impl("decode_llama", &decode_llama);
   m.impl("forward_llama_paged", &forward_llama_paged);
+  m.impl("llama_head", &llama_head);
   m.impl("f32_linear", &f32_linear);
   m.impl("argmax_rows", &argmax_rows);
 }

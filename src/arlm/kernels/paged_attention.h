@@ -28,38 +28,63 @@ inline void check_block_table(const char* op, const int64_t* table, int64_t S, i
   }
 }
 
-// q: token i's H query heads of D floats at q + i * ldq; k, v: its Hkv heads at k + i * ldkv
-// (and v + i * ldkv). kp, vp: one layer's pool [n_blocks, Hkv, BS, D]; table [S, M]. Writes the
-// new K/V, then out [N, H * D] = softmax(q . K / sqrt(D)) V per head (scale given).
-inline void paged_attention(const float* q, int64_t ldq, const float* k, const float* v, int64_t ldkv, float* kp,
-                            float* vp, const int64_t* table, int64_t M, const int64_t* seq, const int64_t* pos,
-                            int64_t N, int64_t H, int64_t Hkv, int64_t D, int64_t BS, float scale, float* out) {
-  at::parallel_for(0, N, 16, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t blk = table[seq[i] * M + pos[i] / BS], slot = pos[i] % BS;
-      for (int64_t g = 0; g < Hkv; ++g) {
-        const int64_t dst = ((blk * Hkv + g) * BS + slot) * D;
-        std::copy(k + i * ldkv + g * D, k + i * ldkv + (g + 1) * D, kp + dst);
-        std::copy(v + i * ldkv + g * D, v + i * ldkv + (g + 1) * D, vp + dst);
-      }
-    }
-  });
-  const int64_t group = H / Hkv;
-  at::parallel_for(0, N * H, 1, [&](int64_t w0, int64_t w1) {  // one (token, query head) per item
-    std::vector<float> scores;
+// Writes token i's new K/V (its Hkv heads of D floats at k + i * ldkv, v + i * ldkv) into slot
+// pos % BS of block table[seq, pos / BS] of one layer's pools kp, vp [n_blocks, Hkv, BS, D].
+inline void paged_write(const float* k, const float* v, int64_t ldkv, float* kp, float* vp, const int64_t* table,
+                        int64_t M, const int64_t* seq, const int64_t* pos, int64_t i, int64_t Hkv, int64_t D,
+                        int64_t BS) {
+  const int64_t blk = table[seq[i] * M + pos[i] / BS], slot = pos[i] % BS;
+  for (int64_t g = 0; g < Hkv; ++g) {
+    const int64_t dst = ((blk * Hkv + g) * BS + slot) * D;
+    std::copy(k + i * ldkv + g * D, k + i * ldkv + (g + 1) * D, kp + dst);
+    std::copy(v + i * ldkv + g * D, v + i * ldkv + (g + 1) * D, vp + dst);
+  }
+}
+
+// Scratch floats per thread for paged_attend: G * (longest sequence + 1).
+inline int64_t paged_scratch(const int64_t* pos, int64_t N, int64_t H, int64_t Hkv) {
+  int64_t longest = 0;
+  for (int64_t i = 0; i < N; ++i) longest = std::max(longest, pos[i] + 1);
+  return H / Hkv * (longest + 1);
+}
+
+// After the writes: out [N, H * D] = softmax(q . K * scale) V per query head, token i's H heads
+// of D floats at q + i * ldq, reading keys 0..pos[i] of its sequence, one (token, KV head) per
+// task. scratch: at::get_num_threads() * paged_scratch(...) floats. Each task then calls
+// done(o, at): its G * D outputs, at offset `at` of out (the layer stack quantizes them there).
+template <typename Done>
+inline void paged_attend(const float* q, int64_t ldq, const float* kp, const float* vp, const int64_t* table,
+                         int64_t M, const int64_t* seq, const int64_t* pos, int64_t N, int64_t H, int64_t Hkv,
+                         int64_t D, int64_t BS, float scale, float* out, float* scratch, Done done) {
+  const int64_t G = H / Hkv, per_thread = paged_scratch(pos, N, H, Hkv);
+  at::parallel_for(0, N * Hkv, 1, [&](int64_t w0, int64_t w1) {
+    float* s = scratch + at::get_thread_num() * per_thread;
     for (int64_t w = w0; w < w1; ++w) {
-      const int64_t i = w / H, h = w % H, g = h / group, L = pos[i] + 1;
+      const int64_t i = w / Hkv, g = w % Hkv, L = pos[i] + 1;
       const int64_t* row = table + seq[i] * M;
-      scores.resize(L);
       auto blocks = [&](auto f) {  // slots 0..L-1 of the sequence, a block at a time
         for (int64_t j0 = 0; j0 < L; j0 += BS) {
           const int64_t off = (row[j0 / BS] * Hkv + g) * BS * D;
           f(kp + off, vp + off, std::min(BS, L - j0));
         }
       };
-      attend_head(q + i * ldq + h * D, D, L, scale, blocks, scores.data(), out + (i * H + h) * D);
+      float* o = out + (i * H + g * G) * D;
+      attend_group(q + i * ldq + g * G * D, G, D, L, scale, blocks, s, o);
+      done(o, (i * H + g * G) * D);
     }
   });
+}
+
+// The attention op's whole job: write the N tokens' K/V, then attend (scale given).
+inline void paged_attention(const float* q, int64_t ldq, const float* k, const float* v, int64_t ldkv, float* kp,
+                            float* vp, const int64_t* table, int64_t M, const int64_t* seq, const int64_t* pos,
+                            int64_t N, int64_t H, int64_t Hkv, int64_t D, int64_t BS, float scale, float* out) {
+  at::parallel_for(0, N, 16, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) paged_write(k, v, ldkv, kp, vp, table, M, seq, pos, i, Hkv, D, BS);
+  });
+  std::vector<float> scratch(at::get_num_threads() * paged_scratch(pos, N, H, Hkv));
+  paged_attend(q, ldq, kp, vp, table, M, seq, pos, N, H, Hkv, D, BS, scale, out, scratch.data(),
+               [](const float*, int64_t) {});
 }
 
 }  // namespace arlm_kernels

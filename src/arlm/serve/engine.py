@@ -135,8 +135,9 @@ class Engine:
             return model(tokens[None], positions[None], kv_cache=self.cache, output_index=out_index)
         weights, int8_activations = self.native
         cfg, cache = model.config, self.cache
-        x = torch.ops.arlm.forward_llama_paged(
-            model.tok_emb(tokens), weights, cache.k, cache.v, cache.block_table, cache.seq_index, positions,
+        x = model.tok_emb(tokens).float().contiguous()  # a fresh tensor: the layer stack runs in place on it
+        torch.ops.arlm.forward_llama_paged(
+            x, weights, cache.k, cache.v, cache.block_table, cache.seq_index, positions,
             model.rope_cos, model.rope_sin, cfg.n_head, cfg.n_kv_heads, cfg.norm_eps, int8_activations)
         return self.head(x[out_index])
 
