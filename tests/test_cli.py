@@ -49,6 +49,8 @@ def bad_inputs(tmp: Path, gguf: Path) -> dict[str, tuple[list[str], str]]:
         "negative-top-k": (["generate", "hi", "--top-k", "-1"], "top_k"),
         "non-numeric-temperature": (["generate", "hi", "--temperature", "warm"], "temperature"),
         "chat-bad-top-p": (["chat", "--top-p", "2"], "top_p"),
+        "unknown-kv-dtype": (["generate", "hi", "--kv-dtype", "int4"], "kv-dtype"),
+        "serve-kv-float16": (["serve", "--kv-dtype", "float16"], "float32"),
     }
 
 
@@ -69,7 +71,7 @@ def bad_runs(tmp_path_factory, smollm2_path):
 
 BAD_INPUTS = ["empty-prompt", "unknown-model-name", "missing-path", "not-gguf", "truncated-gguf",
               "dir-without-config", "negative-temperature", "top-p-zero", "top-p-above-one", "negative-top-k",
-              "non-numeric-temperature", "chat-bad-top-p"]
+              "non-numeric-temperature", "chat-bad-top-p", "unknown-kv-dtype", "serve-kv-float16"]
 
 
 @pytest.mark.parametrize("name", BAD_INPUTS)

@@ -33,15 +33,15 @@ def _greedy(model, prompts, n, decode_fn):
     return gen.completions, gen.decode_fn
 
 
-def _step_logits(model, prompts, steps, fn):
+def _step_logits(model, prompts, steps, fn, kv_dtype=torch.float32):
     """Logits of `steps` teacher-forced decode steps after a ragged prefill, with `fn`."""
     B, P = len(prompts), max(len(p) for p in prompts)
-    cache = KVCache.for_model(model.config, B, P + steps)
+    cache = KVCache.for_model(model.config, B, P + steps, dtype=kv_dtype)
     lens = torch.tensor([len(p) for p in prompts])
     out = []
     with torch.inference_mode():
         for b, p in enumerate(prompts):  # each row prefilled alone: the batch only meets in decode
-            one = KVCache.for_model(model.config, 1, len(p))
+            one = KVCache.for_model(model.config, 1, len(p), dtype=kv_dtype)
             prefill(model, one, torch.tensor([p]), torch.arange(len(p))[None], torch.tensor([len(p) - 1]), len(p))
             cache.k[:, b, :, :len(p)], cache.v[:, b, :, :len(p)] = one.k[:, 0], one.v[:, 0]
         for s in range(steps):  # each row's tokens depend on its prompt alone, not on the batch
@@ -62,6 +62,30 @@ def test_float_native_step_matches_modules(n_head, n_kv_heads):
     plain, _ = _greedy(model, prompts, 30, decode_step)
     fused, fn = _greedy(model, prompts, 30, None)
     assert fn is not decode_step and fused == plain
+
+
+def test_float16_cache_native_step_matches_modules():
+    # A float16 cache under a float32 model: both paths store K/V rounded to float16 (nearest
+    # even) and attend in float32, so the native step matches the modules as closely as with a
+    # float32 cache (1e-4 of the logits' scale), and greedy decoding picks the same tokens.
+    model = arlm_from_hf(hf_llama(seed=11, n_head=6, n_kv_heads=2))
+    prompts = [[3, 5, 7, 9, 11], [2, 4], [8, 8, 8, 1, 2, 3, 4, 5, 6]]
+    native = native_decode_fn(model, KVCache.for_model(model.config, 3, 40, dtype=torch.float16))
+    assert native is not None
+    ref = _step_logits(model, prompts, 20, decode_step, torch.float16)
+    got = _step_logits(model, prompts, 20, native, torch.float16)
+    assert (got - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
+    full = _step_logits(model, prompts, 20, decode_step)  # and the rounding is visible, but small
+    assert 0 < (ref - full).abs().max().item() <= 1e-2 * full.abs().max().item()
+    params = SamplingParams(max_new_tokens=30, temperature=0, ignore_eos=True)
+    tokens = []
+    for fn in (decode_step, None):
+        gen = Generation(model, prompts, params, decode_fn=fn, kv_dtype=torch.float16)
+        for _ in gen:
+            pass
+        assert gen.cache.k.dtype == torch.float16 and (fn is None) == (gen.decode_fn is not decode_step)
+        tokens.append(gen.completions)
+    assert tokens[0] == tokens[1]
 
 
 def test_native_step_applies_only_where_it_can():
@@ -98,9 +122,9 @@ def val_tokens(smollm2):
     return smollm2.tokenizer.encode(text[int(0.9 * len(text)):])[:1025]
 
 
-def _decode_nll(model, tokens, fn):
+def _decode_nll(model, tokens, fn, kv_dtype=torch.float32):
     """Mean next-token NLL of tokens[1:], each step decoding one token with the KV cache."""
-    cache = KVCache.for_model(model.config, 1, len(tokens))
+    cache = KVCache.for_model(model.config, 1, len(tokens), dtype=kv_dtype)
     nll = []
     with torch.inference_mode():
         logits = prefill(model, cache, torch.tensor([tokens[:1]]), torch.zeros(1, 1, dtype=torch.long),
@@ -120,14 +144,16 @@ def _forward_nll(model, tokens):
     return torch.nn.functional.cross_entropy(logits, ids[0, 1:]).item()
 
 
-@pytest.mark.parametrize("mode", ["auto", "int8"])
-def test_quantized_native_step_perplexity(smollm2, val_tokens, mode):
+@pytest.mark.parametrize("mode,kv_dtype", [("auto", torch.float16), ("auto", torch.float32),
+                                           ("int8", torch.float32)])
+def test_quantized_native_step_perplexity(smollm2, val_tokens, mode, kv_dtype):
     # 1,024 tokens decoded one at a time through the native step: perplexity within 1% of the
     # float32 model's, and of the same quantized model's uncached forward pass (module path).
+    # ("auto" with a float16 cache is LLM's default on CPU.)
     model = quantize(copy.deepcopy(smollm2.model), mode)
-    native = native_decode_fn(model, KVCache.for_model(model.config, 1, len(val_tokens)))
+    native = native_decode_fn(model, KVCache.for_model(model.config, 1, len(val_tokens), dtype=kv_dtype))
     assert native is not None
-    nll = [_forward_nll(smollm2.model, val_tokens), _decode_nll(model, val_tokens, native),
+    nll = [_forward_nll(smollm2.model, val_tokens), _decode_nll(model, val_tokens, native, kv_dtype),
            _forward_nll(model, val_tokens)]
     ppl = torch.tensor(nll).exp()
     assert 5 < ppl[0] < 100

@@ -15,7 +15,7 @@ import torch
 
 from arlm import kernels
 from arlm.generate import Generation, decode_step
-from arlm.llm import LLM
+from arlm.llm import LLM, ChatSession
 from arlm.quant import Int8Linear, Q4Linear, quantize, quantize_int8, weight_bytes
 from arlm.sampling import SamplingParams
 
@@ -430,3 +430,23 @@ def test_prefill_dtype_choices(smollm2):
     assert (llm.prefill_dtype == "quantized") == kernels.packed_available()
     with pytest.raises(ValueError, match="prefill dtype"):
         configured("int4")
+
+
+def test_kv_dtype_choices(smollm2):
+    # "auto": a float16 cache under a quantized model on CPU, the model's dtype otherwise; the
+    # generation and chat caches take it.
+    def configured(**kw):
+        llm = LLM(smollm2.loaded)
+        llm.model = copy.deepcopy(smollm2.model)
+        llm.configure(**kw)
+        return llm
+
+    llm = configured(quantize="auto", kv_dtype="auto")
+    assert llm.kv_dtype == (torch.float16 if kernels.native_available() else torch.float32)
+    gen = next(llm.stream(["Hello"], SamplingParams(max_new_tokens=2, temperature=0)))
+    assert gen.cache.k.dtype == llm.kv_dtype
+    assert ChatSession(llm, SamplingParams(max_new_tokens=2)).cache.k.dtype == llm.kv_dtype
+    assert configured(quantize=None, kv_dtype="auto").kv_dtype == torch.float32
+    assert configured(quantize="auto", kv_dtype="float32").kv_dtype == torch.float32
+    with pytest.raises(ValueError, match="KV cache dtype"):
+        configured(kv_dtype="int4")

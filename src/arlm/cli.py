@@ -45,6 +45,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="how a quantized model prefills: through the decode kernels (quantized) or a dense "
                         "copy of the weights (auto: quantized on AVX-512 VNNI CPUs, else bfloat16 with "
                         "AVX512-BF16 or AMX, else float32)")
+    p.add_argument("--kv-dtype", default="auto", choices=("auto", "float32", "float16", "bfloat16"),
+                   help="KV cache dtype (auto: float16 under a quantized model on CPU, as llama.cpp's default "
+                        "cache: half the bytes per decode step; else the model's dtype)")
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: all cores)")
 
@@ -91,7 +94,7 @@ def load_llm(args: argparse.Namespace):
     quantize = None if args.quantize == "none" else args.quantize
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if args.device.startswith("cuda") else "float32")
     return LLM.load(args.model, device=args.device, dtype=_torch_dtype(dtype), quantize=quantize,
-                    compile=args.compile, prefill_dtype=args.prefill_dtype)
+                    compile=args.compile, prefill_dtype=args.prefill_dtype, kv_dtype=args.kv_dtype)
 
 
 def stats_line(stats, prefix: str = "") -> str:

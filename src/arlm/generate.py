@@ -138,7 +138,7 @@ def native_decode_fn(model: Transformer, cache: KVCache) -> Callable | None:
     the logits live in buffers kept from step to step, so the logits it returns are valid until
     the next step (as a CUDA graph's outputs are): clone them to keep them.
     """
-    if cache.paged or cache.k.dtype != torch.float32 or cache.k.device.type != "cpu":
+    if cache.paged or cache.k.dtype not in (torch.float32, torch.float16) or cache.k.device.type != "cpu":
         return None
     native = native_layers(model)
     if native is None:
@@ -206,13 +206,14 @@ class Generation:
     Iterate it to run: the first step is the prefill (one forward pass over all prompts), every
     later step is one decode forward pass with [B, 1] tokens. A caller that watches text (stop
     strings) calls `finish(row, STOP)` to end a row early. With `cache` given (one row that holds
-    earlier turns, as in chat), the prompt is appended after the cache's `seq_lens`.
+    earlier turns, as in chat), the prompt is appended after the cache's `seq_lens`. kv_dtype: the
+    dtype of the cache made here (default: the model's; see `KVCache`).
     """
 
     def __init__(self, model: Transformer, prompts: list[list[int]], params: SamplingParams,
                  eos_ids: list[int] | tuple[int, ...] = (), cache: KVCache | None = None,
                  decode_fn: Callable | None = None, static_kv_len: bool = False,
-                 context_shift: bool = False) -> None:
+                 context_shift: bool = False, kv_dtype: torch.dtype | None = None) -> None:
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
         cfg = model.config
@@ -233,7 +234,7 @@ class Generation:
         B, P = len(prompts), max(len(p) for p in prompts)
         device = next(model.parameters()).device
         if cache is None:
-            cache_dtype = next(model.parameters()).dtype
+            cache_dtype = kv_dtype or next(model.parameters()).dtype
             capacity = min(cfg.max_seq_len, P + params.max_new_tokens)
             if P > cfg.max_seq_len:
                 raise ValueError(f"prompt of {P} tokens exceeds the context window of {cfg.max_seq_len} tokens")

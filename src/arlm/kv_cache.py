@@ -10,6 +10,10 @@ from .config import ModelConfig
 class KVCache:
     """Per-layer K and V buffers, `[n_layer, B, H_kv, capacity, d_head]`, written in place.
 
+    The cache may be narrower than the model (a float16 cache under a float32 model halves the
+    bytes each decode step reads, as llama.cpp's default f16 cache does): K/V are rounded to the
+    cache's dtype when written and widened back to the model's when attended.
+
     Slot `t` of row `b` holds the key/value of the token at position `t` of that row, so rows of
     one batch can hold prompts of different lengths. Attention reads slots `0 .. pos` of its own
     row (the mask is built from positions, see `Transformer.forward`); slots beyond a row's length
@@ -69,9 +73,12 @@ class KVCache:
         """
         index = input_pos[:, None, :, None].expand_as(k)
         k_layer, v_layer = self.k[layer], self.v[layer]
-        k_layer.scatter_(2, index, k)
-        v_layer.scatter_(2, index, v)
-        return k_layer[:, :, :kv_len], v_layer[:, :, :kv_len]
+        k_layer.scatter_(2, index, k.to(k_layer.dtype))
+        v_layer.scatter_(2, index, v.to(v_layer.dtype))
+        k_out, v_out = k_layer[:, :, :kv_len], v_layer[:, :, :kv_len]
+        if k_out.dtype != k.dtype:  # a float16 cache under a float32 model: stored narrow, attended in float32
+            return k_out.to(k.dtype), v_out.to(v.dtype)
+        return k_out, v_out
 
     def reset(self) -> None:
         self.seq_lens = [0] * self.batch_size

@@ -105,19 +105,22 @@ class LLM:
         self.prefill_dtype = "float32"  # how a quantized model prefills: "quantized" or a dense copy's dtype (configure)
         self.decode_fn = None  # None: the native step where it applies, else generate.decode_step
         self.static_kv_len = False
+        self.kv_dtype: torch.dtype = next(self.model.parameters()).dtype  # the KV caches' dtype (configure)
 
     @classmethod
     def load(cls, spec: str = "smollm2", device: str = "cpu", dtype: torch.dtype = torch.float32,
-             quantize: str | None = "auto", compile: bool = False, prefill_dtype: str = "auto") -> "LLM":
-        """Load a model by name or path; `quantize`, `compile` and `prefill_dtype` pick the
-        decode and prefill paths (see `configure`)."""
+             quantize: str | None = "auto", compile: bool = False, prefill_dtype: str = "auto",
+             kv_dtype: str = "auto") -> "LLM":
+        """Load a model by name or path; `quantize`, `compile`, `prefill_dtype` and `kv_dtype`
+        pick the decode and prefill paths (see `configure`)."""
         from .loading import load_model
 
         llm = cls(load_model(spec, device=device, dtype=dtype))
-        llm.configure(quantize=quantize, compile=compile, prefill_dtype=prefill_dtype)
+        llm.configure(quantize=quantize, compile=compile, prefill_dtype=prefill_dtype, kv_dtype=kv_dtype)
         return llm
 
-    def configure(self, quantize: str | None = None, compile: bool = False, prefill_dtype: str = "auto") -> None:
+    def configure(self, quantize: str | None = None, compile: bool = False, prefill_dtype: str = "auto",
+                  kv_dtype: str = "auto") -> None:
         """Pick the decode path: weight quantization and (optionally) a compiled decode step.
 
         quantize: None/"none", "int8", "q4", or "auto": on CPU with the native kernels, 4-bit for
@@ -127,6 +130,9 @@ class LLM:
         of each weight for prefill's GEMMs; "auto": quantized where the packed kernels are built
         (AVX-512 VNNI: faster than bf16 GEMMs there, docs/benchmarks.md), else bfloat16 on CPUs with
         native bf16 matmuls (AVX512-BF16 or AMX), else float32.
+        kv_dtype: the KV cache's dtype, "float32", "float16", "bfloat16" or "auto": float16 under a
+        quantized model on CPU (a decode step streams the cache once: half the bytes; its rounding,
+        ~5e-4 relative, is far below the 8-bit activations'), else the model's dtype.
         """
         from . import kernels
         from .generate import decode_step
@@ -136,6 +142,8 @@ class LLM:
             raise ValueError(f"unknown quantization {quantize!r} (expected none, auto, int8 or q4)")
         if quantize == "auto" and not (device.type == "cpu" and kernels.native_available()):
             quantize = None
+        if kv_dtype not in ("auto", "float32", "float16", "bfloat16"):
+            raise ValueError(f"unknown KV cache dtype {kv_dtype!r} (expected auto, float32, float16 or bfloat16)")
         if prefill_dtype not in ("auto", "quantized", "float32", "bfloat16"):
             raise ValueError(f"unknown prefill dtype {prefill_dtype!r} (expected auto, quantized, float32 or bfloat16)")
         if prefill_dtype == "auto":
@@ -149,6 +157,11 @@ class LLM:
                            prefill_dtype=torch.bfloat16 if prefill_dtype == "bfloat16" else None)
             self.prefill_dtype = prefill_dtype
         self.quantization = quantize if quantize != "none" else None
+        if kv_dtype == "auto":
+            quantized_cpu = self.quantization is not None and device.type == "cpu"
+            self.kv_dtype = torch.float16 if quantized_cpu else next(self.model.parameters()).dtype
+        else:
+            self.kv_dtype = getattr(torch, kv_dtype)
         self.static_kv_len = compile and device.type == "cuda"
         if compile and device.type == "cuda":  # CUDA graphs: one launch per decode step
             self.decode_fn = torch.compile(decode_step, mode="reduce-overhead", fullgraph=True)
@@ -185,7 +198,7 @@ class LLM:
         context_shift: go on past a full context window on its last half (see `Generation`)."""
         ids = [p if isinstance(p, list) else self.encode_prompt(p) for p in prompts]
         gen = Generation(self.model, ids, params, self.tokenizer.eos_ids, cache=cache, decode_fn=self.decode_fn,
-                         static_kv_len=self.static_kv_len, context_shift=context_shift)
+                         static_kv_len=self.static_kv_len, context_shift=context_shift, kv_dtype=self.kv_dtype)
         detok = [IncrementalDetokenizer(self.tokenizer) for _ in ids]
         watch = [_StopWatcher(params.stop) for _ in ids]
         yield gen
@@ -225,9 +238,9 @@ class ChatSession:
         self.llm, self.params = llm, params
         self.messages: list[dict] = [{"role": "system", "content": system}] if system else []
         cfg = llm.model.config
-        dtype = next(llm.model.parameters()).dtype
         device = next(llm.model.parameters()).device
-        self.cache = KVCache.for_model(cfg, 1, min(max_context or cfg.max_seq_len, cfg.max_seq_len), dtype, device)
+        self.cache = KVCache.for_model(cfg, 1, min(max_context or cfg.max_seq_len, cfg.max_seq_len), llm.kv_dtype,
+                                       device)
         self.cached_ids: list[int] = []  # token ids whose K/V are in the cache, in order
         self.last_prefill_tokens = 0
 

@@ -132,14 +132,42 @@ inline float softmax_numerators(float* s, int64_t n) {
 
 namespace arlm_kernels {
 
+// K/V cache elements are float32 or float16 (half the bytes a decode step streams); the math
+// is float32 either way. load8 / load16: 8 or 16 of them widened to float32.
+inline float to_float(float v) { return v; }
+inline float to_float(at::Half v) { return static_cast<float>(v); }
+#if defined(__AVX2__) && defined(__FMA__)
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+#endif
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+#endif
+
+// dst[0..n) = src as T (float16: rounded to nearest even, as torch's .to(torch.float16)).
+inline void store_row(const float* src, int64_t n, float* dst) { std::copy(src, src + n, dst); }
+inline void store_row(const float* src, int64_t n, at::Half* dst) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i),
+                        _mm512_cvtps_ph(_mm512_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<at::Half>(src[i]);
+}
+
 // sum_i a[i] * b[i], in an order that depends on n alone.
-inline float dot(const float* a, const float* b, int64_t n) {
+template <typename T>
+inline float dot(const float* a, const T* b, int64_t n) {
 #if defined(__AVX512F__)
   if (n % 32 == 0) {
     __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
     for (int64_t i = 0; i < n; i += 32) {
-      s0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), s0);
-      s1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16), _mm512_loadu_ps(b + i + 16), s1);
+      s0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), load16(b + i), s0);
+      s1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16), load16(b + i + 16), s1);
     }
     return _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));
   }
@@ -147,28 +175,28 @@ inline float dot(const float* a, const float* b, int64_t n) {
 #if defined(__AVX2__) && defined(__FMA__)
   if (n % 8 == 0) {
     __m256 acc = _mm256_setzero_ps();
-    for (int64_t i = 0; i < n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    for (int64_t i = 0; i < n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load8(b + i), acc);
     return hsum(acc);
   }
 #endif
   float s = 0.f;
-  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  for (int64_t i = 0; i < n; ++i) s += a[i] * to_float(b[i]);
   return s;
 }
 
 #if defined(__AVX512F__)
 // out[h] = inv[h] * sum_t s[h * n + t] V[t] for HB heads at once, V rows of C * 16 floats: each V
 // row is loaded once for all HB heads; every head's sum is in registers, in slot order.
-template <int C, int HB, typename Spans>
+template <int C, int HB, typename T, typename Spans>
 inline void weighted_heads(const float* s, int64_t n, Spans spans, const float* inv, int64_t hd, float* out) {
   __m512 acc[HB][C];
   for (int h = 0; h < HB; ++h)
     for (int c = 0; c < C; ++c) acc[h][c] = _mm512_setzero_ps();
   int64_t t = 0;
-  spans([&](const float*, const float* v, int64_t len) {
+  spans([&](const T*, const T* v, int64_t len) {
     for (int64_t j = 0; j < len; ++j, ++t)
       for (int c = 0; c < C; ++c) {
-        const __m512 vc = _mm512_loadu_ps(v + j * C * 16 + c * 16);
+        const __m512 vc = load16(v + j * C * 16 + c * 16);
         for (int h = 0; h < HB; ++h) acc[h][c] = _mm512_fmadd_ps(_mm512_set1_ps(s[h * n + t]), vc, acc[h][c]);
       }
   });
@@ -177,7 +205,7 @@ inline void weighted_heads(const float* s, int64_t n, Spans spans, const float* 
 }
 
 // weighted_heads over G heads, 16 / C at a time (16 accumulators).
-template <int C, typename Spans>
+template <int C, typename T, typename Spans>
 inline void weighted_group(const float* s, int64_t n, int64_t G, Spans spans, const float* inv, int64_t hd,
                            float* out) {
   constexpr int HB = 16 / C;
@@ -185,10 +213,10 @@ inline void weighted_group(const float* s, int64_t n, int64_t G, Spans spans, co
     const float *sh = s + h * n, *ih = inv + h;
     float* oh = out + h * hd;
     switch (std::min<int64_t>(HB, G - h)) {
-      case 1: weighted_heads<C, 1>(sh, n, spans, ih, hd, oh); break;
-      case 2: weighted_heads<C, 2 <= HB ? 2 : 1>(sh, n, spans, ih, hd, oh); break;
-      case 3: weighted_heads<C, 3 <= HB ? 3 : 1>(sh, n, spans, ih, hd, oh); break;
-      default: weighted_heads<C, HB>(sh, n, spans, ih, hd, oh); break;
+      case 1: weighted_heads<C, 1, T>(sh, n, spans, ih, hd, oh); break;
+      case 2: weighted_heads<C, 2 <= HB ? 2 : 1, T>(sh, n, spans, ih, hd, oh); break;
+      case 3: weighted_heads<C, 3 <= HB ? 3 : 1, T>(sh, n, spans, ih, hd, oh); break;
+      default: weighted_heads<C, HB, T>(sh, n, spans, ih, hd, oh); break;
     }
   }
 }
@@ -199,27 +227,28 @@ inline void weighted_group(const float* s, int64_t n, int64_t G, Spans spans, co
 // rows, spans(f) calling f(k, v, len) for each in order: one span for a contiguous cache, one per
 // block for the paged pool. Each K and V row is read once for all G heads. Every head runs the
 // same operations in the same order whatever G, the layout, the batch or the thread, so its
-// output does not depend on them. s: G * (n + 1) floats of scratch; out: G * hd floats.
-template <typename Spans>
+// output does not depend on them. K/V rows of T (float or at::Half). s: G * (n + 1) floats of
+// scratch; out: G * hd floats.
+template <typename T, typename Spans>
 inline void attend_group(const float* q, int64_t G, int64_t hd, int64_t n, float scale, Spans spans, float* s,
                          float* out) {
   int64_t t = 0;
-  spans([&](const float* k, const float*, int64_t len) {
+  spans([&](const T* k, const T*, int64_t len) {
     for (int64_t j = 0; j < len; ++j, ++t)
       for (int64_t h = 0; h < G; ++h) s[h * n + t] = dot(q + h * hd, k + j * hd, hd) * scale;
   });
   float* inv = s + G * n;
   for (int64_t h = 0; h < G; ++h) inv[h] = 1.f / softmax_numerators(s + h * n, n);
 #if defined(__AVX512F__)
-  if (hd == 64) return weighted_group<4>(s, n, G, spans, inv, hd, out);
-  if (hd == 128) return weighted_group<8>(s, n, G, spans, inv, hd, out);
+  if (hd == 64) return weighted_group<4, T>(s, n, G, spans, inv, hd, out);
+  if (hd == 128) return weighted_group<8, T>(s, n, G, spans, inv, hd, out);
 #endif
   std::fill(out, out + G * hd, 0.f);
   t = 0;
-  spans([&](const float*, const float* v, int64_t len) {
+  spans([&](const T*, const T* v, int64_t len) {
     for (int64_t j = 0; j < len; ++j, ++t)
       for (int64_t h = 0; h < G; ++h)
-        for (int64_t e = 0; e < hd; ++e) out[h * hd + e] += s[h * n + t] * v[j * hd + e];
+        for (int64_t e = 0; e < hd; ++e) out[h * hd + e] += s[h * n + t] * to_float(v[j * hd + e]);
   });
   for (int64_t h = 0; h < G; ++h)
     for (int64_t e = 0; e < hd; ++e) out[h * hd + e] *= inv[h];

@@ -22,6 +22,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale);
@@ -346,14 +347,15 @@ void check_common(const at::Tensor& x, at::TensorList weights, int64_t L, const 
 // the hidden state after the last layer out (before the final norm). weights: 14 tensors per
 // layer, in order: attn_norm, wqkv (w, scale, mins), wo (w, scale, mins), mlp_norm, gate_up (w,
 // scale, mins), down (w, scale, mins); unused scale/mins are empty tensors. k_cache, v_cache
-// [L, B, H_kv, T, hd] float32; pos [B] int64, each row's position (its K/V go to slot pos);
+// [L, B, H_kv, T, hd] float32 or float16; pos [B] int64, each row's position (its K/V go to slot pos);
 // attention reads slots 0..min(pos, kv_len - 1) of the row. cos, sin [max_T, hd].
 void decode_llama(const at::Tensor& x, at::TensorList weights, const at::Tensor& k_cache, const at::Tensor& v_cache,
                   const at::Tensor& pos, const at::Tensor& cos, const at::Tensor& sin, int64_t kv_len,
                   int64_t n_head, int64_t n_kv_heads, double eps, bool a8) {
-  TORCH_CHECK(k_cache.dim() == 5 && k_cache.scalar_type() == at::kFloat && k_cache.is_contiguous() &&
-              v_cache.sizes() == k_cache.sizes() && v_cache.is_contiguous() && v_cache.scalar_type() == at::kFloat,
-              "decode_llama: contiguous float32 caches [L, B, H_kv, T, hd]");
+  TORCH_CHECK(k_cache.dim() == 5 && (k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kHalf) &&
+              k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() && v_cache.is_contiguous() &&
+              v_cache.scalar_type() == k_cache.scalar_type(),
+              "decode_llama: contiguous float32 or float16 caches [L, B, H_kv, T, hd]");
   const int64_t L = k_cache.size(0), B = x.size(0), T = k_cache.size(3), hd = k_cache.size(4);
   TORCH_CHECK(k_cache.size(1) == B && k_cache.size(2) == n_kv_heads && n_kv_heads > 0 && n_head % n_kv_heads == 0 &&
               hd % 2 == 0, "decode_llama: cache shape does not match the batch or the heads");
@@ -367,10 +369,11 @@ void decode_llama(const at::Tensor& x, at::TensorList weights, const at::Tensor&
   Buffers buf(s, group * (kv_len + 1));
 
   // One (row, KV head) per task: RoPE on its key and its query heads, the new K/V into slot pos,
-  // attention of the query heads over the row's slots, and the output quantized for wo.
-  auto attend = [&](int64_t l, float* qkv, const arlm_kernels::Act8* xq) {
-    float* kl = k_cache.data_ptr<float>() + l * B * Hkv * T * hd;
-    float* vl = v_cache.data_ptr<float>() + l * B * Hkv * T * hd;
+  // attention of the query heads over the row's slots, and the output quantized for wo. The
+  // cache holds float32 or float16 (E); everything else is float32.
+  auto attend_in = [&](auto* kc, auto* vc, int64_t l, float* qkv, const arlm_kernels::Act8* xq) {
+    auto* kl = kc + l * B * Hkv * T * hd;
+    auto* vl = vc + l * B * Hkv * T * hd;
     const bool fused = xq && group * hd % 32 == 0;  // the task's output is whole groups of 32
     at::parallel_for(0, B * Hkv, 1, [&](int64_t i0, int64_t i1) {
       float* scratch = buf.scores + at::get_thread_num() * group * (kv_len + 1);
@@ -381,12 +384,13 @@ void decode_llama(const at::Tensor& x, at::TensorList weights, const at::Tensor&
         const float *c = cp + pp[b] * hd, *sn = sp + pp[b] * hd;
         rope(k, c, sn, hd);
         for (int64_t h = 0; h < group; ++h) rope(q + h * hd, c, sn, hd);
-        float* K = kl + (b * Hkv + j) * T * hd;
-        float* V = vl + (b * Hkv + j) * T * hd;
-        std::copy(k, k + hd, K + pp[b] * hd);
-        std::copy(v, v + hd, V + pp[b] * hd);
+        auto* K = kl + (b * Hkv + j) * T * hd;
+        auto* V = vl + (b * Hkv + j) * T * hd;
+        arlm_kernels::store_row(k, hd, K + pp[b] * hd);
+        arlm_kernels::store_row(v, hd, V + pp[b] * hd);
         float* out = buf.attn + b * H * hd + j * group * hd;
-        arlm_kernels::attend_group(q, group, hd, n, scale, [&](auto f) { f(K, V, n); }, scratch, out);
+        using E = std::remove_pointer_t<decltype(K)>;
+        arlm_kernels::attend_group<E>(q, group, hd, n, scale, [&](auto f) { f(K, V, n); }, scratch, out);
         if (fused) arlm_kernels::quantize_span(out, group * hd, *xq, b * H * hd + j * group * hd);
       }
     });
@@ -395,7 +399,17 @@ void decode_llama(const at::Tensor& x, at::TensorList weights, const at::Tensor&
         for (int64_t b = b0; b < b1; ++b) arlm_kernels::quantize_span(buf.attn + b * H * hd, H * hd, *xq, b * H * hd);
       });
   };
-  run_layers(x.data_ptr<float>(), s, weights, L, eps, a8, buf, attend);
+  if (k_cache.scalar_type() == at::kHalf) {
+    auto attend = [&](int64_t l, float* qkv, const arlm_kernels::Act8* xq) {
+      attend_in(k_cache.data_ptr<at::Half>(), v_cache.data_ptr<at::Half>(), l, qkv, xq);
+    };
+    run_layers(x.data_ptr<float>(), s, weights, L, eps, a8, buf, attend);
+  } else {
+    auto attend = [&](int64_t l, float* qkv, const arlm_kernels::Act8* xq) {
+      attend_in(k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), l, qkv, xq);
+    };
+    run_layers(x.data_ptr<float>(), s, weights, L, eps, a8, buf, attend);
+  }
 }
 
 // The same layer stack over the serving engine's paged pool (arlm.serve.paged_cache), in place on

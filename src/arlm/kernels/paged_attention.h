@@ -69,7 +69,7 @@ inline void paged_attend(const float* q, int64_t ldq, const float* kp, const flo
         }
       };
       float* o = out + (i * H + g * G) * D;
-      attend_group(q + i * ldq + g * G * D, G, D, L, scale, blocks, s, o);
+      attend_group<float>(q + i * ldq + g * G * D, G, D, L, scale, blocks, s, o);
       done(o, (i * H + g * G) * D);
     }
   });
