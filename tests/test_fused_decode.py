@@ -187,3 +187,19 @@ def test_native_step_allocates_nothing(mode):
     allocations = [e for e in prof.events() if e.cpu_memory_usage > 0]
     assert allocations == [], [(e.name, e.cpu_memory_usage) for e in allocations]
     assert torch.isfinite(second).all() and not torch.equal(first, second)  # it did run the step
+
+
+def test_native_step_long_rows():
+    # Rows of several hundred cached slots beside a short one: still the modules' result (float32:
+    # 1e-4 of the logits' scale), and a row's logits do not depend on its batch (bitwise, quantized).
+    model = arlm_from_hf(hf_llama(seed=12, max_position_embeddings=640))
+    prompts = [[(7 * i) % 190 + 2 for i in range(300)], [5, 6, 7], [(3 * i) % 190 + 2 for i in range(530)]]
+    native = native_decode_fn(model, KVCache.for_model(model.config, 3, 540))
+    ref, got = _step_logits(model, prompts, 6, decode_step), _step_logits(model, prompts, 6, native)
+    assert (got - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
+    quantized = quantize(model, "int8")
+    native = native_decode_fn(quantized, KVCache.for_model(model.config, 3, 540))
+    together = _step_logits(quantized, prompts, 6, native)
+    for b, p in enumerate(prompts):
+        alone = _step_logits(quantized, [p], 6, native_decode_fn(quantized, KVCache.for_model(model.config, 1, 540)))
+        assert torch.equal(alone[:, 0], together[:, b])
