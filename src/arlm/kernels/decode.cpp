@@ -19,6 +19,7 @@
 #include "common.h"
 #include "paged_attention.h"
 
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <memory>
@@ -302,6 +303,20 @@ struct Buffers {
 // RoPE); it writes the attention output [N, H * hd] to buf.attn, and quantized into xq when xq is
 // given. Per layer: norm (+ quantize), q/k/v, attention, output projection + residual, norm
 // (+ quantize), gate/up, SiLU * up (+ quantize), down + residual: eight passes over the threads.
+// Wall time per pass of the step, summed over layers and calls while switched on
+// (torch.ops.arlm.decode_profile; benchmarks/phases.py): where a step's time goes.
+enum Phase { kNorm1, kQkv, kAttention, kWo, kNorm2, kGateUp, kSilu, kDown, kHead, kPhases };
+bool g_profile = false;
+double g_phase_seconds[kPhases] = {};
+
+template <typename F>
+inline void timed(Phase phase, F f) {
+  if (!g_profile) return f();
+  const auto t0 = std::chrono::steady_clock::now();
+  f();
+  g_phase_seconds[phase] += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
 template <typename Attend>
 void run_layers(float* x, const Shapes& s, at::TensorList weights, int64_t L, double eps, bool a8, Buffers& buf,
                 Attend attend) {
@@ -309,14 +324,14 @@ void run_layers(float* x, const Shapes& s, at::TensorList weights, int64_t L, do
   for (int64_t l = 0; l < L; ++l) {
     const at::Tensor* W = weights.data() + 14 * l;
     auto quantized_for = [&](const at::Tensor* p) { return packed(p) ? &buf.xq : nullptr; };
-    rms_norm(x, W[0].data_ptr<float>(), N, d, eps, buf.h, quantized_for(W + 1));
-    linear_into(buf.h, &buf.xq, N, d, W + 1, a8, buf.qkv, s.qkv_dim, false);
-    attend(l, buf.qkv, quantized_for(W + 4));
-    linear_into(buf.attn, &buf.xq, N, s.H * s.hd, W + 4, a8, x, d, true);
-    rms_norm(x, W[7].data_ptr<float>(), N, d, eps, buf.h, quantized_for(W + 8));
-    linear_into(buf.h, &buf.xq, N, d, W + 8, a8, buf.gu, 2 * s.dff, false);
-    silu_mul(buf.gu, N, s.dff, buf.act, quantized_for(W + 11));
-    linear_into(buf.act, &buf.xq, N, s.dff, W + 11, a8, x, d, true);
+    timed(kNorm1, [&] { rms_norm(x, W[0].data_ptr<float>(), N, d, eps, buf.h, quantized_for(W + 1)); });
+    timed(kQkv, [&] { linear_into(buf.h, &buf.xq, N, d, W + 1, a8, buf.qkv, s.qkv_dim, false); });
+    timed(kAttention, [&] { attend(l, buf.qkv, quantized_for(W + 4)); });
+    timed(kWo, [&] { linear_into(buf.attn, &buf.xq, N, s.H * s.hd, W + 4, a8, x, d, true); });
+    timed(kNorm2, [&] { rms_norm(x, W[7].data_ptr<float>(), N, d, eps, buf.h, quantized_for(W + 8)); });
+    timed(kGateUp, [&] { linear_into(buf.h, &buf.xq, N, d, W + 8, a8, buf.gu, 2 * s.dff, false); });
+    timed(kSilu, [&] { silu_mul(buf.gu, N, s.dff, buf.act, quantized_for(W + 11)); });
+    timed(kDown, [&] { linear_into(buf.act, &buf.xq, N, s.dff, W + 11, a8, x, d, true); });
   }
 }
 
@@ -480,8 +495,22 @@ void llama_head(const at::Tensor& x, const at::Tensor& norm, at::TensorList head
   const arlm_kernels::Act8 xq{arena.take<int8_t>(N * d), arena.take<float>(G), arena.take<float>(G),
                               arena.take<int32_t>(G)};
   TORCH_CHECK(!packed(head.data()) || d % 32 == 0, "llama_head: packed head needs d a multiple of 32");
-  rms_norm(x.data_ptr<float>(), norm.data_ptr<float>(), N, d, eps, h, packed(head.data()) ? &xq : nullptr);
-  linear_into(h, &xq, N, d, head.data(), a8, out.data_ptr<float>(), V, false);
+  timed(kHead, [&] {
+    rms_norm(x.data_ptr<float>(), norm.data_ptr<float>(), N, d, eps, h, packed(head.data()) ? &xq : nullptr);
+    linear_into(h, &xq, N, d, head.data(), a8, out.data_ptr<float>(), V, false);
+  });
+}
+
+// Switches the per-pass timing on or off and returns the seconds summed since the last call
+// [norm 1, q/k/v, attention, wo, norm 2, gate/up, SiLU, down, final norm + head], then zeroes them.
+at::Tensor decode_profile(bool on) {
+  at::Tensor t = at::empty({kPhases}, at::TensorOptions().dtype(at::kDouble));
+  for (int i = 0; i < kPhases; ++i) {
+    t.data_ptr<double>()[i] = g_phase_seconds[i];
+    g_phase_seconds[i] = 0;
+  }
+  g_profile = on;
+  return t;
 }
 
 // Greedy decoding's argmax over each row of logits [B, V] float32, as torch.argmax: the first
@@ -537,6 +566,7 @@ TORCH_LIBRARY_FRAGMENT(arlm, m) {
         "Tensor block_table, Tensor seq_index, Tensor pos, Tensor cos, Tensor sin, int n_head, int n_kv_heads, "
         "float eps, bool a8) -> ()");
   m.def("llama_head(Tensor x, Tensor norm, Tensor[] head, float eps, bool a8, Tensor(a!) out) -> ()");
+  m.def("decode_profile(bool on) -> Tensor", &decode_profile);
   m.def("f32_linear(Tensor x, Tensor w) -> Tensor");
 }
 

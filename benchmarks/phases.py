@@ -1,0 +1,100 @@
+"""Where a decode step's time goes: wall time per pass of arlm's native step, by batch and context.
+
+    .venv/bin/python benchmarks/phases.py [--threads 2] [--json build/phases.json]
+
+Runs the default CPU model (`LLM.load("smollm2")`: 4-bit layers, int8 head, 8-bit activations,
+float16 KV cache) through `generate.native_decode_fn` at a fixed position, with the native
+step's own per-pass timer on (`torch.ops.arlm.decode_profile`): norms, the q/k/v, output, gate/up
+and down linears, attention (RoPE, the cache write and the attention itself), SiLU, and the final
+norm + LM head. For each linear it prints the multiply-accumulate rate (GMAC/s) and for attention
+the rate at which it reads the cached K/V (GB/s); "other" is the rest of the step (embedding
+lookup, op dispatch). Each case is the best of --repeat runs of --steps steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from arlm.generate import native_decode_fn  # noqa: E402
+from arlm.kv_cache import KVCache  # noqa: E402
+from arlm.llm import LLM  # noqa: E402
+
+PHASES = ["norm1", "qkv", "attention", "wo", "norm2", "gate_up", "silu", "down", "head"]
+
+
+def run_case(llm: LLM, batch: int, context: int, steps: int, repeat: int) -> dict:
+    model, cfg = llm.model, llm.model.config
+    cache = KVCache.for_model(cfg, batch, context + 1, dtype=llm.kv_dtype)
+    cache.k.normal_()
+    cache.v.normal_()
+    step = native_decode_fn(model, cache)
+    if step is None:
+        raise SystemExit("phases.py: the native step does not apply here (it needs the native kernels on CPU)")
+    tokens = torch.randint(0, cfg.vocab_size, (batch, 1), generator=torch.Generator().manual_seed(0))
+    pos = torch.full((batch, 1), context)
+    best = None
+    with torch.inference_mode():
+        for _ in range(3):
+            step(model, cache, tokens, pos, context + 1)
+        for _ in range(repeat):
+            torch.ops.arlm.decode_profile(True)
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                step(model, cache, tokens, pos, context + 1)
+            total = (time.perf_counter() - t0) / steps
+            phases = (torch.ops.arlm.decode_profile(False) / steps).tolist()
+            if best is None or total < best[0]:
+                best = (total, phases)
+    total, phases = best
+    d, hd, H, Hkv, L = cfg.d_model, cfg.head_dim, cfg.n_head, cfg.n_kv_heads, cfg.n_layer
+    dff = model.blocks[0].mlp.down.in_features
+    macs = {"qkv": (H + 2 * Hkv) * hd * d * L, "wo": d * H * hd * L, "gate_up": 2 * dff * d * L,
+            "down": d * dff * L, "head": cfg.vocab_size * d}
+    kv_bytes = 2 * L * Hkv * (context + 1) * hd * cache.k.element_size() * batch
+    out = {"batch": batch, "context": context, "step_ms": 1e3 * total,
+           "phases_ms": {name: 1e3 * t for name, t in zip(PHASES, phases)},
+           "other_ms": 1e3 * (total - sum(phases))}
+    out["gmac_per_s"] = {name: batch * n / phases[PHASES.index(name)] / 1e9 for name, n in macs.items()}
+    out["attention_kv_gb_per_s"] = kv_bytes / phases[PHASES.index("attention")] / 1e9
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--json", type=Path, default=None, help="write every figure here")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    llm = LLM.load("smollm2")
+    print(f"arlm {llm.quantization} weights, KV cache {str(llm.kv_dtype).removeprefix('torch.')}, "
+          f"{args.threads} threads; ms per step (best of {args.repeat} x {args.steps} steps)")
+    cases = [(1, 32), (1, 512), (8, 32), (32, 32)]
+    results = [run_case(llm, b, c, args.steps, args.repeat) for b, c in cases]
+    names = [f"b{r['batch']} ctx{r['context']}" for r in results]
+    print(f"{'pass':10s}" + "".join(f"{n:>14s}" for n in names))
+    for name in PHASES:
+        print(f"{name:10s}" + "".join(f"{r['phases_ms'][name]:14.2f}" for r in results))
+    print(f"{'other':10s}" + "".join(f"{r['other_ms']:14.2f}" for r in results))
+    print(f"{'step':10s}" + "".join(f"{r['step_ms']:14.2f}" for r in results))
+    print("GMAC/s")
+    for name in ("qkv", "wo", "gate_up", "down", "head"):
+        print(f"{name:10s}" + "".join(f"{r['gmac_per_s'][name]:14.1f}" for r in results))
+    print(f"{'K/V GB/s':10s}" + "".join(f"{r['attention_kv_gb_per_s']:14.1f}" for r in results))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"threads": args.threads, "cases": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
