@@ -62,8 +62,12 @@ def run_case(llm: LLM, batch: int, context: int, steps: int, repeat: int) -> dic
     out = {"batch": batch, "context": context, "step_ms": 1e3 * total,
            "phases_ms": {name: 1e3 * t for name, t in zip(PHASES, phases)},
            "other_ms": 1e3 * (total - sum(phases))}
-    out["gmac_per_s"] = {name: batch * n / phases[PHASES.index(name)] / 1e9 for name, n in macs.items()}
-    out["attention_kv_gb_per_s"] = kv_bytes / phases[PHASES.index("attention")] / 1e9
+    def rate(amount: float, name: str) -> float:  # a pass the step did not run natively reads 0 s
+        seconds = phases[PHASES.index(name)]
+        return amount / seconds / 1e9 if seconds > 0 else float("nan")
+
+    out["gmac_per_s"] = {name: rate(batch * n, name) for name, n in macs.items()}
+    out["attention_kv_gb_per_s"] = rate(kv_bytes, "attention")
     return out
 
 

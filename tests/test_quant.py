@@ -164,6 +164,7 @@ def test_packed_kernels_are_built_where_the_cpu_has_vnni():
 
 
 def _packed_case(g, N, K):
+    assert kernels.packed_available()  # builds and loads the ops, also when a packed test runs alone
     w8 = torch.randint(-127, 128, (N, K), generator=g, dtype=torch.int8)
     s8 = torch.rand(N, generator=g) * 0.01 + 1e-3
     w4 = torch.randint(0, 256, (N, K // 2), generator=g, dtype=torch.uint8)
@@ -433,8 +434,8 @@ def test_prefill_dtype_choices(smollm2):
 
 
 def test_kv_dtype_choices(smollm2):
-    # "auto": a float16 cache under a quantized model on CPU, the model's dtype otherwise; the
-    # generation and chat caches take it.
+    # "auto": a float16 cache where a quantized model decodes through the native step on CPU, the
+    # model's dtype otherwise; the generation and chat caches take it.
     def configured(**kw):
         llm = LLM(smollm2.loaded)
         llm.model = copy.deepcopy(smollm2.model)
@@ -447,6 +448,8 @@ def test_kv_dtype_choices(smollm2):
     assert gen.cache.k.dtype == llm.kv_dtype
     assert ChatSession(llm, SamplingParams(max_new_tokens=2)).cache.k.dtype == llm.kv_dtype
     assert configured(quantize=None, kv_dtype="auto").kv_dtype == torch.float32
+    # a compiled step runs the modules, which would widen a float16 cache at every step
+    assert configured(quantize="auto", kv_dtype="auto", compile=True).kv_dtype == torch.float32
     assert configured(quantize="auto", kv_dtype="float32").kv_dtype == torch.float32
     with pytest.raises(ValueError, match="KV cache dtype"):
         configured(kv_dtype="int4")

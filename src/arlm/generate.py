@@ -134,7 +134,7 @@ def native_decode_fn(model: Transformer, cache: KVCache) -> Callable | None:
     The whole stack of layers runs as one call to `torch.ops.arlm.decode_llama` (see
     arlm/kernels/decode.cpp): the same math as the modules, without ~2,000 small tensor ops per
     step, and the final norm and LM head as one more. Applies where `native_layers` does, with a
-    float32 contiguous cache. The step allocates nothing: the embeddings, every intermediate and
+    contiguous float32 or float16 cache. The step allocates nothing: the embeddings, every intermediate and
     the logits live in buffers kept from step to step, so the logits it returns are valid until
     the next step (as a CUDA graph's outputs are): clone them to keep them.
     """
@@ -147,7 +147,7 @@ def native_decode_fn(model: Transformer, cache: KVCache) -> Callable | None:
     cfg = model.config
     args = (model.rope_cos, model.rope_sin)
     head = native_head(model)
-    emb = model.tok_emb.weight
+    emb = model.tok_emb.weight.detach()
     buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # batch size -> (hidden state, logits)
 
     def step(model: Transformer, cache: KVCache, tokens: torch.Tensor, input_pos: torch.Tensor,

@@ -130,9 +130,10 @@ class LLM:
         of each weight for prefill's GEMMs; "auto": quantized where the packed kernels are built
         (AVX-512 VNNI: faster than bf16 GEMMs there, docs/benchmarks.md), else bfloat16 on CPUs with
         native bf16 matmuls (AVX512-BF16 or AMX), else float32.
-        kv_dtype: the KV cache's dtype, "float32", "float16", "bfloat16" or "auto": float16 under a
-        quantized model on CPU (a decode step streams the cache once: half the bytes; its rounding,
-        ~5e-4 relative, is far below the 8-bit activations'), else the model's dtype.
+        kv_dtype: the KV cache's dtype, "float32", "float16", "bfloat16" or "auto": float16 where a
+        quantized model decodes through the native step on CPU (a step streams the cache once: half
+        the bytes; its rounding, ~5e-4 relative, is far below the 8-bit activations'), else the
+        model's dtype.
         """
         from . import kernels
         from .generate import decode_step
@@ -157,11 +158,6 @@ class LLM:
                            prefill_dtype=torch.bfloat16 if prefill_dtype == "bfloat16" else None)
             self.prefill_dtype = prefill_dtype
         self.quantization = quantize if quantize != "none" else None
-        if kv_dtype == "auto":
-            quantized_cpu = self.quantization is not None and device.type == "cpu"
-            self.kv_dtype = torch.float16 if quantized_cpu else next(self.model.parameters()).dtype
-        else:
-            self.kv_dtype = getattr(torch, kv_dtype)
         self.static_kv_len = compile and device.type == "cuda"
         if compile and device.type == "cuda":  # CUDA graphs: one launch per decode step
             self.decode_fn = torch.compile(decode_step, mode="reduce-overhead", fullgraph=True)
@@ -169,6 +165,13 @@ class LLM:
             self.decode_fn = torch.compile(decode_step, dynamic=True)
         else:
             self.decode_fn = None  # Generation picks the native step where it applies, else decode_step
+        if kv_dtype == "auto":  # float16 where the native step reads it; the module path would widen it every step
+            from .generate import native_layers
+
+            native = self.quantization is not None and self.decode_fn is None and native_layers(self.model) is not None
+            self.kv_dtype = torch.float16 if native else next(self.model.parameters()).dtype
+        else:
+            self.kv_dtype = getattr(torch, kv_dtype)
 
     @property
     def context_length(self) -> int:

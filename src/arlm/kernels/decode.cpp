@@ -132,11 +132,11 @@ at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& w) {
 inline bool packed(const at::Tensor* p) { return p[0].dim() == 3; }
 
 // The layer's output width for inputs of width K (and its layout checked against K).
-int64_t out_features(const at::Tensor* p, int64_t K) {
+int64_t out_features(const char* op, const at::Tensor* p, int64_t K) {
   const at::Tensor& w = p[0];
-  if (packed(p)) return arlm_kernels::packed_out_features("decode", K, w, p[1], p[2]);
+  if (packed(p)) return arlm_kernels::packed_out_features(op, K, w, p[1], p[2]);
   TORCH_CHECK(w.dim() == 2 && w.size(1) == (w.scalar_type() == at::kByte ? K / 2 : K),
-              "decode: a weight does not match its input width");
+              op, ": a weight does not match its input width");
   return w.size(0);
 }
 
@@ -242,6 +242,7 @@ class Arena {
     thread_local std::unique_ptr<char, decltype(&std::free)> buf(nullptr, &std::free);
     thread_local size_t size = 0;
     if (bytes > size) {
+      size = 0;  // a failed allocation leaves an empty arena, not a stale size
       buf.reset(static_cast<char*>(std::aligned_alloc(64, bytes)));
       TORCH_CHECK(buf, "decode: out of memory for ", bytes, " bytes of scratch");
       size = bytes;
@@ -263,14 +264,16 @@ class Arena {
 // The layer stack's shapes, read off the weights and checked.
 struct Shapes {
   int64_t N, d, H, Hkv, hd, qkv_dim, dff, kmax;
-  Shapes(int64_t N, int64_t d, at::TensorList weights, int64_t L, int64_t H, int64_t Hkv, int64_t hd)
+  Shapes(const char* op, int64_t N, int64_t d, at::TensorList weights, int64_t L, int64_t H, int64_t Hkv,
+         int64_t hd)
       : N(N), d(d), H(H), Hkv(Hkv), hd(hd), qkv_dim((H + 2 * Hkv) * hd) {
-    dff = out_features(weights.data() + 8, d) / 2;
+    TORCH_CHECK(L > 0, op, ": no layers");
+    dff = out_features(op, weights.data() + 8, d) / 2;
     for (int64_t l = 0; l < L; ++l) {
       const at::Tensor* W = weights.data() + 14 * l;
-      TORCH_CHECK(out_features(W + 1, d) == qkv_dim, "decode: wqkv has the wrong number of outputs");
-      TORCH_CHECK(out_features(W + 4, H * hd) == d && out_features(W + 8, d) == 2 * dff &&
-                  out_features(W + 11, dff) == d, "decode: layer ", l, " does not match the model's widths");
+      TORCH_CHECK(out_features(op, W + 1, d) == qkv_dim, op, ": wqkv has the wrong number of outputs");
+      TORCH_CHECK(out_features(op, W + 4, H * hd) == d && out_features(op, W + 8, d) == 2 * dff &&
+                  out_features(op, W + 11, dff) == d, op, ": layer ", l, " does not match the model's widths");
     }
     kmax = std::max({d, H * hd, dff});
   }
@@ -285,7 +288,8 @@ struct Buffers {
   Buffers(const Shapes& s, int64_t scratch) {
     const int64_t N = s.N, G = N * s.kmax / 32, T = at::get_num_threads();
     const size_t floats = Arena::round(4 * N * s.d) + Arena::round(4 * N * s.qkv_dim) +
-                          Arena::round(4 * N * s.H * s.hd) + Arena::round(4 * N * 3 * s.dff) +
+                          Arena::round(4 * N * s.H * s.hd) + Arena::round(4 * N * 2 * s.dff) +
+                          Arena::round(4 * N * s.dff) +
                           Arena::round(4 * T * scratch) + Arena::round(N * s.kmax) + 3 * Arena::round(4 * G);
     Arena arena(floats);
     h = arena.take<float>(N * s.d);
@@ -304,7 +308,8 @@ struct Buffers {
 // given. Per layer: norm (+ quantize), q/k/v, attention, output projection + residual, norm
 // (+ quantize), gate/up, SiLU * up (+ quantize), down + residual: eight passes over the threads.
 // Wall time per pass of the step, summed over layers and calls while switched on
-// (torch.ops.arlm.decode_profile; benchmarks/phases.py): where a step's time goes.
+// (torch.ops.arlm.decode_profile; benchmarks/phases.py): where a step's time goes. A tool for one
+// decoding thread at a time: the sums are plain globals.
 enum Phase { kNorm1, kQkv, kAttention, kWo, kNorm2, kGateUp, kSilu, kDown, kHead, kPhases };
 bool g_profile = false;
 double g_phase_seconds[kPhases] = {};
@@ -335,24 +340,23 @@ void run_layers(float* x, const Shapes& s, at::TensorList weights, int64_t L, do
   }
 }
 
-void check_common(const at::Tensor& x, at::TensorList weights, int64_t L, const at::Tensor& pos,
+void check_common(const char* op, const at::Tensor& x, at::TensorList weights, int64_t L, const at::Tensor& pos,
                   const at::Tensor& cos, const at::Tensor& sin, int64_t hd, int64_t max_pos) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
-              "decode_llama: x [N, d] contiguous float32");
-  TORCH_CHECK(static_cast<int64_t>(weights.size()) == 14 * L, "decode_llama: 14 weight tensors per layer");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), op, ": x [N, d] contiguous float32");
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == 14 * L, op, ": 14 weight tensors per layer");
   TORCH_CHECK(pos.dim() == 1 && pos.size(0) == x.size(0) && pos.scalar_type() == at::kLong && pos.is_contiguous(),
-              "decode_llama: pos [N] int64");
-  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
-              sin.is_contiguous() && cos.size(1) == hd && sin.sizes() == cos.sizes(),
-              "decode_llama: cos/sin [max_T, hd] float32");
+              op, ": pos [N] int64");
+  TORCH_CHECK(cos.dim() == 2 && sin.dim() == 2 && cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
+              cos.is_contiguous() && sin.is_contiguous() && cos.size(1) == hd && sin.sizes() == cos.sizes(),
+              op, ": cos/sin [max_T, hd] float32");
   const int64_t* pp = pos.data_ptr<int64_t>();
   for (int64_t i = 0; i < x.size(0); ++i)
-    TORCH_CHECK(0 <= pp[i] && pp[i] < max_pos && pp[i] < cos.size(0), "decode_llama: position out of range");
+    TORCH_CHECK(0 <= pp[i] && pp[i] < max_pos && pp[i] < cos.size(0), op, ": position out of range");
   for (int64_t l = 0; l < L; ++l)
     for (int64_t j : {0, 7}) {  // the two norm weights of each layer (the linears check their own shapes)
       const at::Tensor& w = weights[14 * l + j];
       TORCH_CHECK(w.numel() == x.size(1) && w.scalar_type() == at::kFloat && w.is_contiguous(),
-                  "decode_llama: norm weights must be contiguous float32 [d]");
+                  op, ": norm weights must be contiguous float32 [d]");
     }
 }
 
@@ -375,8 +379,8 @@ void decode_llama(const at::Tensor& x, at::TensorList weights, const at::Tensor&
   TORCH_CHECK(k_cache.size(1) == B && k_cache.size(2) == n_kv_heads && n_kv_heads > 0 && n_head % n_kv_heads == 0 &&
               hd % 2 == 0, "decode_llama: cache shape does not match the batch or the heads");
   TORCH_CHECK(0 < kv_len && kv_len <= T, "decode_llama: kv_len out of range");
-  check_common(x, weights, L, pos, cos, sin, hd, T);  // a finished row may sit past kv_len: written, never read
-  const Shapes s(B, x.size(1), weights, L, n_head, n_kv_heads, hd);
+  check_common("decode_llama", x, weights, L, pos, cos, sin, hd, T);  // a finished row may sit past kv_len: written, never read
+  const Shapes s("decode_llama", B, x.size(1), weights, L, n_head, n_kv_heads, hd);
   const int64_t* pp = pos.data_ptr<int64_t>();
   const int64_t H = n_head, Hkv = n_kv_heads, group = H / Hkv, qkv_dim = s.qkv_dim;
   const float scale = 1.f / std::sqrt(static_cast<float>(hd));
@@ -441,7 +445,7 @@ void forward_llama_paged(const at::Tensor& x, at::TensorList weights, const at::
   const int64_t H = n_head, Hkv = n_kv_heads;
   TORCH_CHECK(k_pool.size(2) == Hkv && Hkv > 0 && H % Hkv == 0 && hd % 2 == 0,
               "forward_llama_paged: heads do not match");
-  check_common(x, weights, L, pos, cos, sin, hd, block_table.size(1) * k_pool.size(3));
+  check_common("forward_llama_paged", x, weights, L, pos, cos, sin, hd, block_table.size(1) * k_pool.size(3));
   TORCH_CHECK(block_table.scalar_type() == at::kLong && block_table.is_contiguous() && block_table.dim() == 2 &&
               seq_index.scalar_type() == at::kLong && seq_index.is_contiguous() && seq_index.size(0) == N &&
               k_pool.is_contiguous() && v_pool.is_contiguous() && v_pool.scalar_type() == at::kFloat,
@@ -451,7 +455,7 @@ void forward_llama_paged(const at::Tensor& x, at::TensorList weights, const at::
   const int64_t* pp = pos.data_ptr<int64_t>();
   arlm_kernels::check_block_table("forward_llama_paged", table, block_table.size(0), M, seq, pp, N, BS,
                                   k_pool.size(1));
-  const Shapes s(N, x.size(1), weights, L, H, Hkv, hd);
+  const Shapes s("forward_llama_paged", N, x.size(1), weights, L, H, Hkv, hd);
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(hd)));  // as paged_cache.py's
   const int64_t qkv_dim = s.qkv_dim, group = H / Hkv;
   const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
@@ -485,7 +489,7 @@ void llama_head(const at::Tensor& x, const at::Tensor& norm, at::TensorList head
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && head.size() == 3 &&
               norm.numel() == x.size(1) && norm.scalar_type() == at::kFloat && norm.is_contiguous(),
               "llama_head: x [N, d] contiguous float32, norm [d] float32, head (w, scale, mins)");
-  const int64_t N = x.size(0), d = x.size(1), V = out_features(head.data(), d);
+  const int64_t N = x.size(0), d = x.size(1), V = out_features("llama_head", head.data(), d);
   TORCH_CHECK(out.dim() == 2 && out.size(0) == N && out.size(1) == V && out.scalar_type() == at::kFloat &&
               out.is_contiguous(), "llama_head: out [N, vocab] contiguous float32");
   const size_t bytes = Arena::round(4 * N * d) + Arena::round(N * d) + 3 * Arena::round(4 * N * d / 32);

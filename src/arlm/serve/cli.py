@@ -32,8 +32,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         args.quantize = ("none" if args.device != "cpu" or not kernels.native_available() else
                          "auto" if kernels.packed_available() else "int8")
-    if args.kv_dtype not in ("auto", "float32"):  # the paged pool takes the model's dtype (float32 on CPU)
-        raise UsageError(f"arlm serve: error: --kv-dtype {args.kv_dtype}: the serving KV pool is float32")
+    pool_dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if args.device.startswith("cuda") else "float32")
+    if args.kv_dtype not in ("auto", pool_dtype):
+        raise UsageError(f"arlm serve: error: --kv-dtype {args.kv_dtype}: the serving KV pool takes the model's "
+                         f"dtype ({pool_dtype})")
     api_key = args.api_key or os.environ.get("ARLM_API_KEY") or None
     config = EngineConfig(block_size=args.block_size, kv_cache_memory=memory, kv_cache_tokens=args.kv_cache_tokens,
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
