@@ -203,3 +203,21 @@ def test_native_step_long_rows():
     for b, p in enumerate(prompts):
         alone = _step_logits(quantized, [p], 6, native_decode_fn(quantized, KVCache.for_model(model.config, 1, 540)))
         assert torch.equal(alone[:, 0], together[:, b])
+
+
+def test_native_step_rows_over_1024_slots_in_chunks():
+    # Rows with more than 1,024 cached slots are attended in chunks of 1,024 (decode.cpp's split-K,
+    # combined by each chunk's max and sum): still the modules' result (float32: 1e-4 of the
+    # logits' scale), and a row's logits do not depend on its batch (bitwise, quantized), with
+    # rows of one, two and three chunks side by side.
+    model = arlm_from_hf(hf_llama(seed=13, max_position_embeddings=2200))
+    prompts = [[(7 * i) % 190 + 2 for i in range(1100)], [5, 6, 7], [(3 * i) % 190 + 2 for i in range(2100)]]
+    native = native_decode_fn(model, KVCache.for_model(model.config, 3, 2110))
+    ref, got = _step_logits(model, prompts, 4, decode_step), _step_logits(model, prompts, 4, native)
+    assert (got - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
+    quantized = quantize(model, "int8")
+    native = native_decode_fn(quantized, KVCache.for_model(model.config, 3, 2110))
+    together = _step_logits(quantized, prompts, 4, native)
+    for b, p in enumerate(prompts):
+        alone = _step_logits(quantized, [p], 4, native_decode_fn(quantized, KVCache.for_model(model.config, 1, 2110)))
+        assert torch.equal(alone[:, 0], together[:, b])

@@ -104,14 +104,17 @@ inline __mmask16 tail_mask(int64_t left) {
 }
 #endif
 
-// s[j] = exp(s[j] - max(s)) in place for j < n; returns their sum. The same operations for each
-// element whatever n (16 at a time, the tail masked), so results do not depend on the batch.
-inline float softmax_numerators(float* s, int64_t n) {
+// s[j] = exp(s[j] - max(s)) in place for j < n; returns their sum (and the max in *max_out when
+// given). The same operations for each element whatever n (16 at a time, the tail masked), so
+// results do not depend on the batch.
+inline float softmax_numerators(float* s, int64_t n, float* max_out = nullptr) {
 #if defined(__AVX512F__)
   __m512 mv = _mm512_set1_ps(-INFINITY);
   for (int64_t j = 0; j < n; j += 16)
     mv = _mm512_max_ps(mv, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), tail_mask(n - j), s + j));
-  const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
+  const float top = _mm512_reduce_max_ps(mv);
+  if (max_out) *max_out = top;
+  const __m512 mx = _mm512_set1_ps(top);
   __m512 total = _mm512_setzero_ps();
   for (int64_t j = 0; j < n; j += 16) {
     const __mmask16 m = tail_mask(n - j);
@@ -123,6 +126,7 @@ inline float softmax_numerators(float* s, int64_t n) {
 #else
   float mx = -INFINITY, total = 0.f;
   for (int64_t j = 0; j < n; ++j) mx = std::max(mx, s[j]);
+  if (max_out) *max_out = mx;
   for (int64_t j = 0; j < n; ++j) total += (s[j] = std::exp(s[j] - mx));
   return total;
 #endif
@@ -201,7 +205,8 @@ inline void weighted_heads(const float* s, int64_t n, Spans spans, const float* 
       }
   });
   for (int h = 0; h < HB; ++h)
-    for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + h * hd + c * 16, _mm512_mul_ps(acc[h][c], _mm512_set1_ps(inv[h])));
+    for (int c = 0; c < C; ++c)
+      _mm512_storeu_ps(out + h * hd + c * 16, _mm512_mul_ps(acc[h][c], _mm512_set1_ps(inv[h])));
 }
 
 // weighted_heads over G heads, 16 / C at a time (16 accumulators).
@@ -229,16 +234,26 @@ inline void weighted_group(const float* s, int64_t n, int64_t G, Spans spans, co
 // same operations in the same order whatever G, the layout, the batch or the thread, so its
 // output does not depend on them. K/V rows of T (float or at::Half). s: G * (n + 1) floats of
 // scratch; out: G * hd floats.
+// With stats, the slots are one chunk of a longer row (split-K, combine_chunks below): out gets
+// the unnormalized sums sum_t exp(s_t - max) V_t, and stats[2h], stats[2h + 1] head h's max score
+// and sum of exp.
 template <typename T, typename Spans>
 inline void attend_group(const float* q, int64_t G, int64_t hd, int64_t n, float scale, Spans spans, float* s,
-                         float* out) {
+                         float* out, float* stats = nullptr) {
   int64_t t = 0;
   spans([&](const T* k, const T*, int64_t len) {
     for (int64_t j = 0; j < len; ++j, ++t)
       for (int64_t h = 0; h < G; ++h) s[h * n + t] = dot(q + h * hd, k + j * hd, hd) * scale;
   });
   float* inv = s + G * n;
-  for (int64_t h = 0; h < G; ++h) inv[h] = 1.f / softmax_numerators(s + h * n, n);
+  for (int64_t h = 0; h < G; ++h) {
+    if (!stats) {
+      inv[h] = 1.f / softmax_numerators(s + h * n, n);
+      continue;
+    }
+    stats[2 * h + 1] = softmax_numerators(s + h * n, n, stats + 2 * h);
+    inv[h] = 1.f;  // x * 1 is exact: the chunk's sums as they are
+  }
 #if defined(__AVX512F__)
   if (hd == 64) return weighted_group<4, T>(s, n, G, spans, inv, hd, out);
   if (hd == 128) return weighted_group<8, T>(s, n, G, spans, inv, hd, out);
@@ -252,6 +267,24 @@ inline void attend_group(const float* q, int64_t G, int64_t hd, int64_t n, float
   });
   for (int64_t h = 0; h < G; ++h)
     for (int64_t e = 0; e < hd; ++e) out[h * hd + e] *= inv[h];
+}
+
+// The attention output of G heads from C chunks' partial results (attend_group with stats; chunk
+// c's sums at part + c * G * hd, its stats at stats + c * 2 G): out = sum_c f_c o_c with
+// f_c = exp(m_c - M) / L, M the largest max, L = sum_c exp(m_c - M) l_c, in chunk order.
+inline void combine_chunks(const float* part, const float* stats, int64_t C, int64_t G, int64_t hd, float* out) {
+  for (int64_t h = 0; h < G; ++h) {
+    float top = -INFINITY, total = 0.f;
+    for (int64_t c = 0; c < C; ++c) top = std::max(top, stats[c * 2 * G + 2 * h]);
+    for (int64_t c = 0; c < C; ++c) total += std::exp(stats[c * 2 * G + 2 * h] - top) * stats[c * 2 * G + 2 * h + 1];
+    const float inv = 1.f / total;
+    float* o = out + h * hd;
+    for (int64_t c = 0; c < C; ++c) {
+      const float f = std::exp(stats[c * 2 * G + 2 * h] - top) * inv;
+      const float* p = part + (c * G + h) * hd;
+      for (int64_t e = 0; e < hd; ++e) o[e] = c == 0 ? p[e] * f : o[e] + p[e] * f;
+    }
+  }
 }
 
 }  // namespace arlm_kernels

@@ -39,6 +39,9 @@ constexpr int64_t kRows = 4;
 // Row-wise work (norms, RoPE) goes to the thread pool in tasks of this many rows: a batch of 32
 // splits across the cores, a single row stays on the calling thread (no hand-off).
 constexpr int64_t kRowsPerTask = 8;
+// Cached slots per attention task on long rows (decode_llama's split-K): below ~1k slots the two
+// extra passes cost more than the balance gains (docs/benchmarks.md, session 4).
+constexpr int64_t kChunk = 1024;
 
 #if defined(__AVX2__) && defined(__FMA__)
 using arlm_kernels::hsum;
@@ -120,7 +123,8 @@ void f32_linear_into(const float* xp, int64_t M, int64_t K, const at::Tensor& w,
 }
 
 at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& w) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "f32_linear: x [M, K] contiguous float32");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "f32_linear: x [M, K] contiguous float32");
   at::Tensor y = at::empty({x.size(0), w.size(0)}, x.options());
   f32_linear_into(x.data_ptr<float>(), x.size(0), x.size(1), w, y.data_ptr<float>(), w.size(0), false);
   return y;
@@ -154,7 +158,8 @@ void linear_into(const float* x, const arlm_kernels::Act8* xq, int64_t M, int64_
   const at::Tensor xt = at::from_blob(const_cast<float*>(x), {M, K}, at::TensorOptions().dtype(at::kFloat));
   at::Tensor r;
   if (w.scalar_type() == at::kByte) r = a8 ? q4_linear_a8(xt, w, scale, mins) : q4_linear(xt, w, scale, mins);
-  else if (w.scalar_type() == at::kChar) r = a8 && K % 32 == 0 ? int8_linear_a8(xt, w, scale) : int8_linear(xt, w, scale);
+  else if (w.scalar_type() == at::kChar)
+    r = a8 && K % 32 == 0 ? int8_linear_a8(xt, w, scale) : int8_linear(xt, w, scale);
   else TORCH_CHECK(false, "decode: unsupported weight dtype ", w.scalar_type());
   const float* rp = r.data_ptr<float>();
   const int64_t N = r.size(1);
@@ -283,14 +288,15 @@ struct Shapes {
 // SiLU * up, the 8-bit copy of the next linear's input, and attention scratch for `scratch`
 // floats per thread.
 struct Buffers {
-  float *h, *qkv, *attn, *gu, *act, *scores;
+  float *h, *qkv, *attn, *gu, *act, *scores, *partial;
   arlm_kernels::Act8 xq;
-  Buffers(const Shapes& s, int64_t scratch) {
+  Buffers(const Shapes& s, int64_t scratch, int64_t partial_floats = 0) {
     const int64_t N = s.N, G = N * s.kmax / 32, T = at::get_num_threads();
     const size_t floats = Arena::round(4 * N * s.d) + Arena::round(4 * N * s.qkv_dim) +
                           Arena::round(4 * N * s.H * s.hd) + Arena::round(4 * N * 2 * s.dff) +
                           Arena::round(4 * N * s.dff) +
-                          Arena::round(4 * T * scratch) + Arena::round(N * s.kmax) + 3 * Arena::round(4 * G);
+                          Arena::round(4 * T * scratch) + Arena::round(N * s.kmax) + 3 * Arena::round(4 * G) +
+                          Arena::round(4 * partial_floats);
     Arena arena(floats);
     h = arena.take<float>(N * s.d);
     qkv = arena.take<float>(N * s.qkv_dim);
@@ -299,6 +305,7 @@ struct Buffers {
     act = arena.take<float>(N * s.dff);
     scores = arena.take<float>(T * scratch);
     xq = {arena.take<int8_t>(N * s.kmax), arena.take<float>(G), arena.take<float>(G), arena.take<int32_t>(G)};
+    partial = arena.take<float>(partial_floats);
   }
 };
 
@@ -379,40 +386,82 @@ void decode_llama(const at::Tensor& x, at::TensorList weights, const at::Tensor&
   TORCH_CHECK(k_cache.size(1) == B && k_cache.size(2) == n_kv_heads && n_kv_heads > 0 && n_head % n_kv_heads == 0 &&
               hd % 2 == 0, "decode_llama: cache shape does not match the batch or the heads");
   TORCH_CHECK(0 < kv_len && kv_len <= T, "decode_llama: kv_len out of range");
-  check_common("decode_llama", x, weights, L, pos, cos, sin, hd, T);  // a finished row may sit past kv_len: written, never read
+  // (a finished row may sit past kv_len: written, never read)
+  check_common("decode_llama", x, weights, L, pos, cos, sin, hd, T);
   const Shapes s("decode_llama", B, x.size(1), weights, L, n_head, n_kv_heads, hd);
   const int64_t* pp = pos.data_ptr<int64_t>();
   const int64_t H = n_head, Hkv = n_kv_heads, group = H / Hkv, qkv_dim = s.qkv_dim;
   const float scale = 1.f / std::sqrt(static_cast<float>(hd));
   const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
-  Buffers buf(s, group * (kv_len + 1));
+  // Rows longer than kChunk slots are attended in chunks of kChunk (split-K, "flash decoding"):
+  // a batch of one has only H_kv tasks otherwise, too few to keep the threads busy on a long
+  // context. The chunks depend on the row's own length only, and a row of one chunk gets exactly
+  // the unsplit result, so rows stay independent of their batch.
+  int64_t longest = 0;
+  for (int64_t b = 0; b < B; ++b) longest = std::max(longest, std::min(pp[b] + 1, kv_len));
+  const int64_t chunks = longest > kChunk ? (longest + kChunk - 1) / kChunk : 1;
+  Buffers buf(s, group * (std::min(longest, kChunk) + 1), chunks > 1 ? B * Hkv * chunks * group * (hd + 2) : 0);
 
   // One (row, KV head) per task: RoPE on its key and its query heads, the new K/V into slot pos,
   // attention of the query heads over the row's slots, and the output quantized for wo. The
   // cache holds float32 or float16 (E); everything else is float32.
   auto attend_in = [&](auto* kc, auto* vc, int64_t l, float* qkv, const arlm_kernels::Act8* xq) {
-    auto* kl = kc + l * B * Hkv * T * hd;
-    auto* vl = vc + l * B * Hkv * T * hd;
+    using E = std::remove_pointer_t<decltype(kc)>;
+    E* kl = kc + l * B * Hkv * T * hd;
+    E* vl = vc + l * B * Hkv * T * hd;
     const bool fused = xq && group * hd % 32 == 0;  // the task's output is whole groups of 32
-    at::parallel_for(0, B * Hkv, 1, [&](int64_t i0, int64_t i1) {
-      float* scratch = buf.scores + at::get_thread_num() * group * (kv_len + 1);
-      for (int64_t i = i0; i < i1; ++i) {
-        const int64_t b = i / Hkv, j = i % Hkv, n = std::min(pp[b] + 1, kv_len);
-        float* row = qkv + b * qkv_dim;
-        float *q = row + j * group * hd, *k = row + (H + j) * hd, *v = row + (H + Hkv + j) * hd;
-        const float *c = cp + pp[b] * hd, *sn = sp + pp[b] * hd;
-        rope(k, c, sn, hd);
-        for (int64_t h = 0; h < group; ++h) rope(q + h * hd, c, sn, hd);
-        auto* K = kl + (b * Hkv + j) * T * hd;
-        auto* V = vl + (b * Hkv + j) * T * hd;
-        arlm_kernels::store_row(k, hd, K + pp[b] * hd);
-        arlm_kernels::store_row(v, hd, V + pp[b] * hd);
-        float* out = buf.attn + b * H * hd + j * group * hd;
-        using E = std::remove_pointer_t<decltype(K)>;
-        arlm_kernels::attend_group<E>(q, group, hd, n, scale, [&](auto f) { f(K, V, n); }, scratch, out);
-        if (fused) arlm_kernels::quantize_span(out, group * hd, *xq, b * H * hd + j * group * hd);
-      }
-    });
+    auto rope_and_store = [&](int64_t b, int64_t j) {
+      float* row = qkv + b * qkv_dim;
+      float *k = row + (H + j) * hd, *v = row + (H + Hkv + j) * hd;
+      const float *c = cp + pp[b] * hd, *sn = sp + pp[b] * hd;
+      rope(k, c, sn, hd);
+      for (int64_t h = 0; h < group; ++h) rope(row + (j * group + h) * hd, c, sn, hd);
+      arlm_kernels::store_row(k, hd, kl + ((b * Hkv + j) * T + pp[b]) * hd);
+      arlm_kernels::store_row(v, hd, vl + ((b * Hkv + j) * T + pp[b]) * hd);
+    };
+    auto finish = [&](int64_t b, int64_t j) {
+      const int64_t off = (b * H + j * group) * hd;  // the task's outputs in buf.attn
+      if (fused) arlm_kernels::quantize_span(buf.attn + off, group * hd, *xq, off);
+    };
+    if (chunks == 1) {  // every row in one pass: RoPE, the cache write, attention, quantize
+      at::parallel_for(0, B * Hkv, 1, [&](int64_t i0, int64_t i1) {
+        float* scratch = buf.scores + at::get_thread_num() * group * (longest + 1);
+        for (int64_t i = i0; i < i1; ++i) {
+          const int64_t b = i / Hkv, j = i % Hkv, n = std::min(pp[b] + 1, kv_len);
+          rope_and_store(b, j);
+          const E *K = kl + (b * Hkv + j) * T * hd, *V = vl + (b * Hkv + j) * T * hd;
+          arlm_kernels::attend_group<E>(qkv + b * qkv_dim + j * group * hd, group, hd, n, scale,
+                                        [&](auto f) { f(K, V, n); }, scratch, buf.attn + (b * H + j * group) * hd);
+          finish(b, j);
+        }
+      });
+    } else {  // RoPE and the cache writes; then one task per (row, KV head, chunk); then the combine
+      at::parallel_for(0, B * Hkv, 1, [&](int64_t i0, int64_t i1) {
+        for (int64_t i = i0; i < i1; ++i) rope_and_store(i / Hkv, i % Hkv);
+      });
+      const int64_t part = group * hd, stat = 2 * group;  // floats of one chunk's sums and stats
+      float* stats = buf.partial + B * Hkv * chunks * part;
+      at::parallel_for(0, B * Hkv * chunks, 1, [&](int64_t i0, int64_t i1) {
+        float* scratch = buf.scores + at::get_thread_num() * group * (kChunk + 1);
+        for (int64_t i = i0; i < i1; ++i) {
+          const int64_t bj = i / chunks, c = i % chunks, b = bj / Hkv, j = bj % Hkv;
+          const int64_t n = std::min(pp[b] + 1, kv_len), t0 = c * kChunk, len = std::min(kChunk, n - t0);
+          if (len <= 0) continue;  // this row has fewer chunks
+          const E *K = kl + (bj * T + t0) * hd, *V = vl + (bj * T + t0) * hd;
+          arlm_kernels::attend_group<E>(qkv + b * qkv_dim + j * group * hd, group, hd, len, scale,
+                                        [&](auto f) { f(K, V, len); }, scratch, buf.partial + i * part,
+                                        stats + i * stat);
+        }
+      });
+      at::parallel_for(0, B * Hkv, 1, [&](int64_t i0, int64_t i1) {
+        for (int64_t i = i0; i < i1; ++i) {
+          const int64_t b = i / Hkv, j = i % Hkv, n = std::min(pp[b] + 1, kv_len);
+          arlm_kernels::combine_chunks(buf.partial + i * chunks * part, stats + i * chunks * stat,
+                                       (n + kChunk - 1) / kChunk, group, hd, buf.attn + (b * H + j * group) * hd);
+          finish(b, j);
+        }
+      });
+    }
     if (xq && !fused)
       at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
         for (int64_t b = b0; b < b1; ++b) arlm_kernels::quantize_span(buf.attn + b * H * hd, H * hd, *xq, b * H * hd);
