@@ -91,13 +91,13 @@ def bench_engine(threads: int, context: int, quantize: str) -> dict:
     model, cfg = llm.model, llm.model.config
     out: dict = {"quantization": llm.quantization, "context": context, "decode": {}}
     print(f"\n== engine alone: decode step at {context} tokens of context, {threads} thread(s), "
-          f"{llm.quantization or 'fp32'} weights ==")
+          f"{llm.quantization or 'fp32'} weights, {str(llm.kv_dtype).removeprefix('torch.')} KV ==")
     print(f"{'batch':>5} {'contiguous ms':>14} {'paged ms':>9} {'paged/contig':>12} {'Engine.step ms':>15} {'tokens/s':>9}")
     for B in (1, 8, 32):
         g = torch.Generator().manual_seed(B)
         prompt = torch.randint(0, cfg.vocab_size, (B, context), generator=g)
         with torch.inference_mode():
-            cache = KVCache.for_model(cfg, B, context + 16)
+            cache = KVCache.for_model(cfg, B, context + 16, dtype=llm.kv_dtype)
             model(prompt, torch.arange(context).expand(B, context), kv_cache=cache, kv_len=context,
                   output_index=torch.full((B,), context - 1))
             tok, pos = prompt[:, :1].clone(), torch.full((B, 1), context)
@@ -105,7 +105,8 @@ def bench_engine(threads: int, context: int, quantize: str) -> dict:
             # layer stack over the pool where it applies): [B] flattened tokens, one per sequence.
             bs = 16
             per_seq = -(-(context + 1) // bs)
-            paged_engine = Engine(model, llm.tokenizer.eos_ids, EngineConfig(kv_cache_tokens=(B * per_seq + 1) * bs))
+            paged_engine = Engine(model, llm.tokenizer.eos_ids,
+                                  EngineConfig(kv_cache_tokens=(B * per_seq + 1) * bs, kv_dtype=llm.kv_dtype))
             pool = paged_engine.cache
             table = torch.arange(1, B * per_seq + 1).view(B, per_seq)
             pool.set_batch(table, torch.arange(B).repeat_interleave(context))
@@ -117,7 +118,8 @@ def bench_engine(threads: int, context: int, quantize: str) -> dict:
             contiguous, paged = median_times([lambda: step_fn(model, cache, tok, pos, context + 1),
                                               lambda: paged_engine._forward(ptok, ppos, rows)])
         # A whole engine step: scheduling, the forward pass, per-request sampling, bookkeeping.
-        engine = Engine(model, llm.tokenizer.eos_ids, EngineConfig(kv_cache_tokens=B * (context + 64)))
+        engine = Engine(model, llm.tokenizer.eos_ids, EngineConfig(kv_cache_tokens=B * (context + 64),
+                                                                   kv_dtype=llm.kv_dtype))
         for i in range(B):
             engine.add_request(str(i), prompt[i].tolist(), SamplingParams(max_new_tokens=40, temperature=0,
                                                                           ignore_eos=True))
@@ -138,7 +140,8 @@ def bench_engine(threads: int, context: int, quantize: str) -> dict:
     params = SamplingParams(max_new_tokens=1, temperature=0)
     results = {}
     for caching in (False, True):
-        engine = Engine(model, llm.tokenizer.eos_ids, EngineConfig(kv_cache_tokens=4096, enable_prefix_caching=caching))
+        engine = Engine(model, llm.tokenizer.eos_ids, EngineConfig(kv_cache_tokens=4096, enable_prefix_caching=caching,
+                                                                   kv_dtype=llm.kv_dtype))
         t0 = time.perf_counter()
         firsts = [engine.generate([p], params)[0] for p in prompts]
         results[caching] = (engine.scheduler.stats.computed_tokens, time.perf_counter() - t0, firsts)

@@ -50,7 +50,6 @@ def bad_inputs(tmp: Path, gguf: Path) -> dict[str, tuple[list[str], str]]:
         "non-numeric-temperature": (["generate", "hi", "--temperature", "warm"], "temperature"),
         "chat-bad-top-p": (["chat", "--top-p", "2"], "top_p"),
         "unknown-kv-dtype": (["generate", "hi", "--kv-dtype", "int4"], "kv-dtype"),
-        "serve-kv-float16": (["serve", "--kv-dtype", "float16"], "float32"),
     }
 
 
@@ -71,7 +70,7 @@ def bad_runs(tmp_path_factory, smollm2_path):
 
 BAD_INPUTS = ["empty-prompt", "unknown-model-name", "missing-path", "not-gguf", "truncated-gguf",
               "dir-without-config", "negative-temperature", "top-p-zero", "top-p-above-one", "negative-top-k",
-              "non-numeric-temperature", "chat-bad-top-p", "unknown-kv-dtype", "serve-kv-float16"]
+              "non-numeric-temperature", "chat-bad-top-p", "unknown-kv-dtype"]
 
 
 @pytest.mark.parametrize("name", BAD_INPUTS)

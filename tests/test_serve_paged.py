@@ -101,11 +101,11 @@ def test_parse_size():
 
 # -- paged attention == contiguous cache -----------------------------------------------------------
 
-def paged_logits(model, prompts, chunk, use_kernel, block_size=8, next_token=7):
+def paged_logits(model, prompts, chunk, use_kernel, block_size=8, next_token=7, dtype=torch.float32):
     """Prefill `prompts` in chunks through a paged cache with scattered block tables, all sequences
     flattened into each forward; then one decode step. Returns (last prompt logits, decode logits)."""
     cfg = model.config
-    cache = PagedKVCache.for_model(cfg, 64, block_size, use_kernel=use_kernel)
+    cache = PagedKVCache.for_model(cfg, 64, block_size, dtype=dtype, use_kernel=use_kernel)
     perm = (torch.randperm(63, generator=torch.Generator().manual_seed(1)) + 1).tolist()
     tables, i = [], 0
     for p in prompts:  # scattered, non-contiguous blocks per sequence
@@ -140,11 +140,11 @@ def paged_logits(model, prompts, chunk, use_kernel, block_size=8, next_token=7):
     return torch.stack(first), decode
 
 
-def contiguous_logits(model, prompts, next_token=7):
+def contiguous_logits(model, prompts, next_token=7, dtype=torch.float32):
     firsts, decodes = [], []
     with torch.inference_mode():
         for p in prompts:
-            cache = KVCache.for_model(model.config, 1, 128)
+            cache = KVCache.for_model(model.config, 1, 128, dtype=dtype)
             L = len(p)
             firsts.append(model(torch.tensor([p]), torch.arange(L)[None], kv_cache=cache, kv_len=L,
                                 output_index=torch.tensor([L - 1]))[0])
@@ -167,6 +167,26 @@ def test_paged_attention_matches_contiguous_cache(pos_embedding, use_kernel):
         torch.testing.assert_close(decode, ref_decode, atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("use_kernel", [True, False], ids=["kernel", "torch"])
+def test_float16_pool_matches_float16_contiguous_cache(use_kernel):
+    # A float16 pool under a float32 model stores K/V rounded to float16 (nearest even, kernel and
+    # torch alike) and attends in float32: the same logits as a float16 contiguous cache, and
+    # visibly, but slightly, off the float32 cache's. Tolerance 1e-3 (logits up to ~21): the two
+    # paths compute K in different batch shapes, and float32 noise there can round an element to
+    # the neighbouring float16 (5e-4 relative) now and then.
+    if use_kernel and not native_available():
+        pytest.fail("the paged-attention kernel did not build (a C++ compiler is needed)")
+    m = tiny("rope")
+    prompts = prompts_of([37, 5, 50, 16, 1])
+    ref_first, ref_decode = contiguous_logits(m, prompts, dtype=torch.float16)
+    full_first, _ = contiguous_logits(m, prompts)
+    assert 0 < (ref_first - full_first).abs().max() < 1e-2 * full_first.abs().max()
+    for chunk in (64, 7):
+        first, decode = paged_logits(m, prompts, chunk, use_kernel, dtype=torch.float16)
+        torch.testing.assert_close(first, ref_first, atol=1e-3, rtol=0)
+        torch.testing.assert_close(decode, ref_decode, atol=1e-3, rtol=0)
+
+
 def test_kernel_is_batch_and_chunk_invariant(model):
     """Each query reads only its own sequence's keys in a fixed order: bit-identical logits."""
     if not native_available():
@@ -186,18 +206,20 @@ def engine(model, **kw) -> Engine:
     return Engine(model, eos_ids=(), config=EngineConfig(**kw))
 
 
-def test_batched_chunked_and_preempted_outputs_equal_alone(model):
+@pytest.mark.parametrize("kv_dtype", [None, torch.float16], ids=["model-dtype", "float16"])
+def test_batched_chunked_and_preempted_outputs_equal_alone(model, kv_dtype):
     prompts = prompts_of([30, 3, 17, 9, 24, 1, 40, 12])
     lengths = [12, 5, 9, 12, 3, 12, 7, 10]
     params = [SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
-    e = engine(model)
+    e = engine(model, kv_dtype=kv_dtype)
+    assert e.cache.k.dtype == (kv_dtype or torch.float32) and e.cache.use_kernel
     alone = [e.generate([p], sp)[0] for p, sp in zip(prompts, params)]
     assert [len(a) for a in alone] == lengths
     assert e.generate(prompts, params) == alone
-    small_chunks = engine(model, max_num_batched_tokens=5)
+    small_chunks = engine(model, max_num_batched_tokens=5, kv_dtype=kv_dtype)
     assert small_chunks.generate(prompts, params) == alone
     # 8 blocks of 8 tokens for 8 sequences of up to 52 tokens: they cannot all be resident.
-    tight = engine(model, kv_cache_tokens=64)
+    tight = engine(model, kv_cache_tokens=64, kv_dtype=kv_dtype)
     assert tight.generate(prompts, params) == alone
     assert tight.scheduler.stats.preemptions > 0
     for e_ in (e, small_chunks, tight):

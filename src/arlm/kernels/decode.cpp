@@ -488,8 +488,9 @@ void forward_llama_paged(const at::Tensor& x, at::TensorList weights, const at::
                          const at::Tensor& v_pool, const at::Tensor& block_table, const at::Tensor& seq_index,
                          const at::Tensor& pos, const at::Tensor& cos, const at::Tensor& sin, int64_t n_head,
                          int64_t n_kv_heads, double eps, bool a8) {
-  TORCH_CHECK(k_pool.dim() == 5 && k_pool.scalar_type() == at::kFloat && v_pool.sizes() == k_pool.sizes(),
-              "forward_llama_paged: float32 pools [L, n_blocks, H_kv, block_size, hd]");
+  TORCH_CHECK(k_pool.dim() == 5 && (k_pool.scalar_type() == at::kFloat || k_pool.scalar_type() == at::kHalf) &&
+              v_pool.sizes() == k_pool.sizes() && v_pool.scalar_type() == k_pool.scalar_type(),
+              "forward_llama_paged: float32 or float16 pools [L, n_blocks, H_kv, block_size, hd]");
   const int64_t L = k_pool.size(0), N = x.size(0), hd = k_pool.size(4);
   const int64_t H = n_head, Hkv = n_kv_heads;
   TORCH_CHECK(k_pool.size(2) == Hkv && Hkv > 0 && H % Hkv == 0 && hd % 2 == 0,
@@ -497,7 +498,7 @@ void forward_llama_paged(const at::Tensor& x, at::TensorList weights, const at::
   check_common("forward_llama_paged", x, weights, L, pos, cos, sin, hd, block_table.size(1) * k_pool.size(3));
   TORCH_CHECK(block_table.scalar_type() == at::kLong && block_table.is_contiguous() && block_table.dim() == 2 &&
               seq_index.scalar_type() == at::kLong && seq_index.is_contiguous() && seq_index.size(0) == N &&
-              k_pool.is_contiguous() && v_pool.is_contiguous() && v_pool.scalar_type() == at::kFloat,
+              k_pool.is_contiguous() && v_pool.is_contiguous(),
               "forward_llama_paged: contiguous int64 block_table [S, M] and seq_index [N], contiguous pools");
   const int64_t BS = k_pool.size(3), M = block_table.size(1), layer = k_pool[0].numel();
   const int64_t *table = block_table.data_ptr<int64_t>(), *seq = seq_index.data_ptr<int64_t>();
@@ -509,8 +510,9 @@ void forward_llama_paged(const at::Tensor& x, at::TensorList weights, const at::
   const int64_t qkv_dim = s.qkv_dim, group = H / Hkv;
   const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
   Buffers buf(s, arlm_kernels::paged_scratch(pp, N, H, Hkv));
-  auto attend = [&](int64_t l, float* qkv, const arlm_kernels::Act8* xq) {  // straight from the q/k/v rows
-    float *kp = k_pool.data_ptr<float>() + l * layer, *vp = v_pool.data_ptr<float>() + l * layer;
+  // straight from the q/k/v rows; the pools hold float32 or float16 (E)
+  auto attend_in = [&](auto* k_base, auto* v_base, int64_t l, float* qkv, const arlm_kernels::Act8* xq) {
+    auto *kp = k_base + l * layer, *vp = v_base + l * layer;
     at::parallel_for(0, N, 8, [&](int64_t i0, int64_t i1) {  // RoPE, then every token's K/V into the pool
       for (int64_t i = i0; i < i1; ++i) {
         for (int64_t j = 0; j < H + Hkv; ++j) rope(qkv + i * qkv_dim + j * hd, cp + pp[i] * hd, sp + pp[i] * hd, hd);
@@ -528,7 +530,18 @@ void forward_llama_paged(const at::Tensor& x, at::TensorList weights, const at::
         for (int64_t i = i0; i < i1; ++i) arlm_kernels::quantize_span(buf.attn + i * H * hd, H * hd, *xq, i * H * hd);
       });
   };
-  run_layers(x.data_ptr<float>(), s, weights, L, eps, a8, buf, attend);
+  using Act8 = arlm_kernels::Act8;
+  if (k_pool.scalar_type() == at::kHalf) {
+    auto attend = [&](int64_t l, float* qkv, const Act8* xq) {
+      attend_in(k_pool.data_ptr<at::Half>(), v_pool.data_ptr<at::Half>(), l, qkv, xq);
+    };
+    run_layers(x.data_ptr<float>(), s, weights, L, eps, a8, buf, attend);
+  } else {
+    auto attend = [&](int64_t l, float* qkv, const Act8* xq) {
+      attend_in(k_pool.data_ptr<float>(), v_pool.data_ptr<float>(), l, qkv, xq);
+    };
+    run_layers(x.data_ptr<float>(), s, weights, L, eps, a8, buf, attend);
+  }
 }
 
 // The final norm and the LM head: logits out [N, V] = head(rms_norm(x) * norm). head: (w, scale,

@@ -32,10 +32,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         args.quantize = ("none" if args.device != "cpu" or not kernels.native_available() else
                          "auto" if kernels.packed_available() else "int8")
-    pool_dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if args.device.startswith("cuda") else "float32")
-    if args.kv_dtype not in ("auto", pool_dtype):
-        raise UsageError(f"arlm serve: error: --kv-dtype {args.kv_dtype}: the serving KV pool takes the model's "
-                         f"dtype ({pool_dtype})")
     api_key = args.api_key or os.environ.get("ARLM_API_KEY") or None
     config = EngineConfig(block_size=args.block_size, kv_cache_memory=memory, kv_cache_tokens=args.kv_cache_tokens,
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -52,12 +48,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     for module in llm.model.modules():
         if getattr(module, "dense_weight", None) is not None:
             module.dense_weight = None
+    config.kv_dtype = llm.kv_dtype  # --kv-dtype, resolved as for generate (auto: float16 where the native stack runs)
     engine = Engine(llm.model, llm.tokenizer.eos_ids, config)
     name = args.served_model_name or args.model
     server = Server(llm, AsyncEngine(engine), name, api_key=api_key, max_body_bytes=args.max_body_bytes)
     cache = engine.cache
     print(f"arlm serve: model {name} ({llm.quantization or 'no quantization'}), KV pool {cache.n_blocks} blocks x "
-          f"{cache.block_size} tokens = {cache.nbytes / 2**20:.0f} MiB, context {engine.max_model_len} tokens, "
+          f"{cache.block_size} tokens = {cache.nbytes / 2**20:.0f} MiB ({str(cache.k.dtype).removeprefix('torch.')}), "
+          f"context {engine.max_model_len} tokens, "
           f"paged-attention kernel {'native' if cache.use_kernel else 'PyTorch fallback'}; "
           f"listening on http://{args.host}:{args.port}" + (" (API key required)" if api_key else ""),
           file=sys.stderr, flush=True)

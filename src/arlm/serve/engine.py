@@ -52,6 +52,7 @@ class EngineConfig:
     max_num_seqs: int = 64  # running sequences at most
     max_num_batched_tokens: int = 512  # tokens per forward pass (decodes + prompt chunks)
     enable_prefix_caching: bool = True
+    kv_dtype: torch.dtype | None = None  # the pool's dtype; None: the model's (float16 halves a step's K/V reads)
 
 
 @dataclass
@@ -103,8 +104,9 @@ class Engine:
         cfg = model.config
         param = next(model.parameters())
         self.device, dtype = param.device, param.dtype
-        # The pool holds activations' dtype: float32 unless the model runs in another float type.
-        dtype = dtype if dtype.is_floating_point else torch.float32
+        # The pool holds activations' dtype (float32 unless the model runs in another float type),
+        # or config.kv_dtype (arlm serve: float16 where the native layer stack reads it).
+        dtype = config.kv_dtype or (dtype if dtype.is_floating_point else torch.float32)
         bs = config.block_size
         if bs < 1:
             raise ValueError(f"block size must be >= 1, got {bs}")

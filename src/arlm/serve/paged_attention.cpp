@@ -5,16 +5,19 @@
 
 #include "../kernels/paged_attention.h"
 
-// q [N, H, D]; k, v [N, Hkv, D]; k_pool, v_pool [n_blocks, Hkv, BS, D] (written in place);
+// q [N, H, D]; k, v [N, Hkv, D] float32; k_pool, v_pool [n_blocks, Hkv, BS, D] float32 or float16 (written in place);
 // block_table [S, M], seq, pos [N]: int64. Returns [N, H, D].
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor k_pool,
                            at::Tensor v_pool, const at::Tensor& block_table, const at::Tensor& seq,
                            const at::Tensor& pos, double scale) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && k_pool.dim() == 4 && v_pool.dim() == 4,
               "paged_attention: q [N,H,D], k/v [N,Hkv,D], pools [n_blocks,Hkv,BS,D]");
-  for (const at::Tensor& t : {q, k, v, k_pool, v_pool}) {
-    TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous(), "paged_attention: contiguous float32");
+  for (const at::Tensor& t : {q, k, v}) {
+    TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous(), "paged_attention: contiguous float32 q, k, v");
   }
+  TORCH_CHECK((k_pool.scalar_type() == at::kFloat || k_pool.scalar_type() == at::kHalf) &&
+              v_pool.scalar_type() == k_pool.scalar_type() && k_pool.is_contiguous() && v_pool.is_contiguous(),
+              "paged_attention: contiguous float32 or float16 pools");
   TORCH_CHECK(block_table.scalar_type() == at::kLong && seq.scalar_type() == at::kLong && pos.scalar_type() == at::kLong
               && block_table.is_contiguous() && seq.is_contiguous() && pos.is_contiguous(),
               "paged_attention: block_table, seq, pos contiguous int64");
@@ -27,9 +30,13 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   const int64_t* pp = pos.data_ptr<int64_t>();
   arlm_kernels::check_block_table("paged_attention", bt, block_table.size(0), M, sp, pp, N, BS, n_blocks);
   at::Tensor out = at::empty({N, H, D}, q.options());
-  arlm_kernels::paged_attention(q.data_ptr<float>(), H * D, k.data_ptr<float>(), v.data_ptr<float>(), Hkv * D,
-                                k_pool.data_ptr<float>(), v_pool.data_ptr<float>(), bt, M, sp, pp, N, H, Hkv, D,
-                                BS, static_cast<float>(scale), out.data_ptr<float>());
+  auto run = [&](auto* kp, auto* vp) {
+    arlm_kernels::paged_attention(q.data_ptr<float>(), H * D, k.data_ptr<float>(), v.data_ptr<float>(), Hkv * D, kp,
+                                  vp, bt, M, sp, pp, N, H, Hkv, D, BS, static_cast<float>(scale),
+                                  out.data_ptr<float>());
+  };
+  if (k_pool.scalar_type() == at::kHalf) run(k_pool.data_ptr<at::Half>(), v_pool.data_ptr<at::Half>());
+  else run(k_pool.data_ptr<float>(), v_pool.data_ptr<float>());
   return out;
 }
 

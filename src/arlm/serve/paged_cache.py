@@ -51,7 +51,8 @@ class PagedKVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.block_size = block_size
         if use_kernel is None:
-            use_kernel = self.k.device.type == "cpu" and dtype == torch.float32 and native_available()
+            use_kernel = (self.k.device.type == "cpu" and dtype in (torch.float32, torch.float16)
+                          and native_available())
         self.use_kernel = use_kernel
         self.block_table: torch.Tensor | None = None  # [S, max_blocks] int64, S sequences this step
         self.seq_index: torch.Tensor | None = None  # [N] int64, row of block_table per token
@@ -96,7 +97,7 @@ class PagedKVCache:
         assert q.shape[0] == 1, "the paged cache takes a flattened batch: [1, N] tokens"
         pos = input_pos[0]
         q3, k3, v3 = (t[0].transpose(0, 1).contiguous() for t in (q, k, v))  # [N, heads, d_head]
-        if self.use_kernel:
+        if self.use_kernel and q3.dtype == torch.float32:
             y = torch.ops.arlm_serve.paged_attention(q3, k3, v3, self.k[layer], self.v[layer], self.block_table,
                                                      self.seq_index, pos.contiguous(), q.shape[-1] ** -0.5)
         else:
@@ -111,12 +112,13 @@ class PagedKVCache:
         rows = torch.arange(len(pos), device=pos.device)
         blocks = table[rows, pos // bs]
         k_pool, v_pool = self.k[layer], self.v[layer]  # [n_blocks, H_kv, bs, d]
-        k_pool[blocks, :, pos % bs] = k
-        v_pool[blocks, :, pos % bs] = v
+        k_pool[blocks, :, pos % bs] = k.to(k_pool.dtype)
+        v_pool[blocks, :, pos % bs] = v.to(v_pool.dtype)
         n = int(pos.max()) // bs + 1  # blocks the longest query reads
         N, H_kv, d = k.shape
-        keys = k_pool[table[:, :n]].transpose(1, 2).reshape(N, H_kv, n * bs, d)  # [N, H_kv, n*bs, d]
-        values = v_pool[table[:, :n]].transpose(1, 2).reshape(N, H_kv, n * bs, d)
+        # [N, H_kv, n*bs, d], widened to q's dtype where the pool is narrower
+        keys = k_pool[table[:, :n]].transpose(1, 2).reshape(N, H_kv, n * bs, d).to(q.dtype)
+        values = v_pool[table[:, :n]].transpose(1, 2).reshape(N, H_kv, n * bs, d).to(q.dtype)
         mask = (torch.arange(n * bs, device=pos.device)[None, :] <= pos[:, None])[:, None, None, :]
         y = F.scaled_dot_product_attention(q[:, :, None, :], keys, values, attn_mask=mask,
                                            enable_gqa=q.shape[1] != H_kv)
