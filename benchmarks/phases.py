@@ -76,10 +76,12 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--kv-dtype", default="auto", choices=("auto", "float32", "float16"),
+                    help="KV cache dtype (default: what LLM.load picks, float16 on this path)")
     ap.add_argument("--json", type=Path, default=None, help="write every figure here")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    llm = LLM.load("smollm2")
+    llm = LLM.load("smollm2", kv_dtype=args.kv_dtype)
     print(f"arlm {llm.quantization} weights, KV cache {str(llm.kv_dtype).removeprefix('torch.')}, "
           f"{args.threads} threads; ms per step (best of {args.repeat} x {args.steps} steps)")
     cases = [(1, 32), (1, 512), (8, 32), (32, 32)]
@@ -96,7 +98,7 @@ def main() -> int:
     print(f"{'K/V GB/s':10s}" + "".join(f"{r['attention_kv_gb_per_s']:14.1f}" for r in results))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"threads": args.threads, "cases": results}, indent=1))
+        args.json.write_text(json.dumps({"threads": args.threads, "kv_dtype": str(llm.kv_dtype), "cases": results}, indent=1))
     return 0
 
 

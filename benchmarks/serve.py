@@ -74,7 +74,7 @@ def median_times(fns: list, repeat: int = 10) -> list[float]:
     return [statistics.median(t) for t in times]
 
 
-def bench_engine(threads: int, context: int, quantize: str) -> dict:
+def bench_engine(threads: int, context: int, quantize: str, kv_dtype: str = "auto") -> dict:
     import torch
 
     from arlm import kernels
@@ -87,7 +87,7 @@ def bench_engine(threads: int, context: int, quantize: str) -> dict:
     torch.set_num_threads(threads)
     if quantize == "auto":  # what `arlm serve --quantize auto` picks on CPU (serve/cli.py)
         quantize = "auto" if kernels.packed_available() else "int8"
-    llm = LLM.load("smollm2", quantize=quantize)
+    llm = LLM.load("smollm2", quantize=quantize, kv_dtype=kv_dtype)
     model, cfg = llm.model, llm.model.config
     out: dict = {"quantization": llm.quantization, "context": context, "decode": {}}
     print(f"\n== engine alone: decode step at {context} tokens of context, {threads} thread(s), "
@@ -317,6 +317,8 @@ def main() -> None:
     p.add_argument("--llama-server", default=None, help="path to llama.cpp's llama-server binary")
     p.add_argument("--no-sequential", action="store_true", help="skip the one-at-a-time baseline")
     p.add_argument("--servers", default="both", choices=("both", "arlm", "llama.cpp"), help="which servers to load")
+    p.add_argument("--kv-dtype", default="auto", choices=("auto", "float32", "float16"),
+                   help="KV cache and pool dtype of the engine-alone part (default: what arlm serve picks)")
     p.add_argument("--quantize", default="auto", choices=("auto", "int8", "q4"),
                    help="weights for the engine alone and for arlm serve (default: arlm serve's own default)")
     p.add_argument("--skip-engine", action="store_true")
@@ -326,7 +328,7 @@ def main() -> None:
     print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} (other work skews every number)")
     results = {}
     if not args.skip_engine:
-        results["engine"] = bench_engine(args.threads, args.context, args.quantize)
+        results["engine"] = bench_engine(args.threads, args.context, args.quantize, args.kv_dtype)
     if not args.skip_http:
         results["http"] = bench_http(args)
     if args.json:
