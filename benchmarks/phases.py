@@ -78,13 +78,20 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--kv-dtype", default="auto", choices=("auto", "float32", "float16"),
                     help="KV cache dtype (default: what LLM.load picks, float16 on this path)")
+    ap.add_argument("--cases", default="1x32,1x512,8x32,32x32",
+                    help="comma-separated BATCHxCONTEXT cases (default: %(default)s)")
     ap.add_argument("--json", type=Path, default=None, help="write every figure here")
     args = ap.parse_args()
+    try:
+        cases = [tuple(int(v) for v in c.split("x")) for c in args.cases.split(",")]
+        if any(len(c) != 2 or min(c) < 1 for c in cases):
+            raise ValueError
+    except ValueError:
+        ap.error(f"--cases: expected BATCHxCONTEXT[,...] with positive integers, got {args.cases!r}")
     torch.set_num_threads(args.threads)
     llm = LLM.load("smollm2", kv_dtype=args.kv_dtype)
     print(f"arlm {llm.quantization} weights, KV cache {str(llm.kv_dtype).removeprefix('torch.')}, "
           f"{args.threads} threads; ms per step (best of {args.repeat} x {args.steps} steps)")
-    cases = [(1, 32), (1, 512), (8, 32), (32, 32)]
     results = [run_case(llm, b, c, args.steps, args.repeat) for b, c in cases]
     names = [f"b{r['batch']} ctx{r['context']}" for r in results]
     print(f"{'pass':10s}" + "".join(f"{n:>14s}" for n in names))
