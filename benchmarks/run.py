@@ -8,7 +8,9 @@ bench-peers`), llama.cpp on the same GGUF with the same thread count:
   decode tokens/s at batch 1 (short prompt, and 512 tokens of context), batch 8, batch 32;
   prefill tokens/s for a 512-token prompt (time to first token, as a user sees it).
 Prints each ratio arlm/peer and the fraction of the bandwidth ceiling each decode reaches
-(bytes of weights + KV read per step / step time / measured bandwidth).
+(bytes of weights + KV read per step / step time / measured bandwidth), and the most batch 32
+could gain over batch 1 if only its linear layers cost time (their share of a batch-32 step, from
+the native step's pass timer: benchmarks/phases.py).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from arlm.generate import Generation  # noqa: E402
 from arlm.llm import LLM  # noqa: E402
@@ -91,6 +94,19 @@ def arlm_decode(llm: LLM, prompts: list[list[int]], new_tokens: int, repeat: int
     kv_per_step = s.kv_cache_bytes / gen.cache.capacity * (len(prompts[0]) + new_tokens / 2)
     return {"tokens_per_s": s.decode_tokens_per_s, "step_s": s.decode_seconds / (s.decode_tokens / len(prompts)),
             "prefill_tokens_per_s": s.prefill_tokens_per_s, "kv_bytes_per_step": kv_per_step}
+
+
+def linears_share_s(llm: LLM, rows: int) -> float | None:
+    """Seconds of a `rows`-row native decode step (context 32) spent in its linear layers (q/k/v,
+    output, gate/up, down, LM head), from the step's own per-pass timer (benchmarks/phases.py);
+    None where the native step does not run."""
+    from phases import run_case
+
+    try:
+        r = run_case(llm, rows, 32, steps=20, repeat=3)
+    except SystemExit:
+        return None
+    return sum(r["phases_ms"][p] for p in ("qkv", "wo", "gate_up", "down", "head")) / 1e3
 
 
 def hf_load():
@@ -210,6 +226,16 @@ def main() -> int:
                 ratios[f"{engine}/{peer}/{case}"] = r["tokens_per_s"] / peers[f"{peer}/{case}"]["tokens_per_s"]
     default = next(iter(engines))
     ratios[f"{default}/b32_over_b1"] = figures[f"{default}/b32"]["tokens_per_s"] / figures[f"{default}/b1_short"]["tokens_per_s"]
+    # What batch 32 could reach at most against this run's batch 1: 32 rows a step, and a step no
+    # faster than its linear layers (attention, norms, SiLU and sampling free).
+    floor = linears_share_s(engines[default], 32)
+    if floor:
+        res["b32_linears_s"] = floor
+        ratios[f"{default}/b32_over_b1_bound"] = 32 * figures[f"{default}/b1_short"]["step_s"] / floor
+        print(f"\n{default}: batch 32's linear layers take {floor * 1e3:.1f} ms of a step; against this run's "
+              f"batch-1 step ({figures[f'{default}/b1_short']['step_s'] * 1e3:.2f} ms) batch 32 could reach at "
+              f"most {ratios[f'{default}/b32_over_b1_bound']:.2f}x batch 1's tokens/s with everything else free "
+              f"(measured: {ratios[f'{default}/b32_over_b1']:.2f}x)")
     print("\nratios (arlm / peer; >1 means arlm is faster):")
     for k, v in ratios.items():
         print(f"  {k:40s} {v:6.2f}x")
