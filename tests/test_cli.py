@@ -50,6 +50,12 @@ def bad_inputs(tmp: Path, gguf: Path) -> dict[str, tuple[list[str], str]]:
         "non-numeric-temperature": (["generate", "hi", "--temperature", "warm"], "temperature"),
         "chat-bad-top-p": (["chat", "--top-p", "2"], "top_p"),
         "unknown-kv-dtype": (["generate", "hi", "--kv-dtype", "int4"], "kv-dtype"),
+        "bogus-device": (["generate", "hi", "--device", "bogus"], "--device"),
+        "unsupported-device": (["generate", "hi", "--device", "meta"], "cpu or cuda"),
+        "empty-device": (["chat", "--device", ""], "--device"),
+        "seed-too-large": (["generate", "hi", "--seed", "9" * 25], "seed"),
+        "chat-zero-context": (["chat", "--max-context", "0"], "max-context"),
+        "chat-context-below-reply": (["chat", "--max-context", "64", "--max-new-tokens", "64"], "max-context"),
     }
 
 
@@ -70,7 +76,8 @@ def bad_runs(tmp_path_factory, smollm2_path):
 
 BAD_INPUTS = ["empty-prompt", "unknown-model-name", "missing-path", "not-gguf", "truncated-gguf",
               "dir-without-config", "negative-temperature", "top-p-zero", "top-p-above-one", "negative-top-k",
-              "non-numeric-temperature", "chat-bad-top-p", "unknown-kv-dtype"]
+              "non-numeric-temperature", "chat-bad-top-p", "unknown-kv-dtype", "bogus-device", "unsupported-device",
+              "empty-device", "seed-too-large", "chat-zero-context", "chat-context-below-reply"]
 
 
 @pytest.mark.parametrize("name", BAD_INPUTS)
@@ -123,3 +130,20 @@ def test_chat_through_stdin_two_turns(smollm2):
     cached = [int(line.split(",")[1].split()[0]) for line in stats]
     assert new == prefills
     assert new[1] < 20 and new[1] < cached[1] / 3  # turn two prefills only its own tokens
+
+
+def test_prompt_bytes_that_are_not_utf8_become_replacement_characters():
+    r = subprocess.run([sys.executable, "-m", "arlm", "generate", b"ab\xff\xfecd", "--temperature", "0",
+                        "--max-new-tokens", "2", "--quantize", "none"], capture_output=True, env=ENV, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("ab\ufffd\ufffdcd".encode()), r.stdout
+
+
+def test_chat_turn_that_does_not_fit_fails_the_exit_code_not_the_session():
+    too_long = "word " * 400
+    r = arlm("chat", "--temperature", "0", "--max-new-tokens", "8", "--max-context", "256", "--quantize", "none",
+             stdin=f"{too_long}\nHello!\n")
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert "a reply of up to 8 tokens" in r.stderr and "do not fit the context window of 256" in r.stderr
+    assert len([line for line in r.stderr.splitlines() if line.startswith("[prefilled")]) == 1  # turn two ran
+    assert r.stdout.strip()

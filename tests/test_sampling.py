@@ -183,7 +183,8 @@ def test_greedy_is_argmax_and_seed_reproduces():
 
 @pytest.mark.parametrize("bad", [dict(temperature=-0.1), dict(temperature=math.nan), dict(top_p=0.0),
                                  dict(top_p=1.5), dict(top_k=-1), dict(min_p=-0.1), dict(min_p=1.1),
-                                 dict(repetition_penalty=0.0), dict(max_new_tokens=0), dict(stop=[""])])
+                                 dict(repetition_penalty=0.0), dict(max_new_tokens=0), dict(stop=[""]),
+                                 dict(seed=2**64), dict(seed=-(2**63) - 1), dict(seed=1.5)])
 def test_invalid_params_are_refused(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         SamplingParams(**bad)

@@ -41,6 +41,14 @@ def test_encode_matches_hf(smollm2, hf_smollm2_tokenizer, text):
     assert ours == hf_smollm2_tokenizer.encode(text, add_special_tokens=False)  # SmolLM2 adds no BOS
 
 
+def test_text_that_is_not_valid_unicode_encodes_with_replacement_characters(smollm2):
+    tok = smollm2.tokenizer
+    # "\udcff" is how Python hands over the byte 0xff from argv or stdin; "\ud800" a JSON escape
+    assert tok.encode("ab\udcff\udcfecd") == tok.encode("ab\ufffd\ufffdcd")
+    assert tok.encode("x\ud800y") == tok.encode("x" + "\ufffd" * 3 + "y")  # its 3 UTF-8 bytes, each invalid
+    assert tok.encode("ok ✓") == tok.backend.encode("ok ✓", add_special_tokens=False).ids
+
+
 def test_special_tokens_in_text_map_to_their_ids(smollm2):
     tok = smollm2.tokenizer
     ids = tok.encode("<|im_start|>user<|im_end|>")

@@ -361,3 +361,8 @@ def test_bad_input_is_one_clear_line(char_data, tmp_path, capsys):
                    "incompatible config: n_layer=1 there, 2 here")
     one_line_error(capsys, base + ["--init-from=smollm2", "--out-dir", str(tmp_path / "r2")],
                    "prepare it with `arlm prepare --tokenizer smollm2`")
+    (tmp_path / "other.txt").write_text("0123456789 xyz\n" * 500)  # another character set
+    prepare([tmp_path / "other.txt"], tmp_path / "other", tokenizer="char")
+    other = ["train", "--data-dir", str(tmp_path / "other")] + base[3:]
+    one_line_error(capsys, other + ["--max-steps=4", "--resume", "--out-dir", str(tmp_path / "r1")],
+                   "was not tokenized with the tokenizer of the run in")

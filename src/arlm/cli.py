@@ -26,6 +26,16 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{self.prog}: error: {message}")
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
 def _torch_dtype(name: str):
     import torch
 
@@ -77,14 +87,28 @@ def sampling_params(args: argparse.Namespace):
         raise UsageError(f"arlm: error: {e}") from None
 
 
+def check_device(name: str) -> None:
+    """--device names a CPU or an available CUDA device (checked before any model loads)."""
+    import torch
+
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise UsageError(f"arlm: error: --device {name!r}: expected cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda"):
+        raise UsageError(f"arlm: error: --device {name!r}: arlm runs on cpu or cuda[:N]")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UsageError(f"arlm: error: --device {name} requested but no CUDA device is available")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise UsageError(f"arlm: error: --device {name}: this machine has {torch.cuda.device_count()} "
+                             "CUDA device(s)")
+
+
 def load_llm(args: argparse.Namespace):
     from .llm import LLM
 
-    if args.device.startswith("cuda"):
-        import torch
-
-        if not torch.cuda.is_available():
-            raise UsageError("arlm: error: --device cuda requested but no CUDA device is available")
+    check_device(args.device)
     if args.threads is not None:
         if args.threads < 1:
             raise UsageError("arlm: error: --threads must be >= 1")
@@ -106,8 +130,11 @@ def stats_line(stats, prefix: str = "") -> str:
 # -- arlm generate ---------------------------------------------------------------------------------
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    from .tokenizer import valid_text
+
     if not args.prompt:
         raise UsageError("arlm generate: error: the prompt is empty")
+    args.prompt = valid_text(args.prompt)  # bytes that were not UTF-8 become U+FFFD
     params = sampling_params(args)
     llm = load_llm(args)
     if args.chat:
@@ -152,11 +179,18 @@ def add_generate(sub) -> None:
 
 def cmd_chat(args: argparse.Namespace) -> int:
     from .llm import ChatSession, PromptError
+    from .tokenizer import valid_text
 
     params = sampling_params(args)
+    if args.max_context <= params.max_new_tokens:
+        raise UsageError(f"arlm chat: error: --max-context ({args.max_context}) must be larger than "
+                         f"--max-new-tokens ({params.max_new_tokens}): the reply must fit beside the prompt")
     llm = load_llm(args)
+    if not llm.chat_template:
+        raise PromptError(f"model {llm.loaded.name} has no chat template (use `arlm generate` for plain text)")
     session = ChatSession(llm, params, system=args.system, max_context=args.max_context)
     interactive = sys.stdin.isatty()
+    failed = 0  # turns that got no reply: a non-zero exit at the end
     if interactive:
         print(f"arlm chat with {llm.loaded.name}: /reset starts over, /exit or Ctrl-D quits.", file=sys.stderr)
     while True:
@@ -164,7 +198,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
             line = input("> " if interactive else "")
         except EOFError:
             break
-        line = line.strip()
+        line = valid_text(line).strip()
         if not line:
             continue
         if line in ("/exit", "/quit"):
@@ -178,12 +212,15 @@ def cmd_chat(args: argparse.Namespace) -> int:
                 sys.stdout.flush()
         except PromptError as e:
             print(f"arlm chat: error: {e}", file=sys.stderr)
+            failed += 1
             continue
         sys.stdout.write("\n")
         gen = session.generation
         print(f"[prefilled {session.last_prefill_tokens} new tokens, {session.cache.seq_lens[0]} cached] "
               + stats_line(gen.stats), file=sys.stderr)
-    return 0
+    if failed:
+        print(f"arlm chat: {failed} message(s) got no reply", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def add_chat(sub) -> None:
@@ -191,7 +228,8 @@ def add_chat(sub) -> None:
     add_model_args(p)
     add_sampling_args(p, max_new_tokens=256)
     p.add_argument("--system", default=None, help="system message")
-    p.add_argument("--max-context", type=int, default=4096, help="KV cache size in tokens (default: 4096)")
+    p.add_argument("--max-context", type=_positive_int, default=4096,
+                   help="KV cache size in tokens, at most the model's context window (default: 4096)")
     p.set_defaults(func=cmd_chat)
 
 
@@ -225,14 +263,15 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:
         print(str(e), file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader went away (`arlm generate ... | head`): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        return 1
     except (LoadError, ConfigError, ValueError, OSError) as e:
         print(f"arlm: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("\narlm: interrupted", file=sys.stderr)
         return 130
-    except BrokenPipeError:
-        return 1
     except Exception as e:  # noqa: BLE001 - the last line of defence against a traceback
         if os.environ.get("ARLM_DEBUG"):
             raise

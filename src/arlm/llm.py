@@ -260,8 +260,10 @@ class ChatSession:
             keep += 1
         keep = min(keep, len(ids) - 1)  # at least one new token to prefill
         if len(ids) + self.params.max_new_tokens > self.cache.capacity:
-            raise PromptError(f"the conversation ({len(ids)} tokens) no longer fits the context window "
-                              f"of {self.cache.capacity} tokens; start a new chat")
+            raise PromptError(f"the conversation ({len(ids)} tokens) and a reply of up to {self.params.max_new_tokens} "
+                              f"tokens (max_new_tokens) {'no longer fit' if self.cached_ids else 'do not fit'} the "
+                              f"context window of {self.cache.capacity} tokens; start a new chat, or allow a "
+                              f"shorter reply or a longer context")
         self.cache.seq_lens = [keep]  # forget (and later overwrite) whatever diverged
         new = ids[keep:]
         self.last_prefill_tokens = len(new)

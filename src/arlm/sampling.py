@@ -56,6 +56,8 @@ class SamplingParams:
             raise bad("min_p", "must be in [0, 1]")
         if not math.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0:
             raise bad("repetition_penalty", "must be > 0 (1 disables it)")
+        if self.seed is not None and (not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**64):
+            raise bad("seed", "must be an integer in [-2**63, 2**64)")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "must be non-empty strings")
 

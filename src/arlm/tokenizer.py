@@ -25,6 +25,21 @@ CONTROL_TOKEN = 3  # llama.cpp token types: 1 normal, 3 control, 4 user-defined
 USER_DEFINED_TOKEN = 4
 
 
+def valid_text(text: str) -> str:
+    """`text` with every lone surrogate (a byte that was not UTF-8, as Python hands it over from
+    argv or stdin, or a JSON "\\ud800") turned into U+FFFD, as a UTF-8 decoder with
+    errors="replace" does; valid text comes back as it is."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        try:  # the original bytes, where Python escaped them (surrogateescape)
+            raw = text.encode("utf-8", "surrogateescape")
+        except UnicodeEncodeError:
+            raw = text.encode("utf-8", "surrogatepass")
+        return raw.decode("utf-8", "replace")
+
+
 class TokenizerError(ValueError):
     pass
 
@@ -47,8 +62,9 @@ class Tokenizer:
         return self.eos_ids[0] if self.eos_ids else None
 
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
-        """Token ids for `text`; special-token text such as `<|im_start|>` maps to its id."""
-        ids = self.backend.encode(text, add_special_tokens=False).ids
+        """Token ids for `text` (through `valid_text`); special-token text such as `<|im_start|>`
+        maps to its id."""
+        ids = self.backend.encode(valid_text(text), add_special_tokens=False).ids
         if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
             ids = [self.bos_id] + ids
         return ids

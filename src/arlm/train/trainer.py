@@ -189,14 +189,15 @@ def check_resumable(saved: dict, cfg: TrainConfig, where: Path) -> None:
         raise ConfigError(f"checkpoint {where} comes from an incompatible config: {'; '.join(diffs)}")
 
 
-def check_tokenizer(data: TokenData, model_config: ModelConfig, tokenizer, source: str) -> None:
-    """The data must be tokenized the way the pretrained model expects."""
+def check_tokenizer(data: TokenData, model_config: ModelConfig, tokenizer, source: str, fix: str | None = None) -> None:
+    """The data must be tokenized the way the pretrained (or resumed) model expects; `fix` says
+    what to do about it (default: prepare the data with the model's tokenizer)."""
+    fix = fix or f"prepare it with `arlm prepare --tokenizer {source}`"
     if data.vocab_size > model_config.vocab_size:
         raise DataError(f"data in {data.path} has a vocabulary of {data.vocab_size}, more than the "
-                        f"{model_config.vocab_size} of {source}; prepare it with `--tokenizer {source}`")
+                        f"{model_config.vocab_size} of {source}; {fix}")
     if tokenizer is not None and tokenizer.backend.get_vocab() != data.tokenizer.backend.get_vocab():
-        raise DataError(f"data in {data.path} was not tokenized with the tokenizer of {source}; "
-                        f"prepare it with `arlm prepare --tokenizer {source}`")
+        raise DataError(f"data in {data.path} was not tokenized with the tokenizer of {source}; {fix}")
 
 
 def init_model(cfg: TrainConfig, data: TokenData, device: torch.device) -> tuple[Transformer, str | None]:
@@ -256,6 +257,8 @@ def _train(cfg: TrainConfig, resume: bool, overwrite: bool, ddp: Distributed, de
     if resume:
         ckpt = checkpoints.load_latest(out_dir)
         check_resumable(ckpt.state.get("train_config", {}), cfg, ckpt.path)
+        check_tokenizer(data, ckpt.config, ckpt.tokenizer, f"the run in {out_dir}",
+                        "resume on the data the run was trained on, or start a new run (another --out-dir)")
         model = build_model(ckpt.config, ckpt.weights, device)
         set_dropout(model, cfg.dropout)
         chat_template = ckpt.chat_template
