@@ -354,7 +354,8 @@ def test_bad_input_is_one_clear_line(char_data, tmp_path, capsys):
     one_line_error(capsys, base + ["--config", str(tmp_path / "bad.toml")], "unknown key(s)")
     one_line_error(capsys, base + ["--resume", "--out-dir", str(tmp_path / "none")], "nothing to resume")
     assert arlm_main(base + ["--max-steps=2", "--out-dir", str(tmp_path / "r1")]) == 0
-    capsys.readouterr()
+    done = [line for line in capsys.readouterr().err.splitlines() if "training tokens/s" in line]
+    assert done and " 0 training tokens/s" not in done[0], done  # a one-window run still has a rate
     one_line_error(capsys, base + ["--max-steps=2", "--out-dir", str(tmp_path / "r1")], "already holds a training run")
     one_line_error(capsys, base[:-4] + ["--n-layer=2", "--d-model=16", "--n-head=2", "--batch-size=2",
                                         "--max-steps=4", "--resume", "--out-dir", str(tmp_path / "r1")],
@@ -366,3 +367,15 @@ def test_bad_input_is_one_clear_line(char_data, tmp_path, capsys):
     other = ["train", "--data-dir", str(tmp_path / "other")] + base[3:]
     one_line_error(capsys, other + ["--max-steps=4", "--resume", "--out-dir", str(tmp_path / "r1")],
                    "was not tokenized with the tokenizer of the run in")
+    one_line_error(capsys, base + ["--max-steps=1", "--resume", "--out-dir", str(tmp_path / "r1")],
+                   "at step 2 already: --max-steps 1 leaves nothing to train")
+    (tmp_path / "a_file").write_text("not a directory\n")
+    one_line_error(capsys, base + ["--out-dir", str(tmp_path / "a_file")], "is a file")
+    one_line_error(capsys, ["prepare", str(tmp_path / "other.txt"), "--out", str(tmp_path / "a_file")], "is a file")
+    one_line_error(capsys, ["prepare", str(tmp_path / "other.txt"), "--out", str(tmp_path / "d2"),
+                            "--val-fraction", "0.00001"], "use a larger --val-fraction")
+    one_line_error(capsys, ["generate", "hi", "--model", str(tmp_path / "r1")], "is a training run, not a model")
+    (tmp_path / "r1" / "latest" / "train_state.pt").write_bytes(b"\x80\x02garbage")
+    err = one_line_error(capsys, base + ["--max-steps=4", "--resume", "--out-dir", str(tmp_path / "r1")],
+                         "is damaged or not an arlm training state")
+    assert "weights_only" not in err

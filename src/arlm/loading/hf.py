@@ -89,6 +89,9 @@ def read_hf_dir(directory: str | Path) -> tuple[ModelConfig, dict[str, torch.Ten
     directory = Path(directory)
     cfg_path = directory / "config.json"
     if not cfg_path.is_file():
+        if (directory / "latest").is_dir():
+            raise LoadError(f"{directory} is a training run, not a model: pass {directory / 'latest'} "
+                            f"(or {directory / 'best'})")
         raise LoadError(f"{directory} has no config.json (expected an HF-format model directory)")
     files = sorted(directory.glob("*.safetensors"))
     if not files:

@@ -90,8 +90,9 @@ def load_latest(out_dir: str | Path) -> TrainCheckpoint:
     config, weights, tokenizer, template = read_checkpoint(link)
     try:
         state = torch.load(link / STATE_FILE, map_location="cpu", weights_only=True)
-    except Exception as e:  # a damaged pickle raises many kinds
-        raise LoadError(f"{link / STATE_FILE} is not readable ({type(e).__name__}: {e})") from None
+    except Exception as e:  # a damaged pickle raises many kinds, some with advice that does not apply
+        raise LoadError(f"{link / STATE_FILE} is damaged or not an arlm training state ({type(e).__name__}); "
+                        "resume from an earlier checkpoint or start over") from None
     return TrainCheckpoint(link.resolve(), config, weights, tokenizer, template, state)
 
 

@@ -151,6 +151,9 @@ def prepare(inputs: list[str | Path], out_dir: str | Path, tokenizer: str = "cha
     """
     if not 0.0 < val_fraction < 1.0:
         raise ConfigError(f"val_fraction must be in (0, 1), got {val_fraction}")
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise DataError(f"the output directory {out} is a file")
     docs = read_corpus(inputs)
     if tokenizer == "char":
         tok = char_tokenizer("".join(text for _, text in docs))
@@ -167,7 +170,9 @@ def prepare(inputs: list[str | Path], out_dir: str | Path, tokenizer: str = "cha
     n_train = int(len(ids) * (1.0 - val_fraction))  # nanoGPT's cut: 1,003,854 / 111,540 for Shakespeare
     n_val = len(ids) - n_train
     if n_val < 2 or n_train < 2:
-        raise DataError(f"corpus of {len(ids)} tokens is too small to split into train and validation")
+        fix = "use a larger --val-fraction" if n_val < 2 and len(ids) >= 8 else "the corpus is too small"
+        raise DataError(f"a validation fraction of {val_fraction} of {len(ids)} tokens leaves {n_val} for validation "
+                        f"and {n_train} for training (at least 2 each): {fix}")
     dtype = np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32
 
     out = Path(out_dir)

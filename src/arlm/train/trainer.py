@@ -249,6 +249,8 @@ def _train(cfg: TrainConfig, resume: bool, overwrite: bool, ddp: Distributed, de
     data = TokenData.open(cfg.data_dir)
     data.check_context(cfg.context_length)
     out_dir = Path(cfg.out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ConfigError(f"--out-dir {out_dir} is a file, not a directory")
     if not resume and not overwrite and checkpoints.pointer_target(out_dir) is not None:
         raise ConfigError(f"{out_dir} already holds a training run: pass --resume to continue it, "
                           "--overwrite to start over, or another --out-dir")
@@ -277,6 +279,9 @@ def _train(cfg: TrainConfig, resume: bool, overwrite: bool, ddp: Distributed, de
         if ckpt.state.get("scaler"):
             scaler.load_state_dict(ckpt.state["scaler"])
         start_step, best_val = ckpt.step, ckpt.state["best_val_loss"]
+        if start_step >= cfg.max_steps:
+            raise ConfigError(f"the run in {out_dir} is at step {start_step} already: --max-steps {cfg.max_steps} "
+                              "leaves nothing to train (raise it to go on)")
         _restore_rng(ckpt.state.get("rng", []), ddp, cfg, start_step)
         del ckpt  # the weights now live in the model
     else:
@@ -321,6 +326,7 @@ def _train(cfg: TrainConfig, resume: bool, overwrite: bool, ddp: Distributed, de
 
     loss_sum = torch.zeros((), device=device)  # summed on the device; read back every log_interval
     t_window, window_steps, warm, train_tokens = time.perf_counter(), 0, False, 0
+    first_window = (0.0, 0)  # (seconds, tokens) of the warm-up window
     for step in range(start_step, cfg.max_steps):
         lr = lr_at(step, cfg)
         for group in optimizer.param_groups:
@@ -356,6 +362,8 @@ def _train(cfg: TrainConfig, resume: bool, overwrite: bool, ddp: Distributed, de
             if warm:  # the first window pays for warm-up (and compilation): kept out of the rate
                 result.train_s += elapsed
                 train_tokens += window_steps * tokens_per_step
+            else:  # unless it is the only one (a very short run)
+                first_window = (elapsed, window_steps * tokens_per_step)
             warm = True
             loss_sum.zero_()
             t_window, window_steps = time.perf_counter(), 0
@@ -381,6 +389,8 @@ def _train(cfg: TrainConfig, resume: bool, overwrite: bool, ddp: Distributed, de
 
     progress.close()
     result.step = max(start_step, cfg.max_steps)
+    if not result.train_s and first_window[0] > 0:
+        result.train_s, train_tokens = first_window
     result.tokens_per_s = train_tokens / result.train_s if result.train_s else 0.0
     if ddp.main and cfg.plot and result.history:
         plot_losses(log.records if log else result.history, out_dir / PLOT_FILE,
