@@ -112,6 +112,9 @@ def load_llm(args: argparse.Namespace):
     if args.threads is not None:
         if args.threads < 1:
             raise UsageError("arlm: error: --threads must be >= 1")
+        if args.threads > (os.cpu_count() or 1):
+            print(f"arlm: warning: --threads {args.threads} is more than this machine's {os.cpu_count()} cores: "
+                  "the threads will take turns, and decode gets much slower", file=sys.stderr)
         import torch
 
         torch.set_num_threads(args.threads)
