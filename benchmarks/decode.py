@@ -35,6 +35,7 @@ from arlm.generate import Generation, prefill  # noqa: E402
 from arlm.kv_cache import KVCache  # noqa: E402
 from arlm.loading import load_model, resolve_model_path  # noqa: E402
 from arlm.sampling import SamplingParams  # noqa: E402
+from bench_args import SMOLLM2_MAX_SEQ_LEN, int_range, positive_int  # noqa: E402
 
 TEXT = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
         "combined movable metal type, oil-based ink and a wooden screw press into a system that could "
@@ -70,10 +71,12 @@ def best_times(fns: dict, repeat: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--prompt-tokens", type=int, default=512)
-    ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--repeat", type=int, default=5)
+    # Decode is timed as (N - 1) tokens / (time for N - time for 1), so N >= 2; the short prompt
+    # (under 16 tokens) and its N new tokens stay inside SmolLM2's window, as the long prompt does.
+    ap.add_argument("--threads", type=positive_int, default=2)
+    ap.add_argument("--prompt-tokens", type=int_range(1, SMOLLM2_MAX_SEQ_LEN), default=512)
+    ap.add_argument("--new-tokens", type=int_range(2, SMOLLM2_MAX_SEQ_LEN - 16), default=128)
+    ap.add_argument("--repeat", type=positive_int, default=5)
     ap.add_argument("--json", type=Path, default=None, help="write the figures here")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)

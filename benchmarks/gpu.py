@@ -101,9 +101,13 @@ def main() -> int:
         device = torch.device(args.device)
     except RuntimeError as e:
         ap.error(f"--device: {e}")
+    if device.type not in ("cuda", "cpu"):
+        ap.error(f"--device: expected cuda, cuda:N or cpu, got {args.device!r}")
     if device.type == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: nothing to measure")
         return 0
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        ap.error(f"--device: {args.device} does not exist ({torch.cuda.device_count()} CUDA device(s))")
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)

@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from arlm.generate import native_decode_fn  # noqa: E402
 from arlm.kv_cache import KVCache  # noqa: E402
 from arlm.llm import LLM  # noqa: E402
+from bench_args import SMOLLM2_MAX_SEQ_LEN, positive_int  # noqa: E402
 
 PHASES = ["norm1", "qkv", "attention", "wo", "norm2", "gate_up", "silu", "down", "head"]
 
@@ -73,9 +74,9 @@ def run_case(llm: LLM, batch: int, context: int, steps: int, repeat: int) -> dic
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--threads", type=positive_int, default=2)
+    ap.add_argument("--steps", type=positive_int, default=40)
+    ap.add_argument("--repeat", type=positive_int, default=5)
     ap.add_argument("--kv-dtype", default="auto", choices=("auto", "float32", "float16"),
                     help="KV cache dtype (default: what LLM.load picks, float16 on this path)")
     ap.add_argument("--cases", default="1x32,1x512,8x32,32x32",
@@ -88,6 +89,9 @@ def main() -> int:
             raise ValueError
     except ValueError:
         ap.error(f"--cases: expected BATCHxCONTEXT[,...] with positive integers, got {args.cases!r}")
+    if max(c for _, c in cases) >= SMOLLM2_MAX_SEQ_LEN:  # the cache holds the context and the step's token
+        ap.error(f"--cases: CONTEXT must be below SmolLM2's window of {SMOLLM2_MAX_SEQ_LEN} tokens "
+                 f"(its cache holds CONTEXT + 1), got {args.cases!r}")
     torch.set_num_threads(args.threads)
     llm = LLM.load("smollm2", kv_dtype=args.kv_dtype)
     print(f"arlm {llm.quantization} weights, KV cache {str(llm.kv_dtype).removeprefix('torch.')}, "

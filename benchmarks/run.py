@@ -35,6 +35,9 @@ from arlm.llm import LLM  # noqa: E402
 from arlm.loading import resolve_model_path  # noqa: E402
 from arlm.quant import weight_bytes  # noqa: E402
 from arlm.sampling import SamplingParams  # noqa: E402
+from bench_args import SMOLLM2_MAX_SEQ_LEN, int_range, positive_int  # noqa: E402
+
+LLAMA_CPP_N_CTX = 1024  # llama.cpp's context: the 512-token prompt and its decode tokens must fit
 
 
 def machine() -> dict:
@@ -138,7 +141,7 @@ def llama_cpp_decode(gguf: Path, prompt: list[int], new_tokens: int, threads: in
         from llama_cpp import Llama
     except (ImportError, OSError):  # not installed, or its shared library not found
         return None
-    llm = Llama(model_path=str(gguf), n_threads=threads, n_threads_batch=threads, n_ctx=1024,
+    llm = Llama(model_path=str(gguf), n_threads=threads, n_threads_batch=threads, n_ctx=LLAMA_CPP_N_CTX,
                 n_batch=512, verbose=False)
     llm.eval(prompt[:8])
     prefill_s, decode_s = [], []
@@ -160,10 +163,14 @@ def llama_cpp_decode(gguf: Path, prompt: list[int], new_tokens: int, threads: in
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--new-tokens", type=int, default=128, help="decode tokens per run at batch 1")
-    ap.add_argument("--batch-new-tokens", type=int, default=32, help="decode tokens per run at batch 8/32")
-    ap.add_argument("--repeat", type=int, default=3, help="runs per case; each engine's best is reported")
+    # Decode rates are (n - 1) tokens over the steps after the first, so n >= 2; the largest n
+    # still fits its prompt (512 or 16 tokens) in llama.cpp's context and in SmolLM2's window.
+    ap.add_argument("--threads", type=positive_int, default=2)
+    ap.add_argument("--new-tokens", type=int_range(2, LLAMA_CPP_N_CTX - 512 + 1), default=128,
+                    help="decode tokens per run at batch 1")
+    ap.add_argument("--batch-new-tokens", type=int_range(2, SMOLLM2_MAX_SEQ_LEN - 16), default=32,
+                    help="decode tokens per run at batch 8/32")
+    ap.add_argument("--repeat", type=positive_int, default=3, help="runs per case; each engine's best is reported")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()

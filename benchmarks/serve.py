@@ -33,6 +33,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
+from bench_args import SMOLLM2_MAX_SEQ_LEN, int_range, positive_int, positive_int_list  # noqa: E402
+
+ENGINE_STEP_NEW_TOKENS = 40  # what each request of the whole-Engine.step timing may generate
+
 PROMPTS = [
     "The cat sat on the", "Once upon a time, in a small village,", "def fibonacci(n):",
     "The capital of France is", "Write a short poem about the sea.", "Hello, my name is",
@@ -121,8 +125,8 @@ def bench_engine(threads: int, context: int, quantize: str, kv_dtype: str = "aut
         engine = Engine(model, llm.tokenizer.eos_ids, EngineConfig(kv_cache_tokens=B * (context + 64),
                                                                    kv_dtype=llm.kv_dtype))
         for i in range(B):
-            engine.add_request(str(i), prompt[i].tolist(), SamplingParams(max_new_tokens=40, temperature=0,
-                                                                          ignore_eos=True))
+            engine.add_request(str(i), prompt[i].tolist(), SamplingParams(max_new_tokens=ENGINE_STEP_NEW_TOKENS,
+                                                                          temperature=0, ignore_eos=True))
         while any(s.num_output_tokens == 0 for s in engine.requests.values()):
             engine.step()
         step = median_time(engine.step, repeat=10)
@@ -266,7 +270,7 @@ def bench_http(args) -> dict:
     level), so that the machine's changing load skews both alike."""
     from arlm.loading import resolve_model_path
 
-    clients = [int(c) for c in args.clients.split(",")]
+    clients = args.clients
     servers: dict[str, tuple[str, subprocess.Popen]] = {}
     try:
         if args.servers in ("both", "arlm"):
@@ -310,10 +314,13 @@ def bench_http(args) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--threads", type=int, default=2, help="torch / llama.cpp threads (default: 2)")
-    p.add_argument("--clients", default="1,8,32", help="concurrency levels (default: 1,8,32)")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--context", type=int, default=128, help="tokens of context for the engine decode step")
+    # Upper limits: SmolLM2's window holds the engine part's context and the tokens its requests
+    # generate, and each HTTP request's prompt (under 20 tokens; 64 are kept) and --max-tokens.
+    p.add_argument("--threads", type=positive_int, default=2, help="torch / llama.cpp threads (default: 2)")
+    p.add_argument("--clients", type=positive_int_list, default="1,8,32", help="concurrency levels (default: 1,8,32)")
+    p.add_argument("--max-tokens", type=int_range(1, SMOLLM2_MAX_SEQ_LEN - 64), default=64)
+    p.add_argument("--context", type=int_range(1, SMOLLM2_MAX_SEQ_LEN - ENGINE_STEP_NEW_TOKENS), default=128,
+                   help="tokens of context for the engine decode step")
     p.add_argument("--llama-server", default=None, help="path to llama.cpp's llama-server binary")
     p.add_argument("--no-sequential", action="store_true", help="skip the one-at-a-time baseline")
     p.add_argument("--servers", default="both", choices=("both", "arlm", "llama.cpp"), help="which servers to load")

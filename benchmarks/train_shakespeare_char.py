@@ -47,6 +47,7 @@ from arlm.loading import load_model  # noqa: E402
 from arlm.sampling import SamplingParams  # noqa: E402
 from arlm.train import TokenData, TrainConfig, lr_at, prepare, train  # noqa: E402
 from arlm.train.trainer import autocast_dtype  # noqa: E402
+from bench_args import int_range, positive_int  # noqa: E402
 
 NANOGPT_VAL_LOSS = 1.88  # nanoGPT's README
 NANOGPT_TOKENS_PER_S = 9_500  # the same recipe on a machine like this one (169 s, 74-83 ms/iter)
@@ -241,18 +242,27 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--family", nargs="*", default=["gpt2", "llama"], choices=["gpt2", "llama"],
                     help="arlm's model styles to train (none: the reference alone)")
-    ap.add_argument("--steps", type=int, default=2000)
+    # tokens/s is measured after the first log window (50 steps, warm-up): a run needs more steps.
+    min_steps = RECIPE["log_interval"] + 1
+    ap.add_argument("--steps", type=int_range(min_steps), default=2000)
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                     help="arlm's autocast dtype (auto: bfloat16 on CPUs with AVX512-BF16 or AMX, else float32)")
     ap.add_argument("--compile", action="store_true", help="torch.compile arlm's model")
-    ap.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads (default: all cores)")
-    ap.add_argument("--reference-steps", type=int, default=None, help="steps of the nanoGPT reference "
+    ap.add_argument("--threads", type=positive_int, default=os.cpu_count(), help="torch threads (default: all cores)")
+    ap.add_argument("--reference-steps", type=int_range(0), default=None, help="steps of the nanoGPT reference "
                     "(default: --steps; 0 skips it)")
-    ap.add_argument("--ddp", type=int, default=0, metavar="K",
-                    help="also train the GPT-2 style under torchrun: K processes of one thread each")
-    ap.add_argument("--seed", type=int, default=RECIPE["seed"], help="seeds arlm's runs and the reference")
+    # K splits the recipe's batch evenly, so the optimizer still sees 12 sequences a step.
+    ddp_procs = [k for k in range(1, RECIPE["batch_size"] + 1) if RECIPE["batch_size"] % k == 0]
+    ap.add_argument("--ddp", type=int, default=0, choices=[0, *ddp_procs], metavar="K",
+                    help=f"also train the GPT-2 style under torchrun: K processes of one thread each "
+                    f"(K one of {', '.join(map(str, ddp_procs))}; 0: no DDP run)")
+    ap.add_argument("--seed", type=int_range(0, 2**32 - 1), default=RECIPE["seed"],
+                    help="seeds arlm's runs and the reference")
     ap.add_argument("--out", type=Path, default=ROOT / "out" / "bench_train")
     args = ap.parse_args()
+    if args.reference_steps is not None and 0 < args.reference_steps < min_steps:
+        ap.error(f"argument --reference-steps: expected 0 (no reference) or an integer >= {min_steps}, "
+                 f"got {args.reference_steps}")
     torch.set_num_threads(args.threads)
     RECIPE["seed"] = args.seed
     ref_steps = args.steps if args.reference_steps is None else args.reference_steps
