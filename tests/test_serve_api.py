@@ -157,6 +157,17 @@ def test_models_health_and_api_key(server):
     assert r.status_code == 401 and set(r.json()["error"]) == {"message", "type", "param", "code"}
 
 
+def test_retrieve_model(server):
+    c = client(server)
+    m = c.models.retrieve(MODEL)
+    assert (m.id, m.object, m.owned_by) == (MODEL, "model", "arlm") and m.created > 0
+    with pytest.raises(openai.NotFoundError) as e:
+        c.models.retrieve("gpt-4")
+    assert e.value.code == "model_not_found" and "gpt-4" in e.value.message
+    with pytest.raises(openai.AuthenticationError):
+        client(server, "wrong-key").models.retrieve(MODEL)
+
+
 def test_completion_streamed_and_not_agree_with_usage(server, smollm2):
     c = client(server)
     prompt = "The capital of France is"
@@ -306,6 +317,11 @@ BAD = [
     ("bad token id", {"model": MODEL, "prompt": [1, 10**9]}, "prompt", "invalid_value"),
     ("empty stop", {"model": MODEL, "prompt": "Hi", "stop": [""]}, "stop", "invalid_value"),
     ("body is a list", [1, 2], None, "invalid_value"),
+    # the param names the field sent, not the member of its type union (`prompt.str`)
+    ("number prompt", {"model": MODEL, "prompt": 5}, "prompt", "invalid_value"),
+    ("number stop", {"model": MODEL, "prompt": "Hi", "stop": 5}, "stop", "invalid_value"),
+    ("best_of", {"model": MODEL, "prompt": "Hi", "best_of": 2}, "best_of", "unsupported"),
+    ("logit_bias", {"model": MODEL, "prompt": "Hi", "logit_bias": {"1": -100}}, "logit_bias", "unsupported"),
 ]
 
 
@@ -321,12 +337,71 @@ def test_bad_requests_get_openai_style_400(server, body, param, code):
     assert "Traceback" not in r.text
 
 
+def post(server: ServerProcess, path: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{server.url}/v1/{path}", content=json.dumps(body),
+                      headers={"Authorization": f"Bearer {KEY}", "content-type": "application/json"}, timeout=60)
+
+
+def test_non_finite_numbers_are_refused(server):
+    # Python's JSON parser reads NaN and Infinity; they must not reach a range check ("must be <= 100").
+    for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
+        for value in (float("nan"), float("inf"), float("-inf")):
+            r = post(server, "completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 1, name: value})
+            err = r.json()["error"]
+            assert r.status_code == 400 and err["param"] == name and "finite" in err["message"], (name, value, r.text)
+
+
+def test_too_many_sequences_in_one_request(server):
+    for n_prompts, n in ((129, 2), (2000, 16)):  # 258 and 32,000 sequences
+        r = post(server, "completions", {"model": MODEL, "prompt": ["Hi"] * n_prompts, "n": n, "max_tokens": 1})
+        assert r.status_code == 400, r.text[:300]
+        err = r.json()["error"]
+        assert err["param"] == "n" and f"{n_prompts * n} sequences" in err["message"] and "256" in err["message"]
+    r = post(server, "completions", {"model": MODEL, "prompt": ["Hi"] * 128, "n": 2, "max_tokens": 1})  # the limit
+    assert r.status_code == 200 and len(r.json()["choices"]) == 256
+
+
+def test_chat_user_or_system_message_needs_content(server):
+    # Without content (and without max_tokens) the reply would run to the end of the context window.
+    user = {"role": "user", "content": "Hi"}
+    for messages, param in (([{"role": "user"}], "messages.0.content"),
+                            ([{"role": "system", "content": None}, user], "messages.0.content"),
+                            ([{"role": "developer"}, user], "messages.0.content"),
+                            ([{"role": "system", "content": "Be brief."}, {"role": "user", "content": None}],
+                             "messages.1.content")):
+        r = post(server, "chat/completions", {"model": MODEL, "messages": messages, "max_tokens": 1})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant"}, {"role": "user", "content": "Hi again"}]
+    assert post(server, "chat/completions", {"model": MODEL, "messages": messages, "max_tokens": 1}).status_code == 200
+
+
+def test_fields_that_change_the_output_are_refused_by_name(server):
+    c = client(server)
+    chat = dict(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=1)
+    tool = {"type": "function", "function": {"name": "weather", "parameters": {"type": "object", "properties": {}}}}
+    for name, value in (("tools", [tool]), ("tool_choice", "auto"), ("response_format", {"type": "json_object"}),
+                        ("logprobs", True), ("frequency_penalty", 0.5)):
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(**chat, **{name: value})
+        assert (e.value.param, e.value.code) == (name, "unsupported") and name in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model=MODEL, prompt="Hi", max_tokens=1, best_of=2)
+    assert (e.value.param, e.value.code) == ("best_of", "unsupported")
+    # The values that change nothing are accepted.
+    r = c.chat.completions.create(**chat, tools=[], tool_choice="none", response_format={"type": "text"})
+    assert r.choices[0].finish_reason == "length"
+    assert c.completions.create(model=MODEL, prompt="Hi", max_tokens=1, n=2, best_of=2).usage.completion_tokens == 2
+
+
 def test_bad_chat_requests_and_oversize_body(server):
     h = {"Authorization": f"Bearer {KEY}"}
     for body in ({"model": MODEL, "messages": []}, {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]},
                  {"model": MODEL, "messages": "hello"}):
         r = httpx.post(f"{server.url}/v1/chat/completions", json=body, headers=h)
         assert r.status_code == 400 and r.json()["error"]["param"].startswith("messages")
+    r = httpx.post(f"{server.url}/v1/chat/completions", headers=h,
+                   json={"model": MODEL, "messages": [{"role": "user", "content": 5}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages.0.content"  # not ...content.str
     r = httpx.post(f"{server.url}/v1/completions", headers=h,
                    json={"model": MODEL, "prompt": "x" * (3 << 20)})
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
@@ -340,3 +415,16 @@ def test_serve_cli_rejects_bad_flags():
     r = subprocess.run([sys.executable, "-m", "arlm", "serve", "--kv-cache-memory", "lots"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "kv-cache-memory" in r.stderr
+
+
+def test_serve_cli_fails_in_one_line_before_claiming_to_listen():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        for args, says in ((["--port", "70000"], "70000"), (["--port", port], "already in use"),
+                           (["--host", "192.0.2.1", "--port", port], "192.0.2.1")):  # an address not on this machine
+            r = subprocess.run([sys.executable, "-m", "arlm", "serve", "--model", MODEL, *args],
+                               capture_output=True, text=True, timeout=120)
+            assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1 and says in r.stderr, r.stderr
+            assert "Traceback" not in r.stdout + r.stderr and "listening on" not in r.stdout + r.stderr

@@ -1,7 +1,8 @@
 """OpenAI-compatible HTTP API over the `AsyncEngine` (FastAPI on uvicorn).
 
 Endpoints: `POST /v1/completions`, `POST /v1/chat/completions` (streamed as server-sent events
-with `stream: true`, ending in `data: [DONE]`), `GET /v1/models`, `GET /health`, `GET /metrics`.
+with `stream: true`, ending in `data: [DONE]`), `GET /v1/models`, `GET /v1/models/{id}`,
+`GET /health`, `GET /metrics`.
 This module is the text edge: it validates requests, applies the chat template, encodes prompts,
 detokenizes streamed tokens and watches for stop strings; the engine sees token ids only.
 
@@ -38,6 +39,19 @@ log = logging.getLogger(__name__)
 
 FINISH_REASONS = {EOS: "stop", STOP: "stop", LENGTH: "length", CONTEXT: "length"}
 
+# Sequences one request may start (prompts x n): each takes a slot in the engine's queue, and
+# 2000 prompts x n=16 would keep the server busy for minutes on one small body.
+MAX_SEQUENCES_PER_REQUEST = 256
+
+# OpenAI (and vLLM) fields this server does not implement, with the values that change nothing
+# besides null, 0, false and empty. Any other value gets 400 naming the field: ignoring it would
+# answer a different request than the one sent (no tool call, no JSON schema, no logit bias).
+UNSUPPORTED = {"presence_penalty": (), "frequency_penalty": (), "logit_bias": (), "logprobs": (),
+               "top_logprobs": (), "response_format": ({"type": "text"},), "tools": (), "functions": (),
+               "tool_choice": ("none",), "function_call": ("none",), "guided_json": (), "guided_regex": (),
+               "guided_choice": (), "guided_grammar": ()}
+HINTS = {"presence_penalty": " (use repetition_penalty)", "frequency_penalty": " (use repetition_penalty)"}
+
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
@@ -54,8 +68,9 @@ def error_response(status: int, message: str, param: str | None = None, code: st
 # -- request schemas ------------------------------------------------------------------------------
 
 class _Strict(BaseModel):
-    # strict: "16" is not an int and true is not a number; unknown fields are ignored, as OpenAI's.
-    model_config = ConfigDict(strict=True, extra="ignore")
+    # strict: "16" is not an int and true is not a number; NaN and Infinity (which Python's JSON
+    # parser reads) are not numbers either; unknown fields are ignored, as OpenAI's.
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
 
 
 class StreamOptions(_Strict):
@@ -80,6 +95,13 @@ class _SamplingRequest(_Strict):
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=100.0)
     ignore_eos: bool = False
+    # unsupported (see UNSUPPORTED): any type, so that every value is refused by name
+    logit_bias: Any = None
+    response_format: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
 
 
 class CompletionRequest(_SamplingRequest):
@@ -87,6 +109,7 @@ class CompletionRequest(_SamplingRequest):
     echo: bool = False
     logprobs: int | None = None
     suffix: str | None = None
+    best_of: int | None = Field(None, ge=1)
 
 
 class TextPart(_Strict):
@@ -104,6 +127,23 @@ class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
+    top_logprobs: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+
+
+def _schema_fields(schema: type[BaseModel] = _Strict) -> set[str]:
+    """The field names of `schema` and every schema derived from it."""
+    return set(schema.model_fields).union(*(_schema_fields(s) for s in schema.__subclasses__()))
+
+
+def _param(loc: tuple) -> str | None:
+    """A validation error's location as the path the client sent (`messages.0.content`), without
+    the union-member tags pydantic adds (`messages.0.content.str`, `prompt.list[int]`)."""
+    fields = _schema_fields()
+    return ".".join(str(p) for p in loc if isinstance(p, int) or p in fields) or None
 
 
 # -- one choice: tokens from the engine -> text ---------------------------------------------------
@@ -158,18 +198,25 @@ class Server:
             err = e.errors()[0]
             if err["type"] == "json_invalid":
                 raise APIError(400, f"the body is not valid JSON: {err['msg']}", code="invalid_json") from None
-            param = ".".join(str(p) for p in err["loc"]) or None
+            param = _param(err["loc"])
             raise APIError(400, f"{param or 'body'}: {err['msg']}", param=param, code="invalid_value") from None
         if req.model != self.model_name:
             raise APIError(400, f"the model '{req.model}' does not exist; this server serves '{self.model_name}'",
                            param="model", code="model_not_found")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(req, name):
-                raise APIError(400, f"{name} is not supported (use repetition_penalty)", param=name,
+        for name, no_ops in UNSUPPORTED.items():
+            value = getattr(req, name, None)
+            if value and value not in no_ops:
+                raise APIError(400, f"{name} is not supported{HINTS.get(name, '')}", param=name,
                                code="unsupported")
-        if req.logprobs:
-            raise APIError(400, "logprobs are not supported", param="logprobs", code="unsupported")
+        if getattr(req, "best_of", None) not in (None, req.n):
+            raise APIError(400, "best_of is not supported (every choice is returned: leave it out or set it to n)",
+                           param="best_of", code="unsupported")
         return req
+
+    def model_card(self) -> dict:
+        """The served model as OpenAI's model object."""
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "arlm",
+                "max_model_len": self.engine.engine.max_model_len}
 
     def sampling_params(self, req: _SamplingRequest, max_tokens: int | None, prompt_len: int,
                         prompt_param: str) -> SamplingParams:
@@ -348,9 +395,15 @@ def create_app(server: Server, engine_thread: bool = True) -> FastAPI:
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         server.check_auth(request)
-        return JSONResponse({"object": "list", "data": [{
-            "id": server.model_name, "object": "model", "created": server.created, "owned_by": "arlm",
-            "max_model_len": server.engine.engine.max_model_len}]})
+        return JSONResponse({"object": "list", "data": [server.model_card()]})
+
+    @app.get("/v1/models/{model_id:path}")  # :path: a model id may hold slashes ("org/name")
+    async def model(request: Request, model_id: str) -> Response:
+        server.check_auth(request)
+        if model_id != server.model_name:
+            raise APIError(404, f"the model '{model_id}' does not exist; this server serves '{server.model_name}'",
+                           param="model", code="model_not_found")
+        return JSONResponse(server.model_card())
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -363,6 +416,10 @@ def create_app(server: Server, engine_thread: bool = True) -> FastAPI:
             prompt = [prompt]
         if not prompt:
             raise APIError(400, "prompt: at least one prompt is needed", param="prompt", code="invalid_value")
+        if len(prompt) * req.n > MAX_SEQUENCES_PER_REQUEST:  # (chat has one prompt and n <= 16)
+            raise APIError(400, f"{len(prompt)} prompts x n={req.n} is {len(prompt) * req.n} sequences; a request "
+                                f"may ask for at most {MAX_SEQUENCES_PER_REQUEST}",
+                           param="n" if req.n > 1 else "prompt", code="invalid_value")
         prompts = [p if isinstance(p, list) else server.encode(p, "prompt") for p in prompt]
         vocab = server.llm.model.config.vocab_size
         if any(not p or min(p) < 0 or max(p) >= vocab for p in prompts):
@@ -378,7 +435,10 @@ def create_app(server: Server, engine_thread: bool = True) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         req: ChatCompletionRequest = await server.parse(request, ChatCompletionRequest)
         messages = []
-        for m in req.messages:
+        for i, m in enumerate(req.messages):
+            if m.content is None and m.role != "assistant":  # (an assistant turn may be only a tool call)
+                raise APIError(400, f"messages.{i}.content: a {m.role} message needs content",
+                               param=f"messages.{i}.content", code="invalid_value")
             content = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or [])
             messages.append({"role": "system" if m.role == "developer" else m.role, "content": content})
         try:
@@ -477,5 +537,7 @@ class CountRequests:
         try:
             await self.app(scope, receive, send_and_note)
         finally:
-            key = (scope["path"] if scope["path"] in KNOWN_PATHS else "other", status)
+            path = scope["path"]
+            endpoint = path if path in KNOWN_PATHS else "/v1/models/{id}" if path.startswith("/v1/models/") else "other"
+            key = (endpoint, status)
             self.server.http_requests[key] = self.server.http_requests.get(key, 0) + 1

@@ -5,9 +5,30 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import socket
 import sys
 import threading
 import time
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to host:port, for uvicorn to listen on. Bound here, before the model
+    loads, so that a bad host or a taken port fails at once in one line (not in uvicorn's thread,
+    with a traceback, after a banner that claimed to listen)."""
+    from ..cli import UsageError
+
+    sock = None
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: no wait for TIME_WAIT on restart
+        sock.bind(address)
+    except OSError as e:  # an unknown host (gaierror), an address not on this machine, a taken port
+        if sock is not None:
+            sock.close()
+        raise UsageError(f"arlm serve: error: cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -18,8 +39,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         memory = parse_size(args.kv_cache_memory)
     except ValueError as e:
         raise UsageError(f"arlm serve: error: --kv-cache-memory: {e}") from None
-    for name in ("port", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_body_bytes"):
-        if getattr(args, name) < (0 if name == "port" else 1):
+    if not 0 <= args.port <= 65535:
+        raise UsageError(f"arlm serve: error: --port must be in 0..65535 (0: any free port), got {args.port}")
+    for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_body_bytes"):
+        if getattr(args, name) < 1:
             raise UsageError(f"arlm serve: error: --{name.replace('_', '-')} must be positive")
     if args.kv_cache_tokens is not None and args.kv_cache_tokens < 1:
         raise UsageError("arlm serve: error: --kv-cache-tokens must be positive")
@@ -41,6 +64,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .api import Server, create_app
     from .engine import AsyncEngine, Engine
 
+    sock = bind(args.host, args.port)
     llm = load_llm(args)
     # The engine runs every token, prompt or generated, through the quantized kernels, so that a
     # request's tokens do not depend on how its prompt was chunked or batched (or recomputed after
@@ -52,24 +76,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine = Engine(llm.model, llm.tokenizer.eos_ids, config)
     name = args.served_model_name or args.model
     server = Server(llm, AsyncEngine(engine), name, api_key=api_key, max_body_bytes=args.max_body_bytes)
+    http = uvicorn.Server(uvicorn.Config(create_app(server, engine_thread=False), log_level=args.log_level,
+                                         access_log=args.log_level == "debug", timeout_graceful_shutdown=5))
+    # The engine loop keeps the main thread, which loaded the model, and owns the signals; HTTP
+    # (I/O and text, no OpenMP work) gets a thread of its own.
+    http_thread = threading.Thread(target=http.run, kwargs={"sockets": [sock]}, name="arlm-http", daemon=True)
+    http_thread.start()
+    while not http.started:
+        if not http_thread.is_alive():  # the app's startup failed; uvicorn said why
+            raise UsageError(f"arlm serve: error: cannot serve on {args.host}:{args.port}")
+        time.sleep(0.05)
     cache = engine.cache
+    host, port = sock.getsockname()[:2]  # the port --port 0 was given
+    url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
     print(f"arlm serve: model {name} ({llm.quantization or 'no quantization'}), KV pool {cache.n_blocks} blocks x "
           f"{cache.block_size} tokens = {cache.nbytes / 2**20:.0f} MiB ({str(cache.k.dtype).removeprefix('torch.')}), "
           f"context {engine.max_model_len} tokens, "
           f"paged-attention kernel {'native' if cache.use_kernel else 'PyTorch fallback'}; "
-          f"listening on http://{args.host}:{args.port}" + (" (API key required)" if api_key else ""),
-          file=sys.stderr, flush=True)
-    http = uvicorn.Server(uvicorn.Config(create_app(server, engine_thread=False), host=args.host, port=args.port,
-                                         log_level=args.log_level, access_log=args.log_level == "debug",
-                                         timeout_graceful_shutdown=5))
-    # The engine loop keeps the main thread, which loaded the model, and owns the signals; HTTP
-    # (I/O and text, no OpenMP work) gets a thread of its own.
-    http_thread = threading.Thread(target=http.run, name="arlm-http", daemon=True)
-    http_thread.start()
-    while not http.started:
-        if not http_thread.is_alive():  # e.g. the port is taken; uvicorn said why
-            raise UsageError(f"arlm serve: error: cannot serve on {args.host}:{args.port}")
-        time.sleep(0.05)
+          f"listening on {url}" + (" (API key required)" if api_key else ""), file=sys.stderr, flush=True)
 
     def shutdown(signum, frame) -> None:
         http.should_exit = True
