@@ -13,7 +13,7 @@ import torch
 from arlm.config import ModelConfig
 from arlm.generate import CONTEXT, EOS, LENGTH, STOP, Generation, generate, prefill
 from arlm.kv_cache import KVCache
-from arlm.llm import ChatSession, TextChunk, _StopWatcher
+from arlm.llm import LLM, ChatSession, TextChunk, _StopWatcher
 from arlm.loading import build_model
 from arlm.model import Transformer
 from arlm.sampling import SamplingParams, sample
@@ -384,3 +384,69 @@ def test_context_shift_equals_recomputing_the_cropped_window(family):
     for _ in stop:
         pass
     assert stop.finish_reasons == ["context"] and len(stop.completions[0]) == limit - len(prompt) + 1
+
+
+# -- the default (quantized) path: a batch equals each prompt alone, token for token ---------------
+
+@pytest.fixture(scope="module")
+def default_llm(smollm2):
+    """SmolLM2 as `LLM.load("smollm2")` configures it: 4-bit/int8 layers, 8-bit activations,
+    quantized prefill on AVX-512 VNNI CPUs, float16 KV cache, the native decode step."""
+    import copy
+
+    llm = LLM(smollm2.loaded)
+    llm.model = copy.deepcopy(smollm2.model)
+    llm.configure(quantize="auto")
+    return llm
+
+
+def test_default_path_ragged_batch_equals_each_prompt_alone(default_llm):
+    """8-bit activations turn float32 noise into whole-token differences, so the batch must do the
+    same arithmetic per row as the prompt alone: greedy tokens identical (no tolerance), also
+    beside a long prompt and with a repetition penalty."""
+    texts = ["In 1492,", "The capital of France is", "Once upon a time", "def fibonacci(n):"]
+    long = " ".join(["The history of the city is long and full of wars, plagues and great buildings."] * 20)
+    for params in (SamplingParams(max_new_tokens=24, temperature=0.0),
+                   SamplingParams(max_new_tokens=16, temperature=0.0, repetition_penalty=1.3)):
+        batch = default_llm.generate(texts + [long], params)
+        for b, t in enumerate(texts):
+            assert batch[b].token_ids == default_llm.generate(t, params)[0].token_ids, t
+
+
+def test_seeded_sampling_does_not_depend_on_the_row(default_llm):
+    params = SamplingParams(max_new_tokens=8, temperature=0.8, seed=42)
+    alone = default_llm.generate("Hello", params)[0].token_ids
+    batch = default_llm.generate(["Other words", "Hello", "Hello"], params)
+    assert batch[1].token_ids == alone and batch[2].token_ids == alone
+
+
+def test_tiny_temperature_is_greedy(default_llm):
+    greedy = default_llm.generate("The capital of France is", SamplingParams(max_new_tokens=6, temperature=0))
+    tiny_t = default_llm.generate("The capital of France is", SamplingParams(max_new_tokens=6, temperature=1e-40))
+    assert tiny_t[0].token_ids == greedy[0].token_ids and tiny_t[0].text.strip()
+
+
+def test_prompt_types(default_llm):
+    params = SamplingParams(max_new_tokens=2, temperature=0)
+    gen = next(default_llm.stream("Hi", params))  # one str is one prompt, as for generate
+    assert gen.batch_size == 1
+    ids = default_llm.tokenizer.encode("Hi")
+    assert default_llm.generate([ids], params)[0].token_ids == default_llm.generate("Hi", params)[0].token_ids
+    for bad in (None, 123, [1, 2, 3], [(1.5, 2)], [b"hi"], [[5.7, 10.2]]):
+        with pytest.raises(TypeError, match="prompt"):
+            default_llm.generate(bad, params)
+    with pytest.raises(ValueError, match="no prompts"):
+        default_llm.generate([], params)
+
+
+def test_abandoned_chat_turn_leaves_the_history_as_it_was(default_llm):
+    params = SamplingParams(max_new_tokens=12, temperature=0)
+    fresh = ChatSession(default_llm, params)
+    expected = "".join(c.text for c in fresh.send("Hello!"))
+    session = ChatSession(default_llm, params)
+    for _ in session.send("Tell me a long story about a dragon."):
+        break  # the caller walks away after the first chunk
+    assert "".join(c.text for c in session.send("Hello!")) == expected
+    assert [m["role"] for m in session.messages] == ["user", "assistant"]
+    with pytest.raises(TypeError):
+        next(session.send(None))

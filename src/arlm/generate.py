@@ -17,7 +17,7 @@ import torch
 from .kv_cache import KVCache
 from .model import Transformer
 from .quant import dense_weights
-from .sampling import SamplingParams, sample
+from .sampling import SamplingParams, sample, sample_rows
 
 # Why a row stopped. The OpenAI-style "stop"/"length" pair loses which limit was hit, so the
 # engine keeps four reasons and the HTTP edge maps eos/stop -> "stop", length/context -> "length".
@@ -252,9 +252,12 @@ class Generation:
         self.completions: list[list[int]] = [[] for _ in range(B)]
         self.finish_reasons: list[str | None] = [None] * B
         self.stats = GenerationStats(kv_cache_bytes=cache.nbytes)
-        self.generator = None
+        # A seed gives every row a generator of its own, seeded alike (as vLLM gives each request
+        # one): a row draws the same numbers whatever shares its batch, so it samples as it
+        # would alone.
+        self.generators = None
         if params.seed is not None:
-            self.generator = torch.Generator(device=device).manual_seed(params.seed)
+            self.generators = [torch.Generator(device=device).manual_seed(params.seed) for _ in range(B)]
         self.seen = None  # [B, V] tokens seen so far, only when a repetition penalty needs it
         if params.repetition_penalty != 1.0:
             self.seen = torch.zeros(B, vocab, dtype=torch.bool, device=device)
@@ -264,6 +267,11 @@ class Generation:
     @property
     def batch_size(self) -> int:
         return len(self.prompts)
+
+    def _sample(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.generators is None or self.params.greedy:
+            return sample(logits, self.params, None, self.seen)
+        return sample_rows(logits, [self.params] * len(self.generators), self.generators, self.seen)
 
     def finish(self, row: int, reason: str) -> None:
         # A stop string completed by the token that also reached max_new_tokens or the context
@@ -324,8 +332,19 @@ class Generation:
 
         t0 = time.perf_counter()
         with torch.inference_mode():
-            logits = prefill(model, cache, tokens, input_pos, lens - 1, kv_len=max(self.start) + P)
-            next_tok = sample(logits, self.params, self.generator, self.seen)
+            # One prefill per run of consecutive rows with the same prompt length and start, padded
+            # to no more than its own length: a row's attention then covers exactly its own slots,
+            # as when it runs alone. (Attention over a longer padded span rounds differently, and
+            # 8-bit activations can turn that float32 noise into a different token.)
+            parts, b0 = [], 0
+            for b1 in range(1, B + 1):
+                if b1 == B or (len(self.prompts[b1]), self.start[b1]) != (len(self.prompts[b0]), self.start[b0]):
+                    L = len(self.prompts[b0])
+                    parts.append(prefill(model, cache.rows(b0, b1), tokens[b0:b1, :L], input_pos[b0:b1, :L],
+                                         lens[b0:b1] - 1, kv_len=self.start[b0] + L))
+                    b0 = b1
+            logits = parts[0] if len(parts) == 1 else torch.cat(parts)
+            next_tok = self._sample(logits)
             next_ids = next_tok.tolist()  # the one host sync per step: the tokens must be emitted
         for b, p in enumerate(self.prompts):
             cache.seq_lens[b] = self.start[b] + len(p)
@@ -355,7 +374,7 @@ class Generation:
                 if self.seen is not None:
                     self.seen.scatter_(1, next_tok[:, None], True)
                 logits = self.decode_fn(model, cache, next_tok[:, None], pos, kv_len=kv_len)
-                next_tok = sample(logits, self.params, self.generator, self.seen)
+                next_tok = self._sample(logits)
                 next_ids = next_tok.tolist()  # the step's one host sync
                 pos += advance
             for b in range(B):

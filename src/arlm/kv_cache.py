@@ -80,5 +80,13 @@ class KVCache:
             return k_out.to(k.dtype), v_out.to(v.dtype)
         return k_out, v_out
 
+    def rows(self, b0: int, b1: int) -> "KVCache":
+        """Rows b0 .. b1 - 1 as a cache of their own over this one's storage: what is written
+        there lands here. Its seq_lens are a copy (this cache's stay the caller's to keep)."""
+        view = KVCache.__new__(KVCache)
+        view.k, view.v = self.k[:, b0:b1], self.v[:, b0:b1]
+        view.seq_lens = self.seq_lens[b0:b1]
+        return view
+
     def reset(self) -> None:
         self.seq_lens = [0] * self.batch_size

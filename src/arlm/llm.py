@@ -195,11 +195,32 @@ class LLM:
                    "eos_token": tok.decode([tok.eos_id]) if tok.eos_id is not None else ""}
         return render_chat(self.chat_template, messages, add_generation_prompt, **special)
 
-    def stream(self, prompts: list[str] | list[list[int]], params: SamplingParams,
+    def prompt_ids(self, prompts: str | list[str] | list[list[int]]) -> list[list[int]]:
+        """Token ids of each prompt: a str (one prompt), or a list of prompts, each a str or a list
+        of token ids (ints). Anything else is a TypeError that says what was given."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise TypeError(f"prompts: expected a str or a list of prompts, got {type(prompts).__name__}")
+        if not prompts:
+            raise PromptError("no prompts given")
+        ids = []
+        for i, p in enumerate(prompts):
+            if isinstance(p, str):
+                ids.append(self.encode_prompt(p))
+            elif isinstance(p, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+                ids.append(list(p))
+            else:
+                raise TypeError(f"prompt {i}: expected a str or a list of token ids (ints), got "
+                                f"{type(p).__name__}" + (" of other things" if isinstance(p, (list, tuple)) else ""))
+        return ids
+
+    def stream(self, prompts: str | list[str] | list[list[int]], params: SamplingParams,
                cache: KVCache | None = None, context_shift: bool = False) -> Iterator[TextChunk | Generation]:
         """Yield the `Generation` first (for stats and results), then TextChunks as they come.
-        context_shift: go on past a full context window on its last half (see `Generation`)."""
-        ids = [p if isinstance(p, list) else self.encode_prompt(p) for p in prompts]
+        prompts: as `prompt_ids` takes them. context_shift: go on past a full context window on
+        its last half (see `Generation`)."""
+        ids = self.prompt_ids(prompts)
         gen = Generation(self.model, ids, params, self.tokenizer.eos_ids, cache=cache, decode_fn=self.decode_fn,
                          static_kv_len=self.static_kv_len, context_shift=context_shift, kv_dtype=self.kv_dtype)
         detok = [IncrementalDetokenizer(self.tokenizer) for _ in ids]
@@ -218,11 +239,9 @@ class LLM:
 
     def generate(self, prompts: str | list[str] | list[list[int]], params: SamplingParams,
                  cache: KVCache | None = None, context_shift: bool = False) -> list[Completion]:
-        single = isinstance(prompts, str)
-        prompts = [prompts] if single else prompts
         it = self.stream(prompts, params, cache, context_shift)
         gen: Generation = next(it)  # type: ignore[assignment]
-        texts = [""] * len(prompts)
+        texts = [""] * gen.batch_size
         for chunk in it:
             texts[chunk.row] += chunk.text
         return [Completion(p, c, t, r, gen.stats)
@@ -241,6 +260,8 @@ class ChatSession:
         self.llm, self.params = llm, params
         self.messages: list[dict] = [{"role": "system", "content": system}] if system else []
         cfg = llm.model.config
+        if max_context is not None and max_context < 1:
+            raise ValueError(f"max_context must be positive (or None for the model's window), got {max_context}")
         device = next(llm.model.parameters()).device
         self.cache = KVCache.for_model(cfg, 1, min(max_context or cfg.max_seq_len, cfg.max_seq_len), llm.kv_dtype,
                                        device)
@@ -248,7 +269,10 @@ class ChatSession:
         self.last_prefill_tokens = 0
 
     def send(self, content: str) -> Iterator[TextChunk]:
-        """Add a user message and stream the assistant's reply; the reply joins the history."""
+        """Add a user message and stream the assistant's reply; the reply joins the history. A
+        reply abandoned part way (the caller stops iterating) leaves the history as it was."""
+        if not isinstance(content, str):
+            raise TypeError(f"the message must be a str, got {type(content).__name__}")
         if not content.strip():
             raise PromptError("the message is empty")
         history = self.messages + [{"role": "user", "content": content}]
@@ -265,9 +289,9 @@ class ChatSession:
                               f"context window of {self.cache.capacity} tokens; start a new chat, or allow a "
                               f"shorter reply or a longer context")
         self.cache.seq_lens = [keep]  # forget (and later overwrite) whatever diverged
+        self.cached_ids = self.cached_ids[:keep]
         new = ids[keep:]
         self.last_prefill_tokens = len(new)
-        self.messages = history
         it = self.llm.stream([new], self.params, cache=self.cache)
         gen: Generation = next(it)  # type: ignore[assignment]
         if gen.seen is not None:  # a repetition penalty covers the earlier turns too (HF semantics)
@@ -277,6 +301,7 @@ class ChatSession:
         for chunk in it:
             reply += chunk.text
             yield chunk
-        # The cache now holds the prompt and every reply token but the last (sampled, never fed).
+        # Only a finished turn joins the history. The cache now holds the prompt and every reply
+        # token but the last (sampled, never fed).
+        self.messages = history + [{"role": "assistant", "content": reply}]
         self.cached_ids = ids + gen.completions[0][:-1]
-        self.messages.append({"role": "assistant", "content": reply})

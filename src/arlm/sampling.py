@@ -16,6 +16,10 @@ import torch
 from . import kernels
 
 
+# Temperatures below this are greedy (see SamplingParams.greedy); vLLM uses the same bound.
+GREEDY_BELOW = 1e-5
+
+
 @dataclass
 class SamplingParams:
     """How to pick each next token and when to stop (the names vLLM and HF users know).
@@ -38,6 +42,10 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        elif self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, tuple):
+            self.stop = list(self.stop)
         self.validate()
 
     def validate(self) -> None:
@@ -48,22 +56,26 @@ class SamplingParams:
             raise bad("max_new_tokens", "must be an integer >= 1")
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise bad("temperature", "must be >= 0 (0 is greedy)")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise bad("top_k", "must be an integer >= 0 (0 disables it)")
+        if not isinstance(self.top_k, int) or not 0 <= self.top_k < 2**31:
+            raise bad("top_k", "must be an integer in [0, 2**31) (0 disables it)")
         if not (0.0 < self.top_p <= 1.0):
             raise bad("top_p", "must be in (0, 1]")
         if not (0.0 <= self.min_p <= 1.0):
             raise bad("min_p", "must be in [0, 1]")
-        if not math.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0:
-            raise bad("repetition_penalty", "must be > 0 (1 disables it)")
+        if not math.isfinite(self.repetition_penalty) or not 0.01 <= self.repetition_penalty <= 100:
+            raise bad("repetition_penalty", "must be in [0.01, 100] (1 disables it)")
         if self.seed is not None and (not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**64):
             raise bad("seed", "must be an integer in [-2**63, 2**64)")
-        if any(not isinstance(s, str) or not s for s in self.stop):
+        if not isinstance(self.stop, list) or any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "must be non-empty strings")
+        if not isinstance(self.ignore_eos, bool):
+            raise bad("ignore_eos", "must be True or False")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # Below GREEDY_BELOW, logits / temperature overflows float32 (and the draw is the argmax
+        # anyway): such temperatures are greedy, as vLLM treats them.
+        return self.temperature < GREEDY_BELOW
 
 
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float | torch.Tensor) -> torch.Tensor:
