@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
+import re
+import secrets
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -27,12 +28,29 @@ FORMAT = "arlm-checkpoint"
 META_FILE, WEIGHTS_FILE, TOKENIZER_FILE = "arlm.json", "model.safetensors", "tokenizer.json"
 
 
+# atomic_write's temp files, ".<name>.<8 random characters>.tmp" beside <name> (hex digits, or
+# mkstemp's alphabet in those that earlier versions left behind).
+TMP_PATTERN = re.compile(r"\.(?P<name>.+)\.[a-z0-9_]{8}\.tmp")
+
+
+def _create_tmp(path: Path) -> str:
+    """A new, empty temp file beside `path`. Unlike mkstemp's (always 0600), it is created 0666
+    less the umask, like any other file, so a checkpoint or dataset is readable by whom the user
+    meant; the rename keeps the mode."""
+    while True:
+        tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+        try:
+            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+            return str(tmp)
+        except FileExistsError:
+            continue
+
+
 def atomic_write(path: str | Path, write: Callable[[str], None]) -> None:
     """Call write(tmp_path), fsync it, then rename over `path`: readers never see half a file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
+    tmp = _create_tmp(path)
     try:
         write(tmp)
         with open(tmp, "rb+") as fh:
@@ -51,6 +69,20 @@ def atomic_write(path: str | Path, write: Callable[[str], None]) -> None:
 
 def atomic_write_text(path: str | Path, text: str) -> None:
     atomic_write(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
+
+
+def remove_stale_tmp(directory: str | Path, names: Iterable[str]) -> list[Path]:
+    """Delete the temp files that a killed atomic_write of any of `names` left in `directory`.
+
+    Only for a directory that no other process is writing: a live writer's temp file looks the same.
+    """
+    names, removed = set(names), []
+    for f in Path(directory).glob(".*.tmp"):
+        m = TMP_PATTERN.fullmatch(f.name)
+        if m and m["name"] in names and f.is_file():
+            f.unlink(missing_ok=True)
+            removed.append(f)
+    return removed
 
 
 def is_checkpoint_dir(path: Path) -> bool:

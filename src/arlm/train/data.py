@@ -4,7 +4,12 @@
 
     train.bin, val.bin   token ids, uint16 (uint32 for vocabularies over 65,536), back to back
     tokenizer.json       the tokenizer that made them (it travels on into every checkpoint)
-    meta.json            {"vocab_size", "dtype", "tokenizer", "train_tokens", "val_tokens", ...}
+    meta.json            {"vocab_size", "dtype", "tokenizer", "train_tokens", "val_tokens",
+                          "files": {name: fingerprint of train.bin, val.bin, tokenizer.json}, ...}
+
+meta.json is removed before the other files are written and written again after them, with their
+fingerprints: `TokenData.open` refuses a directory that an interrupted `prepare` left half old, half
+new, rather than training on token ids that the tokenizer beside them did not make.
 
 The split is by position: the first 90% of the tokens train, the last 10% validate (nanoGPT's
 split), so validation text is never seen in training, not even as a neighbour of a sample.
@@ -12,6 +17,7 @@ split), so validation text is never seen in training, not even as a neighbour of
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,16 +26,37 @@ import numpy as np
 import torch
 
 from ..config import ConfigError
-from ..loading.checkpoint import atomic_write, atomic_write_text
+from ..loading.checkpoint import atomic_write, atomic_write_text, remove_stale_tmp
 from ..tokenizer import Tokenizer
 
 META_FILE, TOKENIZER_FILE = "meta.json", "tokenizer.json"
 SPLITS = ("train", "val")
+SPLIT_FILES = {name: f"{name}.bin" for name in SPLITS}
 EOT = "<|endoftext|>"  # the BPE tokenizer's one special token, between documents
 
 
 class DataError(ValueError):
     """A corpus or prepared-data directory that cannot be used."""
+
+
+def inconsistent(path: Path, why: str) -> DataError:
+    return DataError(f"data in {path} is incomplete or inconsistent (was `arlm prepare` interrupted?): "
+                     f"run it again ({why})")
+
+
+def fingerprint(path: Path, whole_below: int = 1 << 24, slices: int = 64, slice_bytes: int = 1 << 12) -> str:
+    """blake2b of a file's size and contents: all of them below `whole_below` bytes, else `slices`
+    evenly spaced slices, so that checking a multi-GB split at every open costs a few reads."""
+    size = path.stat().st_size
+    h = hashlib.blake2b(str(size).encode(), digest_size=16)
+    with open(path, "rb") as fh:
+        if size < whole_below:
+            h.update(fh.read())
+        else:
+            for i in range(slices):
+                fh.seek(size * i // slices)
+                h.update(fh.read(slice_bytes))
+    return h.hexdigest()
 
 
 def default_corpus() -> Path:
@@ -177,14 +204,18 @@ def prepare(inputs: list[str | Path], out_dir: str | Path, tokenizer: str = "cha
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    (out / META_FILE).unlink(missing_ok=True)  # until the files it describes are all in place
     splits = {"train": ids[:n_train], "val": ids[n_train:]}
     for name, arr in splits.items():
-        atomic_write(out / f"{name}.bin", lambda tmp, arr=arr: arr.astype(dtype).tofile(tmp))
+        atomic_write(out / SPLIT_FILES[name], lambda tmp, arr=arr: arr.astype(dtype).tofile(tmp))
     atomic_write_text(out / TOKENIZER_FILE, tok.to_json())
+    files = [*SPLIT_FILES.values(), TOKENIZER_FILE]
     meta = {"vocab_size": tok.vocab_size, "dtype": np.dtype(dtype).name, "tokenizer": tokenizer,
             "train_tokens": len(splits["train"]), "val_tokens": len(splits["val"]),
+            "files": {f: fingerprint(out / f) for f in files},
             "sources": [str(f) for f, _ in docs], "characters": sum(len(t) for _, t in docs)}
     atomic_write_text(out / META_FILE, json.dumps(meta, indent=2))
+    remove_stale_tmp(out, [*files, META_FILE])  # what a killed prepare left behind
     return meta
 
 
@@ -201,17 +232,42 @@ class TokenData:
 
     @classmethod
     def open(cls, directory: str | Path) -> "TokenData":
+        """Map a directory `prepare` wrote, after checking that its files are the ones meta.json
+        describes and that every token id is inside the tokenizer's vocabulary."""
         path = Path(directory)
+        files = [*SPLIT_FILES.values(), TOKENIZER_FILE]
         if not (path / META_FILE).is_file():
+            if any((path / f).exists() for f in files):
+                raise inconsistent(path, f"{META_FILE} is missing")
             raise DataError(f"no prepared data in {path} (run `arlm prepare` first)")
-        meta = json.loads((path / META_FILE).read_text())
-        splits = {}
-        for name in SPLITS:
-            f = path / f"{name}.bin"
-            if not f.is_file() or f.stat().st_size == 0:
-                raise DataError(f"{f} is missing or empty (run `arlm prepare` again)")
-            splits[name] = np.memmap(f, dtype=np.dtype(meta["dtype"]), mode="r")
-        return cls(path, meta, Tokenizer.from_file(path / TOKENIZER_FILE), splits)
+        try:
+            meta = json.loads((path / META_FILE).read_text())
+            dtype, vocab_size = np.dtype(meta["dtype"]), int(meta["vocab_size"])
+            sizes = {SPLIT_FILES[name]: int(meta[f"{name}_tokens"]) * dtype.itemsize for name in SPLITS}
+        except (ValueError, TypeError, KeyError) as e:
+            raise inconsistent(path, f"{META_FILE} is not readable ({e})") from None
+        for f in files:
+            if not (path / f).is_file():
+                raise inconsistent(path, f"{f} is missing")
+        for f, size in sizes.items():
+            if (path / f).stat().st_size != size:
+                raise inconsistent(path, f"{f} holds {(path / f).stat().st_size} bytes, {META_FILE} says {size}")
+        for f, expected in meta.get("files", {}).items():  # absent in directories older than the check
+            if fingerprint(path / f) != expected:
+                raise inconsistent(path, f"{f} is not the file {META_FILE} describes")
+        tokenizer = Tokenizer.from_file(path / TOKENIZER_FILE)
+        if tokenizer.vocab_size != vocab_size:
+            raise inconsistent(path, f"{TOKENIZER_FILE} has {tokenizer.vocab_size} tokens, "
+                                     f"{META_FILE} says {vocab_size}")
+        splits = {name: np.memmap(path / SPLIT_FILES[name], dtype=dtype, mode="r") for name in SPLITS}
+        # One pass over the ids (about a second a GB from the page cache), and the embedding lookup
+        # can never go out of range mid-run, whatever the fingerprints missed.
+        for name, arr in splits.items():
+            top = int(arr.max()) if len(arr) else -1
+            if top >= vocab_size:
+                raise inconsistent(path, f"{SPLIT_FILES[name]} holds token id {top}, "
+                                         f"outside the vocabulary of {vocab_size}")
+        return cls(path, meta, tokenizer, splits)
 
     @property
     def vocab_size(self) -> int:
