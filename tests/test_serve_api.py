@@ -322,6 +322,11 @@ BAD = [
     ("number stop", {"model": MODEL, "prompt": "Hi", "stop": 5}, "stop", "invalid_value"),
     ("best_of", {"model": MODEL, "prompt": "Hi", "best_of": 2}, "best_of", "unsupported"),
     ("logit_bias", {"model": MODEL, "prompt": "Hi", "logit_bias": {"1": -100}}, "logit_bias", "unsupported"),
+    # counts the engine's int64 tensors cannot hold are refused here, by name, not in its step
+    ("huge top_k", {"model": MODEL, "prompt": "Hi", "top_k": 2**63}, "top_k", "invalid_value"),
+    ("top_k 2**31", {"model": MODEL, "prompt": "Hi", "top_k": 2**31}, "top_k", "invalid_value"),
+    ("huge max_tokens", {"model": MODEL, "prompt": "Hi", "max_tokens": 2**63}, "max_tokens", "invalid_value"),
+    ("huge best_of", {"model": MODEL, "prompt": "Hi", "best_of": 2**64}, "best_of", "invalid_value"),
 ]
 
 
@@ -340,6 +345,66 @@ def test_bad_requests_get_openai_style_400(server, body, param, code):
 def post(server: ServerProcess, path: str, body: dict) -> httpx.Response:
     return httpx.post(f"{server.url}/v1/{path}", content=json.dumps(body),
                       headers={"Authorization": f"Bearer {KEY}", "content-type": "application/json"}, timeout=60)
+
+
+def test_huge_top_k_gets_400_while_another_stream_goes_on(server):
+    # Such a request once reached the engine, whose step then failed for every running request.
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+    expect = post(server, "completions", body).json()["choices"][0]["text"]
+    with httpx.stream("POST", f"{server.url}/v1/completions", json={**body, "stream": True},
+                      headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as r:
+        lines = r.iter_lines()
+        events = [next(lines)]  # generating now
+        for top_k in (2**63, 2**31):
+            bad = post(server, "completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 4, "temperature": 1.0,
+                                               "top_k": top_k})
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == "top_k", bad.text
+        events = [e for e in events + list(lines) if e]
+    chunks = [json.loads(e[6:]) for e in events if e.startswith("data: {")]
+    assert "".join(ch["choices"][0]["text"] for ch in chunks) == expect
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length" and events[-1] == "data: [DONE]"
+    # top_k above the vocabulary is no filter, as 0 is
+    ok = post(server, "completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 1, "top_k": 2**31 - 1})
+    assert ok.status_code == 200, ok.text
+
+
+def test_sampling_params_errors_are_400_naming_the_field():
+    from types import SimpleNamespace
+
+    from arlm.serve.api import APIError, CompletionRequest, Server
+
+    server = Server(None, SimpleNamespace(engine=SimpleNamespace(max_model_len=100)), MODEL)
+    req = CompletionRequest.model_construct(model=MODEL, prompt="Hi", min_p=2.0)  # past the schema
+    with pytest.raises(APIError) as e:
+        server.sampling_params(req, None, 10, "prompt")
+    assert (e.value.status, e.value.param, e.value.code) == (400, "min_p", "invalid_value")
+    # Without max_tokens: the default, capped to the room left; a max_tokens sent must fit.
+    req = CompletionRequest.model_construct(model=MODEL, prompt="Hi")
+    assert server.sampling_params(req, None, 90, "prompt", default_max_tokens=16).max_new_tokens == 10
+    assert server.sampling_params(req, None, 99, "prompt", default_max_tokens=16).max_new_tokens == 1
+    assert server.sampling_params(req, None, 10, "prompt", default_max_tokens=16).max_new_tokens == 16
+    with pytest.raises(APIError) as e:
+        server.sampling_params(req, 16, 90, "prompt", default_max_tokens=16)
+    assert e.value.param == "max_tokens" and e.value.code == "context_length_exceeded"
+
+
+def test_completion_without_max_tokens_near_the_end_of_the_context(servers):
+    _, tiny = servers
+    window = httpx.get(f"{tiny.url}/v1/models/{MODEL}").json()["max_model_len"]
+    prompt = [28] * (window - 3)
+    r = post(tiny, "completions", {"model": MODEL, "prompt": prompt, "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200, r.text  # not "plus max_tokens (16) exceeds": the client sent none
+    assert r.json()["usage"]["completion_tokens"] == 3 and r.json()["choices"][0]["finish_reason"] == "length"
+    r = post(tiny, "completions", {"model": MODEL, "prompt": prompt, "max_tokens": 16})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_prompt_of_the_wrong_type_says_what_a_prompt_is(server):
+    for prompt in ([1.5], [[1, 2], [1.5]], 5, [True]):
+        r = post(server, "completions", {"model": MODEL, "prompt": prompt, "max_tokens": 1})
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == "prompt", r.text
+        assert "token ids (integers)" in err["message"] and "valid string" not in err["message"]
 
 
 def test_non_finite_numbers_are_refused(server):
@@ -412,9 +477,14 @@ def test_bad_chat_requests_and_oversize_body(server):
 
 
 def test_serve_cli_rejects_bad_flags():
-    r = subprocess.run([sys.executable, "-m", "arlm", "serve", "--kv-cache-memory", "lots"],
-                       capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "kv-cache-memory" in r.stderr
+    # All before the model loads: a pool larger than the machine's memory once got the server
+    # OOM-killed without a word (or an allocator's internal error), 0 failed after the load.
+    for size, says in (("lots", "not a memory size"), ("1000GiB", "does not fit"), ("100TiB", "does not fit"),
+                       ("0", "at least 1MiB"), ("1", "at least 1MiB")):
+        r = subprocess.run([sys.executable, "-m", "arlm", "serve", "--kv-cache-memory", size],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert "--kv-cache-memory" in r.stderr and says in r.stderr, r.stderr
 
 
 def test_serve_cli_fails_in_one_line_before_claiming_to_listen():

@@ -16,7 +16,7 @@ import torch
 
 from arlm.kv_cache import KVCache
 from arlm.sampling import SamplingParams
-from arlm.serve.engine import Engine, EngineConfig
+from arlm.serve.engine import Engine, EngineConfig, parse_size
 from arlm.serve.paged_cache import PagedKVCache
 
 PROMPTS = ["The cat sat on the", "Once upon a time, in a land far away,", "def fibonacci(n):",
@@ -162,3 +162,44 @@ def test_native_paged_forward_matches_the_modules(smollm2, kv_dtype):
     # the same K written to the same slots (a misplaced one would be off by O(1))
     torch.testing.assert_close(engine.cache.k.float(), pool.k.float(), atol=1e-2 if half else 1e-4,
                                rtol=2e-3 if half else 0)  # float16: a few ulps at most
+
+
+def test_parse_size_units():
+    assert parse_size("512MiB") == 512 * 2**20 and parse_size("1.5GB") == 1_500_000_000
+    assert parse_size("100TiB") == 100 * 2**40 and parse_size("2TB") == 2 * 10**12
+    with pytest.raises(ValueError, match="not a memory size"):
+        parse_size("lots")
+
+
+def test_pool_larger_than_memory_is_refused_before_allocating(smollm2):
+    # Allocating it would get the process OOM-killed, or fail deep in torch's allocator.
+    with pytest.raises(ValueError, match="does not fit"):
+        Engine(smollm2.model, smollm2.tokenizer.eos_ids, EngineConfig(kv_cache_tokens=10**12))
+    with pytest.raises(ValueError, match="at least 2"):
+        Engine(smollm2.model, smollm2.tokenizer.eos_ids, EngineConfig(kv_cache_memory=1))
+
+
+def test_a_request_whose_sampling_fails_fails_alone(engine, smollm2):
+    ids = [smollm2.tokenizer.encode(p) for p in PROMPTS[:3]]
+    seeded = SamplingParams(max_new_tokens=8, temperature=0.9, top_k=50, seed=7)
+    expect = [engine.generate([ids[0]], GREEDY)[0], engine.generate([ids[1]], seeded)[0]]
+    bad = SamplingParams(max_new_tokens=8, temperature=1.0, top_k=5)
+    for rid, p, sp in (("good-0", ids[0], GREEDY), ("good-1", ids[1], seeded), ("bad", ids[2], bad)):
+        engine.add_request(rid, p, sp)
+    bad.top_k = 2**63  # past validation, as a bug could let through: sampling its row raises
+    outputs = {"good-0": [], "good-1": [], "bad": []}
+    errors = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.error is not None:
+                errors[out.request_id] = out.error
+            else:
+                outputs[out.request_id].append(out.token_id)
+    # The bad request fails at its first token; the others (one of them seeded, drawn without
+    # the batch on that step) get exactly the tokens they get alone.
+    assert list(errors) == ["bad"] and "sampling failed" in errors["bad"] and outputs["bad"] == []
+    assert [outputs["good-0"], outputs["good-1"]] == expect
+    assert engine.kv_cache_usage == 0.0 and not engine.requests
+    # ... and a request is validated in full when it comes in
+    with pytest.raises(ValueError, match="top_k"):
+        engine.check_request(ids[0], bad)

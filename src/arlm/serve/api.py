@@ -43,6 +43,13 @@ FINISH_REASONS = {EOS: "stop", STOP: "stop", LENGTH: "length", CONTEXT: "length"
 # 2000 prompts x n=16 would keep the server busy for minutes on one small body.
 MAX_SEQUENCES_PER_REQUEST = 256
 
+# The largest count a request may give (max_tokens, top_k, best_of): the engine's sampling packs
+# them into int64 tensors and C ints, where a larger value would fail inside the engine's step.
+# top_k above the vocabulary means no filter, as 0 does.
+MAX_COUNT = 2**31 - 1
+
+PROMPT_TYPES = "a string, a list of strings, a list of token ids (integers) or a list of such lists"
+
 # OpenAI (and vLLM) fields this server does not implement, with the values that change nothing
 # besides null, 0, false and empty. Any other value gets 400 naming the field: ignoring it would
 # answer a different request than the one sent (no tool call, no JSON schema, no logit bias).
@@ -79,7 +86,7 @@ class StreamOptions(_Strict):
 
 class _SamplingRequest(_Strict):
     model: str
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_COUNT)
     temperature: float = Field(1.0, ge=0.0, le=100.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     n: int = Field(1, ge=1, le=16)
@@ -91,7 +98,7 @@ class _SamplingRequest(_Strict):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     user: str | None = None
     # vLLM's extra sampling fields (the openai client sends them through `extra_body`)
-    top_k: int = Field(0, ge=-1)  # 0 or -1: off
+    top_k: int = Field(0, ge=-1, le=MAX_COUNT)  # 0 or -1: off
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=100.0)
     ignore_eos: bool = False
@@ -109,7 +116,7 @@ class CompletionRequest(_SamplingRequest):
     echo: bool = False
     logprobs: int | None = None
     suffix: str | None = None
-    best_of: int | None = Field(None, ge=1)
+    best_of: int | None = Field(None, ge=1, le=MAX_COUNT)
 
 
 class TextPart(_Strict):
@@ -125,7 +132,7 @@ class ChatMessage(_Strict):
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_COUNT)
     logprobs: bool = False
     top_logprobs: Any = None
     tools: Any = None
@@ -199,7 +206,11 @@ class Server:
             if err["type"] == "json_invalid":
                 raise APIError(400, f"the body is not valid JSON: {err['msg']}", code="invalid_json") from None
             param = _param(err["loc"])
-            raise APIError(400, f"{param or 'body'}: {err['msg']}", param=param, code="invalid_value") from None
+            msg = err["msg"]
+            if param is not None and param.startswith("prompt") and err["type"] != "missing":
+                # pydantic names the union's last member ("a valid string"), wrong for [1.5]
+                param, msg = "prompt", f"must be {PROMPT_TYPES}"
+            raise APIError(400, f"{param or 'body'}: {msg}", param=param, code="invalid_value") from None
         if req.model != self.model_name:
             raise APIError(400, f"the model '{req.model}' does not exist; this server serves '{self.model_name}'",
                            param="model", code="model_not_found")
@@ -219,14 +230,17 @@ class Server:
                 "max_model_len": self.engine.engine.max_model_len}
 
     def sampling_params(self, req: _SamplingRequest, max_tokens: int | None, prompt_len: int,
-                        prompt_param: str) -> SamplingParams:
+                        prompt_param: str, default_max_tokens: int | None = None) -> SamplingParams:
+        """The request's SamplingParams. Without max_tokens the reply may take the room left in
+        the context window, or `default_max_tokens` if that is less: only a max_tokens the client
+        sent can be too large."""
         room = self.engine.engine.max_model_len - prompt_len
         if room < 1:
             raise APIError(400, f"the prompt is {prompt_len} tokens; the context window is "
                                 f"{self.engine.engine.max_model_len}", param=prompt_param,
                            code="context_length_exceeded")
         if max_tokens is None:
-            max_tokens = room
+            max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
         elif max_tokens > room:
             raise APIError(400, f"the prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) exceeds the "
                                 f"context window of {self.engine.engine.max_model_len} tokens",
@@ -239,8 +253,10 @@ class Server:
                                   top_k=max(req.top_k, 0), top_p=req.top_p, min_p=req.min_p,
                                   repetition_penalty=req.repetition_penalty, seed=req.seed, stop=stop,
                                   ignore_eos=req.ignore_eos)
-        except ValueError as e:
-            raise APIError(400, str(e), code="invalid_value") from None
+        except ValueError as e:  # SamplingParams.validate: "invalid top_k=...: why"
+            name = str(e).removeprefix("invalid ").partition("=")[0]
+            param = "max_tokens" if name == "max_new_tokens" else name if name in _SamplingRequest.model_fields else None
+            raise APIError(400, str(e), param=param, code="invalid_value") from None
 
     def encode(self, text: str, param: str) -> list[int]:
         ids = self.llm.tokenizer.encode(text)
@@ -427,7 +443,7 @@ def create_app(server: Server, engine_thread: bool = True) -> FastAPI:
                            code="invalid_value")
         jobs = []
         for ids in prompts:
-            params = server.sampling_params(req, req.max_tokens or 16, len(ids), "prompt")
+            params = server.sampling_params(req, req.max_tokens, len(ids), "prompt", default_max_tokens=16)
             jobs += server.jobs(len(jobs), ids, params, req.n)
         return await respond(request, req, jobs, sum(map(len, prompts)), chat=False)
 

@@ -9,6 +9,25 @@ import socket
 import sys
 import threading
 import time
+from pathlib import Path
+
+# The smallest --kv-cache-memory taken before the model loads: two blocks of a small model. The
+# model's own minimum (two blocks of its K and V) is checked once its shapes are known.
+MIN_KV_CACHE_MEMORY = 1 << 20
+
+
+def model_bytes(spec: str) -> int:
+    """About the memory a model's weights take once loaded: its file's size, or its directory's
+    (0 if the model cannot be found: loading it will say why)."""
+    from ..loading import resolve_model_path
+    from ..loading.errors import LoadError
+
+    try:
+        path = resolve_model_path(spec)
+    except LoadError:
+        return 0
+    files = [path] if path.is_file() else [f for f in Path(path).rglob("*") if f.is_file()]
+    return sum(f.stat().st_size for f in files)
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -32,13 +51,16 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from ..cli import UsageError, load_llm
-    from .engine import EngineConfig, parse_size
+    from ..cli import UsageError, check_device, load_llm
+    from .engine import EngineConfig, check_pool_fits, parse_size
 
     try:
         memory = parse_size(args.kv_cache_memory)
     except ValueError as e:
         raise UsageError(f"arlm serve: error: --kv-cache-memory: {e}") from None
+    if args.kv_cache_tokens is None and memory < MIN_KV_CACHE_MEMORY:
+        raise UsageError(f"arlm serve: error: --kv-cache-memory {args.kv_cache_memory} is too small: the KV pool "
+                         f"needs at least 1MiB ({MIN_KV_CACHE_MEMORY} bytes)")
     if not 0 <= args.port <= 65535:
         raise UsageError(f"arlm serve: error: --port must be in 0..65535 (0: any free port), got {args.port}")
     for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_body_bytes"):
@@ -46,6 +68,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
             raise UsageError(f"arlm serve: error: --{name.replace('_', '-')} must be positive")
     if args.kv_cache_tokens is not None and args.kv_cache_tokens < 1:
         raise UsageError("arlm serve: error: --kv-cache-tokens must be positive")
+    check_device(args.device)
+    if args.kv_cache_tokens is None:  # (a pool in tokens is checked once the model gives its size)
+        try:
+            check_pool_fits(memory, args.device, reserved=model_bytes(args.model))
+        except ValueError as e:
+            raise UsageError(f"arlm serve: error: --kv-cache-memory {args.kv_cache_memory}: {e}") from None
     if args.quantize == "auto":
         # As `arlm generate`: 4-bit where the weights already are (lossless), int8 elsewhere. With
         # the packed kernels (AVX-512 VNNI) that is also the fastest choice at every batch size;
@@ -73,7 +101,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if getattr(module, "dense_weight", None) is not None:
             module.dense_weight = None
     config.kv_dtype = llm.kv_dtype  # --kv-dtype, resolved as for generate (auto: float16 where the native stack runs)
-    engine = Engine(llm.model, llm.tokenizer.eos_ids, config)
+    try:  # the pool's minimum (two blocks) and whether it fits, now that the model's shapes are known
+        engine = Engine(llm.model, llm.tokenizer.eos_ids, config)
+    except ValueError as e:
+        flag = (f"--kv-cache-tokens {args.kv_cache_tokens}" if args.kv_cache_tokens is not None
+                else f"--kv-cache-memory {args.kv_cache_memory}")
+        raise UsageError(f"arlm serve: error: {flag}: {e}") from None
     name = args.served_model_name or args.model
     server = Server(llm, AsyncEngine(engine), name, api_key=api_key, max_body_bytes=args.max_body_bytes)
     http = uvicorn.Server(uvicorn.Config(create_app(server, engine_thread=False), log_level=args.log_level,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import re
 import threading
 import time
@@ -30,15 +31,54 @@ from .scheduler import ABORT, FINISHED, Scheduler, Sequence
 
 log = logging.getLogger(__name__)
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+# The share of the memory available that the KV pool may take: the rest is for the step's
+# activations, the HTTP side and whatever else runs on the machine.
+POOL_MEMORY_FRACTION = 0.9
 
 
 def parse_size(text: str) -> int:
-    """'2GiB', '512MiB', '1.5GB', '1000000' -> bytes."""
+    """'2GiB', '512MiB', '1.5GB', '1TiB', '1000000' -> bytes."""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
     if not m or m.group(2).lower() not in _UNITS:
         raise ValueError(f"not a memory size: {text!r} (e.g. 2GiB, 512MiB, 1GB)")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def available_memory(device: str | torch.device = "cpu") -> int | None:
+    """Bytes a new allocation on `device` can take now: the host's MemAvailable (physical pages
+    where there is no /proc/meminfo), a CUDA device's free memory; None where it cannot be told."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type != "cpu":
+        return None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_pool_fits(nbytes: int, device: str | torch.device = "cpu", reserved: int = 0) -> None:
+    """Raise ValueError if a KV pool of `nbytes` (plus `reserved` bytes still to be taken, such as
+    the model's weights) would not fit in the memory `device` has available. Checked before the
+    pool is allocated: a pool too large for the host gets the process OOM-killed without a word,
+    or a failed allocation reported as an internal error."""
+    free = available_memory(device)
+    if free is not None and nbytes + reserved > POOL_MEMORY_FRACTION * free:
+        model = f" beside the model (~{reserved / 2**30:.1f} GiB)" if reserved else ""
+        raise ValueError(f"a KV pool of {nbytes / 2**30:.1f} GiB does not fit{model}: "
+                         f"{torch.device(device).type} memory available is {free / 2**30:.1f} GiB, and the pool "
+                         f"may take at most {POOL_MEMORY_FRACTION:.0%} of it")
 
 
 @dataclass
@@ -63,6 +103,7 @@ class RequestOutput:
     token_id: int
     num_output_tokens: int
     finish_reason: str | None = None
+    error: str | None = None  # the request failed (token_id is -1): why
 
 
 class Histogram:
@@ -114,8 +155,11 @@ class Engine:
             n_blocks = -(-config.kv_cache_tokens // bs)
         else:
             n_blocks = config.kv_cache_memory // PagedKVCache.bytes_per_block(cfg, bs, dtype)
+        block_bytes = PagedKVCache.bytes_per_block(cfg, bs, dtype)
         if n_blocks < 2:
-            raise ValueError(f"the KV cache budget holds {n_blocks} block(s) of {bs} tokens; it needs at least 2")
+            raise ValueError(f"the KV cache budget holds {n_blocks} block(s) of {bs} tokens; it needs at least 2 "
+                             f"({2 * block_bytes} bytes, {2 * bs} tokens)")
+        check_pool_fits(n_blocks * block_bytes, self.device)
         self.cache = PagedKVCache.for_model(cfg, n_blocks, bs, dtype, self.device)
         # One block in reserve: copy-on-write takes a block before it gives one back.
         self.max_model_len = min(cfg.max_seq_len, (n_blocks - 1) * bs)
@@ -152,6 +196,7 @@ class Engine:
         vocab = self.model.config.vocab_size
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
             raise ValueError(f"token id out of range for a vocabulary of {vocab}")
+        params.validate()  # (a field set after construction is not checked otherwise)
         if len(prompt_ids) + params.max_new_tokens > self.max_model_len:
             raise ValueError(f"the prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_new_tokens}) "
                              f"exceeds the context window of {self.max_model_len} tokens")
@@ -215,14 +260,12 @@ class Engine:
         dev = self.device
         self.cache.set_batch(torch.tensor(table, device=dev), torch.tensor(seq_index, device=dev))
         sampled: dict[int, int] = {}
+        failed: dict[int, Exception] = {}
         with torch.inference_mode():
             logits = self._forward(torch.tensor(tokens, device=dev), torch.tensor(positions, device=dev),
                                    torch.tensor(out_index or [0], device=dev))
             if out_rows:
-                seqs = [batch.seqs[i] for i in out_rows]
-                next_ids = sample_rows(logits, [s.params for s in seqs], [s.generator for s in seqs],
-                                       self._seen(seqs)).tolist()  # the step's one host sync
-                sampled = dict(zip(out_rows, next_ids))
+                sampled, failed = self._sample(logits, out_rows, [batch.seqs[i] for i in out_rows])
         outputs = []
         for seq in self.scheduler.update(batch, sampled):
             self.stats.generation_tokens += 1
@@ -232,9 +275,39 @@ class Engine:
             if seq.status == FINISHED:
                 del self.requests[seq.request_id]
                 self.stats.finished[seq.finish_reason] = self.stats.finished.get(seq.finish_reason, 0) + 1
+        for i, e in failed.items():  # (update took them for mid-prompt chunks: they are dropped now)
+            seq = batch.seqs[i]
+            log.error("sampling failed for request %s: %s: %s", seq.request_id, type(e).__name__, e)
+            self.abort(seq.request_id)
+            outputs.append(RequestOutput(seq.request_id, -1, seq.num_output_tokens, ABORT,
+                                         error=f"sampling failed: {type(e).__name__}: {e}"))
         self.stats.steps += 1
         self.stats.step_seconds += time.perf_counter() - t0
         return outputs
+
+    def _sample(self, logits: torch.Tensor, rows: list[int],
+                seqs: list[Sequence]) -> tuple[dict[int, int], dict[int, Exception]]:
+        """The next token of each sequence (logits [len(seqs), V]) as {batch row: token id}, and
+        the rows whose sampling raised, with the error.
+
+        All rows are drawn in one `sample_rows`; if that raises, each row is drawn alone, so
+        that a request whose parameters break sampling fails by itself instead of taking every
+        request of the batch down with it. A row's draw does not depend on its batch (its own
+        filters and generator), and the filters, where a bad parameter fails, run before any
+        generator is drawn from: the rows that succeed alone get the tokens they would have."""
+        try:
+            next_ids = sample_rows(logits, [s.params for s in seqs], [s.generator for s in seqs],
+                                   self._seen(seqs)).tolist()  # the step's one host sync
+            return dict(zip(rows, next_ids)), {}
+        except Exception:  # noqa: BLE001 - narrowed down to rows below
+            pass
+        sampled, failed = {}, {}
+        for j, (i, s) in enumerate(zip(rows, seqs)):
+            try:
+                sampled[i] = sample_rows(logits[j:j + 1], [s.params], [s.generator], self._seen([s])).item()
+            except Exception as e:  # noqa: BLE001 - this request fails, the others go on
+                failed[i] = e
+        return sampled, failed
 
     def _seen(self, seqs: list[Sequence]) -> torch.Tensor | None:
         """[B, V] tokens seen so far, only when some row has a repetition penalty."""
@@ -255,6 +328,10 @@ class Engine:
         outputs: dict[str, list[int]] = {rid: [] for rid in ids}
         while any(rid in self.requests for rid in ids):
             for out in self.step():
+                if out.error is not None:
+                    for rid in ids:
+                        self.abort(rid)
+                    raise RuntimeError(f"request {out.request_id}: {out.error}")
                 outputs[out.request_id].append(out.token_id)
         return [outputs[rid] for rid in ids]
 
@@ -351,7 +428,7 @@ class AsyncEngine:
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
-            self._deliver(out.request_id, out)
+            self._deliver(out.request_id, out if out.error is None else RuntimeError(out.error))
 
     def run(self) -> None:
         """The engine loop: add and abort requests, step while there is work, sleep otherwise.
@@ -384,7 +461,11 @@ class AsyncEngine:
                 continue
             try:
                 outputs = engine.step()
-            except Exception as e:  # a bug or out of memory: fail the requests, keep serving
+            except Exception as e:  # noqa: BLE001 - keep serving
+                # What fails here is not one request's: sampling errors are caught per request in
+                # `step` (`Engine._sample`), and the parameters were validated when the request
+                # came in (`check_request`); the forward pass (a bug, out of memory) runs all the
+                # batch's tokens as one, so every running request fails with it.
                 log.exception("engine step failed; aborting %d request(s)", len(engine.requests))
                 for request_id in list(engine.requests):
                     engine.abort(request_id)
