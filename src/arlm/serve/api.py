@@ -102,13 +102,9 @@ class _SamplingRequest(_Strict):
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=100.0)
     ignore_eos: bool = False
-    # unsupported (see UNSUPPORTED): any type, so that every value is refused by name
-    logit_bias: Any = None
-    response_format: Any = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
+    # Fields this schema does not name are kept (unvalidated, unused), so that `Server.parse` can
+    # refuse the UNSUPPORTED ones by name whatever their type.
+    model_config = ConfigDict(extra="allow")
 
 
 class CompletionRequest(_SamplingRequest):
@@ -134,11 +130,6 @@ class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_COUNT)
     logprobs: bool = False
-    top_logprobs: Any = None
-    tools: Any = None
-    tool_choice: Any = None
-    functions: Any = None
-    function_call: Any = None
 
 
 def _schema_fields(schema: type[BaseModel] = _Strict) -> set[str]:
