@@ -13,6 +13,7 @@ micro-step only, and rank 0 alone logs and writes checkpoints.
 
 from __future__ import annotations
 
+import gc
 import inspect
 import math
 import os
@@ -43,6 +44,7 @@ class Distributed:
     rank: int = 0
     local_rank: int = 0
     world_size: int = 1
+    owns_group: bool = False  # this run joined the process group, so it leaves it too
 
     @property
     def main(self) -> bool:
@@ -222,8 +224,31 @@ def setup_distributed(cfg: TrainConfig) -> tuple[Distributed, torch.device]:
     if ddp.world_size > 1 and not dist.is_initialized():
         if device.type == "cuda":
             torch.cuda.set_device(device)
+        # DDP imports torch.distributed.nn.functional, whose functions take `group.WORLD` as a
+        # default argument, bound at import. Imported after init_process_group, those defaults
+        # hold the group for the life of the interpreter: destroy_process_group cannot free it,
+        # and its gloo worker threads live on into interpreter shutdown, where the first one to
+        # release a finished collective's tensors needs the GIL and aborts the process
+        # ("terminate called without an active exception"). Imported first, the defaults are None.
+        import torch.distributed.nn.functional  # noqa: F401
+
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        ddp.owns_group = True
     return ddp, device
+
+
+def leave_distributed(ddp: Distributed) -> None:
+    """Free the process group this run joined, and with it the backend's threads.
+
+    After a run that finished, every rank has passed the final barrier. Freeing the group runs
+    its destructor, which drains the work queue and joins the worker threads; they may need the
+    GIL to release tensors that Python made, which they can take now, while the interpreter is
+    fully alive, and not during its shutdown (an abort). gc.collect() frees anything that still
+    holds the group through a reference cycle (the DDP wrapper, an exception's traceback).
+    """
+    if ddp.owns_group and dist.is_initialized():
+        dist.destroy_process_group()
+        gc.collect()
 
 
 # -- the run ---------------------------------------------------------------------------------------
@@ -234,8 +259,7 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> Tr
     try:
         return _train(cfg, resume, overwrite, ddp, device)
     finally:
-        if ddp.world_size > 1 and dist.is_initialized():
-            dist.destroy_process_group()
+        leave_distributed(ddp)
 
 
 def _train(cfg: TrainConfig, resume: bool, overwrite: bool, ddp: Distributed, device: torch.device) -> TrainResult:
