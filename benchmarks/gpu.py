@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from arlm.config import ModelConfig  # noqa: E402
-from arlm.generate import Generation  # noqa: E402
+from arlm.engine import ModelRunner  # noqa: E402
 from arlm.llm import LLM  # noqa: E402
 from arlm.model import Transformer  # noqa: E402
 from arlm.sampling import SamplingParams  # noqa: E402
@@ -46,12 +46,11 @@ def sync(device: torch.device) -> None:
 
 
 def greedy(llm: LLM, prompts: list[list[int]], n: int) -> tuple[list[list[int]], float]:
-    gen = Generation(llm.model, prompts, SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True),
-                     decode_fn=llm.decode_fn, static_kv_len=llm.static_kv_len, kv_dtype=llm.kv_dtype)
-    for _ in gen:
-        pass
+    """`LLM.generate`'s greedy tokens and its decode tokens/s (each engine step ends in a host
+    sync: sampling reads the tokens back)."""
+    completions = llm.generate(prompts, SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True))
     sync(next(llm.model.parameters()).device)
-    return gen.completions, gen.stats.decode_tokens_per_s
+    return [c.token_ids for c in completions], completions[0].stats.decode_tokens_per_s
 
 
 def train_mfu(device: torch.device, smoke: bool = False) -> dict:
@@ -136,7 +135,9 @@ def main() -> int:
             # CUDA graphs need torch.compile; off CUDA (--smoke) the same static-KV-length path runs eagerly
             llm = LLM.load("smollm2", device=str(device), dtype=torch.bfloat16, quantize=None,
                            compile=device.type == "cuda")
-            llm.static_kv_len = True
+            if not llm.runner.static_kv_len:  # (compile on CUDA sets it)
+                r = llm.runner
+                llm._start(ModelRunner(r.model, r.decode_fn, static_kv_len=True, dense_prefill=r.dense_prefill))
             fast_tokens, _ = greedy(llm, [ids], n_check)
             agree = sum(a == b for a, b in zip(fast_tokens[0], gpu_tokens[0]))
             res[f"bf16_greedy_agreement_of_{n_check}"] = agree

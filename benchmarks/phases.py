@@ -3,9 +3,10 @@
     .venv/bin/python benchmarks/phases.py [--threads 2] [--json build/phases.json]
 
 Runs the default CPU model (`LLM.load("smollm2")`: 4-bit layers, int8 head, 8-bit activations,
-float16 KV cache) through `generate.native_decode_fn` at a fixed position, with the native
-step's own per-pass timer on (`torch.ops.arlm.decode_profile`): norms, the q/k/v, output, gate/up
-and down linears, attention (RoPE, the cache write and the attention itself), SiLU, and the final
+float16 KV cache) through the native decode step the engine runs for a static batch (the model
+runner's `NativeLlama`: embed, `decode`, `head`) at a fixed position, with the native step's own
+per-pass timer on (`torch.ops.arlm.decode_profile`): norms, the q/k/v, output, gate/up and down
+linears, attention (RoPE, the cache write and the attention itself), SiLU, and the final
 norm + LM head. For each linear it prints the multiply-accumulate rate (GMAC/s) and for attention
 the rate at which it reads the cached K/V (GB/s); "other" is the rest of the step (embedding
 lookup, op dispatch). Each case is the best of --repeat runs of --steps steps.
@@ -23,7 +24,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from arlm.generate import native_decode_fn  # noqa: E402
 from arlm.kv_cache import KVCache  # noqa: E402
 from arlm.llm import LLM  # noqa: E402
 from bench_args import SMOLLM2_MAX_SEQ_LEN, positive_int  # noqa: E402
@@ -33,23 +33,32 @@ PHASES = ["norm1", "qkv", "attention", "wo", "norm2", "gate_up", "silu", "down",
 
 def run_case(llm: LLM, batch: int, context: int, steps: int, repeat: int) -> dict:
     model, cfg = llm.model, llm.model.config
-    cache = KVCache.for_model(cfg, batch, context + 1, dtype=llm.kv_dtype)
+    native = llm.runner.native
+    if native is None or llm.runner.decode_fn is not None or llm.kv_dtype not in (torch.float32, torch.float16):
+        raise SystemExit("phases.py: the native step does not apply here (it needs the native kernels on CPU)")
+    cache = KVCache.contiguous(cfg, batch, context + 1, dtype=llm.kv_dtype)
     cache.k.normal_()
     cache.v.normal_()
-    step = native_decode_fn(model, cache)
-    if step is None:
-        raise SystemExit("phases.py: the native step does not apply here (it needs the native kernels on CPU)")
-    tokens = torch.randint(0, cfg.vocab_size, (batch, 1), generator=torch.Generator().manual_seed(0))
-    pos = torch.full((batch, 1), context)
+    tokens = torch.randint(0, cfg.vocab_size, (batch,), generator=torch.Generator().manual_seed(0))
+    pos = torch.full((batch,), context)
+    # The runner's rows step (ModelRunner._decode_rows): embeddings, the layer stack and the head
+    # into buffers kept from step to step.
+    x, logits = torch.empty(batch, cfg.d_model), torch.empty(batch, cfg.vocab_size)
+
+    def step():
+        native.embed(tokens, out=x)
+        native.decode(x, cache.k, cache.v, pos, context + 1)
+        native.head(x, logits)
+
     best = None
     with torch.inference_mode():
         for _ in range(3):
-            step(model, cache, tokens, pos, context + 1)
+            step()
         for _ in range(repeat):
             torch.ops.arlm.decode_profile(True)
             t0 = time.perf_counter()
             for _ in range(steps):
-                step(model, cache, tokens, pos, context + 1)
+                step()
             total = (time.perf_counter() - t0) / steps
             phases = (torch.ops.arlm.decode_profile(False) / steps).tolist()
             if best is None or total < best[0]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import itertools
 import json
 import os
 import platform
@@ -30,7 +31,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from arlm.generate import Generation  # noqa: E402
 from arlm.llm import LLM  # noqa: E402
 from arlm.loading import resolve_model_path  # noqa: E402
 from arlm.quant import weight_bytes  # noqa: E402
@@ -80,23 +80,51 @@ def prompt_ids(llm: LLM, n: int, seed: int) -> list[int]:
     return ids[:n]
 
 
+def engine_run(llm: LLM, prompts: list[list[int]], params: SamplingParams, steps: int | None = None) -> dict:
+    """One static batch through `llm.engine`, the engine `LLM.generate` runs (a contiguous cache
+    sized for the batch, the same runner), stepped here so that prefill and decode are timed
+    apart: the first step computes every prompt (and samples each one's first token), every
+    later step decodes one token per running request. `steps`: stop after that many steps."""
+    engine = llm.engine
+    reqs = [engine.add_request(p, params) for p in prompts]
+    prefill_s, decode_s, decode_steps, decode_tokens = 0.0, 0.0, 0, 0
+    try:
+        for i in itertools.count():
+            if all(r.finished for r in reqs) or i == steps:
+                break
+            engine.step()
+            step = engine.last_step
+            if i == 0:
+                if step.prompt_tokens != sum(map(len, prompts)):
+                    raise RuntimeError(f"the first step computed {step.prompt_tokens} prompt tokens, not every prompt")
+                prefill_s = step.seconds
+            else:
+                if step.prompt_tokens:
+                    raise RuntimeError("a decode step computed prompt tokens")
+                decode_s += step.seconds
+                decode_steps += 1
+                decode_tokens += step.sampled
+    finally:
+        for r in reqs:
+            engine.abort(r.request_id)
+    return {"prefill_s": prefill_s, "decode_s": decode_s, "decode_steps": decode_steps,
+            "decode_tokens": decode_tokens, "kv_cache_bytes": engine.cache.nbytes,
+            "cache_capacity": engine.cache.capacity}
+
+
 def arlm_decode(llm: LLM, prompts: list[list[int]], new_tokens: int, repeat: int = 1) -> dict:
     """Best of `repeat` runs (decode and prefill each at their fastest)."""
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0, ignore_eos=True)
-    Generation(llm.model, [p[:8] for p in prompts], SamplingParams(max_new_tokens=4, temperature=0),
-               decode_fn=llm.decode_fn).__iter__().__next__()  # warm-up
-    runs = []
-    for _ in range(repeat):
-        gen = Generation(llm.model, prompts, params, decode_fn=llm.decode_fn)
-        for _ in gen:
-            pass
-        runs.append(gen)
-    gen = min(runs, key=lambda g: g.stats.decode_seconds)
-    s = gen.stats
-    s.prefill_seconds = min(g.stats.prefill_seconds for g in runs)
-    kv_per_step = s.kv_cache_bytes / gen.cache.capacity * (len(prompts[0]) + new_tokens / 2)
-    return {"tokens_per_s": s.decode_tokens_per_s, "step_s": s.decode_seconds / (s.decode_tokens / len(prompts)),
-            "prefill_tokens_per_s": s.prefill_tokens_per_s, "kv_bytes_per_step": kv_per_step}
+    # Warm-up: the same batch (the cache it is sized for, the prefill's shapes) for a prefill and
+    # one decode step; the timed runs then reuse that cache.
+    engine_run(llm, prompts, params, steps=2)
+    runs = [engine_run(llm, prompts, params) for _ in range(repeat)]
+    best = min(runs, key=lambda r: r["decode_s"] / r["decode_steps"])
+    prefill_s = min(r["prefill_s"] for r in runs)
+    # K/V bytes a decode step reads on average: every row's context, the prompt and half the new tokens.
+    kv_per_step = best["kv_cache_bytes"] / best["cache_capacity"] * (len(prompts[0]) + new_tokens / 2)
+    return {"tokens_per_s": best["decode_tokens"] / best["decode_s"], "step_s": best["decode_s"] / best["decode_steps"],
+            "prefill_tokens_per_s": sum(map(len, prompts)) / prefill_s, "kv_bytes_per_step": kv_per_step}
 
 
 def linears_share_s(llm: LLM, rows: int) -> float | None:

@@ -3,11 +3,11 @@
     .venv/bin/python benchmarks/serve.py [--threads 2] [--clients 1,8,32] [--max-tokens 64]
                                          [--llama-server PATH] [--skip-engine] [--skip-http] [--json out.json]
 
-1. Engine alone (no HTTP), in this process: one decode step over the paged KV pool (the flattened
-   batch `Engine.step` runs) against the contiguous-cache fast path (`generate.decode_step`), at
-   batch 1, 8 and 32 with the same context; then a whole `Engine.step` (scheduler and sampling
-   included); then prefix caching: requests that share a system prompt, prefill tokens and time
-   with and without it.
+1. Engine alone (no HTTP), in this process: the forward pass of one decode step over the paged KV
+   pool (the flattened batch through block tables, as `arlm serve` runs it) against the same step
+   over a contiguous cache (by rows, as `LLM.generate` runs it), at batch 1, 8 and 32 with the
+   same context; then a whole `Engine.step` over the pool (scheduler and sampling included); then
+   prefix caching: requests that share a system prompt, prefill tokens and time with and without it.
 2. HTTP: starts `arlm serve` (OMP_NUM_THREADS=--threads) and drives it with 1, 8 and 32 concurrent
    streaming clients, each a different prompt, greedy, exactly --max-tokens tokens (ignore_eos):
    total output tokens/s, median and p95 time to first token, and the ratio to serving the same
@@ -78,58 +78,63 @@ def median_times(fns: list, repeat: int = 10) -> list[float]:
     return [statistics.median(t) for t in times]
 
 
+def prefilled(engine, prompts: list[list[int]]):
+    """Submit `prompts` (greedy, ENGINE_STEP_NEW_TOKENS each) and step until each has its first
+    token: every request is then one decode away."""
+    from arlm.sampling import SamplingParams
+
+    params = SamplingParams(max_new_tokens=ENGINE_STEP_NEW_TOKENS, temperature=0, ignore_eos=True)
+    reqs = [engine.add_request(p, params) for p in prompts]
+    while any(r.num_output_tokens == 0 for r in reqs):
+        engine.step()
+    return reqs
+
+
+def forward_pass(engine):
+    """The forward pass of the engine's next step alone (`ModelRunner.execute` on the batch its
+    scheduler forms), with no sampling or bookkeeping after it: every call decodes the same token
+    at the same position, rewriting the same K/V slots."""
+    batch = engine.scheduler.schedule()
+    assert len(batch) and all(batch.decodes(i) for i in range(len(batch))), "not a decode step"
+    return lambda: engine.runner.execute(engine.cache, batch, by_rows=engine.config.contiguous)
+
+
 def bench_engine(threads: int, context: int, quantize: str, kv_dtype: str = "auto") -> dict:
     import torch
 
     from arlm import kernels
-    from arlm.generate import decode_step, native_decode_fn
-    from arlm.kv_cache import KVCache
+    from arlm.engine import Engine, EngineConfig
     from arlm.llm import LLM
     from arlm.sampling import SamplingParams
-    from arlm.serve.engine import Engine, EngineConfig
 
     torch.set_num_threads(threads)
     if quantize == "auto":  # what `arlm serve --quantize auto` picks on CPU (serve/cli.py)
         quantize = "auto" if kernels.packed_available() else "int8"
-    llm = LLM.load("smollm2", quantize=quantize, kv_dtype=kv_dtype)
-    model, cfg = llm.model, llm.model.config
+    # prefill through the quantized kernels, as `arlm serve` runs it (serve/cli.py)
+    llm = LLM.load("smollm2", quantize=quantize, kv_dtype=kv_dtype, prefill_dtype="quantized")
+    cfg = llm.model.config
     out: dict = {"quantization": llm.quantization, "context": context, "decode": {}}
     print(f"\n== engine alone: decode step at {context} tokens of context, {threads} thread(s), "
           f"{llm.quantization or 'fp32'} weights, {str(llm.kv_dtype).removeprefix('torch.')} KV ==")
     print(f"{'batch':>5} {'contiguous ms':>14} {'paged ms':>9} {'paged/contig':>12} {'Engine.step ms':>15} {'tokens/s':>9}")
     for B in (1, 8, 32):
         g = torch.Generator().manual_seed(B)
-        prompt = torch.randint(0, cfg.vocab_size, (B, context), generator=g)
-        with torch.inference_mode():
-            cache = KVCache.for_model(cfg, B, context + 16, dtype=llm.kv_dtype)
-            model(prompt, torch.arange(context).expand(B, context), kv_cache=cache, kv_len=context,
-                  output_index=torch.full((B,), context - 1))
-            tok, pos = prompt[:, :1].clone(), torch.full((B, 1), context)
-            # The same step over the paged pool, as the engine runs it (Engine._forward: the native
-            # layer stack over the pool where it applies): [B] flattened tokens, one per sequence.
-            bs = 16
-            per_seq = -(-(context + 1) // bs)
-            paged_engine = Engine(model, llm.tokenizer.eos_ids,
-                                  EngineConfig(kv_cache_tokens=(B * per_seq + 1) * bs, kv_dtype=llm.kv_dtype))
-            pool = paged_engine.cache
-            table = torch.arange(1, B * per_seq + 1).view(B, per_seq)
-            pool.set_batch(table, torch.arange(B).repeat_interleave(context))
-            paged_engine._forward(prompt.reshape(-1), torch.arange(context).repeat(B), torch.tensor([0]))
-            pool.set_batch(table, torch.arange(B))
-            ptok, ppos, rows = tok.view(B), torch.full((B,), context), torch.arange(B)
-            # The contiguous-cache fast path: what `arlm generate` runs (the native step where it applies).
-            step_fn = native_decode_fn(model, cache) or decode_step
-            contiguous, paged = median_times([lambda: step_fn(model, cache, tok, pos, context + 1),
-                                              lambda: paged_engine._forward(ptok, ppos, rows)])
-        # A whole engine step: scheduling, the forward pass, per-request sampling, bookkeeping.
-        engine = Engine(model, llm.tokenizer.eos_ids, EngineConfig(kv_cache_tokens=B * (context + 64),
-                                                                   kv_dtype=llm.kv_dtype))
-        for i in range(B):
-            engine.add_request(str(i), prompt[i].tolist(), SamplingParams(max_new_tokens=ENGINE_STEP_NEW_TOKENS,
-                                                                          temperature=0, ignore_eos=True))
-        while any(s.num_output_tokens == 0 for s in engine.requests.values()):
-            engine.step()
-        step = median_time(engine.step, repeat=10)
+        prompts = torch.randint(0, cfg.vocab_size, (B, context), generator=g).tolist()
+        # The same decode step over both caches, through the same runner (one binding of the
+        # native kernels): the contiguous cache's rows path (`LLM.generate`, `arlm generate`:
+        # `NativeLlama.decode` where it applies) and the paged pool's flattened batch through
+        # block tables (`arlm serve`: `NativeLlama.forward`).
+        contiguous_engine = Engine(llm.runner, llm.tokenizer.eos_ids,
+                                   EngineConfig(block_size=None, max_num_seqs=B, max_num_batched_tokens=B * context,
+                                                kv_dtype=llm.kv_dtype))
+        paged_engine = Engine(llm.runner, llm.tokenizer.eos_ids,
+                              EngineConfig(kv_cache_tokens=B * (context + 64), kv_dtype=llm.kv_dtype))
+        for e in (contiguous_engine, paged_engine):
+            prefilled(e, prompts)
+        contiguous, paged = median_times([forward_pass(contiguous_engine), forward_pass(paged_engine)])
+        del contiguous_engine
+        # A whole engine step over the pool: scheduling, the forward pass, per-request sampling, bookkeeping.
+        step = median_time(paged_engine.step, repeat=10)
         out["decode"][B] = {"contiguous_ms": contiguous * 1e3, "paged_ms": paged * 1e3, "engine_step_ms": step * 1e3}
         print(f"{B:>5} {contiguous * 1e3:>14.1f} {paged * 1e3:>9.1f} {paged / contiguous:>12.2f} {step * 1e3:>15.1f} "
               f"{B / step:>9.1f}")
@@ -144,8 +149,8 @@ def bench_engine(threads: int, context: int, quantize: str, kv_dtype: str = "aut
     params = SamplingParams(max_new_tokens=1, temperature=0)
     results = {}
     for caching in (False, True):
-        engine = Engine(model, llm.tokenizer.eos_ids, EngineConfig(kv_cache_tokens=4096, enable_prefix_caching=caching,
-                                                                   kv_dtype=llm.kv_dtype))
+        engine = Engine(llm.runner, llm.tokenizer.eos_ids,
+                        EngineConfig(kv_cache_tokens=4096, enable_prefix_caching=caching, kv_dtype=llm.kv_dtype))
         t0 = time.perf_counter()
         firsts = [engine.generate([p], params)[0] for p in prompts]
         results[caching] = (engine.scheduler.stats.computed_tokens, time.perf_counter() - t0, firsts)

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # a subprocess or a model load per test
+
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
 
@@ -30,12 +32,6 @@ CASES = [
     ("phases.py", ["--cases", "1x32", "--repeat", "0"]),
     ("phases.py", ["--cases", "1x99999"]),
     ("phases.py", ["--cases", "1x32,2x8192"]),  # 8193 cache slots
-    ("decode.py", ["--threads", "0"]),
-    ("decode.py", ["--new-tokens", "-1"]),
-    ("decode.py", ["--new-tokens", "1"]),
-    ("decode.py", ["--prompt-tokens", "0"]),
-    ("decode.py", ["--prompt-tokens", "8193"]),
-    ("decode.py", ["--repeat", "0"]),
     ("serve.py", ["--threads", "0"]),
     ("serve.py", ["--clients", "0"]),
     ("serve.py", ["--clients", "1,-8"]),

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from arlm.generate import Generation, decode_step
+from arlm.engine import Engine, EngineConfig, ModelRunner, decode_step, prefill
+from arlm.kv_cache import KVCache
 from arlm.sampling import SamplingParams
 
 from test_generate import random_prompts, tiny_gqa
@@ -31,20 +32,15 @@ def tiny():
 
 
 def greedy(model, prompts, decode_fn, static_kv_len=False):
-    gen = Generation(model, prompts, SamplingParams(max_new_tokens=STEPS, temperature=0.0, ignore_eos=True),
-                     decode_fn=decode_fn, static_kv_len=static_kv_len)
-    for _ in gen:
-        pass
-    return gen.completions
+    """The engine's greedy tokens with `decode_fn` as its rows path's step (as `LLM.configure(compile=True)`)."""
+    engine = Engine(ModelRunner(model, decode_fn, static_kv_len), (), EngineConfig(block_size=None))
+    return engine.generate(prompts, SamplingParams(max_new_tokens=STEPS, temperature=0.0, ignore_eos=True))
 
 
 def first_step_logits(model, prompts, decode_fn, static_kv_len):
     """Logits of one decode step after prefill, for the same ragged batch."""
-    from arlm.generate import prefill
-    from arlm.kv_cache import KVCache
-
     B, longest = len(prompts), max(map(len, prompts))
-    cache = KVCache.for_model(model.config, B, longest + STEPS)
+    cache = KVCache.contiguous(model.config, B, longest + STEPS)
     padded = torch.tensor([p + [0] * (longest - len(p)) for p in prompts])
     with torch.inference_mode():
         first = prefill(model, cache, padded, torch.arange(longest).expand(B, longest),
@@ -61,6 +57,7 @@ def test_static_kv_len_equals_growing_kv_len(tiny):
     assert greedy(tiny, prompts, decode_step, static_kv_len=True) == greedy(tiny, prompts, decode_step)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["cpu-default", "cuda-graph-flavour"])
 def test_compiled_decode_step_equals_eager(tiny, mode):
     """`--compile` on CPU (dynamic shapes) and the CUDA path's compile call (reduce-overhead,
@@ -77,6 +74,7 @@ def test_compiled_decode_step_equals_eager(tiny, mode):
     torch._dynamo.reset()
 
 
+@pytest.mark.slow
 def test_gpu_script_smoke_on_cpu(tmp_path):
     out = tmp_path / "gpu.json"
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--device", "cpu", "--smoke",

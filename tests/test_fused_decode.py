@@ -1,6 +1,6 @@
-"""The native decode step (`generate.native_decode_fn`, arlm/kernels/decode.cpp) against the module path.
+"""The native layer stack (`kernels.llama.NativeLlama`, arlm/kernels/decode.cpp) against the module path.
 
-Reference: `generate.decode_step`, the `Transformer` modules with the same cache. Float32 models:
+Reference: `engine.decode_step`, the `Transformer` modules with the same cache. Float32 models:
 logits within 1e-4 (relative to their scale) and identical greedy tokens. Quantized models (8-bit
 activations): each token's rounding of activations can flip on float32 noise, so the check is
 quality: the perplexity of teacher-forced decoding through the native step within 1% of the
@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from arlm.generate import Generation, decode_step, native_decode_fn, prefill
+from arlm.engine import Engine, EngineConfig, ModelRunner, decode_step, prefill
+from arlm.kernels.llama import LayerWeight, NativeLlama, cpp_layer_weight_names
 from arlm.kv_cache import KVCache
 from arlm.quant import quantize
 from arlm.sampling import SamplingParams
@@ -25,23 +26,44 @@ from conftest import arlm_from_hf, hf_gpt2, hf_llama
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _greedy(model, prompts, n, decode_fn):
-    gen = Generation(model, prompts, SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True),
-                     decode_fn=decode_fn)
-    for _ in gen:
-        pass
-    return gen.completions, gen.decode_fn
+def native_decode_fn(model):
+    """`decode_step`'s native twin (what the engine's rows path runs): embeddings, the layer
+    stack and the head into buffers kept from step to step; None where the kernels do not apply."""
+    native = NativeLlama.bind(model)
+    if native is None:
+        return None
+    buffers = {}
+
+    def step(model, cache, tokens, input_pos, kv_len):
+        B = tokens.shape[0]
+        if B not in buffers:
+            buffers[B] = (torch.empty(B, model.config.d_model), torch.empty(B, model.config.vocab_size))
+        x, logits = buffers[B]
+        native.embed(tokens[:, 0], out=x)
+        native.decode(x, cache.k, cache.v, input_pos[:, 0].contiguous(), kv_len)
+        return native.head(x, logits)
+
+    return step
+
+
+def _greedy(model, prompts, n, decode_fn, kv_dtype=None):
+    """Greedy tokens through the engine (static batch, contiguous cache): decode steps by
+    `decode_fn`, or natively where it is None; and whether they ran natively."""
+    runner = ModelRunner(model, decode_fn)
+    engine = Engine(runner, (), EngineConfig(block_size=None, kv_dtype=kv_dtype))
+    out = engine.generate(prompts, SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True))
+    return out, runner.native is not None and decode_fn is None
 
 
 def _step_logits(model, prompts, steps, fn, kv_dtype=torch.float32):
     """Logits of `steps` teacher-forced decode steps after a ragged prefill, with `fn`."""
     B, P = len(prompts), max(len(p) for p in prompts)
-    cache = KVCache.for_model(model.config, B, P + steps, dtype=kv_dtype)
+    cache = KVCache.contiguous(model.config, B, P + steps, dtype=kv_dtype)
     lens = torch.tensor([len(p) for p in prompts])
     out = []
     with torch.inference_mode():
         for b, p in enumerate(prompts):  # each row prefilled alone: the batch only meets in decode
-            one = KVCache.for_model(model.config, 1, len(p), dtype=kv_dtype)
+            one = KVCache.contiguous(model.config, 1, len(p), dtype=kv_dtype)
             prefill(model, one, torch.tensor([p]), torch.arange(len(p))[None], torch.tensor([len(p) - 1]), len(p))
             cache.k[:, b, :, :len(p)], cache.v[:, b, :, :len(p)] = one.k[:, 0], one.v[:, 0]
         for s in range(steps):  # each row's tokens depend on its prompt alone, not on the batch
@@ -55,13 +77,13 @@ def _step_logits(model, prompts, steps, fn, kv_dtype=torch.float32):
 def test_float_native_step_matches_modules(n_head, n_kv_heads):
     model = arlm_from_hf(hf_llama(seed=n_head + n_kv_heads, n_head=n_head, n_kv_heads=n_kv_heads))
     prompts = [[3, 5, 7, 9, 11], [2, 4], [8, 8, 8, 1, 2, 3, 4, 5, 6]]
-    native = native_decode_fn(model, KVCache.for_model(model.config, 3, 40))
+    native = native_decode_fn(model)
     assert native is not None
     ref, got = _step_logits(model, prompts, 20, decode_step), _step_logits(model, prompts, 20, native)
     assert (got - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
     plain, _ = _greedy(model, prompts, 30, decode_step)
-    fused, fn = _greedy(model, prompts, 30, None)
-    assert fn is not decode_step and fused == plain
+    fused, ran_native = _greedy(model, prompts, 30, None)
+    assert ran_native and fused == plain
 
 
 def test_float16_cache_native_step_matches_modules():
@@ -70,7 +92,7 @@ def test_float16_cache_native_step_matches_modules():
     # float32 cache (1e-4 of the logits' scale), and greedy decoding picks the same tokens.
     model = arlm_from_hf(hf_llama(seed=11, n_head=6, n_kv_heads=2))
     prompts = [[3, 5, 7, 9, 11], [2, 4], [8, 8, 8, 1, 2, 3, 4, 5, 6]]
-    native = native_decode_fn(model, KVCache.for_model(model.config, 3, 40, dtype=torch.float16))
+    native = native_decode_fn(model)
     assert native is not None
     ref = _step_logits(model, prompts, 20, decode_step, torch.float16)
     got = _step_logits(model, prompts, 20, native, torch.float16)
@@ -80,39 +102,49 @@ def test_float16_cache_native_step_matches_modules():
     params = SamplingParams(max_new_tokens=30, temperature=0, ignore_eos=True)
     tokens = []
     for fn in (decode_step, None):
-        gen = Generation(model, prompts, params, decode_fn=fn, kv_dtype=torch.float16)
-        for _ in gen:
-            pass
-        assert gen.cache.k.dtype == torch.float16 and (fn is None) == (gen.decode_fn is not decode_step)
-        tokens.append(gen.completions)
+        engine = Engine(ModelRunner(model, fn), (), EngineConfig(block_size=None, kv_dtype=torch.float16))
+        tokens.append(engine.generate(prompts, params))
+        assert engine.cache.k.dtype == torch.float16
     assert tokens[0] == tokens[1]
 
 
-def test_native_step_applies_only_where_it_can():
+def test_native_stack_applies_only_where_it_can():
     gpt2 = arlm_from_hf(hf_gpt2())
-    assert native_decode_fn(gpt2, KVCache.for_model(gpt2.config, 1, 8)) is None  # LayerNorm, GELU, biases
+    assert NativeLlama.bind(gpt2) is None  # LayerNorm, GELU, biases
     llama = arlm_from_hf(hf_llama())
-    bf16 = KVCache.for_model(llama.config, 1, 8, dtype=torch.bfloat16)
-    assert native_decode_fn(llama, bf16) is None
-    assert native_decode_fn(llama, KVCache.for_model(llama.config, 1, 8)) is not None
+    assert NativeLlama.bind(llama) is not None
+    # A bfloat16 cache has no native kernel: the engine runs the modules, with the same tokens
+    # as they give on their own.
+    prompts = [[3, 5, 7], [2, 4]]
+    native, _ = _greedy(llama, prompts, 8, None, kv_dtype=torch.bfloat16)
+    assert native == _greedy(llama, prompts, 8, decode_step, kv_dtype=torch.bfloat16)[0]
+
+
+def test_layer_weight_layout_is_named_alike_on_both_sides():
+    """decode.cpp's `LayerWeight` enum and its Python mirror: the same names, the same offsets."""
+    cpp = cpp_layer_weight_names()
+    python = {"".join(w.title() for w in m.name.split("_")): int(m) for m in LayerWeight}
+    python["LayerWeights"] = python.pop("Count")
+    assert cpp == python
 
 
 def test_native_step_rows_are_independent():
     # A row's result does not depend on its batch: bitwise, for the quantized kernels.
     model = quantize(arlm_from_hf(hf_llama(seed=4, hidden_size=192, intermediate_size=256)), "int8")
     prompts = [[3, 5, 7, 9, 11], [2, 4], [8, 8, 8, 1, 2, 3, 4, 5, 6]]
-    native = native_decode_fn(model, KVCache.for_model(model.config, 3, 40))
+    native = native_decode_fn(model)
     together = _step_logits(model, prompts, 6, native)
     for b, p in enumerate(prompts):
-        alone = _step_logits(model, [p], 6, native_decode_fn(model, KVCache.for_model(model.config, 1, 40)))
+        alone = _step_logits(model, [p], 6, native_decode_fn(model))
         assert torch.equal(alone[:, 0], together[:, b])
 
 
+@pytest.mark.slow
 def test_smollm2_float_native_step_same_greedy_tokens(smollm2):
     prompts = [smollm2.tokenizer.encode(p) for p in ("The capital of France is", "def fibonacci(n):")]
     plain, _ = _greedy(smollm2.model, prompts, 48, decode_step)
-    fused, fn = _greedy(smollm2.model, prompts, 48, None)
-    assert fn is not decode_step
+    fused, ran_native = _greedy(smollm2.model, prompts, 48, None)
+    assert ran_native
     assert fused == plain
 
 
@@ -124,7 +156,7 @@ def val_tokens(smollm2):
 
 def _decode_nll(model, tokens, fn, kv_dtype=torch.float32):
     """Mean next-token NLL of tokens[1:], each step decoding one token with the KV cache."""
-    cache = KVCache.for_model(model.config, 1, len(tokens), dtype=kv_dtype)
+    cache = KVCache.contiguous(model.config, 1, len(tokens), dtype=kv_dtype)
     nll = []
     with torch.inference_mode():
         logits = prefill(model, cache, torch.tensor([tokens[:1]]), torch.zeros(1, 1, dtype=torch.long),
@@ -146,12 +178,13 @@ def _forward_nll(model, tokens):
 
 @pytest.mark.parametrize("mode,kv_dtype", [("auto", torch.float16), ("auto", torch.float32),
                                            ("int8", torch.float32)])
+@pytest.mark.slow
 def test_quantized_native_step_perplexity(smollm2, val_tokens, mode, kv_dtype):
     # 1,024 tokens decoded one at a time through the native step: perplexity within 1% of the
     # float32 model's, and of the same quantized model's uncached forward pass (module path).
     # ("auto" with a float16 cache is LLM's default on CPU.)
     model = quantize(copy.deepcopy(smollm2.model), mode)
-    native = native_decode_fn(model, KVCache.for_model(model.config, 1, len(val_tokens), dtype=kv_dtype))
+    native = native_decode_fn(model)
     assert native is not None
     nll = [_forward_nll(smollm2.model, val_tokens), _decode_nll(model, val_tokens, native, kv_dtype),
            _forward_nll(model, val_tokens)]
@@ -163,8 +196,8 @@ def test_quantized_native_step_perplexity(smollm2, val_tokens, mode, kv_dtype):
 
 @pytest.mark.parametrize("mode", [None, "int8", "auto"])
 def test_native_step_allocates_nothing(mode):
-    # Issue 4, item 2: after the first step (which sizes its buffers), a decode step allocates no
-    # tensor memory: the embeddings, every intermediate and the logits live in buffers kept from
+    # After the first step (which sizes its buffers), a native decode step allocates no tensor
+    # memory: the embeddings, every intermediate and the logits live in buffers kept from
     # step to step. Counted by the profiler's allocator events. (The row-layout kernels still
     # allocate their outputs: CPUs without AVX-512 VNNI, and layers whose width is not a multiple
     # of 16, hence a vocabulary of 256 here.)
@@ -176,8 +209,8 @@ def test_native_step_allocates_nothing(mode):
     if mode is not None:
         model = quantize(model, mode)
     B = 4
-    cache = KVCache.for_model(model.config, B, 16)
-    step = native_decode_fn(model, cache)
+    cache = KVCache.contiguous(model.config, B, 16)
+    step = native_decode_fn(model)
     tokens = torch.randint(0, model.config.vocab_size, (B, 1), generator=torch.Generator().manual_seed(0))
     pos = torch.full((B, 1), 3), torch.full((B, 1), 4)
     with torch.inference_mode():
@@ -198,13 +231,13 @@ def test_native_step_long_rows(lengths):
     capacity = max(lengths) + 10
     model = arlm_from_hf(hf_llama(seed=13, max_position_embeddings=capacity + 90))
     prompts = [[(k * i) % 190 + 2 for i in range(n)] for k, n in zip((7, 5, 3), lengths)]
-    native = native_decode_fn(model, KVCache.for_model(model.config, 3, capacity))
+    native = native_decode_fn(model)
     ref, got = _step_logits(model, prompts, 4, decode_step), _step_logits(model, prompts, 4, native)
     assert (got - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
     quantized = quantize(model, "int8")
-    native = native_decode_fn(quantized, KVCache.for_model(model.config, 3, capacity))
+    native = native_decode_fn(quantized)
     together = _step_logits(quantized, prompts, 4, native)
     for b, p in enumerate(prompts):
-        one = native_decode_fn(quantized, KVCache.for_model(model.config, 1, capacity))
+        one = native_decode_fn(quantized)
         alone = _step_logits(quantized, [p], 4, one)
         assert torch.equal(alone[:, 0], together[:, b])

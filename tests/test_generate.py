@@ -11,16 +11,20 @@ import pytest
 import torch
 
 from arlm.config import ModelConfig
-from arlm.generate import CONTEXT, EOS, LENGTH, STOP, Generation, generate, prefill
+from arlm.engine import Engine, EngineConfig, FinishReason, ModelRunner, prefill
 from arlm.kv_cache import KVCache
-from arlm.llm import LLM, ChatSession, TextChunk, _StopWatcher
+from arlm.llm import LLM, ChatSession, TextChunk
 from arlm.loading import build_model
 from arlm.model import Transformer
 from arlm.sampling import SamplingParams, sample
+from arlm.text import StopStrings
 
 from conftest import randomize_
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
+EOS, STOP, LENGTH, CONTEXT = FinishReason.EOS, FinishReason.STOP, FinishReason.LENGTH, FinishReason.CONTEXT
+# The engine as `LLM` runs it: static batches on a contiguous cache, every prompt in one prefill.
+STATIC = dict(block_size=None, max_num_seqs=1024, max_num_batched_tokens=1 << 20)
 
 
 def tiny_gqa(max_seq_len: int = 256, seed: int = 3) -> Transformer:
@@ -41,9 +45,17 @@ def random_prompts(lengths, vocab=199, seed=0):
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
-def run(model, prompts, params, eos_ids=()):
-    results, stats = generate(model, prompts, params, eos_ids)
-    return [r.token_ids for r in results], [r.finish_reason for r in results], stats
+def run(model, prompts, params, eos_ids=(), context_shift=False, runner=None, **config):
+    """Generate on one engine (`STATIC` unless `config` says otherwise); (the output ids of each
+    prompt, their finish reasons, tokens produced by decode steps)."""
+    engine = Engine(runner or ModelRunner(model), eos_ids, EngineConfig(**{**STATIC, **config}))
+    reqs = [engine.add_request(p, params, context_shift=context_shift) for p in prompts]
+    decode_tokens = 0
+    while engine.has_unfinished():
+        outputs = engine.step()
+        if not engine.last_step.prompt_tokens:
+            decode_tokens += len(outputs)
+    return [r.output_ids for r in reqs], [r.finish_reason for r in reqs], decode_tokens
 
 
 def recompute_greedy(model, prompt, n, params=None, generator=None):
@@ -76,6 +88,7 @@ def test_cached_seeded_sampling_equals_recompute_tiny_gqa(tiny):
     assert len(set(tokens[0])) > 20
 
 
+@pytest.mark.slow
 def test_cached_greedy_equals_recompute_smollm2(smollm2):
     prompt = smollm2.tokenizer.encode("The history of the printing press")
     tokens, _, _ = run(smollm2.model, [prompt], SamplingParams(max_new_tokens=100, **GREEDY))
@@ -86,7 +99,7 @@ def test_cached_greedy_equals_recompute_smollm2(smollm2):
 
 def first_logits(model, prompts):
     B, P = len(prompts), max(map(len, prompts))
-    cache = KVCache.for_model(model.config, B, P)
+    cache = KVCache.contiguous(model.config, B, P)
     tokens = torch.zeros(B, P, dtype=torch.long)
     for b, p in enumerate(prompts):
         tokens[b, :len(p)] = torch.tensor(p)
@@ -122,16 +135,19 @@ def test_ragged_batch_rows_finishing_early_tiny_gqa(tiny):
     batch_logits = first_logits(tiny, prompts)
     for b, p in enumerate(prompts):
         torch.testing.assert_close(batch_logits[b], first_logits(tiny, [p])[0], atol=1e-4, rtol=0)
-    tokens, reasons, stats = run(tiny, prompts, params, eos_ids=[eos])
+    tokens, reasons, decode_tokens = run(tiny, prompts, params, eos_ids=[eos])
     assert tokens == [r[0][0] for r in ref] and reasons == [r[1][0] for r in ref]
     assert reasons[0] == EOS and len(tokens[0]) == stop_at + 1
     assert LENGTH in reasons, "some row should outlive row 0"
-    assert stats.prompt_tokens == sum(map(len, prompts))
-    assert stats.decode_tokens == sum(map(len, tokens)) - len(prompts)  # the first token comes from prefill
+    assert decode_tokens == sum(map(len, tokens)) - len(prompts)  # the first token comes from prefill
+    # The same batch through a paged pool (blocks of 8, chunked prefill, continuous batching).
+    paged = run(tiny, prompts, params, eos_ids=[eos], block_size=8, kv_cache_tokens=2048, max_num_batched_tokens=16)
+    assert paged[:2] == (tokens, reasons)
 
 
 # -- HF generate with a repetition penalty -------------------------------------------------------------
 
+@pytest.mark.slow
 def test_repetition_penalty_greedy_matches_hf_generate(smollm2, hf_smollm2):
     prompt = smollm2.tokenizer.encode("List of fruits: apple, banana, apple, banana,")
     x = torch.tensor([prompt])
@@ -164,11 +180,11 @@ def test_seeded_sampling_reproducible_smollm2(smollm2):
 # -- stop conditions ---------------------------------------------------------------------------------------
 
 def stream_chunks(llm, prompt, params):
-    it = llm.stream([prompt], params)
-    gen = next(it)
-    chunks = list(it)
+    """(the prompt's request, after the stream ran; the chunks)"""
+    stream = llm.stream([prompt], params)
+    chunks = list(stream)
     assert all(isinstance(c, TextChunk) for c in chunks)
-    return gen, chunks
+    return stream.requests[0], chunks
 
 
 @pytest.fixture(scope="module")
@@ -176,26 +192,26 @@ def story(smollm2):
     """A greedy continuation without stop strings, and its stream chunk boundaries in the text."""
     prompt = "Once upon a time, in a small village by the sea, there lived"
     params = SamplingParams(max_new_tokens=48, **GREEDY)
-    gen, chunks = stream_chunks(smollm2, prompt, params)
+    req, chunks = stream_chunks(smollm2, prompt, params)
     text = "".join(c.text for c in chunks)
     bounds, pos = [], 0
     for c in chunks[:-1]:
         pos += len(c.text)
         bounds.append(pos)
-    return prompt, text, bounds, gen.completions[0]
+    return prompt, text, bounds, req.output_ids
 
 
 def check_stop(llm, prompt, stop, full_text, max_new_tokens=48):
     """Streamed and non-streamed text both equal the reference cut before the stop string."""
     params = SamplingParams(max_new_tokens=max_new_tokens, stop=[stop], **GREEDY)
-    gen, chunks = stream_chunks(llm, prompt, params)
+    req, chunks = stream_chunks(llm, prompt, params)
     streamed = "".join(c.text for c in chunks)
     done = llm.generate(prompt, params)[0]
     expect = full_text[:full_text.index(stop)]
     assert stop not in streamed
     assert streamed == expect == done.text
-    assert chunks[-1].finish_reason == STOP == done.finish_reason == gen.finish_reasons[0]
-    return gen, chunks
+    assert chunks[-1].finish_reason == STOP == done.finish_reason == req.finish_reason
+    return req, chunks
 
 
 def test_stop_string_spanning_several_tokens(smollm2, story):
@@ -205,8 +221,8 @@ def test_stop_string_spanning_several_tokens(smollm2, story):
     stop = text[start:end]
     assert text.index(stop) == start and len(stop) >= 5
     assert bounds[13] > bounds[12]  # the 14th token ends the stop string
-    gen, _ = check_stop(smollm2, prompt, stop, text)
-    assert len(gen.completions[0]) == 14  # it stopped on the token that completed the stop string
+    req, _ = check_stop(smollm2, prompt, stop, text)
+    assert len(req.output_ids) == 14  # it stopped on the token that completed the stop string
 
 
 def test_stop_string_straddling_stream_chunks(smollm2, story):
@@ -226,8 +242,8 @@ def test_stop_string_completed_by_the_last_allowed_token(smollm2, story):
     n = 12
     stop = text[bounds[n - 3]:bounds[n - 1]]  # the text of tokens n-1 and n: the n-th completes it
     assert text.index(stop) == bounds[n - 3] and bounds[n - 1] > bounds[n - 2]
-    gen, _ = check_stop(smollm2, prompt, stop, text, max_new_tokens=n)
-    assert len(gen.completions[0]) == n
+    req, _ = check_stop(smollm2, prompt, stop, text, max_new_tokens=n)
+    assert len(req.output_ids) == n
 
 
 def test_stop_prefixes_that_never_complete_are_released(smollm2, story):
@@ -235,30 +251,30 @@ def test_stop_prefixes_that_never_complete_are_released(smollm2, story):
     word = text.split()[3]
     stop = word + "\u2603"  # the word then a snowman: its prefix keeps appearing, never the whole
     params = SamplingParams(max_new_tokens=48, stop=[stop, " the@@"], **GREEDY)
-    gen, chunks = stream_chunks(smollm2, prompt, params)
+    req, chunks = stream_chunks(smollm2, prompt, params)
     assert "".join(c.text for c in chunks) == text
-    assert gen.finish_reasons == [LENGTH]
+    assert req.finish_reason == LENGTH
 
 
-def test_stop_watcher_hand_made_pieces():
-    w = _StopWatcher(["o w"])
+def test_stop_strings_hand_made_pieces():
+    w = StopStrings(["o w"])
     assert w.push("Hel", False) == ("Hel", False)
     assert w.push("lo", False) == ("l", False)  # "o" might start "o w": held back
     assert w.push(" wo", False) == ("", True)
     # Several stop strings with overlapping prefixes: each held tail is kept until resolved.
-    w = _StopWatcher(["abcdZ", "XabcdY"])
+    w = StopStrings(["abcdZ", "XabcdY"])
     out = [w.push(p, False) for p in ["..", "Xab", "cd", "Y"]]
     assert "".join(o[0] for o in out) == ".." and out[-1][1]
-    w = _StopWatcher(["abcdZ", "XabcdY"])
+    w = StopStrings(["abcdZ", "XabcdY"])
     out = [w.push(p, i == 4) for i, p in enumerate(["..", "Xab", "cd", "Q", "!"])]
     assert "".join(o[0] for o in out) == "..XabcdQ!" and not any(o[1] for o in out)
 
 
 def test_eos_finishes_with_eos(smollm2):
     prompt = smollm2.apply_chat_template([{"role": "user", "content": "What is 2+2? Answer with one number."}])
-    gen, chunks = stream_chunks(smollm2, prompt, SamplingParams(max_new_tokens=48, temperature=0.0))
-    assert gen.finish_reasons == [EOS]
-    assert gen.completions[0][-1] in smollm2.tokenizer.eos_ids
+    req, chunks = stream_chunks(smollm2, prompt, SamplingParams(max_new_tokens=48, temperature=0.0))
+    assert req.finish_reason == EOS
+    assert req.output_ids[-1] in smollm2.tokenizer.eos_ids
     assert chunks[-1].finish_reason == EOS
     text = "".join(c.text for c in chunks)
     assert "4" in text and "<|im_end|>" not in text
@@ -283,7 +299,9 @@ def test_context_limit_finishes_with_context():
         assert t == recompute_greedy(model, p, len(t))
         assert run(model, [p], params)[0][0] == t
     with pytest.raises(ValueError, match="context window"):
-        Generation(model, random_prompts([33]), params)
+        run(model, random_prompts([33]), params)
+    # Through a paged pool too: the same tokens, and the same stop.
+    assert run(model, prompts, params, block_size=4, kv_cache_tokens=256)[:2] == (tokens, reasons)
 
 
 # -- the KV cache --------------------------------------------------------------------------------------
@@ -291,33 +309,37 @@ def test_context_limit_finishes_with_context():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kv_cache_bytes_per_token(dtype):
     for cfg in (ModelConfig.llama(), ModelConfig.gpt2(), ModelConfig.llama(n_head=6, n_kv_heads=1, d_model=96)):
-        cache = KVCache.for_model(cfg, batch_size=3, capacity=16, dtype=dtype)
+        cache = KVCache.contiguous(cfg, batch_size=3, capacity=16, dtype=dtype)
         element = torch.tensor([], dtype=dtype).element_size()
         assert cache.bytes_per_token == 2 * cfg.n_layer * cfg.n_kv_heads * cfg.head_dim * element
         assert cache.nbytes == 3 * 16 * cache.bytes_per_token
-    assert KVCache.for_model(ModelConfig.llama(), 1, 1).bytes_per_token == 2 * 30 * 3 * 64 * 4  # SmolLM2: 46080
+    assert KVCache.contiguous(ModelConfig.llama(), 1, 1).bytes_per_token == 2 * 30 * 3 * 64 * 4  # SmolLM2: 46080
 
 
-def test_kv_cache_in_place_and_seq_lens(tiny):
-    """The cache tensors are never re-allocated during decode; seq_lens track every row; the cached
-    K/V equal those of a fresh prefill of each row's fed tokens (<= 1e-4)."""
+def test_kv_cache_in_place_and_matches_a_fresh_prefill(tiny):
+    """The engine's contiguous cache is allocated once for the batch and written in place; each
+    request's row holds the K/V of a fresh prefill of the tokens it fed (<= 1e-4)."""
     prompts = random_prompts([4, 15, 9], seed=7)
-    gen = Generation(tiny, prompts, SamplingParams(max_new_tokens=12, **GREEDY))
-    cache = gen.cache
+    engine = Engine(tiny, (), EngineConfig(**STATIC))
+    reqs = [engine.add_request(p, SamplingParams(max_new_tokens=12, **GREEDY)) for p in prompts]
+    engine.step()
+    cache = engine.cache
     ptrs = (cache.k.data_ptr(), cache.v.data_ptr())
-    for step in gen:
-        assert gen.cache is cache and (cache.k.data_ptr(), cache.v.data_ptr()) == ptrs
-        for b, p in enumerate(prompts):
-            assert cache.seq_lens[b] == len(p) + len(gen.completions[b]) - 1  # the newest is not fed yet
-    for b, p in enumerate(prompts):
-        fed = p + gen.completions[b][:-1]
-        ref = KVCache.for_model(tiny.config, 1, len(fed))
+    assert cache.n_blocks == 3 and cache.block_size == 15 + 12
+    while engine.has_unfinished():
+        engine.step()
+        assert engine.cache is cache and (cache.k.data_ptr(), cache.v.data_ptr()) == ptrs
+        for r in reqs:
+            assert r.num_computed == len(r.token_ids) - 1 or r.finished  # the newest is not fed yet
+    for r in reqs:
+        fed = r.token_ids[:-1]
+        ref = KVCache.contiguous(tiny.config, 1, len(fed))
         with torch.inference_mode():
             prefill(tiny, ref, torch.tensor([fed]), torch.arange(len(fed))[None], torch.tensor([len(fed) - 1]),
                     len(fed))
-        n = len(fed)
-        torch.testing.assert_close(cache.k[:, b, :, :n], ref.k[:, 0], atol=1e-4, rtol=0)
-        torch.testing.assert_close(cache.v[:, b, :, :n], ref.v[:, 0], atol=1e-4, rtol=0)
+        n, row = len(fed), r.blocks[0] if r.blocks else reqs.index(r)
+        torch.testing.assert_close(cache.k[:, row, :, :n], ref.k[:, 0], atol=1e-4, rtol=0)
+        torch.testing.assert_close(cache.v[:, row, :, :n], ref.v[:, 0], atol=1e-4, rtol=0)
 
 
 # -- chat ------------------------------------------------------------------------------------------------
@@ -328,7 +350,7 @@ def test_chat_second_turn_equals_whole_conversation_from_scratch(smollm2):
     first = "".join(c.text for c in session.send("What is the capital of France?"))
     first_prefill = session.last_prefill_tokens
     second = "".join(c.text for c in session.send("And of Germany?"))
-    second_tokens = list(session.generation.completions[0])
+    second_tokens = session.last_request.output_ids
 
     history = [{"role": "user", "content": "What is the capital of France?"},
                {"role": "assistant", "content": first}, {"role": "user", "content": "And of Germany?"}]
@@ -337,8 +359,13 @@ def test_chat_second_turn_equals_whole_conversation_from_scratch(smollm2):
     scratch = smollm2.generate([full], params)[0]
     assert second_tokens == scratch.token_ids and second == scratch.text
     assert first_prefill == len(smollm2.tokenizer.encode(smollm2.apply_chat_template(history[:1])))
-    # Only the new turn is prefilled: "<|im_end|>\n<|im_start|>user\nAnd of Germany?<|im_end|>\n..."
-    assert session.last_prefill_tokens < 20 and session.last_prefill_tokens < len(full) / 3
+    # Only the new turn is prefilled ("<|im_end|>\n<|im_start|>user\nAnd of Germany?<|im_end|>\n..."),
+    # from the last full block of the first turn on: the prefix cache holds whole blocks.
+    first_turn = len(smollm2.tokenizer.encode(smollm2.apply_chat_template(history[:2], add_generation_prompt=False)))
+    new = len(full) - first_turn
+    assert session.cached_tokens > 0 and session.cached_tokens % ChatSession.BLOCK_SIZE == 0
+    assert session.last_prefill_tokens == len(full) - session.cached_tokens
+    assert session.last_prefill_tokens < new + ChatSession.BLOCK_SIZE
 
 
 def test_chat_repetition_penalty_counts_earlier_turns(smollm2):
@@ -352,7 +379,7 @@ def test_chat_repetition_penalty_counts_earlier_turns(smollm2):
     history = [{"role": "user", "content": turns[0]}, {"role": "assistant", "content": first},
                {"role": "user", "content": turns[1]}]
     full = smollm2.tokenizer.encode(smollm2.apply_chat_template(history))
-    assert session.generation.completions[0] == smollm2.generate([full], params)[0].token_ids
+    assert session.last_request.output_ids == smollm2.generate([full], params)[0].token_ids
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
@@ -366,11 +393,9 @@ def test_context_shift_equals_recomputing_the_cropped_window(family):
     model = arlm_from_hf(hf)
     limit, keep = 16, 8
     prompt = [5, 9, 2, 7, 3]
-    gen = Generation(model, [prompt], SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True),
-                     context_shift=True)
-    for _ in gen:
-        pass
-    assert gen.finish_reasons == ["length"] and len(gen.completions[0]) == 40
+    params = SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True)
+    tokens, reasons, _ = run(model, [prompt], params, context_shift=True)
+    assert reasons == ["length"] and len(tokens[0]) == 40
     seq, w = list(prompt), 0
     with torch.inference_mode():
         while len(seq) < len(prompt) + 40:
@@ -378,12 +403,13 @@ def test_context_shift_equals_recomputing_the_cropped_window(family):
                 w = len(seq) - 1 - keep
             window = seq[w:]
             seq.append(int(model(torch.tensor([window]))[0, -1].argmax()))
-    assert gen.completions[0] == seq[len(prompt):]
+    assert tokens[0] == seq[len(prompt):]
+    # the same through a paged pool, and beside another request that does not shift
+    both, reasons, _ = run(model, [prompt, [4, 4]], params, context_shift=True, block_size=4, kv_cache_tokens=64)
+    assert both[0] == tokens[0] and reasons == ["length", "length"]
     # without it the row stops at the window
-    stop = Generation(model, [prompt], SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True))
-    for _ in stop:
-        pass
-    assert stop.finish_reasons == ["context"] and len(stop.completions[0]) == limit - len(prompt) + 1
+    stopped, reasons, _ = run(model, [prompt], params)
+    assert reasons == ["context"] and len(stopped[0]) == limit - len(prompt) + 1
 
 
 # -- the default (quantized) path: a batch equals each prompt alone, token for token ---------------
@@ -428,8 +454,7 @@ def test_tiny_temperature_is_greedy(default_llm):
 
 def test_prompt_types(default_llm):
     params = SamplingParams(max_new_tokens=2, temperature=0)
-    gen = next(default_llm.stream("Hi", params))  # one str is one prompt, as for generate
-    assert gen.batch_size == 1
+    assert len(default_llm.stream("Hi", params).prompt_ids) == 1  # one str is one prompt, as for generate
     ids = default_llm.tokenizer.encode("Hi")
     assert default_llm.generate([ids], params)[0].token_ids == default_llm.generate("Hi", params)[0].token_ids
     for bad in (None, 123, [1, 2, 3], [(1.5, 2)], [b"hi"], [[5.7, 10.2]]):

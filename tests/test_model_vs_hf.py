@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from arlm.generate import decode_step, prefill
+from arlm.engine import decode_step, prefill
 from arlm.kv_cache import KVCache
 from arlm.loading import load_model
 from arlm.loading.hf import config_from_hf
@@ -84,7 +84,7 @@ def test_cached_decode_matches_hf_full_sequence(pair):
     seqs = torch.randint(0, model.config.vocab_size, (2, T), generator=g)
     ref = hf_logits(hf, seqs)  # [2, T, V]
     prefix = [7, 19]
-    cache = KVCache.for_model(model.config, batch_size=2, capacity=T)
+    cache = KVCache.contiguous(model.config, batch_size=2, capacity=T)
     P = max(prefix)
     tokens = torch.zeros(2, P, dtype=torch.long)
     for b, n in enumerate(prefix):

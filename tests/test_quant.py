@@ -7,24 +7,26 @@ perplexity on tiny Shakespeare's validation text for quality.
 from __future__ import annotations
 
 import copy
-import os
 from pathlib import Path
 
 import pytest
 import torch
 
 from arlm import kernels
-from arlm.generate import Generation, decode_step
+from arlm.engine import Engine, EngineConfig, ModelRunner, decode_step, prefill
+from arlm.kv_cache import KVCache
 from arlm.llm import LLM, ChatSession
 from arlm.quant import Int8Linear, Q4Linear, quantize, quantize_int8, weight_bytes
 from arlm.sampling import SamplingParams
+from cpu_flags import native_bf16_expected, native_kernels_expected, packed_expected, prefill_dtype_expected
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_native_kernel_builds():
-    # CI has gcc and ninja: the fast path must be the one tested, not the fallback.
-    assert kernels.native_available()
+    # CI has gcc and ninja: the fast path must be the one tested, not the fallback (unless
+    # ARLM_NO_NATIVE asks for the fallback).
+    assert kernels.native_available() == native_kernels_expected()
 
 
 @pytest.mark.parametrize("M", [1, 2, 3, 5, 8, 33])
@@ -138,29 +140,25 @@ def test_q4_linear_a8_matches_float64(M, N, K):
     _assert_within_rounding_bound(y, x, dense)
 
 
-def _cpu_has_vnni() -> bool:
-    caps = torch.cpu.get_capabilities()
-    return bool(caps.get("avx512_vnni")) and bool(caps.get("avx512_bw"))
-
-
 def _packed_expected() -> bool:
-    """Where the packed kernels must exist: a VNNI CPU with the default native build (there a
-    failed build fails these tests rather than skipping them); with ARLM_MARCH, what was built."""
-    if os.environ.get("ARLM_MARCH", "native") != "native":
-        return kernels.packed_available()
-    return _cpu_has_vnni()
+    """Where the packed kernels must exist, from the CPU's flags and ARLM_MARCH (cpu_flags.py),
+    not from the build itself: there a failed build fails these tests rather than skipping them."""
+    return packed_expected()
 
 
 def test_packed_kernels_are_built_where_the_cpu_has_vnni():
     # The packed layout is the fast path on AVX-512 VNNI CPUs (CI's among them); elsewhere the
-    # layers keep the row-layout kernels and must not claim otherwise. (ARLM_MARCH builds for
-    # another CPU on purpose: then the build, not this CPU, decides.)
-    if os.environ.get("ARLM_MARCH", "native") == "native":
-        assert kernels.packed_available() == _cpu_has_vnni()
+    # layers keep the row-layout kernels and must not claim otherwise.
+    assert kernels.packed_available() == packed_expected()
     layer = Int8Linear.from_float(torch.randn(32, 64))
     layer.int8_activations = True
     layer.pack()
-    assert (layer.packed is not None) == kernels.packed_available()
+    assert (layer.packed is not None) == packed_expected()
+
+
+def test_native_bf16_is_read_from_the_cpu():
+    # bf16 prefill (LLM.configure) and bf16 autocast (training) are chosen where this holds.
+    assert kernels.cpu_has_native_bf16() == native_bf16_expected()
 
 
 def _packed_case(g, N, K):
@@ -220,7 +218,7 @@ def test_quantized_layers_use_the_packed_layout():
         y = layer(x)
         packed, layer.packed = layer.packed, None
         torch.testing.assert_close(y, layer(x), rtol=0, atol=1e-6 * y.abs().max().item())
-        assert (packed is not None) == kernels.packed_available()
+        assert (packed is not None) == packed_expected()
         odd = cls.from_float(torch.randn(40, 96, generator=g))
         odd.pack()
         assert odd.packed is None
@@ -330,6 +328,7 @@ def fp32_perplexity(smollm2, val_ids):
     return _perplexity(smollm2.model, val_ids)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", ["int8", "auto"])
 def test_quantized_perplexity_within_one_percent(int8_smollm2, auto_smollm2, val_ids, fp32_perplexity, path):
     quantized = {"int8": int8_smollm2, "auto": auto_smollm2}[path]
@@ -367,33 +366,31 @@ def test_quantized_generation_runs_the_same_engine(smollm2, path):
     llm.model = quantize(copy.deepcopy(smollm2.model), path, keep_dense=False, activations="float32")
     ids = llm.tokenizer.encode("The capital of France is")
     # The module path (decode_step); the native step is held to the same model in test_fused_decode.py.
-    gen = Generation(llm.model, [ids], SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True),
-                     decode_fn=decode_step)
-    for _ in gen:
-        pass
+    runner = ModelRunner(llm.model, decode_step)
+    runner.native = None  # prefill through the modules too
+    engine = Engine(runner, (), EngineConfig(block_size=None))
+    tokens = engine.generate([ids], SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True))[0]
     seq = list(ids)
     with torch.inference_mode():
         for _ in range(12):
             seq.append(int(llm.model(torch.tensor([seq]))[0, -1].argmax()))
-    assert gen.completions[0] == seq[len(ids):]
+    assert tokens == seq[len(ids):]
 
 
 def test_prefill_uses_the_float_weights(smollm2, auto_smollm2):
     # Prefill is compute-bound: quantized layers multiply with their float originals there, so
     # the first token's logits are exactly the float model's.
-    from arlm.generate import prefill
-    from arlm.kv_cache import KVCache
-
     ids = smollm2.tokenizer.encode("The capital of France is")
     out = []
     for llm in (smollm2, auto_smollm2):
-        cache = KVCache.for_model(llm.model.config, 1, 32)
+        cache = KVCache.contiguous(llm.model.config, 1, 32)
         with torch.inference_mode():
             out.append(prefill(llm.model, cache, torch.tensor([ids]), torch.arange(len(ids))[None],
                                torch.tensor([len(ids) - 1]), len(ids)))
     assert torch.equal(out[0], out[1])
 
 
+@pytest.mark.slow
 def test_bf16_prefill_quality(smollm2, val_ids, fp32_perplexity):
     # LLM.configure's choice on CPUs with native bf16 matmuls: prefill multiplies by bf16 copies
     # of the weights (float32 accumulation). Held to the same 1% perplexity bound as the
@@ -414,9 +411,11 @@ def test_bf16_prefill_quality(smollm2, val_ids, fp32_perplexity):
     assert agree >= 0.95, agree
 
 
+@pytest.mark.slow
 def test_prefill_dtype_choices(smollm2):
     # "quantized" prefills through the decode kernels (no dense copies kept); the dense choices
-    # keep one per layer; "auto" picks quantized exactly where the packed kernels are built.
+    # keep one per layer; "auto" picks quantized where the packed kernels are built, else bf16
+    # copies where the CPU multiplies bf16 natively, else float32 copies.
     def configured(choice):
         llm = LLM(smollm2.loaded)
         llm.model = copy.deepcopy(smollm2.model)
@@ -427,12 +426,16 @@ def test_prefill_dtype_choices(smollm2):
     assert llm.prefill_dtype == "quantized" and all(m.dense_weight is None for m in layers)
     llm, layers = configured("bfloat16")
     assert all(m.dense_weight.dtype == torch.bfloat16 for m in layers)
-    llm, _ = configured("auto")
-    assert (llm.prefill_dtype == "quantized") == kernels.packed_available()
+    llm, layers = configured("auto")
+    expected = prefill_dtype_expected()
+    assert llm.prefill_dtype == expected
+    assert all(m.dense_weight is None if expected == "quantized" else m.dense_weight.dtype == getattr(torch, expected)
+               for m in layers)
     with pytest.raises(ValueError, match="prefill dtype"):
         configured("int4")
 
 
+@pytest.mark.slow
 def test_kv_dtype_choices(smollm2):
     # "auto": a float16 cache where a quantized model decodes through the native step on CPU, the
     # model's dtype otherwise; the generation and chat caches take it.
@@ -443,7 +446,7 @@ def test_kv_dtype_choices(smollm2):
         return llm
 
     llm = configured(quantize="auto", kv_dtype="auto")
-    assert llm.kv_dtype == (torch.float16 if kernels.native_available() else torch.float32)
+    assert llm.kv_dtype == (torch.float16 if native_kernels_expected() else torch.float32)
     gen = next(llm.stream(["Hello"], SamplingParams(max_new_tokens=2, temperature=0)))
     assert gen.cache.k.dtype == llm.kv_dtype
     assert ChatSession(llm, SamplingParams(max_new_tokens=2)).cache.k.dtype == llm.kv_dtype

@@ -1,7 +1,7 @@
-"""The serving engine on the real SmolLM2, in process.
+"""The engine with a paged pool (as `arlm serve` runs it) on the real SmolLM2, in process.
 
-References: `LLM.generate` over the contiguous cache (greedy tokens identical: the paged kernel's
-logits differ from SDPA's by ~1e-5, far below the gaps between SmolLM2's top logits on these
+References: `LLM.generate` over the contiguous cache (greedy tokens identical: the paged step's
+logits differ from the contiguous cache's rows step by ~1e-5, far below the gaps between SmolLM2's top logits on these
 prompts), the paged pool's logits against the contiguous cache's (1e-3 absolute on logits of
 magnitude ~20), and the engine without prefix caching (tokens identical).
 """
@@ -14,10 +14,11 @@ from contextlib import contextmanager
 import pytest
 import torch
 
+from arlm.cli_common import parse_size
+from arlm.engine import Engine, EngineConfig, ModelRunner, Request
+from arlm.engine.scheduler import ScheduledBatch
 from arlm.kv_cache import KVCache
 from arlm.sampling import SamplingParams
-from arlm.serve.engine import Engine, EngineConfig, parse_size
-from arlm.serve.paged_cache import PagedKVCache
 
 PROMPTS = ["The cat sat on the", "Once upon a time, in a land far away,", "def fibonacci(n):",
            "The capital of France is", "Hello"]
@@ -52,7 +53,7 @@ def test_paged_pool_logits_match_the_contiguous_cache(smollm2):
         if hasattr(m, "int8_activations"):
             m.int8_activations = False
     ids = [smollm2.tokenizer.encode(p) for p in PROMPTS[:3]]
-    pool = PagedKVCache.for_model(cfg, 32, 16)
+    pool = KVCache.pool(cfg, 32, 16)
     tables = [[5, 17, 2], [9, 30, 11], [1, 25, 7]]  # scattered blocks
     flat = [t for p in ids for t in p]
     pool.set_batch(torch.tensor(tables), torch.tensor([s for s, p in enumerate(ids) for _ in p]))
@@ -61,7 +62,7 @@ def test_paged_pool_logits_match_the_contiguous_cache(smollm2):
     with torch.inference_mode():
         paged = model(torch.tensor([flat]), positions, kv_cache=pool, output_index=last)
         for s, p in enumerate(ids):
-            cache = KVCache.for_model(cfg, 1, 64)
+            cache = KVCache.contiguous(cfg, 1, 64)
             ref = model(torch.tensor([p]), torch.arange(len(p))[None], kv_cache=cache, kv_len=len(p),
                         output_index=torch.tensor([len(p) - 1]))
             assert ref.abs().max() > 10
@@ -69,24 +70,35 @@ def test_paged_pool_logits_match_the_contiguous_cache(smollm2):
 
 
 @contextmanager
-def float_activations(model):
+def float_activations(model, llm=None):
     """Quantized weights with float32 activations (weight-only): then the engine and the
     contiguous-cache path differ only by float32 rounding, which greedy decoding absorbs; 8-bit
-    activations can turn that rounding into a flipped near-tie."""
+    activations can turn that rounding into a flipped near-tie. The native stack takes the
+    activation mode when it binds the weights, so `llm`'s runner is bound again on the way in
+    and on the way out."""
     layers = [m for m in model.modules() if hasattr(m, "int8_activations")]
     before = [m.int8_activations for m in layers]
     for m in layers:
         m.int8_activations = False
+    if llm is not None:
+        rebind(llm)
     try:
         yield
     finally:
         for m, b in zip(layers, before):
             m.int8_activations = b
+        if llm is not None:
+            rebind(llm)
+
+
+def rebind(llm):
+    r = llm.runner
+    llm._start(ModelRunner(r.model, r.decode_fn, r.static_kv_len, r.dense_prefill))
 
 
 def test_engine_greedy_equals_llm_generate(smollm2):
     ids = [smollm2.tokenizer.encode(p) for p in PROMPTS]
-    with float_activations(smollm2.model):
+    with float_activations(smollm2.model, smollm2):
         engine = Engine(smollm2.model, smollm2.tokenizer.eos_ids, EngineConfig(kv_cache_tokens=4096))
         expect = [c.token_ids for c in smollm2.generate(PROMPTS, GREEDY)]
         assert engine.generate(ids, GREEDY) == expect
@@ -136,8 +148,9 @@ def test_shared_system_prompt_is_prefilled_once(smollm2):
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
 def test_native_paged_forward_matches_the_modules(smollm2, kv_dtype):
-    # The engine's one-call layer stack (forward_llama_paged) against the modules over the same
-    # pool layout: logits within 1e-3 (float activations, see float_activations). With a float16
+    # The engine's one-call layer stack (forward_llama_paged, run by the model runner for a
+    # batch of prompts over scattered blocks) against the modules over the same pool layout:
+    # logits within 1e-3 (float activations, see float_activations). With a float16
     # pool, float32 noise between the two paths can round a K/V element to the neighbouring
     # float16 now and then (one ulp, ~5e-4 relative), which 30 layers carry to the logits: 1e-2 there.
     model, cfg = copy.deepcopy(smollm2.model), smollm2.model.config
@@ -149,13 +162,18 @@ def test_native_paged_forward_matches_the_modules(smollm2, kv_dtype):
     tables = torch.tensor([[5, 17, 2], [9, 30, 11], [1, 25, 7]])
     with float_activations(model):
         engine = Engine(model, smollm2.tokenizer.eos_ids, EngineConfig(kv_cache_tokens=32 * 16, kv_dtype=kv_dtype))
-        assert engine.native is not None and engine.cache.k.dtype == kv_dtype
-        engine.cache.set_batch(tables, seq_index)
+        assert engine.runner.native is not None and engine.cache.use_kernel and engine.cache.k.dtype == kv_dtype
+        batch = ScheduledBatch()
+        for s, p in enumerate(ids):
+            req = Request.create(f"r{s}", p, GREEDY, cfg.vocab_size)
+            req.blocks = tables[s].tolist()
+            batch.add(req, len(p))
         with torch.inference_mode():
-            native = engine._forward(flat, positions, last)
-            pool = PagedKVCache.for_model(cfg, 32, 16, dtype=kv_dtype)
+            native, rows = engine.runner.execute(engine.cache, batch, by_rows=False)
+            pool = KVCache.pool(cfg, 32, 16, dtype=kv_dtype)
             pool.set_batch(tables, seq_index)
             ref = model(flat[None], positions[None], kv_cache=pool, output_index=last)
+    assert rows == [0, 1, 2]
     assert ref.abs().max() > 10
     half = kv_dtype == torch.float16
     torch.testing.assert_close(native, ref, atol=1e-2 if half else 1e-3, rtol=0)
@@ -185,7 +203,7 @@ def test_a_request_whose_sampling_fails_fails_alone(engine, smollm2):
     expect = [engine.generate([ids[0]], GREEDY)[0], engine.generate([ids[1]], seeded)[0]]
     bad = SamplingParams(max_new_tokens=8, temperature=1.0, top_k=5)
     for rid, p, sp in (("good-0", ids[0], GREEDY), ("good-1", ids[1], seeded), ("bad", ids[2], bad)):
-        engine.add_request(rid, p, sp)
+        engine.add_request(p, sp, rid)
     bad.top_k = 2**63  # past validation, as a bug could let through: sampling its row raises
     outputs = {"good-0": [], "good-1": [], "bad": []}
     errors = {}

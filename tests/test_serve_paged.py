@@ -1,4 +1,4 @@
-"""The serving engine's parts on a tiny random model: block pool, paged attention, scheduler, sampler.
+"""The engine's parts on a tiny random model: block pool, paged attention, scheduler, sampler.
 
 References: the contiguous `KVCache` path (paged logits equal to 1e-4 absolute, float32 on O(10)
 logits), the same request run alone (tokens identical), and `sample` for one row (identical).
@@ -9,15 +9,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from arlm.cli_common import parse_size
 from arlm.config import ModelConfig
-from arlm.generate import EOS, LENGTH
+from arlm.engine import Engine, EngineConfig, FinishReason
+from arlm.engine.block_pool import BlockPool, block_hash
+from arlm.kernels import native_available
 from arlm.kv_cache import KVCache
 from arlm.model import Transformer
 from arlm.sampling import SamplingParams, min_p_filter, sample, sample_rows, top_k_filter, top_p_filter
-from arlm.serve.block_pool import BlockPool, block_hash
-from arlm.serve.engine import Engine, EngineConfig, parse_size
-from arlm.serve.paged_cache import PagedKVCache, native_available
-from arlm.serve.scheduler import ABORT
 
 from conftest import randomize_
 
@@ -105,7 +104,7 @@ def paged_logits(model, prompts, chunk, use_kernel, block_size=8, next_token=7, 
     """Prefill `prompts` in chunks through a paged cache with scattered block tables, all sequences
     flattened into each forward; then one decode step. Returns (last prompt logits, decode logits)."""
     cfg = model.config
-    cache = PagedKVCache.for_model(cfg, 64, block_size, dtype=dtype, use_kernel=use_kernel)
+    cache = KVCache.pool(cfg, 64, block_size, dtype=dtype, use_kernel=use_kernel)
     perm = (torch.randperm(63, generator=torch.Generator().manual_seed(1)) + 1).tolist()
     tables, i = [], 0
     for p in prompts:  # scattered, non-contiguous blocks per sequence
@@ -144,7 +143,7 @@ def contiguous_logits(model, prompts, next_token=7, dtype=torch.float32):
     firsts, decodes = [], []
     with torch.inference_mode():
         for p in prompts:
-            cache = KVCache.for_model(model.config, 1, 128, dtype=dtype)
+            cache = KVCache.contiguous(model.config, 1, 128, dtype=dtype)
             L = len(p)
             firsts.append(model(torch.tensor([p]), torch.arange(L)[None], kv_cache=cache, kv_len=L,
                                 output_index=torch.tensor([L - 1]))[0])
@@ -228,9 +227,9 @@ def test_batched_chunked_and_preempted_outputs_equal_alone(model, kv_dtype):
 
 def test_chunked_prefill_does_not_stall_decodes(model):
     e = engine(model, max_num_batched_tokens=16)
-    e.add_request("short", prompts_of([4])[0], GREEDY)
+    e.add_request(prompts_of([4])[0], GREEDY, "short")
     e.step()  # prefill "short"; it now decodes one token a step
-    e.add_request("long", prompts_of([100], seed=1)[0], GREEDY)
+    e.add_request(prompts_of([100], seed=1)[0], GREEDY, "long")
     for _ in range(4):
         batch_tokens = {out.request_id for out in e.step()}
         assert "short" in batch_tokens  # a decode every step while the long prompt is chunked in
@@ -270,13 +269,13 @@ def test_full_prefix_hit_copies_on_write(model):
 
 def test_abort_frees_blocks_at_once(model):
     e = engine(model)
-    e.add_request("a", prompts_of([30])[0], SamplingParams(max_new_tokens=100, temperature=0.0, ignore_eos=True))
-    e.add_request("b", prompts_of([20], seed=2)[0], GREEDY)
+    e.add_request(prompts_of([30])[0], SamplingParams(max_new_tokens=100, temperature=0.0, ignore_eos=True), "a")
+    e.add_request(prompts_of([20], seed=2)[0], GREEDY, "b")
     e.step()
     e.step()
     assert e.kv_cache_usage > 0
     e.abort("a")
-    assert e.stats.finished == {ABORT: 1}
+    assert e.stats.finished == {FinishReason.ABORT: 1}
     used = e.scheduler.pool.num_used
     assert used == len(e.requests["b"].blocks)
     e.abort("b")
@@ -287,16 +286,33 @@ def test_abort_frees_blocks_at_once(model):
 def test_finish_reasons_and_request_checks(model):
     e = Engine(model, eos_ids=(5,), config=EngineConfig(kv_cache_tokens=64, block_size=8))
     assert e.max_model_len == 56  # one block kept in reserve for copy-on-write
-    e.add_request("a", [1, 2, 3], SamplingParams(max_new_tokens=3, temperature=0.0))
+    e.add_request([1, 2, 3], SamplingParams(max_new_tokens=3, temperature=0.0), "a")
     while e.has_unfinished():
         e.step()
-    assert e.stats.finished.get(LENGTH, 0) + e.stats.finished.get(EOS, 0) == 1
+    assert e.stats.finished.get(FinishReason.LENGTH, 0) + e.stats.finished.get(FinishReason.EOS, 0) == 1
+    # A request may ask for more tokens than the window holds (the HTTP API refuses that up
+    # front, the engine does not): it runs until the tokens it feeds fill the window, the prompt
+    # and every sampled token but the last, then stops with CONTEXT.
+    long = e.add_request([1] * 50, SamplingParams(max_new_tokens=100, temperature=0.0, ignore_eos=True), "b")
+    exact = e.add_request([1] * 50, SamplingParams(max_new_tokens=7, temperature=0.0, ignore_eos=True), "b2")
+    while e.has_unfinished():
+        e.step()
+    assert long.finish_reason == FinishReason.CONTEXT and long.num_tokens == 57 == e.max_model_len + 1
+    assert exact.finish_reason == FinishReason.LENGTH and exact.output_ids == long.output_ids
+    assert e.kv_cache_usage == 0.0
+    e.add_request([1] * 56, GREEDY, "full")  # a prompt that fills the window still gets its one token
     with pytest.raises(ValueError, match="context window"):
-        e.add_request("b", [1] * 50, SamplingParams(max_new_tokens=7))
+        e.add_request([1] * 57, GREEDY, "too-long")
     with pytest.raises(ValueError, match="out of range"):
-        e.add_request("c", [1, 999], GREEDY)
+        e.add_request([1, 999], GREEDY, "c")
     with pytest.raises(ValueError, match="empty"):
-        e.add_request("d", [], GREEDY)
+        e.add_request([], GREEDY, "d")
+    with pytest.raises(ValueError, match="duplicate"):
+        e.add_request([1, 2], GREEDY, "full")
+    outputs = []
+    while e.has_unfinished():
+        outputs += e.step()
+    assert [(o.request_id, o.finish_reason) for o in outputs] == [("full", FinishReason.CONTEXT)]
 
 
 def test_eos_finishes_a_sequence(model):
@@ -305,7 +321,7 @@ def test_eos_finishes_a_sequence(model):
     eos = free_run[3]
     e = Engine(model, eos_ids=(eos,), config=EngineConfig(kv_cache_tokens=256, block_size=8))
     out = e.generate([prompt], SamplingParams(max_new_tokens=12, temperature=0.0))[0]
-    assert out == free_run[:free_run.index(eos) + 1] and e.stats.finished == {EOS: 1}
+    assert out == free_run[:free_run.index(eos) + 1] and e.stats.finished == {FinishReason.EOS: 1}
 
 
 # -- per-request sampling --------------------------------------------------------------------------

@@ -9,8 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from arlm.generate import Generation
 from arlm.sampling import SamplingParams
+
+
+pytestmark = pytest.mark.slow  # a subprocess or a model load per test
 
 PROMPTS = [
     "The capital of France is",
@@ -55,8 +57,12 @@ def test_greedy_64_tokens_match_hf_generate(smollm2, hf_smollm2, prompt):
         out = hf_smollm2.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=64,
                                   eos_token_id=eos[0], pad_token_id=eos[0])
     ref = out[0, len(ids):].tolist()
-    gen = Generation(smollm2.model, [ids], SamplingParams(temperature=0, max_new_tokens=64), eos_ids=eos)
-    for _ in gen:
-        pass
-    assert gen.completions[0] == ref
-    assert gen.finish_reasons[0] == ("eos" if ref[-1] in eos else "length")
+    engine = smollm2.engine  # the engine `LLM.generate` runs, with the tokenizer's EOS ids
+    req = engine.add_request(ids, SamplingParams(temperature=0, max_new_tokens=64))
+    try:
+        while not req.finished:
+            engine.step()
+    finally:
+        engine.abort(req.request_id)  # (the LLM is shared by the session's tests)
+    assert req.output_ids == ref
+    assert req.finish_reason == ("eos" if ref[-1] in eos else "length")

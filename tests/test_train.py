@@ -30,7 +30,7 @@ from arlm.config import ConfigError, ModelConfig
 from arlm.loading import load_model
 from arlm.model import Transformer
 from arlm.train import TrainConfig, lr_at, next_token_loss, prepare, train
-from arlm.train.checkpoints import BEST, KILL_ENV, LATEST, STATE_FILE
+from arlm.train.checkpoints import BEST, LATEST, STATE_FILE
 from arlm.train.config import load_config
 from arlm.train.data import TokenData, default_corpus
 
@@ -239,6 +239,17 @@ def test_bf16_autocast_tracks_float32(char_data, tmp_path):
     assert runs["bfloat16"].losses != runs["float32"].losses  # autocast did change the arithmetic
 
 
+def test_auto_dtype_is_bf16_where_the_cpu_multiplies_bf16_natively():
+    # Read from /proc/cpuinfo (cpu_flags.py), not from the predicate the trainer asks.
+    from arlm.train.trainer import autocast_dtype
+    from cpu_flags import native_bf16_expected
+
+    cpu = torch.device("cpu")
+    assert autocast_dtype(TrainConfig(dtype="auto"), cpu) == (torch.bfloat16 if native_bf16_expected() else None)
+    assert autocast_dtype(TrainConfig(dtype="float32"), cpu) is None
+    assert autocast_dtype(TrainConfig(dtype="bfloat16"), cpu) == torch.bfloat16
+
+
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_resume_continues_exactly(char_data, tmp_path, family):
     # Dropout on and two micro-batches per step: the RNG state and accumulation must survive too.
@@ -257,23 +268,69 @@ def test_resume_continues_exactly(char_data, tmp_path, family):
     assert steps == list(range(1, 9))
 
 
-def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+def run_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "arlm", *args], capture_output=True, text=True, cwd=REPO,
-                          env={**os.environ, **(env or {})}, timeout=300)
+                          timeout=300)
 
 
 def cli_args(cfg: TrainConfig) -> list[str]:
     return ["train", *(f"--{k}={v}" for k, v in cfg.to_dict().items() if v is not None)]
 
 
+# A subprocess's program, `python -c KILLED_SAVE STEP WHERE train ...`: it runs `arlm train ...` in
+# its own process and sends itself SIGKILL while saving step STEP, at WHERE: "tmp" once
+# train_state.pt's temp file is written but before its rename, "commit" once the step directory
+# is complete but before `latest` moves. SIGKILL, as the OOM killer sends it: no handler runs,
+# nothing is cleaned up. The save itself has no hook for this; the program wraps two of its steps.
+KILLED_SAVE = """
+import os, signal, sys
+import arlm.train.checkpoints as ckpt
+from arlm.cli import main
+
+step_dir, where = ckpt.step_dir_name(int(sys.argv[1])), sys.argv[2]
+write_file, point = ckpt.atomic_write, ckpt._point
+
+def die():
+    os.kill(os.getpid(), signal.SIGKILL)
+
+def atomic_write(path, write):
+    def write_then_die(tmp):
+        write(tmp)
+        die()
+    killing = where == "tmp" and path.name == ckpt.STATE_FILE and path.parent.name == step_dir
+    write_file(path, write_then_die if killing else write)
+
+def _point(link, target):
+    if where == "commit" and link.name == ckpt.LATEST and target == step_dir:
+        die()
+    point(link, target)
+
+ckpt.atomic_write, ckpt._point = atomic_write, _point
+raise SystemExit(main(sys.argv[3:]))
+"""
+
+
+def run_killed_save(step: int, where: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", KILLED_SAVE, str(step), where, *args], capture_output=True,
+                          text=True, cwd=REPO, timeout=300)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["tmp", "commit"])
 def test_killed_mid_save_leaves_the_previous_checkpoint(char_data, tmp_path, where):
     """SIGKILL while saving step 4 ('tmp': its last temp file written, not renamed; 'commit':
     its directory complete, `latest` not yet moved): step 2 stays loadable and resumable."""
     cfg = tiny(char_data, tmp_path / "killed", eval_interval=2)
-    killed = run_cli(*cli_args(cfg), env={KILL_ENV: f"4:{where}"})
+    killed = run_killed_save(4, where, *cli_args(cfg))
     assert killed.returncode == -9, killed.stderr
     out = tmp_path / "killed"
+    # The kill came where it was meant to: the half-written step 4 is on disk as a kill leaves it.
+    half = out / "ckpt-0000004"
+    temp_files = [f.name for f in half.glob(f".{STATE_FILE}.*.tmp")]
+    if where == "tmp":
+        assert not (half / STATE_FILE).exists() and len(temp_files) == 1, sorted(os.listdir(half))
+    else:
+        assert (half / STATE_FILE).is_file() and not temp_files and load_model(str(half)).model is not None
     assert (out / LATEST).resolve().name == "ckpt-0000002"
     assert load_model(str(out / LATEST)).model.config.n_layer == 2  # the generate path loads it
 
@@ -289,20 +346,21 @@ def test_killed_mid_save_leaves_the_previous_checkpoint(char_data, tmp_path, whe
 # -- using the result ------------------------------------------------------------------------------
 
 def test_checkpoint_generates_through_the_kv_cache(char_data, tmp_path):
-    from arlm.generate import generate
+    from arlm.engine import Engine, EngineConfig
     from arlm.sampling import SamplingParams
 
     train(tiny(char_data, tmp_path / "run", max_steps=30, eval_interval=0, log_interval=10))
     loaded = load_model(str(tmp_path / "run" / LATEST))
     assert loaded.source == "checkpoint" and loaded.tokenizer.vocab_size == TokenData.open(char_data).vocab_size
     prompt = loaded.tokenizer.encode("ROMEO:\n")
-    (res,), _ = generate(loaded.model, [prompt], SamplingParams(max_new_tokens=8, temperature=0))
+    engine = Engine(loaded.model, config=EngineConfig(block_size=None))  # a contiguous cache, as LLM runs
+    (res,) = engine.generate([prompt], SamplingParams(max_new_tokens=8, temperature=0))
     # The same greedy tokens from the uncached model, one full forward pass per token.
     seq = list(prompt)
     with torch.no_grad():
         for _ in range(8):
             seq.append(int(loaded.model(torch.tensor([seq]))[0, -1].argmax()))
-    assert res.token_ids == seq[len(prompt):]
+    assert res == seq[len(prompt):]
 
     proc = run_cli("generate", "ROMEO:", "--model", str(tmp_path / "run" / LATEST), "--max-new-tokens", "20",
                    "--seed", "0")
@@ -319,6 +377,7 @@ def test_finetune_from_an_arlm_checkpoint(char_data, tmp_path):
     assert load_model(str(tmp_path / "ft" / LATEST)).model.config.n_layer == 2
 
 
+@pytest.mark.slow
 def test_finetune_smollm2(smollm2_data, tmp_path):
     cfg = tiny(smollm2_data, tmp_path / "ft", init_from="smollm2", context_length=32, batch_size=1,
                max_steps=2, eval_interval=2, eval_batches=1, lr=1e-5, min_lr=1e-6, warmup_steps=0)

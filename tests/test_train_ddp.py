@@ -24,6 +24,7 @@ from arlm.train.checkpoints import LATEST
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_two_ranks_equal_one_process_with_the_same_global_batch(tmp_path):
     (tmp_path / "corpus.txt").write_text(SHAKESPEARE[:20_000], encoding="utf-8")
     prepare([tmp_path / "corpus.txt"], tmp_path / "data", tokenizer="char")
@@ -61,6 +62,7 @@ with open(os.path.join(sys.argv[2], f"threads-{os.environ['RANK']}.json"), "w") 
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs /proc to list a process's threads")
 def test_a_ddp_run_joins_the_process_group_threads_before_it_returns(tmp_path):
     """train() under torchrun frees its process group, so no gloo thread outlives it: one left

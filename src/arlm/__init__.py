@@ -8,12 +8,12 @@
 # clients share the cores).
 
 from .config import ModelConfig
-from .generate import Generation, decode_step, generate, prefill
+from .engine import Engine, EngineConfig, FinishReason, decode_step, prefill
 from .kv_cache import KVCache
 from .model import Transformer
 from .sampling import SamplingParams, sample
 
 __version__ = "0.1.0"
 
-__all__ = ["ModelConfig", "Transformer", "KVCache", "SamplingParams", "sample", "Generation",
-           "generate", "prefill", "decode_step", "__version__"]
+__all__ = ["ModelConfig", "Transformer", "KVCache", "SamplingParams", "sample", "Engine", "EngineConfig",
+           "FinishReason", "prefill", "decode_step", "__version__"]

@@ -12,123 +12,10 @@ import os
 import sys
 from typing import Callable
 
-DTYPES = ("float32", "bfloat16", "float16")
-
-
-class UsageError(Exception):
-    """Bad command-line input; exit code 2."""
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse that reports errors in one line (no usage block) and exits 2."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise UsageError(f"{self.prog}: error: {message}")
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
-
-
-def _torch_dtype(name: str):
-    import torch
-
-    return getattr(torch, name)
-
-
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2",
-                   help="known name (smollm2), a .gguf file, an HF model directory or an arlm checkpoint")
-    p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
-    p.add_argument("--dtype", default="auto", choices=("auto",) + DTYPES,
-                   help="weight and activation dtype (auto: float32 on CPU, bfloat16 on CUDA)")
-    p.add_argument("--quantize", default="auto", choices=("auto", "none", "int8", "q4"),
-                   help="weight quantization for decode (auto, on CPU: 4-bit where that is lossless, as "
-                        "for a Q4_1 GGUF, int8 elsewhere, with 8-bit activations; none on GPU)")
-    p.add_argument("--prefill-dtype", default="auto", choices=("auto", "quantized", "float32", "bfloat16"),
-                   help="how a quantized model prefills: through the decode kernels (quantized) or a dense "
-                        "copy of the weights (auto: quantized on AVX-512 VNNI CPUs, else bfloat16 with "
-                        "AVX512-BF16 or AMX, else float32)")
-    p.add_argument("--kv-dtype", default="auto", choices=("auto", "float32", "float16", "bfloat16"),
-                   help="KV cache dtype (auto: float16 under a quantized model on CPU, as llama.cpp's default "
-                        "cache: half the bytes per decode step; else the model's dtype)")
-    p.add_argument("--compile", action="store_true", help="torch.compile the decode step")
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: all cores)")
-
-
-def add_sampling_args(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
-    p.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
-    p.add_argument("--temperature", type=float, default=0.8, help="0 is greedy (default: 0.8)")
-    p.add_argument("--top-k", type=int, default=0, help="0 disables (default)")
-    p.add_argument("--top-p", type=float, default=0.95, help="nucleus mass in (0, 1] (default: 0.95)")
-    p.add_argument("--min-p", type=float, default=0.0, help="0 disables (default)")
-    p.add_argument("--repetition-penalty", type=float, default=1.0, help="1 disables (default)")
-    p.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
-    p.add_argument("--stop", action="append", default=[], metavar="TEXT",
-                   help="stop when this text appears (repeatable)")
-    p.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-sequence token")
-
-
-def sampling_params(args: argparse.Namespace):
-    from .sampling import SamplingParams
-
-    try:
-        return SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                              top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                              repetition_penalty=args.repetition_penalty, seed=args.seed,
-                              stop=list(args.stop), ignore_eos=args.ignore_eos)
-    except ValueError as e:
-        raise UsageError(f"arlm: error: {e}") from None
-
-
-def check_device(name: str) -> None:
-    """--device names a CPU or an available CUDA device (checked before any model loads)."""
-    import torch
-
-    try:
-        device = torch.device(name)
-    except (RuntimeError, ValueError):
-        raise UsageError(f"arlm: error: --device {name!r}: expected cpu, cuda or cuda:N") from None
-    if device.type not in ("cpu", "cuda"):
-        raise UsageError(f"arlm: error: --device {name!r}: arlm runs on cpu or cuda[:N]")
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise UsageError(f"arlm: error: --device {name} requested but no CUDA device is available")
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise UsageError(f"arlm: error: --device {name}: this machine has {torch.cuda.device_count()} "
-                             "CUDA device(s)")
-
-
-def load_llm(args: argparse.Namespace):
-    from .llm import LLM
-
-    check_device(args.device)
-    if args.threads is not None:
-        if args.threads < 1:
-            raise UsageError("arlm: error: --threads must be >= 1")
-        if args.threads > (os.cpu_count() or 1):
-            print(f"arlm: warning: --threads {args.threads} is more than this machine's {os.cpu_count()} cores: "
-                  "the threads will take turns, and decode gets much slower", file=sys.stderr)
-        import torch
-
-        torch.set_num_threads(args.threads)
-    quantize = None if args.quantize == "none" else args.quantize
-    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if args.device.startswith("cuda") else "float32")
-    return LLM.load(args.model, device=args.device, dtype=_torch_dtype(dtype), quantize=quantize,
-                    compile=args.compile, prefill_dtype=args.prefill_dtype, kv_dtype=args.kv_dtype)
-
-
-def stats_line(stats, prefix: str = "") -> str:
-    return (f"{prefix}prefill: {stats.prompt_tokens} tokens, {stats.prefill_tokens_per_s:.1f} tokens/s | "
-            f"decode: {stats.decode_tokens} tokens, {stats.decode_tokens_per_s:.1f} tokens/s | "
-            f"KV cache: {stats.kv_cache_bytes / 2**20:.2f} MiB ({stats.kv_cache_bytes} bytes)")
-
+from .cli_common import (Parser, UsageError, add_model_args, add_sampling_args, load_llm, positive_int,
+                         sampling_params, stats_line)
+from .serve.cli import add_serve
+from .train.cli import add_prepare, add_train
 
 # -- arlm generate ---------------------------------------------------------------------------------
 
@@ -144,24 +31,24 @@ def cmd_generate(args: argparse.Namespace) -> int:
         prompt = llm.apply_chat_template([{"role": "user", "content": args.prompt}])
     else:
         prompt = args.prompt
-    it = llm.stream([prompt], params, context_shift=args.context_shift)
-    gen = next(it)
+    stream = llm.stream([prompt], params, context_shift=args.context_shift)
     if not args.json and not args.chat:
         sys.stdout.write(prompt)  # show the continuation in context, as llama.cpp and gpt-fast do
     text = ""
-    for chunk in it:
+    for chunk in stream:
         text += chunk.text
         if not args.json:
             sys.stdout.write(chunk.text)
             sys.stdout.flush()
+    req = stream.requests[0]
     if args.json:
         print(json.dumps({"model": llm.loaded.name, "prompt": args.prompt,
-                          "prompt_token_ids": gen.prompts[0], "completion_token_ids": gen.completions[0],
-                          "text": text, "finish_reason": gen.finish_reasons[0],
-                          "stats": gen.stats.to_dict()}, ensure_ascii=False))
+                          "prompt_token_ids": req.prompt_ids, "completion_token_ids": req.output_ids,
+                          "text": text, "finish_reason": req.finish_reason,
+                          "stats": stream.stats.to_dict()}, ensure_ascii=False))
     else:
         sys.stdout.write("\n")
-        print(f"[finish: {gen.finish_reasons[0]}] " + stats_line(gen.stats), file=sys.stderr)
+        print(f"[finish: {req.finish_reason}] " + stats_line(stream.stats), file=sys.stderr)
     return 0
 
 
@@ -218,9 +105,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
             failed += 1
             continue
         sys.stdout.write("\n")
-        gen = session.generation
-        print(f"[prefilled {session.last_prefill_tokens} new tokens, {session.cache.seq_lens[0]} cached] "
-              + stats_line(gen.stats), file=sys.stderr)
+        print(f"[prefilled {session.last_prefill_tokens} new tokens, {session.cached_tokens} cached] "
+              + stats_line(session.stats), file=sys.stderr)
     if failed:
         print(f"arlm chat: {failed} message(s) got no reply", file=sys.stderr)
     return 1 if failed else 0
@@ -231,26 +117,22 @@ def add_chat(sub) -> None:
     add_model_args(p)
     add_sampling_args(p, max_new_tokens=256)
     p.add_argument("--system", default=None, help="system message")
-    p.add_argument("--max-context", type=_positive_int, default=4096,
+    p.add_argument("--max-context", type=positive_int, default=4096,
                    help="KV cache size in tokens, at most the model's context window (default: 4096)")
     p.set_defaults(func=cmd_chat)
 
 
 # -- entry point -----------------------------------------------------------------------------------
 
-from .train.cli import add_prepare, add_train  # noqa: E402 (training's flags live with training)
-
-from .serve.cli import add_serve  # noqa: E402
-
 SUBCOMMANDS: list[Callable] = [add_generate, add_chat, add_prepare, add_train, add_serve]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="arlm", description="Autoregressive transformer LMs: train, generate, serve.")
+    parser = Parser(prog="arlm", description="Autoregressive transformer LMs: train, generate, serve.")
     from . import __version__
 
     parser.add_argument("--version", action="version", version=f"arlm {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     for add in SUBCOMMANDS:
         add(sub)
     return parser

@@ -1,22 +1,25 @@
 """The text edge of the engine: prompts and chat messages in, text (streamed) out.
 
-`LLM` pairs a model with its tokenizer and chat template. It turns text into ids, drives
-`generate.Generation`, detokenizes incrementally (valid UTF-8 pieces), and applies stop strings,
-which only make sense on text. `ChatSession` keeps one conversation's KV cache across turns.
+`LLM` pairs a model with its tokenizer and chat template, and drives the one `Engine` (a
+contiguous cache sized for each batch): it turns text into ids, submits requests, and streams
+each request's tokens back as text (`arlm.text.TextStreamer`: valid UTF-8 pieces, cut at stop
+strings, which only make sense on text). `ChatSession` keeps one conversation on an engine of its
+own whose prefix cache holds the earlier turns, so each turn prefills only what is new.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
 
-from .generate import STOP, Generation, GenerationStats
-from .kv_cache import KVCache
+from .engine import Engine, EngineConfig, FinishReason, ModelRunner, Request, RequestOutput
 from .loading import LoadedModel
 from .sampling import SamplingParams
-from .tokenizer import IncrementalDetokenizer, Tokenizer
+from .text import TextStreamer
+from .tokenizer import Tokenizer
 
 
 class PromptError(ValueError):
@@ -48,7 +51,31 @@ class TextChunk:
     row: int
     token_ids: list[int]
     text: str
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0  # prompt tokens of the requests
+    prefill_seconds: float = 0.0  # steps that computed prompt tokens
+    decode_tokens: int = 0  # tokens produced by decode steps (excludes each request's first, from prefill)
+    decode_seconds: float = 0.0
+    kv_cache_bytes: int = 0  # bytes allocated for the cache
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds > 0 else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.decode_tokens / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "prefill_seconds": round(self.prefill_seconds, 4),
+                "prefill_tokens_per_s": round(self.prefill_tokens_per_s, 2),
+                "decode_tokens": self.decode_tokens, "decode_seconds": round(self.decode_seconds, 4),
+                "decode_tokens_per_s": round(self.decode_tokens_per_s, 2),
+                "kv_cache_bytes": self.kv_cache_bytes}
 
 
 @dataclass
@@ -56,39 +83,80 @@ class Completion:
     prompt_ids: list[int]
     token_ids: list[int]
     text: str
-    finish_reason: str
+    finish_reason: FinishReason
     stats: GenerationStats = field(default_factory=GenerationStats)
 
 
-class _StopWatcher:
-    """Finds stop strings in streamed text and holds back a tail that might start one."""
+class TextStream:
+    """Prompts on an engine, streamed as text: iterate for `TextChunk`s (row = the prompt's
+    index). The requests are submitted when iteration starts; `requests` and `stats` fill in as
+    it runs, and leaving the loop early aborts the requests still running. Outputs of other
+    requests on the same engine (another stream iterated alongside) wait in `mailbox` for their
+    own stream."""
 
-    def __init__(self, stops: list[str]) -> None:
-        self.stops = stops
-        self.text = ""  # all text of this row so far (before truncation)
-        self.emitted = 0  # chars of self.text already released
+    def __init__(self, engine: Engine, prompt_ids: list[list[int]], params: SamplingParams, tokenizer: Tokenizer,
+                 context_shift: bool = False, mailbox: dict[str, list[RequestOutput]] | None = None) -> None:
+        for p in prompt_ids:  # every prompt is checked before any is queued
+            engine.check_request(p, params)
+        self.engine, self.prompt_ids, self.params = engine, prompt_ids, params
+        self.context_shift = context_shift
+        self.tokenizer = tokenizer
+        self.requests: list[Request] = []
+        self.mailbox = {} if mailbox is None else mailbox
+        self.stats = GenerationStats(prompt_tokens=sum(map(len, prompt_ids)))
 
-    def push(self, piece: str, final: bool) -> tuple[str, bool]:
-        """Add text; return (text safe to release now, whether a stop string was hit)."""
-        self.text += piece
-        if self.stops:
-            # Search from just before the unreleased text: a stop string can straddle the edge.
-            start = max(0, self.emitted - max(map(len, self.stops)) + 1)
-            hits = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
-            if hits:
-                cut = max(min(hits), self.emitted)
-                out, self.emitted = self.text[self.emitted:cut], cut
-                self.text = self.text[:cut]
-                return out, True
-        end = len(self.text)
-        if not final:
-            for s in self.stops:  # hold back the longest tail that is a prefix of a stop string
-                for n in range(min(len(s) - 1, len(self.text) - self.emitted), 0, -1):
-                    if self.text.endswith(s[:n]):
-                        end = min(end, len(self.text) - n)
-                        break
-        out, self.emitted = self.text[self.emitted:end], end
-        return out, False
+    def _outputs(self) -> Iterator[RequestOutput]:
+        mine = {r.request_id for r in self.requests}
+        while True:
+            for rid in mine:
+                yield from self.mailbox.pop(rid, [])
+            if all(r.finished for r in self.requests):
+                return
+            outputs = self.engine.step()
+            step = self.engine.last_step
+            if step.prompt_tokens:
+                self.stats.prefill_seconds += step.seconds
+            else:
+                self.stats.decode_seconds += step.seconds
+                self.stats.decode_tokens += sum(1 for o in outputs if o.request_id in mine)
+            if self.engine.cache is not None:
+                self.stats.kv_cache_bytes = self.engine.cache.nbytes
+            for out in outputs:
+                if out.request_id in mine:
+                    yield out
+                else:
+                    self.mailbox.setdefault(out.request_id, []).append(out)
+
+    def __iter__(self) -> Iterator[TextChunk]:
+        if self.requests:
+            raise RuntimeError("a TextStream runs once")
+        self.requests = [self.engine.add_request(p, self.params, context_shift=self.context_shift)
+                         for p in self.prompt_ids]
+        streamers = [TextStreamer(self.tokenizer, self.params.stop) for _ in self.requests]
+        row_of = {r.request_id: i for i, r in enumerate(self.requests)}
+        try:
+            for out in self._outputs():
+                if out.error is not None:
+                    raise RuntimeError(f"request {out.request_id}: {out.error}")
+                row = row_of[out.request_id]
+                req = self.requests[row]
+                text, hit = streamers[row].push(out.token_id, final=out.finish_reason is not None)
+                reason = out.finish_reason
+                if hit:
+                    # A stop string completed by the token that also reached max_new_tokens or
+                    # the context limit wins: the text was cut at the string, so that is why it stopped.
+                    self.engine.abort(req.request_id, FinishReason.STOP)
+                    req.finish_reason = reason = FinishReason.STOP
+                yield TextChunk(row, [out.token_id], text, reason)
+        finally:
+            for r in self.requests:
+                if not r.finished:
+                    self.engine.abort(r.request_id)
+                self.mailbox.pop(r.request_id, None)
+
+    def completions(self, texts: list[str]) -> list[Completion]:
+        return [Completion(r.prompt_ids, r.output_ids, t, r.finish_reason, self.stats)
+                for r, t in zip(self.requests, texts)]
 
 
 class LLM:
@@ -103,9 +171,18 @@ class LLM:
         self.chat_template = loaded.chat_template
         self.quantization: str | None = None
         self.prefill_dtype = "float32"  # how a quantized model prefills: "quantized" or a dense copy's dtype (configure)
-        self.decode_fn = None  # None: the native step where it applies, else generate.decode_step
-        self.static_kv_len = False
         self.kv_dtype: torch.dtype = next(self.model.parameters()).dtype  # the KV caches' dtype (configure)
+        self._mailbox: dict[str, list[RequestOutput]] = {}
+        self._start(ModelRunner(self.model))
+
+    def _start(self, runner: ModelRunner) -> None:
+        """The runner (the model's weights bound to the kernels) and the engine over it. Static
+        batches on a contiguous cache: every prompt of a call prefilled in one pass (as many as
+        `max_num_seqs`), then decoded by rows."""
+        self.runner = runner
+        self.engine = Engine(runner, self.tokenizer.eos_ids,
+                             EngineConfig(block_size=None, max_num_seqs=1024, max_num_batched_tokens=1 << 20,
+                                          kv_dtype=self.kv_dtype))
 
     @classmethod
     def load(cls, spec: str = "smollm2", device: str = "cpu", dtype: torch.dtype = torch.float32,
@@ -136,7 +213,7 @@ class LLM:
         model's dtype.
         """
         from . import kernels
-        from .generate import decode_step
+        from .engine import decode_step
 
         device = next(self.model.parameters()).device
         if quantize not in (None, "none", "auto", "int8", "q4"):
@@ -158,20 +235,25 @@ class LLM:
                            prefill_dtype=torch.bfloat16 if prefill_dtype == "bfloat16" else None)
             self.prefill_dtype = prefill_dtype
         self.quantization = quantize if quantize != "none" else None
-        self.static_kv_len = compile and device.type == "cuda"
+        decode_fn = None  # the native step where it applies, else decode_step
         if compile and device.type == "cuda":  # CUDA graphs: one launch per decode step
-            self.decode_fn = torch.compile(decode_step, mode="reduce-overhead", fullgraph=True)
+            decode_fn = torch.compile(decode_step, mode="reduce-overhead", fullgraph=True)
         elif compile:
-            self.decode_fn = torch.compile(decode_step, dynamic=True)
-        else:
-            self.decode_fn = None  # Generation picks the native step where it applies, else decode_step
+            decode_fn = torch.compile(decode_step, dynamic=True)
+        dense_prefill = self.quantization is not None and self.prefill_dtype in ("float32", "bfloat16")
+        runner = ModelRunner(self.model, decode_fn, static_kv_len=compile and device.type == "cuda",
+                             dense_prefill=dense_prefill)
         if kv_dtype == "auto":  # float16 where the native step reads it; the module path would widen it every step
-            from .generate import native_layers
-
-            native = self.quantization is not None and self.decode_fn is None and native_layers(self.model) is not None
+            native = self.quantization is not None and decode_fn is None and runner.native is not None
             self.kv_dtype = torch.float16 if native else next(self.model.parameters()).dtype
         else:
             self.kv_dtype = getattr(torch, kv_dtype)
+        self._start(runner)
+
+    @property
+    def decode_fn(self):
+        """The rows path's decode step when it is not the native one (e.g. compiled), else None."""
+        return self.runner.decode_fn
 
     @property
     def context_length(self) -> int:
@@ -216,44 +298,32 @@ class LLM:
         return ids
 
     def stream(self, prompts: str | list[str] | list[list[int]], params: SamplingParams,
-               cache: KVCache | None = None, context_shift: bool = False) -> Iterator[TextChunk | Generation]:
-        """Yield the `Generation` first (for stats and results), then TextChunks as they come.
-        prompts: as `prompt_ids` takes them. context_shift: go on past a full context window on
-        its last half (see `Generation`)."""
-        ids = self.prompt_ids(prompts)
-        gen = Generation(self.model, ids, params, self.tokenizer.eos_ids, cache=cache, decode_fn=self.decode_fn,
-                         static_kv_len=self.static_kv_len, context_shift=context_shift, kv_dtype=self.kv_dtype)
-        detok = [IncrementalDetokenizer(self.tokenizer) for _ in ids]
-        watch = [_StopWatcher(params.stop) for _ in ids]
-        yield gen
-        for step in gen:
-            finished = dict(step.finished)
-            for row, tok in step.tokens:
-                final = row in finished
-                piece = detok[row].push(tok) + (detok[row].flush() if final else "")
-                text, hit = watch[row].push(piece, final)
-                if hit:
-                    gen.finish(row, STOP)
-                    finished[row] = STOP
-                yield TextChunk(row, [tok], text, finished.get(row))
+               context_shift: bool = False) -> TextStream:
+        """The prompts (as `prompt_ids` takes them, each checked now) as a `TextStream`: the
+        engine runs them as it is iterated. context_shift: a request that fills the context window
+        goes on from its last half instead of stopping."""
+        return TextStream(self.engine, self.prompt_ids(prompts), params, self.tokenizer, context_shift,
+                          self._mailbox)
 
     def generate(self, prompts: str | list[str] | list[list[int]], params: SamplingParams,
-                 cache: KVCache | None = None, context_shift: bool = False) -> list[Completion]:
-        it = self.stream(prompts, params, cache, context_shift)
-        gen: Generation = next(it)  # type: ignore[assignment]
-        texts = [""] * gen.batch_size
-        for chunk in it:
+                 context_shift: bool = False) -> list[Completion]:
+        stream = self.stream(prompts, params, context_shift)
+        texts = [""] * len(stream.prompt_ids)
+        for chunk in stream:
             texts[chunk.row] += chunk.text
-        return [Completion(p, c, t, r, gen.stats)
-                for p, c, t, r in zip(gen.prompts, gen.completions, texts, gen.finish_reasons)]
+        return stream.completions(texts)
 
 
 class ChatSession:
-    """A conversation whose KV cache persists between turns.
+    """A conversation whose earlier turns stay in the KV cache.
 
-    Each turn renders the whole conversation with the chat template, finds how much of it the
-    cache already holds (the longest common prefix of token ids), and prefills only the rest.
+    Each turn renders the whole conversation with the chat template and submits it to an engine
+    of the session's own: a paged pool of `max_context` tokens whose prefix cache still holds
+    the earlier turns' blocks, so only the tokens past the last full block they share are
+    prefilled again.
     """
+
+    BLOCK_SIZE = 16
 
     def __init__(self, llm: LLM, params: SamplingParams, system: str | None = None,
                  max_context: int | None = None) -> None:
@@ -262,11 +332,17 @@ class ChatSession:
         cfg = llm.model.config
         if max_context is not None and max_context < 1:
             raise ValueError(f"max_context must be positive (or None for the model's window), got {max_context}")
-        device = next(llm.model.parameters()).device
-        self.cache = KVCache.for_model(cfg, 1, min(max_context or cfg.max_seq_len, cfg.max_seq_len), llm.kv_dtype,
-                                       device)
-        self.cached_ids: list[int] = []  # token ids whose K/V are in the cache, in order
-        self.last_prefill_tokens = 0
+        self.max_context = min(max_context or cfg.max_seq_len, cfg.max_seq_len)
+        bs = self.BLOCK_SIZE
+        # One block beyond the window: a turn's first write into a cached block copies it first.
+        tokens = (-(-self.max_context // bs) + 1) * bs
+        self.engine = Engine(llm.runner, llm.tokenizer.eos_ids,
+                             EngineConfig(block_size=bs, kv_cache_tokens=tokens, max_num_seqs=1,
+                                          max_num_batched_tokens=self.max_context, kv_dtype=llm.kv_dtype))
+        self.last_prefill_tokens = 0  # prompt tokens the last turn computed (the rest came from the cache)
+        self.cached_tokens = 0  # prompt tokens the last turn took from the cache
+        self.stats = GenerationStats()
+        self.last_request: Request | None = None  # the last turn's request (its reply's token ids)
 
     def send(self, content: str) -> Iterator[TextChunk]:
         """Add a user message and stream the assistant's reply; the reply joins the history. A
@@ -277,31 +353,20 @@ class ChatSession:
             raise PromptError("the message is empty")
         history = self.messages + [{"role": "user", "content": content}]
         ids = self.llm.tokenizer.encode(self.llm.apply_chat_template(history))
-        keep = 0
-        for a, b in zip(self.cached_ids, ids):
-            if a != b:
-                break
-            keep += 1
-        keep = min(keep, len(ids) - 1)  # at least one new token to prefill
-        if len(ids) + self.params.max_new_tokens > self.cache.capacity:
+        if len(ids) + self.params.max_new_tokens > self.max_context:
             raise PromptError(f"the conversation ({len(ids)} tokens) and a reply of up to {self.params.max_new_tokens} "
-                              f"tokens (max_new_tokens) {'no longer fit' if self.cached_ids else 'do not fit'} the "
-                              f"context window of {self.cache.capacity} tokens; start a new chat, or allow a "
+                              f"tokens (max_new_tokens) {'no longer fit' if len(self.messages) > 1 else 'do not fit'} "
+                              f"the context window of {self.max_context} tokens; start a new chat, or allow a "
                               f"shorter reply or a longer context")
-        self.cache.seq_lens = [keep]  # forget (and later overwrite) whatever diverged
-        self.cached_ids = self.cached_ids[:keep]
-        new = ids[keep:]
-        self.last_prefill_tokens = len(new)
-        it = self.llm.stream([new], self.params, cache=self.cache)
-        gen: Generation = next(it)  # type: ignore[assignment]
-        if gen.seen is not None:  # a repetition penalty covers the earlier turns too (HF semantics)
-            gen.seen[0, torch.tensor(ids[:keep], dtype=torch.long, device=gen.seen.device)] = True
-        self.generation = gen
+        stream = TextStream(self.engine, [ids], self.params, self.llm.tokenizer)
+        self.stats = stream.stats
         reply = ""
-        for chunk in it:
+        for chunk in stream:
+            req = self.last_request = stream.requests[0]
+            if req.num_output_tokens == 1:  # admitted: the prefix cache was consulted
+                self.cached_tokens = req.num_cached_tokens
+                self.last_prefill_tokens = len(ids) - req.num_cached_tokens
             reply += chunk.text
             yield chunk
-        # Only a finished turn joins the history. The cache now holds the prompt and every reply
-        # token but the last (sampled, never fed).
+        # Only a finished turn joins the history.
         self.messages = history + [{"role": "assistant", "content": reply}]
-        self.cached_ids = ids + gen.completions[0][:-1]

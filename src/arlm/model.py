@@ -72,8 +72,8 @@ class Attention(nn.Module):
         q, k = qk[:, :, :H], qk[:, :, H:]
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T, d_head]
         if kv_cache is not None and kv_cache.paged:
-            # A paged cache (serving) writes K/V into its blocks and attends through its block
-            # table in one kernel; see arlm.serve.paged_cache.
+            # Through a block table (the engine's flattened batches), the cache writes K/V into its
+            # blocks and attends through the table in one kernel; see arlm.kv_cache.
             y = kv_cache.attend(self.layer, input_pos, q, k, v)
             return self.wo(y.transpose(1, 2).reshape(B, T, -1))
         if kv_cache is not None:

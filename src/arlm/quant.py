@@ -42,7 +42,7 @@ def dense_weights():
 
     Prefill runs hundreds of rows against each weight: compute-bound, where the float GEMM is
     fastest and the bytes saved by quantization do not matter. Decode (a row per sequence) stays
-    on the quantized kernels. `arlm.generate.prefill` uses it.
+    on the quantized kernels. The engine's prompt tokens use it (arlm.engine.runner).
     """
     previous = getattr(_mode, "dense", False)
     _mode.dense = True

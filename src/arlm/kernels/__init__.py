@@ -25,7 +25,7 @@ import torch
 
 log = logging.getLogger(__name__)
 _SOURCES = [Path(__file__).with_name(name) for name in ("int8_linear.cpp", "q4_linear.cpp", "a8_linear.cpp",
-                                                         "decode.cpp")]
+                                                         "decode.cpp", "paged_attention.cpp")]
 _state: dict[str, bool] = {}
 
 
@@ -33,7 +33,7 @@ def _build_dir(name: str, sources: list[Path]) -> Path:
     # Keyed by source, torch version and CPU: the build uses -march=native for this very CPU.
     cpu = platform.processor() + open("/proc/cpuinfo").read().split("flags", 1)[-1][:2000] \
         if os.path.exists("/proc/cpuinfo") else platform.processor()
-    # included by the sources: headers beside them and this package's (serve's kernel includes common.h)
+    # included by the sources: the headers beside them
     headers = sorted({h for p in [*sources, Path(__file__)] for h in p.parent.glob("*.h")})
     source = b"".join(p.read_bytes() for p in [*sources, *headers]) + b"-fopenmp"
     key = hashlib.sha256(source + torch.__version__.encode() + cpu.encode() + _march().encode()).hexdigest()[:16]
@@ -75,18 +75,18 @@ def load_native(name: str, sources: list[Path], what: str) -> bool:
 
 
 def cpu_has_native_bf16() -> bool:
-    """AVX512-BF16 or AMX: native bf16 matmuls (prefill on them: docs/benchmarks.md, issue 4)."""
+    """AVX512-BF16 or AMX: native bf16 matmuls (prefill on them: docs/benchmarks.md)."""
     caps = getattr(torch.cpu, "get_capabilities", dict)()
     return bool(caps.get("avx512_bf16") or caps.get("amx_bf16"))
 
 
 def native_available() -> bool:
-    """The int8 and 4-bit linear kernels are built and loaded."""
+    """The native kernels (linears, the layer stack, paged attention) are built and loaded."""
     if "native" not in _state:
         _state["native"] = (load_native("arlm_kernels", _SOURCES, "native int8/4-bit kernels")
                             and all(hasattr(torch.ops.arlm, op) for op in
                                     ("int8_linear", "q4_linear", "int8_linear_a8", "q4_linear_a8",
-                                     "decode_llama")))
+                                     "decode_llama", "paged_attention")))
         if _state["native"]:
             _register_fake()
     return _state["native"]

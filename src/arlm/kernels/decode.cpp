@@ -40,7 +40,7 @@ constexpr int64_t kRows = 4;
 // splits across the cores, a single row stays on the calling thread (no hand-off).
 constexpr int64_t kRowsPerTask = 8;
 // Cached slots per attention task on long rows (decode_llama's split-K): below ~1k slots the two
-// extra passes cost more than the balance gains (docs/benchmarks.md, session 4).
+// extra passes cost more than the balance gains (docs/benchmarks.md, split-K).
 constexpr int64_t kChunk = 1024;
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -120,14 +120,6 @@ void f32_linear_into(const float* xp, int64_t M, int64_t K, const at::Tensor& w,
       }
     }
   });
-}
-
-at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& w) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
-              "f32_linear: x [M, K] contiguous float32");
-  at::Tensor y = at::empty({x.size(0), w.size(0)}, x.options());
-  f32_linear_into(x.data_ptr<float>(), x.size(0), x.size(1), w, y.data_ptr<float>(), w.size(0), false);
-  return y;
 }
 
 // One linear layer given as (w, scale, mins): 4-bit (w uint8), int8 (w int8, mins undefined),
@@ -266,6 +258,19 @@ class Arena {
   char* next_;
 };
 
+// The per-layer weight list the layer stack takes: kLayerWeights tensors a layer, in this order.
+// A norm is one float32 tensor [d]; a linear is three, (w, scale, mins), in any layout
+// `linear_into` takes, unused ones empty. arlm/kernels/llama.py mirrors these names (LayerWeight).
+enum LayerWeight : int64_t {
+  kAttnNorm = 0,
+  kWqkv = 1,     // (w, scale, mins)
+  kWo = 4,       // (w, scale, mins)
+  kMlpNorm = 7,
+  kGateUp = 8,   // (w, scale, mins)
+  kDown = 11,    // (w, scale, mins)
+  kLayerWeights = 14,
+};
+
 // The layer stack's shapes, read off the weights and checked.
 struct Shapes {
   int64_t N, d, H, Hkv, hd, qkv_dim, dff, kmax;
@@ -273,12 +278,12 @@ struct Shapes {
          int64_t hd)
       : N(N), d(d), H(H), Hkv(Hkv), hd(hd), qkv_dim((H + 2 * Hkv) * hd) {
     TORCH_CHECK(L > 0, op, ": no layers");
-    dff = out_features(op, weights.data() + 8, d) / 2;
+    dff = out_features(op, weights.data() + kGateUp, d) / 2;
     for (int64_t l = 0; l < L; ++l) {
-      const at::Tensor* W = weights.data() + 14 * l;
-      TORCH_CHECK(out_features(op, W + 1, d) == qkv_dim, op, ": wqkv has the wrong number of outputs");
-      TORCH_CHECK(out_features(op, W + 4, H * hd) == d && out_features(op, W + 8, d) == 2 * dff &&
-                  out_features(op, W + 11, dff) == d, op, ": layer ", l, " does not match the model's widths");
+      const at::Tensor* W = weights.data() + kLayerWeights * l;
+      TORCH_CHECK(out_features(op, W + kWqkv, d) == qkv_dim, op, ": wqkv has the wrong number of outputs");
+      TORCH_CHECK(out_features(op, W + kWo, H * hd) == d && out_features(op, W + kGateUp, d) == 2 * dff &&
+                  out_features(op, W + kDown, dff) == d, op, ": layer ", l, " does not match the model's widths");
     }
     kmax = std::max({d, H * hd, dff});
   }
@@ -317,7 +322,7 @@ struct Buffers {
 // Wall time per pass of the step, summed over layers and calls while switched on
 // (torch.ops.arlm.decode_profile; benchmarks/phases.py): where a step's time goes. A tool for one
 // decoding thread at a time: the sums are plain globals.
-enum Phase { kNorm1, kQkv, kAttention, kWo, kNorm2, kGateUp, kSilu, kDown, kHead, kPhases };
+enum Phase { kNorm1, kQkv, kAttention, kWoPass, kNorm2, kGateUpPass, kSilu, kDownPass, kHead, kPhases };
 bool g_profile = false;
 double g_phase_seconds[kPhases] = {};
 
@@ -334,23 +339,23 @@ void run_layers(float* x, const Shapes& s, at::TensorList weights, int64_t L, do
                 Attend attend) {
   const int64_t N = s.N, d = s.d;
   for (int64_t l = 0; l < L; ++l) {
-    const at::Tensor* W = weights.data() + 14 * l;
+    const at::Tensor* W = weights.data() + kLayerWeights * l;
     auto quantized_for = [&](const at::Tensor* p) { return packed(p) ? &buf.xq : nullptr; };
-    timed(kNorm1, [&] { rms_norm(x, W[0].data_ptr<float>(), N, d, eps, buf.h, quantized_for(W + 1)); });
-    timed(kQkv, [&] { linear_into(buf.h, &buf.xq, N, d, W + 1, a8, buf.qkv, s.qkv_dim, false); });
-    timed(kAttention, [&] { attend(l, buf.qkv, quantized_for(W + 4)); });
-    timed(kWo, [&] { linear_into(buf.attn, &buf.xq, N, s.H * s.hd, W + 4, a8, x, d, true); });
-    timed(kNorm2, [&] { rms_norm(x, W[7].data_ptr<float>(), N, d, eps, buf.h, quantized_for(W + 8)); });
-    timed(kGateUp, [&] { linear_into(buf.h, &buf.xq, N, d, W + 8, a8, buf.gu, 2 * s.dff, false); });
-    timed(kSilu, [&] { silu_mul(buf.gu, N, s.dff, buf.act, quantized_for(W + 11)); });
-    timed(kDown, [&] { linear_into(buf.act, &buf.xq, N, s.dff, W + 11, a8, x, d, true); });
+    timed(kNorm1, [&] { rms_norm(x, W[kAttnNorm].data_ptr<float>(), N, d, eps, buf.h, quantized_for(W + kWqkv)); });
+    timed(kQkv, [&] { linear_into(buf.h, &buf.xq, N, d, W + kWqkv, a8, buf.qkv, s.qkv_dim, false); });
+    timed(kAttention, [&] { attend(l, buf.qkv, quantized_for(W + kWo)); });
+    timed(kWoPass, [&] { linear_into(buf.attn, &buf.xq, N, s.H * s.hd, W + kWo, a8, x, d, true); });
+    timed(kNorm2, [&] { rms_norm(x, W[kMlpNorm].data_ptr<float>(), N, d, eps, buf.h, quantized_for(W + kGateUp)); });
+    timed(kGateUpPass, [&] { linear_into(buf.h, &buf.xq, N, d, W + kGateUp, a8, buf.gu, 2 * s.dff, false); });
+    timed(kSilu, [&] { silu_mul(buf.gu, N, s.dff, buf.act, quantized_for(W + kDown)); });
+    timed(kDownPass, [&] { linear_into(buf.act, &buf.xq, N, s.dff, W + kDown, a8, x, d, true); });
   }
 }
 
 void check_common(const char* op, const at::Tensor& x, at::TensorList weights, int64_t L, const at::Tensor& pos,
                   const at::Tensor& cos, const at::Tensor& sin, int64_t hd, int64_t max_pos) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), op, ": x [N, d] contiguous float32");
-  TORCH_CHECK(static_cast<int64_t>(weights.size()) == 14 * L, op, ": 14 weight tensors per layer");
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == kLayerWeights * L, op, ": kLayerWeights (14) weight tensors per layer");
   TORCH_CHECK(pos.dim() == 1 && pos.size(0) == x.size(0) && pos.scalar_type() == at::kLong && pos.is_contiguous(),
               op, ": pos [N] int64");
   TORCH_CHECK(cos.dim() == 2 && sin.dim() == 2 && cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
@@ -360,8 +365,8 @@ void check_common(const char* op, const at::Tensor& x, at::TensorList weights, i
   for (int64_t i = 0; i < x.size(0); ++i)
     TORCH_CHECK(0 <= pp[i] && pp[i] < max_pos && pp[i] < cos.size(0), op, ": position out of range");
   for (int64_t l = 0; l < L; ++l)
-    for (int64_t j : {0, 7}) {  // the two norm weights of each layer (the linears check their own shapes)
-      const at::Tensor& w = weights[14 * l + j];
+    for (int64_t j : {kAttnNorm, kMlpNorm}) {  // the linears check their own shapes
+      const at::Tensor& w = weights[kLayerWeights * l + j];
       TORCH_CHECK(w.numel() == x.size(1) && w.scalar_type() == at::kFloat && w.is_contiguous(),
                   op, ": norm weights must be contiguous float32 [d]");
     }
@@ -370,9 +375,8 @@ void check_common(const char* op, const at::Tensor& x, at::TensorList weights, i
 }  // namespace
 
 // One decode step over a contiguous cache, in place on x [B, d]: the step's token embeddings in,
-// the hidden state after the last layer out (before the final norm). weights: 14 tensors per
-// layer, in order: attn_norm, wqkv (w, scale, mins), wo (w, scale, mins), mlp_norm, gate_up (w,
-// scale, mins), down (w, scale, mins); unused scale/mins are empty tensors. k_cache, v_cache
+// the hidden state after the last layer out (before the final norm). weights: kLayerWeights
+// tensors per layer, laid out as LayerWeight says. k_cache, v_cache
 // [L, B, H_kv, T, hd] float32 or float16; pos [B] int64, each row's position (its K/V go to slot pos);
 // attention reads slots 0..min(pos, kv_len - 1) of the row. cos, sin [max_T, hd].
 void decode_llama(const at::Tensor& x, at::TensorList weights, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -480,7 +484,7 @@ void decode_llama(const at::Tensor& x, at::TensorList weights, const at::Tensor&
   }
 }
 
-// The same layer stack over the serving engine's paged pool (arlm.serve.paged_cache), in place on
+// The same layer stack over the serving engine's paged pool (arlm.kv_cache.KVCache), in place on
 // x [N, d]: a flattened batch of tokens from any mix of sequences, token i of sequence
 // seq_index[i] at position pos[i]. Attention (paged_attention.h) writes the new K/V into the
 // blocks and attends through the block table.
@@ -633,13 +637,11 @@ TORCH_LIBRARY_FRAGMENT(arlm, m) {
         "float eps, bool a8) -> ()");
   m.def("llama_head(Tensor x, Tensor norm, Tensor[] head, float eps, bool a8, Tensor(a!) out) -> ()");
   m.def("decode_profile(bool on) -> Tensor", &decode_profile);
-  m.def("f32_linear(Tensor x, Tensor w) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(arlm, CPU, m) {
   m.impl("decode_llama", &decode_llama);
   m.impl("forward_llama_paged", &forward_llama_paged);
   m.impl("llama_head", &llama_head);
-  m.impl("f32_linear", &f32_linear);
   m.impl("argmax_rows", &argmax_rows);
 }

@@ -28,8 +28,8 @@ FORMAT = "arlm-checkpoint"
 META_FILE, WEIGHTS_FILE, TOKENIZER_FILE = "arlm.json", "model.safetensors", "tokenizer.json"
 
 
-# atomic_write's temp files, ".<name>.<8 random characters>.tmp" beside <name> (hex digits, or
-# mkstemp's alphabet in those that earlier versions left behind).
+# atomic_write's temp files, ".<name>.<8 random characters>.tmp" beside <name> (hex digits; the
+# wider alphabet also matches mkstemp's names, which a writer killed mid-save may leave behind).
 TMP_PATTERN = re.compile(r"\.(?P<name>.+)\.[a-z0-9_]{8}\.tmp")
 
 

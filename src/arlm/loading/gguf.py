@@ -40,7 +40,6 @@ class GGUFModel:
     tokenizer_fields: dict
     chat_template: str | None
     name: str
-    tensor_types: dict[str, int]  # count of tensors per GGML type name, for display
 
 
 def unpermute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -108,7 +107,6 @@ def read_gguf(path: str | Path) -> GGUFModel:
 
     state: dict[str, torch.Tensor] = {}
     parts: dict[str, np.ndarray] = {}  # pieces of fused tensors, by GGUF name, until complete
-    types: dict[str, int] = {}
     for t in reader.tensors:
         layer, rest = None, t.name
         if t.name.startswith("blk."):
@@ -125,7 +123,6 @@ def read_gguf(path: str | Path) -> GGUFModel:
             w = unpermute_rope_rows(w, n_head)
         elif rest == "attn_k.weight":
             w = unpermute_rope_rows(w, n_kv)
-        types[t.tensor_type.name] = types.get(t.tensor_type.name, 0) + 1
         if t.name in _GLOBAL_NAMES:
             state[_GLOBAL_NAMES[t.name]] = torch.from_numpy(w if w.flags.writeable and w.flags.c_contiguous else w.copy())
         elif rest in _LAYER_NAMES:
@@ -140,4 +137,4 @@ def read_gguf(path: str | Path) -> GGUFModel:
     tok_fields = {k: _field(reader, k) for k in reader.fields if k.startswith("tokenizer.ggml.")}
     return GGUFModel(config=config, state_dict=state, tokenizer_fields=tok_fields,
                      chat_template=_field(reader, "tokenizer.chat_template"),
-                     name=_field(reader, "general.name") or path.stem, tensor_types=types)
+                     name=_field(reader, "general.name") or path.stem)

@@ -1,9 +1,8 @@
-"""Serving many users at once: a paged KV block pool, continuous batching, an OpenAI-compatible API.
+"""Serving many users at once: the OpenAI-compatible HTTP edge of the engine (`arlm serve`).
 
-- `block_pool`: block ids, reference counts, prefix hashes (who holds which KV block).
-- `paged_cache`: the pool's tensors and paged attention (native kernel, PyTorch fallback).
-- `scheduler`: waiting/running queues, chunked prefill, preemption: the tokens of each step.
-- `engine`: one step = schedule, one flattened forward pass, per-request sampling; `AsyncEngine`
-  runs it on a thread for asyncio callers.
-- `api`, `metrics`, `cli`: the HTTP edge (`arlm serve`).
+- `api`: FastAPI routes, request validation, text streaming (server-sent events).
+- `metrics`: `GET /metrics` in Prometheus' format.
+- `cli`: `arlm serve`'s flags, start-up and shutdown.
+
+The engine itself (paged KV pool, scheduler, continuous batching) is `arlm.engine`.
 """

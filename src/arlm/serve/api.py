@@ -28,16 +28,14 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..generate import CONTEXT, EOS, LENGTH, STOP
-from ..llm import LLM, PromptError, _StopWatcher
+from ..engine import AsyncEngine, EngineDead, FinishReason
+from ..llm import LLM, PromptError
 from ..sampling import SamplingParams
-from ..tokenizer import IncrementalDetokenizer
+from ..text import TextStreamer
 from . import metrics
-from .engine import AsyncEngine, EngineDead
 
 log = logging.getLogger(__name__)
 
-FINISH_REASONS = {EOS: "stop", STOP: "stop", LENGTH: "length", CONTEXT: "length"}
 
 # Sequences one request may start (prompts x n): each takes a slot in the engine's queue, and
 # 2000 prompts x n=16 would keep the server busy for minutes on one small body.
@@ -164,6 +162,8 @@ class Server:
         self.max_body_bytes = max_body_bytes
         self.created = int(time.time())
         self.http_requests: dict[tuple[str, int], int] = {}
+        self.time_to_first_token = metrics.Histogram()
+        engine.engine.stats.on_first_token = self.time_to_first_token.observe
 
     # -- parsing and validation -------------------------------------------------------------------
 
@@ -261,19 +261,17 @@ class Server:
                          arrival: float) -> AsyncIterator[Delta]:
         """One sequence: stream its text pieces, cut at a stop string."""
         rid = self.engine.new_request_id("req")
-        detok = IncrementalDetokenizer(self.llm.tokenizer)
-        watch = _StopWatcher(params.stop)
+        streamer = TextStreamer(self.llm.tokenizer, params.stop)
         tokens = self.engine.generate(rid, prompt_ids, params, arrival)
         try:
             async for out in tokens:
-                final = out.finish_reason is not None
-                piece = detok.push(out.token_id) + (detok.flush() if final else "")
-                text, hit = watch.push(piece, final)
+                text, hit = streamer.push(out.token_id, final=out.finish_reason is not None)
                 if hit:
-                    self.engine.abort(rid, STOP)
+                    self.engine.abort(rid, FinishReason.STOP)
                     yield Delta(index, text, "stop", out.num_output_tokens)
                     return
-                yield Delta(index, text, FINISH_REASONS.get(out.finish_reason), out.num_output_tokens)
+                reason = out.finish_reason.openai if out.finish_reason is not None else None
+                yield Delta(index, text, reason, out.num_output_tokens)
         finally:
             await tokens.aclose()  # an unfinished request is aborted: its blocks free at once
 
@@ -396,7 +394,7 @@ def create_app(server: Server, engine_thread: bool = True) -> FastAPI:
 
     @app.get("/metrics")
     async def get_metrics() -> Response:
-        return PlainTextResponse(metrics.render(server.engine, server.http_requests),
+        return PlainTextResponse(metrics.render(server.engine, server.http_requests, server.time_to_first_token),
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/models")

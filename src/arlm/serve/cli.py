@@ -11,6 +11,8 @@ import threading
 import time
 from pathlib import Path
 
+from ..cli_common import UsageError, add_model_args, check_device, load_llm, parse_size
+
 # The smallest --kv-cache-memory taken before the model loads: two blocks of a small model. The
 # model's own minimum (two blocks of its K and V) is checked once its shapes are known.
 MIN_KV_CACHE_MEMORY = 1 << 20
@@ -34,8 +36,6 @@ def bind(host: str, port: int) -> socket.socket:
     """A TCP socket bound to host:port, for uvicorn to listen on. Bound here, before the model
     loads, so that a bad host or a taken port fails at once in one line (not in uvicorn's thread,
     with a traceback, after a banner that claimed to listen)."""
-    from ..cli import UsageError
-
     sock = None
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
@@ -51,8 +51,8 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from ..cli import UsageError, check_device, load_llm
-    from .engine import EngineConfig, check_pool_fits, parse_size
+    from ..engine import EngineConfig
+    from ..kv_cache import check_pool_fits
 
     try:
         memory = parse_size(args.kv_cache_memory)
@@ -83,26 +83,26 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         args.quantize = ("none" if args.device != "cpu" or not kernels.native_available() else
                          "auto" if kernels.packed_available() else "int8")
+    if args.prefill_dtype == "auto":
+        # Every token, prompt or generated, through the quantized kernels: then a request's tokens
+        # do not depend on how its prompt was chunked or batched, or on a preemption (which
+        # recomputes generated tokens as a prompt). An explicit float32 / bfloat16 prefill is
+        # honoured (faster prompts on CPUs without VNNI) and gives that up.
+        args.prefill_dtype = "quantized"
     api_key = args.api_key or os.environ.get("ARLM_API_KEY") or None
     config = EngineConfig(block_size=args.block_size, kv_cache_memory=memory, kv_cache_tokens=args.kv_cache_tokens,
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                           enable_prefix_caching=not args.no_prefix_caching)
     import uvicorn
 
+    from ..engine import AsyncEngine, Engine
     from .api import Server, create_app
-    from .engine import AsyncEngine, Engine
 
     sock = bind(args.host, args.port)
     llm = load_llm(args)
-    # The engine runs every token, prompt or generated, through the quantized kernels, so that a
-    # request's tokens do not depend on how its prompt was chunked or batched (or recomputed after
-    # preemption): the float copies kept for `generate.prefill` are never used here.
-    for module in llm.model.modules():
-        if getattr(module, "dense_weight", None) is not None:
-            module.dense_weight = None
     config.kv_dtype = llm.kv_dtype  # --kv-dtype, resolved as for generate (auto: float16 where the native stack runs)
     try:  # the pool's minimum (two blocks) and whether it fits, now that the model's shapes are known
-        engine = Engine(llm.model, llm.tokenizer.eos_ids, config)
+        engine = Engine(llm.runner, llm.tokenizer.eos_ids, config)
     except ValueError as e:
         flag = (f"--kv-cache-tokens {args.kv_cache_tokens}" if args.kv_cache_tokens is not None
                 else f"--kv-cache-memory {args.kv_cache_memory}")
@@ -140,10 +140,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def add_serve(sub) -> None:
-    from ..cli import add_model_args
-
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API (continuous batching)")
-    add_model_args(p)  # for serving, --quantize auto is decided in cmd_serve
+    add_model_args(p, compile=False)  # for serving, --quantize and --prefill-dtype auto are decided in cmd_serve
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 (or set ARLM_API_KEY)")

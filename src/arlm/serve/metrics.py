@@ -2,7 +2,27 @@
 
 from __future__ import annotations
 
-from .engine import AsyncEngine, Histogram
+from ..engine import AsyncEngine
+
+# Prometheus' histogram buckets for the time to first token, in seconds.
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class Histogram:
+    """Cumulative-bucket histogram, as Prometheus exposes one."""
+
+    def __init__(self, buckets: tuple[float, ...] = TTFT_BUCKETS) -> None:
+        self.buckets = buckets
+        self.counts = [0] * len(buckets)
+        self.count = 0
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.count += 1
+        self.sum += value
+        for i, upper in enumerate(self.buckets):
+            if value <= upper:
+                self.counts[i] += 1
 
 
 def _line(name: str, value: float, labels: dict[str, str] | None = None) -> str:
@@ -22,7 +42,7 @@ def _histogram(out: list[str], name: str, help_: str, h: Histogram) -> None:
             _line(f"{name}_count", h.count)]
 
 
-def render(engine: AsyncEngine, http_requests: dict[tuple[str, int], int]) -> str:
+def render(engine: AsyncEngine, http_requests: dict[tuple[str, int], int], time_to_first_token: Histogram) -> str:
     """All metrics as one text page. Read from the event loop while the engine thread runs:
     each number is read once, so a page may mix two consecutive steps, never torn values."""
     e = engine.engine
@@ -56,5 +76,5 @@ def render(engine: AsyncEngine, http_requests: dict[tuple[str, int], int]) -> st
     _metric(out, "arlm_engine_step_seconds_total", "counter", "Time spent in engine steps.",
             [(round(stats.step_seconds, 6), None)])
     _histogram(out, "arlm_time_to_first_token_seconds", "Time from arrival to the first generated token.",
-               stats.time_to_first_token)
+               time_to_first_token)
     return "\n".join(out) + "\n"

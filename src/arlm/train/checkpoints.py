@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,9 +30,6 @@ from ..tokenizer import Tokenizer
 
 STATE_FILE = "train_state.pt"
 LATEST, BEST = "latest", "best"
-# Test hook: "STEP:tmp" dies with SIGKILL after train_state.pt's temp file is written but before
-# its rename; "STEP:commit" once the step directory is complete but before `latest` moves.
-KILL_ENV = "ARLM_TEST_KILL_DURING_SAVE"
 
 
 def step_dir_name(step: int) -> str:
@@ -68,13 +64,7 @@ def save(out_dir: str | Path, step: int, model: torch.nn.Module, config: ModelCo
         if directory.exists():
             shutil.rmtree(directory)  # the remains of a save that was killed
         save_checkpoint(directory, model, config, tokenizer, extra=meta, chat_template=chat_template)
-
-        def write_state(tmp: str) -> None:
-            torch.save(state, tmp)
-            _kill_point(step, "tmp")
-
-        atomic_write(directory / STATE_FILE, write_state)
-        _kill_point(step, "commit")
+        atomic_write(directory / STATE_FILE, lambda tmp: torch.save(state, tmp))
         _point(out_dir / LATEST, directory.name)
     if best:
         _point(out_dir / BEST, directory.name)
@@ -115,8 +105,3 @@ def _prune(out_dir: Path) -> None:
     for d in out_dir.glob("ckpt-*"):
         if d.is_dir() and d.resolve() not in keep:
             shutil.rmtree(d, ignore_errors=True)
-
-
-def _kill_point(step: int, where: str) -> None:
-    if os.environ.get(KILL_ENV) == f"{step}:{where}":
-        os.kill(os.getpid(), signal.SIGKILL)

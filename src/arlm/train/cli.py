@@ -47,7 +47,7 @@ def add_prepare(sub) -> None:
 # -- arlm train ------------------------------------------------------------------------------------
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from ..cli import UsageError
+    from ..cli_common import UsageError
     from ..config import ConfigError
     from .config import TrainConfig, load_config, parse_value
     from .trainer import train

@@ -1,6 +1,6 @@
 """Bookkeeping for the KV block pool: which blocks are free, who shares them, which hold a prefix.
 
-The pool's memory lives in `PagedKVCache`; this module only hands out block ids. Each block has a
+The pool's memory lives in `arlm.kv_cache.KVCache`; this module only hands out block ids. Each block has a
 reference count (the number of sequences whose block table holds it). A block that is full gets
 a hash that names its exact contents: the hash of the previous block's hash and this block's
 token ids, so equal hashes mean equal token prefixes up to and including this block. Another
@@ -95,8 +95,3 @@ class BlockPool:
         """Whether writing into `block` would change what another sequence or a future prefix hit
         reads: then the writer must copy it first."""
         return self.ref_count[block] > 1 or self.hash_of[block] is not None
-
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached prefix (blocks in use keep their data)."""
-        self.cached.clear()
-        self.hash_of = [None] * self.n_blocks

@@ -10,71 +10,48 @@ Every step the scheduler re-forms the batch from scratch, within a token budget:
 A sequence that needs a block when none is free takes one from the most recently admitted
 running sequence, which is preempted: its blocks are freed and it goes back to the front of the
 queue, to be recomputed (prefilled with its prompt and the tokens it had produced) later. A
-sequence is one list of token ids (prompt, then output) of which `num_computed` have their K/V
-in the pool; a step computes the next `n` of them and, if that reaches the end, samples one more.
+sequence is a `Request`: one list of token ids (prompt, then output) of which `num_computed` have
+their K/V in the pool; a step computes the next `n` of them and, if that reaches the end, samples one
+more. After the forward pass `update` takes the sampled tokens and decides which requests finish.
 The scheduler speaks block ids and token ids only; the engine owns the tensors.
 """
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from dataclasses import dataclass, field
 
-import torch
-
-from ..generate import CONTEXT, EOS, LENGTH
-from ..sampling import SamplingParams
 from .block_pool import BlockPool, block_hash
+from .request import FinishReason, Request, RequestStatus
 
-WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
-ABORT = "abort"  # cancelled by the caller (client gone, stop string seen at the text edge)
-
-
-@dataclass(eq=False)
-class Sequence:
-    """One request's token ids and its place in the pool."""
-
-    request_id: str
-    token_ids: list[int]  # prompt, then every token generated so far
-    num_prompt_tokens: int
-    params: SamplingParams
-    eos_ids: frozenset[int]
-    generator: torch.Generator | None = None  # own random stream when the request has a seed
-    status: str = WAITING
-    finish_reason: str | None = None
-    blocks: list[int] = field(default_factory=list)  # block table: block ids in position order
-    block_hashes: list[bytes] = field(default_factory=list)  # content hashes of full blocks of token_ids
-    num_registered: int = 0  # leading blocks known to the prefix cache (hit, or registered once full)
-    num_computed: int = 0  # tokens whose K/V are in `blocks`
-    num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache at the last admission
-    arrival_time: float = field(default_factory=time.monotonic)
-    first_token_time: float | None = None
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
-
-    @property
-    def output_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+WAITING, RUNNING, FINISHED = RequestStatus.WAITING, RequestStatus.RUNNING, RequestStatus.FINISHED
 
 
 @dataclass
 class ScheduledBatch:
     """What one step computes: `num_tokens[i]` tokens of `seqs[i]`, from its `num_computed`."""
 
-    seqs: list[Sequence] = field(default_factory=list)
+    seqs: list[Request] = field(default_factory=list)
     num_tokens: list[int] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) copy-on-write blocks
-    preempted: list[Sequence] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
 
-    def add(self, seq: Sequence, n: int) -> None:
+    def add(self, seq: Request, n: int) -> None:
         self.seqs.append(seq)
         self.num_tokens.append(n)
 
     def __len__(self) -> int:
         return len(self.seqs)
+
+    def samples(self, i: int) -> bool:
+        """Whether row i reaches the end of its window this step (then it samples a token)."""
+        seq = self.seqs[i]
+        return seq.num_computed + self.num_tokens[i] == seq.num_tokens
+
+    def decodes(self, i: int) -> bool:
+        """Whether row i feeds one generated token (not a prompt, not a recomputation)."""
+        seq = self.seqs[i]
+        return self.num_tokens[i] == 1 and seq.num_dropped + seq.num_computed >= seq.num_prompt_tokens
 
 
 @dataclass
@@ -90,7 +67,8 @@ class Scheduler:
     """Waiting and running queues over a `BlockPool` of `n_blocks` blocks of `block_size` slots."""
 
     def __init__(self, n_blocks: int, block_size: int, max_model_len: int, max_num_seqs: int = 64,
-                 max_num_batched_tokens: int = 512, enable_prefix_caching: bool = True) -> None:
+                 max_num_batched_tokens: int = 512, enable_prefix_caching: bool = True,
+                 static_batches: bool = False) -> None:
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
         self.pool = BlockPool(n_blocks, enable_prefix_caching)
@@ -98,16 +76,24 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []  # in admission order: the last is preempted first
+        # static_batches: admit only when nothing runs (a contiguous cache sized for one batch)
+        self.static_batches = static_batches
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order: the last is preempted first
         self.stats = SchedulerStats()
+
+    def resize(self, n_blocks: int, block_size: int) -> None:
+        """A new pool (nothing may be running): a contiguous cache re-sized for the next batch."""
+        assert not self.running, "resize with requests running"
+        self.pool = BlockPool(n_blocks, self.pool.enable_prefix_caching)
+        self.block_size = self.max_model_len = block_size
 
     # -- queue management ---------------------------------------------------------------------
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: Request) -> None:
         self.waiting.append(seq)
 
-    def finish(self, seq: Sequence, reason: str) -> None:
+    def finish(self, seq: Request, reason: FinishReason) -> None:
         """End a sequence (finished or aborted) and free its blocks at once."""
         if seq.status == FINISHED:
             return
@@ -121,13 +107,13 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def _free(self, seq: Sequence) -> None:
+    def _free(self, seq: Request) -> None:
         for b in reversed(seq.blocks):  # the tail first: a prefix's last blocks are evicted first
             self.pool.release(b)
         seq.blocks = []
         seq.num_computed = seq.num_registered = 0
 
-    def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
+    def _preempt(self, seq: Request, batch: ScheduledBatch) -> None:
         self.running.remove(seq)
         self._free(seq)
         seq.status = WAITING
@@ -137,7 +123,7 @@ class Scheduler:
 
     # -- one step -------------------------------------------------------------------------------
 
-    def _blocks_needed(self, seq: Sequence, n: int) -> int:
+    def _blocks_needed(self, seq: Request, n: int) -> int:
         """New blocks to hold `n` more tokens, plus one if the first write needs a private copy."""
         bs = self.block_size
         need = -(-(seq.num_computed + n) // bs) - len(seq.blocks)
@@ -146,7 +132,7 @@ class Scheduler:
             need += 1
         return need
 
-    def _reserve(self, seq: Sequence, n: int, batch: ScheduledBatch) -> None:
+    def _reserve(self, seq: Request, n: int, batch: ScheduledBatch) -> None:
         """Allocate the blocks for `n` more tokens (caller checked there are enough)."""
         bs = self.block_size
         first = seq.num_computed // bs
@@ -160,30 +146,30 @@ class Scheduler:
         while len(seq.blocks) * bs < seq.num_computed + n:
             seq.blocks.append(self.pool.allocate())
 
-    def _hash(self, seq: Sequence, i: int) -> bytes:
-        """Content hash of full block i of `seq.token_ids` (token ids only grow: hashes stay valid)."""
+    def _hash(self, seq: Request, i: int) -> bytes:
+        """Content hash of full block i of the request's window (it only grows: hashes stay valid)."""
         bs = self.block_size
         while len(seq.block_hashes) <= i:
             j = len(seq.block_hashes)
             parent = seq.block_hashes[-1] if j else None
-            seq.block_hashes.append(block_hash(parent, seq.token_ids[j * bs:(j + 1) * bs]))
+            seq.block_hashes.append(block_hash(parent, seq.window(j * bs, (j + 1) * bs)))
         return seq.block_hashes[i]
 
-    def _match_prefix(self, seq: Sequence) -> None:
-        """Take the cached blocks of the longest prefix of `seq.token_ids` (full blocks only)."""
+    def _match_prefix(self, seq: Request) -> None:
+        """Take the cached blocks of the longest prefix of the window (full blocks only)."""
         bs = self.block_size
         if self.pool.enable_prefix_caching:
-            for i in range(len(seq.token_ids) // bs):
+            for i in range(seq.num_tokens // bs):
                 block = self.pool.lookup(self._hash(seq, i))
                 if block is None:
                     break
                 seq.blocks.append(block)
         seq.num_registered = len(seq.blocks)
         seq.num_computed = len(seq.blocks) * bs
-        if seq.num_computed == len(seq.token_ids):
+        if seq.num_computed == seq.num_tokens:
             seq.num_computed -= 1  # the last token must run again: its logits pick the next token
         seq.num_cached_tokens = seq.num_computed
-        self.stats.prefix_queries += len(seq.token_ids)
+        self.stats.prefix_queries += seq.num_tokens
         self.stats.prefix_hits += seq.num_computed
 
     def schedule(self) -> ScheduledBatch:
@@ -191,7 +177,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled: set[int] = set()
 
-        def make_room(seq: Sequence, n: int) -> bool:
+        def make_room(seq: Request, n: int) -> bool:
             """Preempt the latest admitted unscheduled sequences until `seq` fits; False if it
             had to preempt itself."""
             while self.pool.num_free < self._blocks_needed(seq, n):
@@ -203,14 +189,14 @@ class Scheduler:
             return True
 
         # 1-2. Running sequences: decodes first, then chunks of prompts being prefilled.
-        decoding = [s for s in self.running if len(s.token_ids) - s.num_computed == 1]
-        prefilling = [s for s in self.running if len(s.token_ids) - s.num_computed > 1]
+        decoding = [s for s in self.running if s.num_tokens - s.num_computed == 1]
+        prefilling = [s for s in self.running if s.num_tokens - s.num_computed > 1]
         for seq in decoding + prefilling:
             if budget == 0:
                 break
             if seq.status != RUNNING:  # preempted earlier in this loop
                 continue
-            n = min(len(seq.token_ids) - seq.num_computed, budget)
+            n = min(seq.num_tokens - seq.num_computed, budget)
             if not make_room(seq, n):
                 continue
             self._reserve(seq, n, batch)
@@ -219,10 +205,15 @@ class Scheduler:
             budget -= n
 
         # 3. Admit waiting requests while they fit; never preempt for a newcomer.
+        # With static batches, newcomers wait until the running batch is done; a request that
+        # already ran (shifted its window) rejoins at once.
+        busy = self.static_batches and bool(self.running)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if busy and seq.num_dropped == 0:
+                break
             self._match_prefix(seq)
-            n = min(len(seq.token_ids) - seq.num_computed, budget)
+            n = min(seq.num_tokens - seq.num_computed, budget)
             if self.pool.num_free < self._blocks_needed(seq, n):
                 self._free(seq)  # give the prefix hits back; try again next step
                 break
@@ -235,10 +226,11 @@ class Scheduler:
             budget -= n
         return batch
 
-    def update(self, batch: ScheduledBatch, sampled: dict[int, int]) -> list[Sequence]:
+    def update(self, batch: ScheduledBatch, sampled: dict[int, int]) -> list[Request]:
         """After the forward pass: advance `num_computed`, cache newly full blocks, append the
-        sampled tokens (`sampled[i]` for batch row i) and finish sequences. Returns the sequences
-        that got a new token."""
+        sampled tokens (`sampled[i]` for batch row i) and finish requests (end of sequence, max
+        tokens, a full context window) or shift their window. Returns the requests that got a
+        new token."""
         bs = self.block_size
         out = []
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
@@ -251,14 +243,27 @@ class Scheduler:
             if i not in sampled:
                 continue  # mid-prompt chunk: nothing to sample yet
             tok = sampled[i]
-            seq.token_ids.append(tok)
-            if seq.first_token_time is None:
-                seq.first_token_time = time.monotonic()
+            seq.append(tok)
             out.append(seq)
             if tok in seq.eos_ids:
-                self.finish(seq, EOS)
+                self.finish(seq, FinishReason.EOS)
             elif seq.num_output_tokens >= seq.params.max_new_tokens:
-                self.finish(seq, LENGTH)
-            elif len(seq.token_ids) >= self.max_model_len:
-                self.finish(seq, CONTEXT)  # no slot left for the token just sampled
+                self.finish(seq, FinishReason.LENGTH)
+            elif seq.num_tokens > self.max_model_len:  # the window is full: no slot for the token just sampled
+                if seq.context_shift and self.max_model_len >= 2:
+                    self._shift(seq)
+                else:
+                    self.finish(seq, FinishReason.CONTEXT)
         return out
+
+    def _shift(self, seq: Request) -> None:
+        """Context shift: the request goes on from the last half of its window (the tokens before
+        the one just sampled, recomputed at positions 0.., as nanoGPT's sample.py crops its
+        context), through the queue like a preempted request, first in line."""
+        keep = self.max_model_len // 2
+        self.running.remove(seq)
+        self._free(seq)
+        seq.num_dropped = len(seq.token_ids) - keep - 1
+        seq.block_hashes = []
+        seq.status = WAITING
+        self.waiting.appendleft(seq)

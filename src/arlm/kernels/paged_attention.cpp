@@ -1,9 +1,9 @@
-// The paged-attention op for CPU serving (the module path's attention over the block pool; the
-// native layer stack calls the same code directly): see kernels/paged_attention.h.
+// The paged-attention op: the module path's attention over the KV cache through a block table
+// (arlm.kv_cache.KVCache.attend); the native layer stack calls the same code directly (paged_attention.h).
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
-#include "../kernels/paged_attention.h"
+#include "paged_attention.h"
 
 // q [N, H, D]; k, v [N, Hkv, D] float32; k_pool, v_pool [n_blocks, Hkv, BS, D] float32 or float16 (written in place);
 // block_table [S, M], seq, pos [N]: int64. Returns [N, H, D].
@@ -40,11 +40,11 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   return out;
 }
 
-TORCH_LIBRARY(arlm_serve, m) {
+TORCH_LIBRARY_FRAGMENT(arlm, m) {
   m.def("paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor block_table, "
         "Tensor seq, Tensor pos, float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(arlm_serve, CPU, m) {
+TORCH_LIBRARY_IMPL(arlm, CPU, m) {
   m.impl("paged_attention", &paged_attention);
 }

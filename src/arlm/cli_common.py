@@ -1,0 +1,144 @@
+"""What every `arlm` subcommand shares: one-line usage errors, the model and sampling flags, the
+model loader, memory sizes. A leaf module: the subcommands (cli.py, serve/cli.py, train/cli.py)
+import it, it imports none of them."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+class UsageError(Exception):
+    """Bad command-line input; exit code 2."""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse that reports errors in one line (no usage block) and exits 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise UsageError(f"{self.prog}: error: {message}")
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def _torch_dtype(name: str):
+    import torch
+
+    return getattr(torch, name)
+
+
+def add_model_args(p: argparse.ArgumentParser, compile: bool = True) -> None:
+    """--model, --device, --dtype, --quantize, --prefill-dtype, --kv-dtype, --threads, and
+    --compile where the command honours it (`arlm serve` does not: its steps run natively)."""
+    p.add_argument("--model", default="smollm2",
+                   help="known name (smollm2), a .gguf file, an HF model directory or an arlm checkpoint")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    p.add_argument("--dtype", default="auto", choices=("auto",) + DTYPES,
+                   help="weight and activation dtype (auto: float32 on CPU, bfloat16 on CUDA)")
+    p.add_argument("--quantize", default="auto", choices=("auto", "none", "int8", "q4"),
+                   help="weight quantization for decode (auto, on CPU: 4-bit where that is lossless, as "
+                        "for a Q4_1 GGUF, int8 elsewhere, with 8-bit activations; none on GPU)")
+    p.add_argument("--prefill-dtype", default="auto", choices=("auto", "quantized", "float32", "bfloat16"),
+                   help="how a quantized model prefills: through the decode kernels (quantized) or a dense "
+                        "copy of the weights (auto: quantized on AVX-512 VNNI CPUs, else bfloat16 with "
+                        "AVX512-BF16 or AMX, else float32)")
+    p.add_argument("--kv-dtype", default="auto", choices=("auto", "float32", "float16", "bfloat16"),
+                   help="KV cache dtype (auto: float16 under a quantized model on CPU, as llama.cpp's default "
+                        "cache: half the bytes per decode step; else the model's dtype)")
+    if compile:
+        p.add_argument("--compile", action="store_true", help="torch.compile the decode step")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: all cores)")
+
+
+def add_sampling_args(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
+    p.add_argument("--temperature", type=float, default=0.8, help="0 is greedy (default: 0.8)")
+    p.add_argument("--top-k", type=int, default=0, help="0 disables (default)")
+    p.add_argument("--top-p", type=float, default=0.95, help="nucleus mass in (0, 1] (default: 0.95)")
+    p.add_argument("--min-p", type=float, default=0.0, help="0 disables (default)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="1 disables (default)")
+    p.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="stop when this text appears (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-sequence token")
+
+
+def sampling_params(args: argparse.Namespace):
+    from .sampling import SamplingParams
+
+    try:
+        return SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                              top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                              repetition_penalty=args.repetition_penalty, seed=args.seed,
+                              stop=list(args.stop), ignore_eos=args.ignore_eos)
+    except ValueError as e:
+        raise UsageError(f"arlm: error: {e}") from None
+
+
+def check_device(name: str) -> None:
+    """--device names a CPU or an available CUDA device (checked before any model loads)."""
+    import torch
+
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise UsageError(f"arlm: error: --device {name!r}: expected cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda"):
+        raise UsageError(f"arlm: error: --device {name!r}: arlm runs on cpu or cuda[:N]")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UsageError(f"arlm: error: --device {name} requested but no CUDA device is available")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise UsageError(f"arlm: error: --device {name}: this machine has {torch.cuda.device_count()} "
+                             "CUDA device(s)")
+
+
+def load_llm(args: argparse.Namespace):
+    from .llm import LLM
+
+    check_device(args.device)
+    if args.threads is not None:
+        if args.threads < 1:
+            raise UsageError("arlm: error: --threads must be >= 1")
+        if args.threads > (os.cpu_count() or 1):
+            print(f"arlm: warning: --threads {args.threads} is more than this machine's {os.cpu_count()} cores: "
+                  "the threads will take turns, and decode gets much slower", file=sys.stderr)
+        import torch
+
+        torch.set_num_threads(args.threads)
+    quantize = None if args.quantize == "none" else args.quantize
+    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if args.device.startswith("cuda") else "float32")
+    return LLM.load(args.model, device=args.device, dtype=_torch_dtype(dtype), quantize=quantize,
+                    compile=getattr(args, "compile", False), prefill_dtype=args.prefill_dtype,
+                    kv_dtype=args.kv_dtype)
+
+
+def stats_line(stats, prefix: str = "") -> str:
+    return (f"{prefix}prefill: {stats.prompt_tokens} tokens, {stats.prefill_tokens_per_s:.1f} tokens/s | "
+            f"decode: {stats.decode_tokens} tokens, {stats.decode_tokens_per_s:.1f} tokens/s | "
+            f"KV cache: {stats.kv_cache_bytes / 2**20:.2f} MiB ({stats.kv_cache_bytes} bytes)")
+
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """'2GiB', '512MiB', '1.5GB', '1TiB', '1000000' -> bytes."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"not a memory size: {text!r} (e.g. 2GiB, 512MiB, 1GB)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])

@@ -1,0 +1,288 @@
+"""The engine: token ids in, token ids out, for one request or many at once.
+
+`Engine.step` is one iteration: schedule (which tokens of which requests run now), forward (the
+model runner), sample (each request with its own `SamplingParams` and generator), postprocess
+(append the tokens, finish requests). Every front end runs on it: `LLM.generate/stream`,
+`ChatSession`, `arlm generate/chat` and `arlm serve` (through `AsyncEngine`). It knows nothing
+about text.
+
+Two caches, one interface (`arlm.kv_cache.KVCache`):
+- `block_size=None`: a contiguous cache, one block of a whole sequence per request, sized for the
+  batch waiting when the engine is idle (static batches). Decode steps run by rows, the fastest
+  path for a fixed batch (`LLM.generate`, the CLI).
+- `block_size=16` (the default): a paged pool of `kv_cache_memory` bytes shared by every request,
+  with prefix caching, chunked prefill, preemption and continuous batching (`arlm serve`, chat).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from ..kv_cache import KVCache, check_pool_fits
+from ..model import Transformer
+from ..sampling import SamplingParams, sample_rows
+from .request import FinishReason, Request, RequestStatus
+from .runner import ModelRunner
+from .scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineConfig:
+    """The cache and the batch. A paged pool is `kv_cache_tokens` token slots if given, else as
+    many blocks as `kv_cache_memory` bytes hold (K and V, every layer)."""
+
+    block_size: int | None = 16  # token slots per block; None: a contiguous cache (see the module doc)
+    kv_cache_memory: int = 1 << 30
+    kv_cache_tokens: int | None = None
+    max_num_seqs: int = 64  # running requests at most
+    max_num_batched_tokens: int = 512  # tokens per forward pass (decodes + prompt chunks)
+    enable_prefix_caching: bool = True
+    kv_dtype: torch.dtype | None = None  # None: the model's (float16 halves a step's K/V reads)
+
+    @property
+    def contiguous(self) -> bool:
+        return self.block_size is None
+
+
+@dataclass
+class RequestOutput:
+    """One new token of one request; `finish_reason` is set on its last."""
+
+    request_id: str
+    token_id: int
+    num_output_tokens: int
+    finish_reason: FinishReason | None = None
+    error: str | None = None  # the request failed (token_id is -1): why
+
+
+@dataclass
+class StepStats:
+    """What the last step did: prompt tokens computed (prefill), tokens sampled, wall time."""
+
+    prompt_tokens: int = 0
+    sampled: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class EngineStats:
+    requests: int = 0  # accepted
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    finished: dict[str, int] = field(default_factory=dict)  # by finish reason
+    steps: int = 0
+    step_seconds: float = 0.0  # wall time inside `step` (the rest is idle or the front end)
+    # called with each request's time to first token, in seconds (arlm serve's histogram)
+    on_first_token: Callable[[float], None] | None = None
+
+
+class Engine:
+    """Schedules, runs and samples requests over one KV cache for one model."""
+
+    def __init__(self, model: Transformer | ModelRunner, eos_ids: list[int] | tuple[int, ...] = (),
+                 config: EngineConfig | None = None) -> None:
+        self.runner = model if isinstance(model, ModelRunner) else ModelRunner(model)
+        self.model = self.runner.model
+        self.config = config = config or EngineConfig()
+        cfg = self.model.config
+        param = next(self.model.parameters())
+        self.device = param.device
+        # The cache holds the activations' dtype (float32 unless the model runs in another float
+        # type), or config.kv_dtype.
+        self.kv_dtype = config.kv_dtype or (param.dtype if param.dtype.is_floating_point else torch.float32)
+        if config.max_num_batched_tokens < 1 or config.max_num_seqs < 1:
+            raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
+        self.eos_ids = frozenset(eos_ids)
+        self.requests: dict[str, Request] = {}
+        self.stats = EngineStats()
+        self.last_step = StepStats()
+        self._next_id = 0
+        if config.contiguous:
+            self.cache: KVCache | None = None  # sized for each batch (`_fit_cache`)
+            self.max_model_len = cfg.max_seq_len
+            self.scheduler = Scheduler(1, cfg.max_seq_len, cfg.max_seq_len, config.max_num_seqs,
+                                       config.max_num_batched_tokens, False, static_batches=True)
+            return
+        bs = config.block_size
+        if bs < 1:
+            raise ValueError(f"block size must be >= 1, got {bs}")
+        block_bytes = KVCache.bytes_per_block(cfg, bs, self.kv_dtype)
+        if config.kv_cache_tokens is not None:
+            n_blocks = -(-config.kv_cache_tokens // bs)
+        else:
+            n_blocks = config.kv_cache_memory // block_bytes
+        if n_blocks < 2:
+            raise ValueError(f"the KV cache budget holds {n_blocks} block(s) of {bs} tokens; it needs at least 2 "
+                             f"({2 * block_bytes} bytes, {2 * bs} tokens)")
+        check_pool_fits(n_blocks * block_bytes, self.device)
+        self.cache = KVCache.pool(cfg, n_blocks, bs, self.kv_dtype, self.device)
+        # One block in reserve: copy-on-write takes a block before it gives one back.
+        self.max_model_len = min(cfg.max_seq_len, (n_blocks - 1) * bs)
+        self.scheduler = Scheduler(n_blocks, bs, self.max_model_len, config.max_num_seqs,
+                                   config.max_num_batched_tokens, config.enable_prefix_caching)
+
+    # -- requests ---------------------------------------------------------------------------------
+
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError if the request can never run (a pure check, safe from any thread).
+        A request may ask for more tokens than the window holds: it stops with CONTEXT there (the
+        HTTP edge refuses such a max_tokens up front, as OpenAI's API does)."""
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.model.config.vocab_size
+        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
+            raise ValueError(f"token id out of range for a vocabulary of {vocab}")
+        params.validate()  # (a field set after construction is not checked otherwise)
+        if len(prompt_ids) > self.max_model_len:
+            raise ValueError(f"prompt of {len(prompt_ids)} tokens exceeds the context window of "
+                             f"{self.max_model_len} tokens")
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                    arrival_time: float | None = None, context_shift: bool = False) -> Request:
+        """Queue a request; it runs from the next `step`. context_shift: at a full context window
+        it goes on from the window's last half instead of finishing with CONTEXT."""
+        self.check_request(prompt_ids, params)
+        if request_id is None:
+            self._next_id += 1
+            request_id = f"request-{self._next_id}"
+        if request_id in self.requests:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        req = Request.create(request_id, prompt_ids, params, self.model.config.vocab_size, self.eos_ids,
+                             self.device, context_shift)
+        if arrival_time is not None:
+            req.arrival_time = arrival_time
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+        self.stats.requests += 1
+        self.stats.prompt_tokens += len(prompt_ids)
+        return req
+
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> None:
+        """End a request now and free its blocks (unknown or finished ids are ignored)."""
+        req = self.requests.pop(request_id, None)
+        if req is not None and req.status != RequestStatus.FINISHED:
+            self.scheduler.finish(req, reason)
+            self._count_finished(req)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.scheduler.pool.utilization
+
+    def _count_finished(self, req: Request) -> None:
+        self.stats.finished[req.finish_reason] = self.stats.finished.get(req.finish_reason, 0) + 1
+
+    # -- one step ---------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, forward, sample, postprocess: one new token for every request that reached
+        the end of its window this step."""
+        t0 = time.perf_counter()
+        if self.config.contiguous and not self.scheduler.running and self.scheduler.waiting:
+            self._fit_cache()
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        with torch.inference_mode():
+            logits, rows = self.runner.execute(self.cache, batch, by_rows=self.config.contiguous)
+            sampled, failed = self._sample(logits, rows, batch)
+        prompt_tokens = sum(n for i, n in enumerate(batch.num_tokens) if not batch.decodes(i))
+        outputs = self._postprocess(batch, sampled, failed)
+        seconds = time.perf_counter() - t0
+        self.last_step = StepStats(prompt_tokens, len(sampled), seconds)
+        self.stats.steps += 1
+        self.stats.step_seconds += seconds
+        return outputs
+
+    def _fit_cache(self) -> None:
+        """A contiguous cache for the waiting batch: a row per request (up to max_num_seqs), each
+        as long as the longest request can grow (the whole window where one may shift)."""
+        cfg = self.model.config
+        waiting = list(self.scheduler.waiting)[:self.config.max_num_seqs]
+        rows = len(waiting)
+        length = max(cfg.max_seq_len if r.context_shift else
+                     min(cfg.max_seq_len, r.num_tokens + r.params.max_new_tokens - r.num_output_tokens)
+                     for r in waiting)
+        cache = self.cache
+        if cache is None or cache.n_blocks != rows or cache.block_size != length:
+            self.cache = None  # (free the old one first)
+            self.cache = KVCache.contiguous(cfg, rows, length, self.kv_dtype, self.device)
+        self.scheduler.resize(rows, length)
+
+    def _sample(self, logits: torch.Tensor, rows: list[int], batch) -> tuple[dict[int, int], dict[int, Exception]]:
+        """The next token of each sampling row (logits [len(rows), V]) as {batch row: token id},
+        and the rows whose sampling raised, with the error.
+
+        All rows are drawn in one `sample_rows`; if that raises, each row is drawn alone, so
+        that a request whose parameters break sampling fails by itself instead of taking every
+        request of the batch down with it. A row's draw does not depend on its batch (its own
+        filters and generator), and the filters, where a bad parameter fails, run before any
+        generator is drawn from: the rows that succeed alone get the tokens they would have."""
+        if not rows:
+            return {}, {}
+        reqs = [batch.seqs[i] for i in rows]
+        try:
+            next_ids = sample_rows(logits, [r.params for r in reqs], [r.generator for r in reqs],
+                                   self._seen(reqs)).tolist()  # the step's one host sync
+            return dict(zip(rows, next_ids)), {}
+        except Exception:  # noqa: BLE001 - narrowed down to rows below
+            pass
+        sampled, failed = {}, {}
+        for j, (i, r) in enumerate(zip(rows, reqs)):
+            try:
+                sampled[i] = sample_rows(logits[j:j + 1], [r.params], [r.generator], self._seen([r])).item()
+            except Exception as e:  # noqa: BLE001 - this request fails, the others go on
+                failed[i] = e
+        return sampled, failed
+
+    def _seen(self, reqs: list[Request]) -> torch.Tensor | None:
+        """[B, V] tokens seen so far, only when some row has a repetition penalty (the others'
+        rows are ignored: a penalty of 1 changes nothing)."""
+        masks = [r.seen for r in reqs]
+        if all(m is None for m in masks):
+            return None
+        blank = next(m for m in masks if m is not None)
+        return torch.stack([m if m is not None else blank for m in masks])
+
+    def _postprocess(self, batch, sampled: dict[int, int], failed: dict[int, Exception]) -> list[RequestOutput]:
+        outputs = []
+        for req in self.scheduler.update(batch, sampled):
+            self.stats.generation_tokens += 1
+            if req.num_output_tokens == 1 and self.stats.on_first_token is not None:
+                self.stats.on_first_token(req.first_token_time - req.arrival_time)
+            outputs.append(RequestOutput(req.request_id, req.token_ids[-1], req.num_output_tokens, req.finish_reason))
+            if req.status == RequestStatus.FINISHED:
+                del self.requests[req.request_id]
+                self._count_finished(req)
+        for i, e in failed.items():  # (update took them for mid-prompt chunks: they are dropped now)
+            req = batch.seqs[i]
+            log.error("sampling failed for request %s: %s: %s", req.request_id, type(e).__name__, e)
+            self.abort(req.request_id)
+            outputs.append(RequestOutput(req.request_id, -1, req.num_output_tokens, FinishReason.ABORT,
+                                         error=f"sampling failed: {type(e).__name__}: {e}"))
+        return outputs
+
+    # -- offline ----------------------------------------------------------------------------------
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
+        """Run prompts to the end (all submitted at once); the output token ids of each, in order."""
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        reqs = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        try:
+            while any(not r.finished for r in reqs):
+                for out in self.step():
+                    if out.error is not None:
+                        raise RuntimeError(f"request {out.request_id}: {out.error}")
+        finally:
+            for r in reqs:
+                self.abort(r.request_id)
+        return [r.output_ids for r in reqs]

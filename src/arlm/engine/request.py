@@ -1,0 +1,114 @@
+"""One request's state, in one place: its tokens, sampling parameters, random stream, penalty
+mask, status and finish reason. The engine, the scheduler and the edges (Python API, CLI, HTTP)
+all read it from here."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+import torch
+
+from ..sampling import SamplingParams
+
+
+class RequestStatus(StrEnum):
+    WAITING = "waiting"  # queued, or preempted and queued again (its K/V will be recomputed)
+    RUNNING = "running"  # holds blocks; prefilling or decoding
+    FINISHED = "finished"
+
+
+class FinishReason(StrEnum):
+    """Why a request stopped. The OpenAI-style "stop"/"length" pair loses which limit was hit, so
+    the engine keeps five and the HTTP edge maps them (`openai_finish_reason`)."""
+
+    EOS = "eos"  # sampled an end-of-sequence token
+    STOP = "stop"  # a stop string appeared in the text (decided at the text edge)
+    LENGTH = "length"  # max_new_tokens reached
+    CONTEXT = "context"  # no slot left in the context window for the token just sampled
+    ABORT = "abort"  # cancelled by the caller (client gone, a failure)
+
+    @property
+    def openai(self) -> str | None:
+        """The OpenAI API's finish_reason: eos/stop -> "stop", length/context -> "length" (an
+        aborted request has none: it has no response to finish)."""
+        return {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}.get(self.value)
+
+
+@dataclass(eq=False)
+class Request:
+    """A prompt and everything generated for it so far, and its place in the KV cache.
+
+    `token_ids` holds the prompt, then every token generated. The model sees the window
+    `token_ids[num_dropped:]` at positions 0.. (num_dropped > 0 only after a context shift); of
+    that window `num_computed` tokens have their K/V in `blocks`. A step computes the next `n`
+    window tokens and, if that reaches the end, samples one more.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    eos_ids: frozenset[int] = frozenset()
+    context_shift: bool = False  # at a full window, go on from its last half instead of CONTEXT
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    generator: torch.Generator | None = None  # its own random stream when seeded
+    seen: torch.Tensor | None = None  # [vocab] bool: tokens in the prompt or generated (repetition penalty)
+    blocks: list[int] = field(default_factory=list)  # block table: block ids in position order
+    block_hashes: list[bytes] = field(default_factory=list)  # content hashes of the window's full blocks
+    num_registered: int = 0  # leading blocks known to the prefix cache (hit, or registered once full)
+    num_computed: int = 0  # window tokens whose K/V are in `blocks`
+    num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache at the last admission
+    num_dropped: int = 0  # tokens before the window (context shift)
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+
+    @classmethod
+    def create(cls, request_id: str, prompt_ids: list[int], params: SamplingParams, vocab_size: int,
+               eos_ids: frozenset[int] = frozenset(), device: torch.device | str = "cpu",
+               context_shift: bool = False) -> "Request":
+        """A new request; seeds its generator (a seeded request samples the same in any batch, as
+        vLLM seeds each request) and builds its penalty mask from the prompt when it needs one."""
+        req = cls(request_id, list(prompt_ids), len(prompt_ids), params,
+                  frozenset() if params.ignore_eos else frozenset(eos_ids), context_shift)
+        if params.seed is not None:
+            req.generator = torch.Generator(device=device).manual_seed(params.seed)
+        if params.repetition_penalty != 1.0:
+            req.seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+            req.seen[torch.tensor(req.token_ids, device=device)] = True
+        return req
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens in the window the model sees."""
+        return len(self.token_ids) - self.num_dropped
+
+    def window(self, start: int, end: int) -> list[int]:
+        """Window tokens start .. end - 1 (at positions start .. end - 1)."""
+        return self.token_ids[self.num_dropped + start:self.num_dropped + end]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.token_ids[:self.num_prompt_tokens]
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    def append(self, token: int) -> None:
+        """Take a sampled token."""
+        self.token_ids.append(token)
+        if self.seen is not None:
+            self.seen[token] = True
+        if self.first_token_time is None:
+            self.first_token_time = time.monotonic()

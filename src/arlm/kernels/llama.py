@@ -1,0 +1,166 @@
+"""The native Llama-family layer stack, bound to one model's weights.
+
+`NativeLlama.bind(model)` collects the weights once, in the order the C++ side takes them
+(`LayerWeight`, mirrored from decode.cpp's enum of the same name), and exposes the three calls
+the engine makes:
+
+- `decode(x, cache, pos, kv_len)`: one decode step over a contiguous cache, rows in cache order
+  (`torch.ops.arlm.decode_llama`);
+- `forward(x, cache, pos)`: any flattened batch of tokens through the cache's block table
+  (`torch.ops.arlm.forward_llama_paged`): prompt chunks, decodes, or both;
+- `head(x, out)`: the final norm and the LM head (`torch.ops.arlm.llama_head`).
+
+Both stacks do the math of `Transformer.forward` op for op (the module path is the reference,
+tests/test_fused_decode.py) without ~2,000 small tensor ops per step. They apply to RoPE +
+RMSNorm + SwiGLU models without biases on CPU, every linear float32 or quantized (arlm.quant)
+with one activation mode; `bind` returns None elsewhere and the engine runs the modules.
+"""
+
+from __future__ import annotations
+
+import os
+from enum import IntEnum
+
+import torch
+
+from ..model import Transformer
+
+
+class LayerWeight(IntEnum):
+    """Where each of a layer's weights sits in its slice of the weight list (decode.cpp's
+    `LayerWeight`): a norm is one tensor, a linear three, (w, scale, mins)."""
+
+    ATTN_NORM = 0
+    WQKV = 1
+    WO = 4
+    MLP_NORM = 7
+    GATE_UP = 8
+    DOWN = 11
+    COUNT = 14  # tensors per layer (kLayerWeights)
+
+
+def applies(model: Transformer) -> bool:
+    """Whether the native stack can run this model at all (architecture, device, kernels built)."""
+    from . import native_available
+
+    cfg = model.config
+    return not (cfg.pos_embedding != "rope" or cfg.norm != "rmsnorm" or cfg.mlp != "swiglu" or cfg.bias
+                or model.training or model.rope_cos.device.type != "cpu" or os.environ.get("ARLM_NO_FUSED")
+                or not native_available())
+
+
+def linear_weights(layer: torch.nn.Module) -> tuple[list[torch.Tensor], bool] | None:
+    """A linear layer as the kernels take it, [w, scale, mins], and whether it wants 8-bit
+    activations; None for a layer they cannot run (biases, other dtypes)."""
+    from ..quant import Int8Linear, Q4Linear
+
+    none = torch.empty(0)
+    if isinstance(layer, Q4Linear) and layer.bias is None:  # packed layout where it has one (quant.py)
+        packed = layer.int8_activations and layer.packed is not None
+        return list(layer.packed) if packed else [layer.weight, layer.scale, layer.mins], layer.int8_activations
+    if isinstance(layer, Int8Linear) and layer.bias is None:
+        packed = layer.int8_activations and layer.packed is not None
+        return [layer.packed if packed else layer.weight, layer.scale, none], layer.int8_activations
+    if type(layer) is torch.nn.Linear and layer.bias is None and layer.weight.dtype == torch.float32:
+        return [layer.weight.detach().contiguous(), none, none], False
+    return None
+
+
+def layer_weights(model: Transformer) -> tuple[list[torch.Tensor], bool] | None:
+    """Every layer's weights laid out as `LayerWeight` says, and whether the stack runs with 8-bit
+    activations; None where the kernels cannot take them (float32 norms, one activation mode)."""
+    weights: list[torch.Tensor] = []
+    a8: set[bool] = set()
+    for block in model.blocks:
+        norms = (block.attn_norm.weight, block.mlp_norm.weight)
+        if any(w.dtype != torch.float32 for w in norms):
+            return None
+        layer: list[torch.Tensor | None] = [None] * LayerWeight.COUNT
+        layer[LayerWeight.ATTN_NORM], layer[LayerWeight.MLP_NORM] = norms[0].detach(), norms[1].detach()
+        for slot, linear in ((LayerWeight.WQKV, block.attn.wqkv), (LayerWeight.WO, block.attn.wo),
+                             (LayerWeight.GATE_UP, block.mlp.gate_up), (LayerWeight.DOWN, block.mlp.down)):
+            native = linear_weights(linear)
+            if native is None:
+                return None
+            layer[slot:slot + 3] = native[0]
+            if native[0][1].numel():  # float32 layers run in either mode
+                a8.add(native[1])
+        weights.extend(layer)  # type: ignore[arg-type]
+    if len(a8) > 1:
+        return None
+    return weights, a8 == {True}
+
+
+class NativeLlama:
+    """A model's layer stack and head as native calls; see the module docstring."""
+
+    def __init__(self, model: Transformer, weights: list[torch.Tensor], a8: bool,
+                 head: tuple[list[torch.Tensor], bool] | None) -> None:
+        self.model, self.weights, self.a8 = model, weights, a8
+        cfg = model.config
+        self.n_head, self.n_kv_heads, self.eps = cfg.n_head, cfg.n_kv_heads, cfg.norm_eps
+        self.emb = model.tok_emb.weight.detach()
+        self._head = head
+        self._norm = model.norm.weight.detach()
+
+    @classmethod
+    def bind(cls, model: Transformer) -> "NativeLlama | None":
+        """The native stack over `model`'s weights as they are now (re-quantizing the model later
+        needs a new binding), or None where it does not apply."""
+        if not applies(model):
+            return None
+        layers = layer_weights(model)
+        if layers is None:
+            return None
+        head = linear_weights(model.lm_head)
+        if model.norm.weight.dtype != torch.float32:
+            head = None
+        return cls(model, layers[0], layers[1], head)
+
+    def embed(self, tokens: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Token embeddings [N, d] float32 for ids [N] (a fresh tensor, or `out`): the stacks run
+        in place on them."""
+        if self.emb.dtype == torch.float32:
+            return torch.index_select(self.emb, 0, tokens) if out is None else \
+                torch.index_select(self.emb, 0, tokens, out=out)
+        x = self.model.tok_emb(tokens).float()
+        return x.contiguous() if out is None else out.copy_(x)
+
+    def decode(self, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, kv_len: int) -> None:
+        """One decode step in place on x [B, d]: row b at position pos[b] over rows b of the
+        contiguous cache k, v [L, B, H_kv, T, d_head]; attention reads slots < kv_len."""
+        m = self.model
+        torch.ops.arlm.decode_llama(x, self.weights, k, v, pos, m.rope_cos, m.rope_sin, kv_len,
+                                    self.n_head, self.n_kv_heads, self.eps, self.a8)
+
+    def forward(self, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_table: torch.Tensor,
+                seq_index: torch.Tensor, pos: torch.Tensor) -> None:
+        """A flattened batch in place on x [N, d]: token i of sequence seq_index[i] (a row of
+        block_table [S, M]) at position pos[i], K/V in the pools k, v [L, n_blocks, H_kv, bs, d_head]."""
+        m = self.model
+        torch.ops.arlm.forward_llama_paged(x, self.weights, k, v, block_table, seq_index, pos, m.rope_cos,
+                                           m.rope_sin, self.n_head, self.n_kv_heads, self.eps, self.a8)
+
+    def head(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Final norm + LM head: hidden states [N, d] -> float32 logits [N, vocab] (into `out`).
+        Natively where the head's weights allow: a float32 head streams the most bytes of a decode
+        step (vocab x d_model), and the row-streaming kernel reads it at memory speed where
+        F.linear's matrix-vector product does not."""
+        if self._head is None:
+            logits = self.model.lm_head(self.model.norm(x)).float()
+            return logits if out is None else out.copy_(logits)
+        weights, a8 = self._head
+        out = x.new_empty(x.shape[0], self.model.config.vocab_size) if out is None else out
+        torch.ops.arlm.llama_head(x.contiguous(), self._norm, weights, self.eps, a8, out)
+        return out
+
+
+def cpp_layer_weight_names() -> dict[str, int]:
+    """decode.cpp's `LayerWeight` enum as {name: value}, read from the source (for the test that
+    the two sides agree)."""
+    import re
+    from pathlib import Path
+
+    source = Path(__file__).with_name("decode.cpp").read_text()
+    body = re.search(r"enum LayerWeight : int64_t \{(.*?)\};", source, re.S).group(1)
+    return {m.group(1): int(m.group(2)) for m in re.finditer(r"\bk(\w+) = (\d+)", body)}

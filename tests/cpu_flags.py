@@ -1,0 +1,85 @@
+"""What this machine's CPU and compiler offer, read without arlm or torch.
+
+The policy tests compare the path arlm picks (packed kernels, bf16 prefill and autocast) with
+what these raw readings say it must be. Asking the predicates the code itself branches on
+(`kernels.packed_available()`, `torch.cpu.get_capabilities()`) could not catch a predicate that
+is wrong for this CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+
+# The packed a8 kernels' build guard (ARLM_AVX512 in src/arlm/kernels/a8_linear.cpp), as the
+# /proc/cpuinfo flag names and as the compiler macros -march defines for them.
+PACKED_FLAGS = ("avx512f", "avx512bw", "avx512_vnni", "avx512dq", "avx2", "fma")
+PACKED_MACROS = ("__AVX512F__", "__AVX512BW__", "__AVX512VNNI__", "__AVX512DQ__", "__AVX2__", "__FMA__")
+# Native bf16 matmuls, read at run time (not built in): AVX512-BF16 or AMX.
+BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str] | None:
+    """The `flags` line of /proc/cpuinfo (the first CPU's; all of a machine's cores share them),
+    or None where there is no such file (not Linux, not x86)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "flags":
+                    return frozenset(value.split())
+    except OSError:
+        pass
+    return None
+
+
+@functools.cache
+def march_macros(march: str) -> frozenset[str] | None:
+    """The macros the C++ compiler predefines for -march=`march` (as the kernel build calls it:
+    $CXX, else c++), or None where it cannot say (no compiler, an unknown -march)."""
+    cxx = os.environ.get("CXX", "c++")
+    try:
+        r = subprocess.run([cxx, f"-march={march}", "-dM", "-E", "-x", "c++", os.devnull],
+                           capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if r.returncode != 0:
+        return None
+    return frozenset(line.split()[1] for line in r.stdout.splitlines() if line.startswith("#define "))
+
+
+def native_kernels_expected() -> bool:
+    """The native kernels are meant to build here: ARLM_NO_NATIVE turns them off on purpose
+    (test_quant.test_native_kernel_builds fails where they do not build otherwise)."""
+    return not os.environ.get("ARLM_NO_NATIVE")
+
+
+def packed_expected() -> bool:
+    """Whether the packed (AVX-512 VNNI) a8 kernels must be built: with the default
+    ARLM_MARCH=native, exactly where the CPU has every instruction set their guard asks for; with
+    another ARLM_MARCH, where that -march enables them all (it builds for that CPU, not this one)."""
+    if not native_kernels_expected():
+        return False
+    march = os.environ.get("ARLM_MARCH", "native")
+    if march == "native":
+        flags = cpu_flags()
+        return flags is not None and all(f in flags for f in PACKED_FLAGS)
+    macros = march_macros(march)
+    if macros is None:
+        raise RuntimeError(f"cannot ask the compiler what -march={march} enables (ARLM_MARCH)")
+    return all(m in macros for m in PACKED_MACROS)
+
+
+def native_bf16_expected() -> bool:
+    """Whether the CPU multiplies bf16 natively (AVX512-BF16 or AMX-BF16)."""
+    flags = cpu_flags()
+    return flags is not None and any(f in flags for f in BF16_FLAGS)
+
+
+def prefill_dtype_expected() -> str:
+    """LLM.configure's prefill_dtype="auto" on CPU, for a quantized model (src/arlm/llm.py): the
+    quantized kernels where the packed ones are built, else bf16 copies where bf16 is native,
+    else float32 copies."""
+    return "quantized" if packed_expected() else "bfloat16" if native_bf16_expected() else "float32"
