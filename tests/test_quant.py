@@ -447,9 +447,10 @@ def test_kv_dtype_choices(smollm2):
 
     llm = configured(quantize="auto", kv_dtype="auto")
     assert llm.kv_dtype == (torch.float16 if native_kernels_expected() else torch.float32)
-    gen = next(llm.stream(["Hello"], SamplingParams(max_new_tokens=2, temperature=0)))
-    assert gen.cache.k.dtype == llm.kv_dtype
-    assert ChatSession(llm, SamplingParams(max_new_tokens=2)).cache.k.dtype == llm.kv_dtype
+    llm.generate(["Hello"], SamplingParams(max_new_tokens=2, temperature=0))
+    assert llm.engine.cache.k.dtype == llm.kv_dtype
+    chat = ChatSession(llm, SamplingParams(max_new_tokens=2))
+    assert chat.engine.cache.k.dtype == llm.kv_dtype
     assert configured(quantize=None, kv_dtype="auto").kv_dtype == torch.float32
     # a compiled step runs the modules, which would widen a float16 cache at every step
     assert configured(quantize="auto", kv_dtype="auto", compile=True).kv_dtype == torch.float32

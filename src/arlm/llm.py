@@ -56,7 +56,7 @@ class TextChunk:
 
 @dataclass
 class GenerationStats:
-    prompt_tokens: int = 0  # prompt tokens of the requests
+    prompt_tokens: int = 0  # prompt tokens run through the model (not those a prefix cache held)
     prefill_seconds: float = 0.0  # steps that computed prompt tokens
     decode_tokens: int = 0  # tokens produced by decode steps (excludes each request's first, from prefill)
     decode_seconds: float = 0.0
@@ -103,7 +103,7 @@ class TextStream:
         self.tokenizer = tokenizer
         self.requests: list[Request] = []
         self.mailbox = {} if mailbox is None else mailbox
-        self.stats = GenerationStats(prompt_tokens=sum(map(len, prompt_ids)))
+        self.stats = GenerationStats()
 
     def _outputs(self) -> Iterator[RequestOutput]:
         mine = {r.request_id for r in self.requests}
@@ -115,6 +115,7 @@ class TextStream:
             outputs = self.engine.step()
             step = self.engine.last_step
             if step.prompt_tokens:
+                self.stats.prompt_tokens += step.prompt_tokens
                 self.stats.prefill_seconds += step.seconds
             else:
                 self.stats.decode_seconds += step.seconds
