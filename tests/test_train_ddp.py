@@ -63,7 +63,6 @@ with open(os.path.join(sys.argv[2], f"threads-{os.environ['RANK']}.json"), "w") 
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs /proc to list a process's threads")
 def test_a_ddp_run_joins_the_process_group_threads_before_it_returns(tmp_path):
     """train() under torchrun frees its process group, so no gloo thread outlives it: one left
     running into interpreter shutdown can abort a finished run (a worker thread that releases a
