@@ -16,7 +16,7 @@ from arlm import kernels
 from arlm.engine import Engine, EngineConfig, ModelRunner, decode_step, prefill
 from arlm.kv_cache import KVCache
 from arlm.llm import LLM, ChatSession
-from arlm.quant import Int8Linear, Q4Linear, quantize, quantize_int8, weight_bytes
+from arlm.quant import Int8Linear, Q4Linear, Q8Linear, QuantizedLinear, quantize, quantize_int8, weight_bytes
 from arlm.sampling import SamplingParams
 from cpu_flags import native_bf16_expected, native_kernels_expected, packed_expected, prefill_dtype_expected
 
@@ -152,8 +152,7 @@ def test_packed_kernels_are_built_where_the_cpu_has_vnni():
     assert kernels.packed_available() == packed_expected()
     layer = Int8Linear.from_float(torch.randn(32, 64))
     layer.int8_activations = True
-    layer.pack()
-    assert (layer.packed is not None) == packed_expected()
+    assert layer.packed == packed_expected()
 
 
 def test_native_bf16_is_read_from_the_cpu():
@@ -210,18 +209,17 @@ def test_quantized_layers_use_the_packed_layout():
     # quantize() packs the int8-activation layers; their forward equals the row-layout kernel's
     # up to float32 summation order, and a layer whose width does not fit the packing keeps rows.
     g = torch.Generator().manual_seed(6)
-    for cls in (Int8Linear, Q4Linear):
+    for cls in (Int8Linear, Q4Linear, Q8Linear):
         layer = cls.from_float(torch.randn(64, 96, generator=g))
-        layer.int8_activations = True
-        layer.pack()
+        layer.int8_activations = True  # packs where it can
+        assert layer.packed == packed_expected()
         x = torch.randn(3, 96, generator=g)
         y = layer(x)
-        packed, layer.packed = layer.packed, None
+        layer.unpack()
         torch.testing.assert_close(y, layer(x), rtol=0, atol=1e-6 * y.abs().max().item())
-        assert (packed is not None) == packed_expected()
         odd = cls.from_float(torch.randn(40, 96, generator=g))
-        odd.pack()
-        assert odd.packed is None
+        odd.int8_activations = True
+        assert not odd.packed
 
 
 def test_a8_fallback_matches_native():
@@ -305,7 +303,7 @@ def int8_smollm2(smollm2):
 
 @pytest.fixture(scope="module")
 def auto_smollm2(smollm2):
-    """The default CPU path: 4-bit for the Q4_1 blocks (lossless), int8 for the Q8_0 head."""
+    """The default CPU path: 4-bit for the Q4_1 blocks, Q8_0 for the Q8_0 head (both lossless)."""
     return _quantized(smollm2, "auto")
 
 
@@ -338,10 +336,10 @@ def test_quantized_perplexity_within_one_percent(int8_smollm2, auto_smollm2, val
 
 
 def test_auto_uses_lossless_4bit_for_smollm2_blocks(smollm2, auto_smollm2):
-    layers = [m for m in auto_smollm2.model.modules() if isinstance(m, (Q4Linear, Int8Linear))]
+    layers = [m for m in auto_smollm2.model.modules() if isinstance(m, QuantizedLinear)]
     q4 = [m for m in layers if isinstance(m, Q4Linear)]
     assert len(q4) == 4 * smollm2.model.config.n_layer  # wqkv, wo, gate_up, down in every block
-    assert isinstance(auto_smollm2.model.lm_head, Int8Linear)  # the Q8_0 head is not 4-bit data
+    assert isinstance(auto_smollm2.model.lm_head, Q8Linear)  # the Q8_0 head stays Q8_0 (exact)
     ref = dict(smollm2.model.named_modules())
     for name, m in auto_smollm2.model.named_modules():
         if isinstance(m, Q4Linear):
@@ -399,7 +397,7 @@ def test_bf16_prefill_quality(smollm2, val_ids, fp32_perplexity):
     from arlm.quant import dense_weights
 
     model = quantize(copy.deepcopy(smollm2.model), "auto", prefill_dtype=torch.bfloat16)
-    layers = [m for m in model.modules() if isinstance(m, (Q4Linear, Int8Linear))]
+    layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
     assert all(m.dense_weight.dtype == torch.bfloat16 for m in layers)
     with dense_weights():
         ppl = _perplexity(model, val_ids)
@@ -420,7 +418,7 @@ def test_prefill_dtype_choices(smollm2):
         llm = LLM(smollm2.loaded)
         llm.model = copy.deepcopy(smollm2.model)
         llm.configure(quantize="auto", prefill_dtype=choice)
-        return llm, [m for m in llm.model.modules() if isinstance(m, (Q4Linear, Int8Linear))]
+        return llm, [m for m in llm.model.modules() if isinstance(m, QuantizedLinear)]
 
     llm, layers = configured("quantized")
     assert llm.prefill_dtype == "quantized" and all(m.dense_weight is None for m in layers)

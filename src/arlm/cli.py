@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 from typing import Callable
 
 from .cli_common import (Parser, UsageError, add_model_args, add_sampling_args, load_llm, positive_int,
@@ -122,9 +123,104 @@ def add_chat(sub) -> None:
     p.set_defaults(func=cmd_chat)
 
 
+# -- arlm perplexity -------------------------------------------------------------------------------
+
+def read_texts(paths: list[str], prog: str) -> str:
+    """The files' contents, concatenated as they are (UTF-8)."""
+    text = ""
+    for path in paths:
+        try:
+            text += Path(path).read_bytes().decode("utf-8")
+        except OSError as e:
+            raise UsageError(f"{prog}: error: cannot read {path}: {e.strerror or e}") from None
+        except UnicodeDecodeError as e:
+            raise UsageError(f"{prog}: error: {path} is not UTF-8 text (byte {e.start})") from None
+    return text
+
+
+def cmd_perplexity(args: argparse.Namespace) -> int:
+    from .perplexity import evaluate, read_logits
+
+    prog = "arlm perplexity"
+    if args.context < 2:
+        raise UsageError(f"{prog}: error: --context must be at least 2, got {args.context}")
+    stride = args.context // 2 if args.stride is None else args.stride
+    if not 1 <= stride <= args.context:
+        raise UsageError(f"{prog}: error: --stride must be in 1..{args.context} (the context), got {stride}")
+    text = read_texts(args.files, prog)
+    if not text:
+        raise UsageError(f"{prog}: error: the text is empty")
+    if args.save_logits is not None and not Path(args.save_logits).absolute().parent.is_dir():
+        raise UsageError(f"{prog}: error: cannot write {args.save_logits}: no directory "
+                         f"{Path(args.save_logits).absolute().parent}")
+    base = None
+    if args.kl_divergence is not None:
+        try:
+            base = read_logits(args.kl_divergence)
+        except OSError as e:
+            raise UsageError(f"{prog}: error: cannot read {args.kl_divergence}: {e.strerror or e}") from None
+    llm = load_llm(args)
+    tok = llm.tokenizer
+    ids = tok.encode(text)[:args.max_tokens]
+    if len(ids) < 2:
+        raise UsageError(f"{prog}: error: the text is {len(ids)} token(s); perplexity needs at least 2")
+    result = evaluate(llm, ids, args.context, stride, args.batch_tokens, args.save_logits, base)
+    bos = tok.add_bos and tok.bos_id is not None
+    if args.json:
+        out = {**result.to_dict(), "files": args.files, "text_tokens": len(ids), "bos": bos,
+               "context": args.context, "stride": stride, "batch_tokens": args.batch_tokens or args.context,
+               "save_logits": args.save_logits}
+        if base is not None:
+            out["kl_divergence"] = {**out["kl_divergence"], "base": args.kl_divergence,
+                                    "base_config": base[0]["config"]}
+        print(json.dumps(out))
+        return 0
+    r, c = result, result.config
+    print(f"perplexity: {r.perplexity:.4f} over {len(r.nll)} tokens (context {args.context}, stride {stride}, "
+          f"{len(r.windows)} windows)")
+    print(f"text: {len(args.files)} file(s), {len(ids)} tokens, "
+          + ("a BOS token first (the tokenizer adds one)" if bos else "no BOS token (the tokenizer adds none)"))
+    print(f"model: {c['model']} | quantization: {c['quantization']} | prefill dtype: {c['prefill_dtype']} | "
+          f"KV dtype: {c['kv_dtype']} | device: {c['device']}")
+    print(f"time: {r.seconds:.2f} s, {r.to_dict()['tokens_per_s']:.1f} tokens/s "
+          f"({r.tokens_computed} window tokens through the model)")
+    if args.save_logits:
+        print(f"saved: {args.save_logits} ({len(r.nll)} rows of float16 log-probabilities)")
+    if r.kl is not None:
+        kl, bc = r.kl, base[0]["config"]
+        print(f"KL divergence from {args.kl_divergence} (model {bc['model']}, quantization {bc['quantization']}, "
+              f"prefill dtype {bc['prefill_dtype']}, KV dtype {bc['kv_dtype']}):")
+        print(f"  KL: mean {kl['mean_kl']:.6f}, median {kl['median_kl']:.6f}, 99% {kl['p99_kl']:.6f}, "
+              f"max {kl['max_kl']:.6f}")
+        print(f"  top-1 agreement: {kl['top1_agreement']:.2f} % | mean |Δ log p| of the text's token: "
+              f"{kl['mean_abs_delta_logp']:.6f}")
+        print(f"  perplexity: this run {kl['perplexity']:.4f}, base {kl['base_perplexity']:.4f}")
+    return 0
+
+
+def add_perplexity(sub) -> None:
+    p = sub.add_parser("perplexity", help="perplexity of a text (sliding windows), KL divergence against a saved run")
+    p.add_argument("files", nargs="+", metavar="FILE", help="text files, concatenated (UTF-8)")
+    add_model_args(p, compile=False)
+    p.add_argument("--context", type=int, default=512, help="tokens per window (default: 512)")
+    p.add_argument("--stride", type=int, default=None,
+                   help="tokens between window starts (default: context // 2); each token is scored once, "
+                        "in the first window that reaches it")
+    p.add_argument("--batch-tokens", type=positive_int, default=None,
+                   help="tokens per forward pass at most (default: the context); windows share a pass as they fit")
+    p.add_argument("--max-tokens", type=positive_int, default=None, help="only the text's first M tokens")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--save-logits", default=None, metavar="BASE",
+                   help="write every scored position's float16 log-probabilities to BASE (for --kl-divergence)")
+    p.add_argument("--kl-divergence", default=None, metavar="BASE",
+                   help="compare with a --save-logits file of the same text and windows: KL(base || this run), "
+                        "top-1 agreement, both perplexities")
+    p.set_defaults(func=cmd_perplexity)
+
+
 # -- entry point -----------------------------------------------------------------------------------
 
-SUBCOMMANDS: list[Callable] = [add_generate, add_chat, add_prepare, add_train, add_serve]
+SUBCOMMANDS: list[Callable] = [add_generate, add_chat, add_perplexity, add_prepare, add_train, add_serve]
 
 
 def build_parser() -> argparse.ArgumentParser:

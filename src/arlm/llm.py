@@ -191,9 +191,12 @@ class LLM:
              kv_dtype: str = "auto") -> "LLM":
         """Load a model by name or path; `quantize`, `compile`, `prefill_dtype` and `kv_dtype`
         pick the decode and prefill paths (see `configure`)."""
+        from . import kernels
         from .loading import load_model
 
-        llm = cls(load_model(spec, device=device, dtype=dtype))
+        # "auto" on CPU: the file's quantized blocks as they are, straight into the kernels' layout
+        direct = quantize == "auto" and device == "cpu" and dtype == torch.float32 and kernels.native_available()
+        llm = cls(load_model(spec, device=device, dtype=dtype, quantized=direct))
         llm.configure(quantize=quantize, compile=compile, prefill_dtype=prefill_dtype, kv_dtype=kv_dtype)
         return llm
 
@@ -229,11 +232,19 @@ class LLM:
             cpu = device.type == "cpu"
             prefill_dtype = ("quantized" if cpu and kernels.packed_available() else
                              "bfloat16" if cpu and kernels.cpu_has_native_bf16() else "float32")
-        if quantize in ("auto", "int8", "q4"):
-            from .quant import quantize as quantize_model
+        from .quant import QuantizedLinear, prepare
+        from .quant import quantize as quantize_model
 
-            quantize_model(self.model, quantize, keep_dense=prefill_dtype != "quantized",
-                           prefill_dtype=torch.bfloat16 if prefill_dtype == "bfloat16" else None)
+        dense = dict(keep_dense=prefill_dtype != "quantized",
+                     prefill_dtype=torch.bfloat16 if prefill_dtype == "bfloat16" else None)
+        if any(isinstance(m, QuantizedLinear) for m in self.model.modules()):  # loaded quantized (LLM.load)
+            if quantize != "auto":
+                raise ValueError(f"{self.loaded.name} was loaded with its file's quantized weights; load it "
+                                 f"again with quantize={quantize!r} for another precision")
+            prepare(self.model, "int8", **dense)
+            self.prefill_dtype = prefill_dtype
+        elif quantize in ("auto", "int8", "q4"):
+            quantize_model(self.model, quantize, **dense)
             self.prefill_dtype = prefill_dtype
         self.quantization = quantize if quantize != "none" else None
         decode_fn = None  # the native step where it applies, else decode_step

@@ -7,6 +7,7 @@ over: prefill with the prompt and a `KVCache`, then decode with `[B, 1]` tokens 
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.nn as nn
@@ -117,15 +118,41 @@ class Block(nn.Module):
         return x + self.resid_dropout(self.mlp(self.mlp_norm(x)))
 
 
+@contextmanager
+def skip_init():
+    """Modules built inside this block get no random init (their weights stay as allocated), for
+    loaders that overwrite every weight: on the meta device, torch's init functions would import
+    its compiler stack (~2 s) to do nothing useful. Not thread-safe: it swaps torch.nn.init's
+    functions for the block's duration, as HF transformers' no_init_weights does."""
+    names = ("normal_", "uniform_", "kaiming_uniform_", "zeros_", "ones_", "trunc_normal_")
+    saved = {n: getattr(nn.init, n) for n in names}
+    for n in names:
+        setattr(nn.init, n, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(nn.init, n, f)
+
+
 class Transformer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, init: bool = True) -> None:
+        """init=False: no random init (see `skip_init`), for a loader that sets every weight."""
         super().__init__()
+        with nullcontext() if init else skip_init():
+            self._build(config, init)
+        if init:
+            self._init_all()
+
+    def _build(self, config: ModelConfig, init: bool) -> None:
         self.config = config
         self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
         if config.pos_embedding == "learned":
             self.pos_emb = nn.Embedding(config.max_seq_len, config.d_model)
         else:
-            cos, sin = rope_table(config.head_dim, config.max_seq_len, config.rope_theta)
+            # A loader without init (skip_init) sets the tables itself, on the real device.
+            cos, sin = rope_table(config.head_dim, config.max_seq_len, config.rope_theta) if init else \
+                (torch.empty(0), torch.empty(0))
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
         self.emb_dropout = nn.Dropout(config.dropout)
@@ -134,6 +161,9 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
+
+    def _init_all(self) -> None:
+        config = self.config
         self.apply(self._init_weights)
         # GPT-2's scaled init: each residual branch adds to the stream, so shrink the projections
         # that write into it by 1/sqrt(2 * n_layer) to keep the stream's variance flat with depth.

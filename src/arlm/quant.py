@@ -1,23 +1,22 @@
-"""Weight-only quantization for decode: int8 per output channel, and 4-bit in groups of 32.
+"""Quantized weights for decode: the file's own blocks (4-bit Q4_1, 8-bit Q8_0), or int8 per row.
 
 Decode reads every weight once per step, so its speed is bytes of weights / memory bandwidth:
-int8 weights (1 byte + a float scale per output row) move 4x fewer bytes than float32, 4-bit ones
-(Q4_1's layout: a float16 scale and min per 32 weights) 6.4x fewer. Activations stay float32 and
-the matmuls accumulate in float32 (`arlm.kernels`), so the only error is the weights' rounding.
+int8 weights move 4x fewer bytes than float32, 4-bit ones (Q4_1: a float16 scale and min per 32
+weights) 6.4x fewer. A GGUF file's Q4_1 and Q8_0 tensors are loaded as they are stored
+(`arlm.loading.gguf`, no float32 copy and no second rounding): `Q4Linear`, `Q8Linear`, and for a
+tied model the token embedding gathered from the head's Q8_0 rows (`QuantizedEmbedding`).
 
 With activations="int8" (the default for decode), each layer also quantizes its input to 8 bits
 per group of 32, as llama.cpp does, and the kernels multiply in integers (one VNNI instruction per
 32 weights): 4-bit decode then runs at memory speed instead of being bound by widening every
-weight to float. The extra error is measured with the rest (perplexity, tests/test_quant.py).
-On CPUs with AVX-512 VNNI the layers also keep their weights in the kernels' packed layout (16
-output channels to a vector, `arlm.kernels.pack_int8` / `pack_q4`), which multiplies several rows
-2-3x faster than the row layout: batched decode and serving. The row layout stays beside it (the
-state dict, `dequantize`, float-activation kernels): the quantized bytes are held twice (~95 MB
-for SmolLM2-135M), while a decode step reads only the packed copy.
+weight to float. The extra error is measured with `arlm perplexity --kl-divergence`.
+On CPUs with AVX-512 VNNI the layers hold their weights in the kernels' packed layout instead of
+the row layout (16 output channels to a vector, `arlm.kernels.pack_int8` / `pack_q4`), which
+multiplies several rows 2-3x faster: batched decode and serving. One copy either way.
 
-`quantize(model, "auto")` keeps that error where it already is: a matrix whose values are exactly
-4-bit grouped values (a model that came from a Q4_1 GGUF, like SmolLM2's) goes to 4-bit without
-any loss; every other matrix goes to int8.
+`quantize(model, "auto")` does the same from a float model (HF directories, checkpoints, tests):
+a matrix whose values are exactly Q4_1 or Q8_0 values goes to that layout without any loss;
+every other matrix goes to int8 per row.
 """
 
 from __future__ import annotations
@@ -60,26 +59,113 @@ def _dense_forward(layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     return None
 
 
-class Int8Linear(nn.Module):
-    """y = x @ (scale[:, None] * w).T + bias, with w int8 [out, in] and scale float32 [out]."""
+class QuantizedLinear(nn.Module):
+    """What the quantized layers share: y = x @ W.T + bias with W held quantized, in one layout at
+    a time: the row layout (one output row after another, as the file stores it) or, after
+    `pack()`, the packed kernels' layout (16 output channels to a vector, AVX-512 VNNI CPUs, 8-bit
+    activations). One copy of the matrix either way; `rows()` gives the row layout back when it is
+    needed (dequantizing, the embedding's gather, the float-activation kernels)."""
+
+    GROUP = 32
+    weight: torch.Tensor
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.int8))
-        self.register_buffer("scale", torch.ones(out_features, dtype=torch.float32))
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
-        self.dense_weight: torch.Tensor | None = None  # the float original, for prefill (see dense_weights)
-        self.int8_activations = False  # quantize x per group of 32 and multiply in integers
-        self.packed: torch.Tensor | None = None  # weight in pack_int8's layout (see pack)
+        self.dense_weight: torch.Tensor | None = None  # a float copy for prefill (see dense_weights)
+        self._a8 = False
+
+    @property
+    def int8_activations(self) -> bool:
+        """Quantize x per group of 32 and multiply in integers. Setting it also sets the layout:
+        packed where the packed kernels take the layer (8-bit activations only), else rows."""
+        return self._a8
+
+    @int8_activations.setter
+    def int8_activations(self, on: bool) -> None:
+        self._a8 = bool(on)
+        if self._a8:
+            self.pack()
+        else:
+            self.unpack()
+
+    @property
+    def packed(self) -> bool:
+        return self.weight.dim() == 3
+
+    def can_pack(self) -> bool:
+        return (self.out_features % 16 == 0 and self.in_features % 32 == 0 and self.weight.device.type == "cpu"
+                and kernels.packed_available())
 
     def pack(self) -> None:
-        """Keep a copy of the weight in the packed kernels' layout, where they are built and the
-        shape allows (out_features % 16 == 0, in_features % 32 == 0); call again after changing
-        the weight. Used with int8 activations."""
-        if (self.out_features % 16 == 0 and self.in_features % 32 == 0 and self.weight.device.type == "cpu"
-                and kernels.packed_available()):
-            self.packed = kernels.pack_int8(self.weight)
+        """To the packed kernels' layout, where they are built and the shape allows
+        (out_features % 16 == 0, in_features % 32 == 0). With int8 activations only."""
+        if self._a8 and not self.packed and self.can_pack():
+            self._set(*self._pack(self.tensors()))
+
+    def unpack(self) -> None:
+        if self.packed:
+            self._set(*self.rows())
+
+    FIELDS: tuple[str, ...] = ("weight", "scale")  # the buffers that hold the matrix, in the kernels' order
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The weight as the kernels take it, in its current layout: (weight, scale[, mins])."""
+        return tuple(getattr(self, name) for name in self.FIELDS)
+
+    def _set(self, *tensors: torch.Tensor) -> None:
+        for name, t in zip(self.FIELDS, tensors, strict=True):
+            setattr(self, name, t)
+
+    def _copy_bias(self, bias: torch.Tensor | None) -> None:
+        if bias is not None:
+            self.bias.data.copy_(bias.detach().float())
+
+    def rows(self) -> tuple[torch.Tensor, ...]:
+        """The weight in the row layout (a fresh copy where it is packed)."""
+        raise NotImplementedError
+
+    def dequantize_rows(self, index: torch.Tensor) -> torch.Tensor:
+        """Float32 rows `index` [T] of W: [T, in_features] (an embedding table's gather)."""
+        raise NotImplementedError
+
+    def dequantize(self) -> torch.Tensor:
+        return self.dequantize_rows(torch.arange(self.out_features, device=self.weight.device))
+
+    def _pack(self, rows: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        raise NotImplementedError
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (y := _dense_forward(self, x)) is not None:
+            return y
+        y = self._matmul(x.reshape(-1, self.in_features).float())
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        acts = "int8" if self.int8_activations else "float32"
+        layout = "packed" if self.packed else "rows"
+        return f"in_features={self.in_features}, out_features={self.out_features}, {acts} activations, {layout}"
+
+
+def _packed_rows(wp: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Output rows `index` [T] of a packed weight [N/16, C, 64] (16 channels by 4 bytes): [T, C, 4]."""
+    NB, C, _ = wp.shape
+    return wp.view(NB, C, 16, 4)[index // 16, :, index % 16, :]
+
+
+class Int8Linear(QuantizedLinear):
+    """y = x @ (scale[:, None] * w).T + bias, with w int8 [out, in] and scale float32 [out]."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__(in_features, out_features, bias)
+        self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.int8))
+        self.register_buffer("scale", torch.ones(out_features, dtype=torch.float32))
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> "Int8Linear":
@@ -90,55 +176,97 @@ class Int8Linear(nn.Module):
         layer = cls(w.shape[1], w.shape[0], bias is not None).to(weight.device)
         layer.weight.copy_(q)
         layer.scale.copy_(scale)
-        if bias is not None:
-            layer.bias.data.copy_(bias.detach().float())
+        layer._copy_bias(bias)
         return layer
 
-    def dequantize(self) -> torch.Tensor:
-        return self.weight.float() * self.scale[:, None]
+    def _pack(self, rows):
+        return kernels.pack_int8(rows[0]), rows[1]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (y := _dense_forward(self, x)) is not None:
-            return y
-        x2 = x.reshape(-1, self.in_features).float()
-        if self.int8_activations and self.packed is not None and x2.device.type == "cpu":
-            y = kernels.int8_linear_a8p(x2, self.packed, self.scale)
-        elif self.int8_activations and self.in_features % 32 == 0:
-            y = kernels.int8_linear_a8(x2, self.weight, self.scale)
-        else:
-            y = kernels.int8_linear(x2, self.weight, self.scale)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
+    def rows(self):
+        return (kernels.unpack_int8(self.weight) if self.packed else self.weight), self.scale
 
-    def extra_repr(self) -> str:
-        acts = "int8" if self.int8_activations else "float32"
-        return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-channel, {acts} activations"
+    def dequantize_rows(self, index):
+        q = (_packed_rows(self.weight, index).reshape(len(index), -1) ^ 0x80).view(torch.int8) \
+            if self.packed else self.weight[index]
+        return q.float() * self.scale[index, None]
+
+    def _matmul(self, x):
+        if self.packed:  # packed implies int8 activations (pack)
+            return kernels.int8_linear_a8p(x, self.weight, self.scale)
+        if self.int8_activations and self.in_features % 32 == 0:
+            return kernels.int8_linear_a8(x, self.weight, self.scale)
+        return kernels.int8_linear(x, self.weight, self.scale)
 
 
-class Q4Linear(nn.Module):
-    """y = x @ W.T + bias, W[n, k] = scale[n, k // 32] * q[n, k] + mins[n, k // 32], q in 0..15."""
-
-    GROUP = 32
+class Q8Linear(QuantizedLinear):
+    """Q8_0, as a GGUF file stores it: W[n, k] = scale[n, k // 32] * w[n, k], w int8 [out, in],
+    scale float16 [out, in / 32]. A scale per 32 weights, not per row: what a Q8_0 tensor (SmolLM2's
+    token embedding and tied head) holds, kept as it is."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
-        super().__init__()
+        super().__init__(in_features, out_features, bias)
+        if in_features % self.GROUP:
+            raise ValueError(f"Q8_0 layers need in_features divisible by {self.GROUP}, got {in_features}")
+        self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.int8))
+        self.register_buffer("scale", torch.zeros(out_features, in_features // self.GROUP, dtype=torch.float16))
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> "Q8Linear":
+        """Q8_0 quantization (llama.cpp's): per group of 32, d = max|w| / 127 as float16,
+        q = round(w / d). Values that already are Q8_0 come back unchanged."""
+        w = weight.detach().float()
+        N, K = w.shape
+        g = w.view(N, K // cls.GROUP, cls.GROUP)
+        d = (g.abs().amax(dim=-1) / 127).half()
+        inv = torch.where(d > 0, 1 / d.float(), torch.zeros_like(d, dtype=torch.float32))
+        layer = cls(K, N, bias is not None).to(weight.device)
+        layer.weight.copy_(torch.round(g * inv[..., None]).clamp_(-127, 127).to(torch.int8).view(N, K))
+        layer.scale.copy_(d)
+        layer._copy_bias(bias)
+        return layer
+
+    def _pack(self, rows):
+        return kernels.pack_int8(rows[0]), kernels.pack_scales(rows[1])
+
+    def rows(self):
+        if not self.packed:
+            return self.weight, self.scale
+        return kernels.unpack_int8(self.weight), kernels.unpack_scales(self.scale)
+
+    def dequantize_rows(self, index):
+        T, K = len(index), self.in_features
+        if self.packed:
+            q = (_packed_rows(self.weight, index).reshape(T, K) ^ 0x80).view(torch.int8)
+            d = self.scale[index // 16, :, index % 16]  # [T, K/32]
+        else:
+            q, d = self.weight[index], self.scale[index]
+        return (q.float().view(T, -1, self.GROUP) * d.float()[..., None]).view(T, K)
+
+    def _matmul(self, x):
+        if self.packed:
+            return kernels.int8_linear_a8p(x, self.weight, self.scale)
+        if self.int8_activations:
+            return kernels.int8_linear_a8(x, self.weight, self.scale)
+        return kernels.int8_linear(x, self.weight, self.scale)
+
+
+class Q4Linear(QuantizedLinear):
+    """y = x @ W.T + bias, W[n, k] = scale[n, k // 32] * q[n, k] + mins[n, k // 32], q in 0..15
+    (Q4_1's blocks: byte j of a group holds q[j] in its low nibble and q[16 + j] in its high)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__(in_features, out_features, bias)
         if in_features % self.GROUP:
             raise ValueError(f"4-bit layers need in_features divisible by {self.GROUP}, got {in_features}")
-        self.in_features, self.out_features = in_features, out_features
         groups = in_features // self.GROUP
         self.register_buffer("weight", torch.zeros(out_features, in_features // 2, dtype=torch.uint8))
         self.register_buffer("scale", torch.zeros(out_features, groups, dtype=torch.float16))
         self.register_buffer("mins", torch.zeros(out_features, groups, dtype=torch.float16))
-        self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
-        self.dense_weight: torch.Tensor | None = None  # the float original, for prefill (see dense_weights)
-        self.int8_activations = False  # quantize x per group of 32 and multiply in integers
-        self.packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # pack_q4's layout
 
-    def pack(self) -> None:
-        """As `Int8Linear.pack`: (weight, scale, mins) in the packed kernels' layout."""
-        if self.out_features % 16 == 0 and self.weight.device.type == "cpu" and kernels.packed_available():
-            self.packed = kernels.pack_q4(self.weight, self.scale, self.mins)
+    FIELDS = ("weight", "scale", "mins")
+
+    def can_pack(self) -> bool:
+        return self.out_features % 16 == 0 and self.weight.device.type == "cpu" and kernels.packed_available()
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> "Q4Linear":
@@ -155,67 +283,111 @@ class Q4Linear(nn.Module):
         layer.weight.copy_((q[..., :16] | (q[..., 16:] << 4)).view(N, K // 2))
         layer.scale.copy_(scale)
         layer.mins.copy_(mins)
-        if bias is not None:
-            layer.bias.data.copy_(bias.detach().float())
+        layer._copy_bias(bias)
         return layer
 
-    def dequantize(self) -> torch.Tensor:
-        return kernels.unpack_q4(self.weight, self.scale, self.mins)
+    def _pack(self, rows):
+        return kernels.pack_q4(*rows)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (y := _dense_forward(self, x)) is not None:
-            return y
-        x2 = x.reshape(-1, self.in_features).float()
-        if self.int8_activations and self.packed is not None and x2.device.type == "cpu":
-            y = kernels.q4_linear_a8p(x2, *self.packed)
-        else:
-            op = kernels.q4_linear_a8 if self.int8_activations else kernels.q4_linear
-            y = op(x2, self.weight, self.scale, self.mins)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
+    def rows(self):
+        return kernels.unpack_packed_q4(*self.tensors()) if self.packed else self.tensors()
+
+    def dequantize_rows(self, index):
+        T, K = len(index), self.in_features
+        if self.packed:
+            b = _packed_rows(self.weight, index)  # [T, K/8, 4]: q[8p + t] low, q[8p + 4 + t] high
+            q = torch.stack([b & 0x0F, b >> 4], dim=2).view(T, K)
+            d, m = self.scale[index // 16, :, index % 16], self.mins[index // 16, :, index % 16]
+            return (q.float().view(T, -1, self.GROUP) * d.float()[..., None] + m.float()[..., None]).view(T, K)
+        return kernels.unpack_q4(self.weight[index], self.scale[index], self.mins[index])
+
+    def _matmul(self, x):
+        if self.packed:
+            return kernels.q4_linear_a8p(x, self.weight, self.scale, self.mins)
+        op = kernels.q4_linear_a8 if self.int8_activations else kernels.q4_linear
+        return op(x, self.weight, self.scale, self.mins)
+
+
+class QuantizedEmbedding(nn.Module):
+    """A token embedding gathered from a quantized matrix's rows, dequantized as they are looked
+    up: the tied LM head's own weights (one copy of the matrix for both), or a table of its own."""
+
+    def __init__(self, table: QuantizedLinear) -> None:
+        super().__init__()
+        self.table = table
+        self.num_embeddings, self.embedding_dim = table.out_features, table.in_features
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.table.dequantize_rows(idx.reshape(-1)).view(*idx.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:
-        acts = "int8" if self.int8_activations else "float32"
-        return f"in_features={self.in_features}, out_features={self.out_features}, 4-bit groups of 32, {acts} activations"
+        return f"{self.num_embeddings}, {self.embedding_dim}, rows of {type(self.table).__name__}"
+
+
+def _exact(layer: QuantizedLinear, weight: torch.Tensor) -> bool:
+    """The quantized layer represents `weight` without loss (to 1e-6 of its largest value)."""
+    return bool((layer.dequantize() - weight.detach().float()).abs().max() <= 1e-6 * weight.detach().abs().max())
+
+
+def prepare(model: Transformer, activations: str = "int8", keep_dense: bool = False,
+            prefill_dtype: torch.dtype | None = None) -> Transformer:
+    """Set every quantized layer's activation precision and layout, and its dense copy for prefill.
+
+    activations: "int8" (integer-dot kernels; the packed layout where it is built) or "float32"
+    (weight-only, exact products, the row layout). keep_dense: a float copy of each weight for
+    prefill's GEMMs (`dense_weights`), in prefill_dtype (default float32) - made from the
+    quantized values, or shared with a float original the caller set as `dense_weight` already.
+    """
+    if activations not in ("int8", "float32"):
+        raise ValueError(f"unknown activation precision {activations!r} (expected int8 or float32)")
+    for layer in model.modules():
+        if not isinstance(layer, QuantizedLinear):
+            continue
+        layer.int8_activations = activations == "int8"  # and the layout with it
+        if not keep_dense:
+            layer.dense_weight = None
+            continue
+        dtype = prefill_dtype or torch.float32
+        dense = layer.dense_weight if layer.dense_weight is not None else layer.dequantize()
+        layer.dense_weight = dense if dense.dtype == dtype else dense.to(dtype)
+    return model
 
 
 def quantize(model: Transformer, mode: str = "auto", keep_dense: bool = True,
              activations: str = "int8", prefill_dtype: torch.dtype | None = None) -> Transformer:
-    """Replace every nn.Linear (attention, MLP, LM head) with a quantized layer, in place.
+    """Replace every nn.Linear of a float model (attention, MLP, LM head) with a quantized layer,
+    in place.
 
-    mode "int8": all int8. "q4": 4-bit where in_features allows, else int8. "auto": 4-bit for
-    matrices that 4-bit represents exactly (the round trip changes no weight by more than 1e-6 of
-    its largest), int8 for the rest. A tied LM head gets its own copy; the embedding table stays
-    float for the lookup (it is gathered one row per token, not streamed). keep_dense keeps each
-    layer's float weight beside it for prefill (`dense_weights`): more memory, faster prefill.
+    mode "int8": all int8 per output row. "q4": 4-bit where in_features allows, else int8.
+    "auto": no new rounding where the weights allow it: 4-bit for matrices that are exactly 4-bit
+    grouped values (a Q4_1 file's), Q8_0 for those that are exactly Q8_0 values (a Q8_0 file's),
+    int8 per row for the rest. A tied LM head gets its own copy; the embedding table stays float
+    for the lookup. keep_dense keeps each layer's float weight beside it for prefill
+    (`dense_weights`), shared with the float model (no copy) or as a prefill_dtype copy (bf16:
+    half the memory; on CPUs with AVX512-BF16 or AMX, GEMMs ~2.4x faster than float32).
     activations: "int8" (integer-dot kernels, faster) or "float32" (weight-only, exact products).
-    prefill_dtype: None keeps the float weight itself for prefill; torch.bfloat16 keeps a bf16
-    copy instead (half the memory; on CPUs with AVX512-BF16 or AMX, GEMMs ~2.4x faster than
-    float32, with float32 accumulation), `LLM.configure`'s choice where the CPU has them.
+    A model loaded quantized from its file (`arlm.loading`) needs none of this: `prepare` only.
     """
     if mode not in ("auto", "int8", "q4"):
         raise ValueError(f"unknown quantization {mode!r} (expected auto, int8 or q4)")
-    if activations not in ("int8", "float32"):
-        raise ValueError(f"unknown activation precision {activations!r} (expected int8 or float32)")
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if not isinstance(child, nn.Linear):
                 continue
-            layer: nn.Module = Int8Linear.from_float(child.weight, child.bias)
-            if mode != "int8" and child.in_features % Q4Linear.GROUP == 0:
-                q4 = Q4Linear.from_float(child.weight, child.bias)
-                err = (q4.dequantize() - child.weight.detach().float()).abs().max()
-                if mode == "q4" or err <= 1e-6 * child.weight.detach().abs().max():
-                    layer = q4
-            layer.int8_activations = activations == "int8"
-            if layer.int8_activations:
-                layer.pack()
+            layer: QuantizedLinear = Int8Linear.from_float(child.weight, child.bias)
+            if child.in_features % QuantizedLinear.GROUP == 0:
+                if mode == "q4":
+                    layer = Q4Linear.from_float(child.weight, child.bias)
+                elif mode == "auto":
+                    for cls in (Q4Linear, Q8Linear):
+                        candidate = cls.from_float(child.weight, child.bias)
+                        if _exact(candidate, child.weight):
+                            layer = candidate
+                            break
             if keep_dense:
-                dense = child.weight.detach()  # shared with the float model, no copy
-                layer.dense_weight = dense if prefill_dtype in (None, dense.dtype) else dense.to(prefill_dtype)
+                layer.dense_weight = child.weight.detach()  # shared with the float model, no copy
             setattr(module, name, layer)
-    return model
+    return prepare(model, activations, keep_dense, prefill_dtype)
 
 
 def quantize_int8(model: Transformer) -> Transformer:

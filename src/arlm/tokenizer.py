@@ -107,7 +107,12 @@ class Tokenizer:
     @classmethod
     def from_file(cls, path: str | Path) -> "Tokenizer":
         """Load a `tokenizer.json` (HF format), with `arlm_meta` for BOS/EOS if we wrote it."""
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        return cls.from_json(Path(path).read_text(encoding="utf-8"))
+
+    @classmethod
+    def from_json(cls, text: str) -> "Tokenizer":
+        """`to_json`'s inverse: HF `tokenizer.json` text, with `arlm_meta` for BOS/EOS if present."""
+        data = json.loads(text)
         meta = data.pop("arlm_meta", {})  # HF's parser rejects keys it does not know
         backend = HFTokenizer.from_str(json.dumps(data))
         return cls(backend, meta.get("bos_id"), list(meta.get("eos_ids", [])), bool(meta.get("add_bos", False)))

@@ -145,9 +145,13 @@ class Engine:
                              f"{self.max_model_len} tokens")
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
-                    arrival_time: float | None = None, context_shift: bool = False) -> Request:
+                    arrival_time: float | None = None, context_shift: bool = False,
+                    prompt_logits: bool = False) -> Request:
         """Queue a request; it runs from the next `step`. context_shift: at a full context window
-        it goes on from the window's last half instead of finishing with CONTEXT."""
+        it goes on from the window's last half instead of finishing with CONTEXT. prompt_logits:
+        keep the float32 logits of every prompt position in `request.prompt_logits` [P, vocab]
+        (whole once it has sampled its first token); the prompt is then computed in full, never
+        taken from the prefix cache."""
         self.check_request(prompt_ids, params)
         if request_id is None:
             self._next_id += 1
@@ -155,7 +159,7 @@ class Engine:
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id!r}")
         req = Request.create(request_id, prompt_ids, params, self.model.config.vocab_size, self.eos_ids,
-                             self.device, context_shift)
+                             self.device, context_shift, prompt_logits)
         if arrival_time is not None:
             req.arrival_time = arrival_time
         self.requests[request_id] = req

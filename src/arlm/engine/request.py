@@ -62,17 +62,20 @@ class Request:
     num_computed: int = 0  # window tokens whose K/V are in `blocks`
     num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache at the last admission
     num_dropped: int = 0  # tokens before the window (context shift)
+    keep_prompt_logits: bool = False
+    prompt_logits: torch.Tensor | None = None  # [P, vocab] float32 (keep_prompt_logits)
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
 
     @classmethod
     def create(cls, request_id: str, prompt_ids: list[int], params: SamplingParams, vocab_size: int,
                eos_ids: frozenset[int] = frozenset(), device: torch.device | str = "cpu",
-               context_shift: bool = False) -> "Request":
+               context_shift: bool = False, prompt_logits: bool = False) -> "Request":
         """A new request; seeds its generator (a seeded request samples the same in any batch, as
         vLLM seeds each request) and builds its penalty mask from the prompt when it needs one."""
         req = cls(request_id, list(prompt_ids), len(prompt_ids), params,
-                  frozenset() if params.ignore_eos else frozenset(eos_ids), context_shift)
+                  frozenset() if params.ignore_eos else frozenset(eos_ids), context_shift,
+                  keep_prompt_logits=prompt_logits)
         if params.seed is not None:
             req.generator = torch.Generator(device=device).manual_seed(params.seed)
         if params.repetition_penalty != 1.0:
@@ -104,6 +107,25 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status == RequestStatus.FINISHED
+
+    @property
+    def wants_logits(self) -> bool:
+        """Whether the logits of every token this request computes now are kept: it keeps its
+        prompt's and has not sampled yet (so every token it computes is a prompt token, at its own
+        position: no context shift happens before the first token)."""
+        return self.keep_prompt_logits and self.num_output_tokens == 0
+
+    def keep_logits(self, start: int, logits: torch.Tensor) -> None:
+        """Prompt positions start .. start + n - 1 computed: their logits [n, vocab] float32. A
+        whole prompt in one pass is kept as it is (a view of the step's logits); chunks are
+        copied into place (a recomputed chunk, after a preemption, overwrites its rows)."""
+        n = logits.shape[0]
+        if start == 0 and n == self.num_prompt_tokens:
+            self.prompt_logits = logits
+            return
+        if self.prompt_logits is None or self.prompt_logits.shape[0] != self.num_prompt_tokens:
+            self.prompt_logits = logits.new_empty(self.num_prompt_tokens, logits.shape[1])
+        self.prompt_logits[start:start + n] = logits
 
     def append(self, token: int) -> None:
         """Take a sampled token."""

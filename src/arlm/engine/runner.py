@@ -14,6 +14,10 @@ It prepares the step's tensors from the requests and picks how the forward pass 
   weights (`dense_prefill`) run through the dense weights (`quant.dense_weights`), in a pass of
   their own, so decode tokens in the same step still take the quantized kernels.
 
+A request that keeps its prompt's logits (`Request.keep_prompt_logits`, for perplexity) runs on
+the block-table path, where every token of its chunk reaches the LM head, not just the last; the
+rows go to the request (`Request.keep_logits`), and its sampling row is the last of them.
+
 `prefill` and `decode_step` are the textbook functions over a contiguous cache by rows (gpt-fast's
 shape): the reference the tests hold the engine to, and what `torch.compile` compiles.
 """
@@ -79,7 +83,8 @@ class ModelRunner:
         if by_rows and all(batch.decodes(i) for i in range(len(batch.seqs))):
             return self._decode_rows(cache, batch), list(range(len(batch.seqs)))
         if by_rows and (self.native is None or self.dense_prefill) and all(
-                s.blocks[0] == i and s.num_computed == 0 and batch.samples(i) for i, s in enumerate(batch.seqs)):
+                s.blocks[0] == i and s.num_computed == 0 and batch.samples(i) and not s.wants_logits
+                for i, s in enumerate(batch.seqs)):
             return self._prefill_rows(cache, batch), list(range(len(batch.seqs)))
         if self.dense_prefill:
             prompt = [i for i in range(len(batch.seqs)) if not batch.decodes(i)]
@@ -155,17 +160,24 @@ class ModelRunner:
         tokens: list[int] = []
         positions: list[int] = []
         seq_index: list[int] = []
-        out_index: list[int] = []  # flat position of each sampling row's last token
+        out_index: list[int] = []  # flat positions that reach the LM head
         out_rows: list[int] = []
+        kept: list[tuple[int, int]] = []  # (batch row, its first row in out_index): rows that keep logits
+        sample_at: list[int] = []  # the row in out_index of each sampling row, where some row keeps logits
         for j, i in enumerate(rows):
             seq, n = batch.seqs[i], batch.num_tokens[i]
             start = seq.num_computed
             tokens += seq.window(start, start + n)
             positions += range(start, start + n)
             seq_index += [j] * n
-            if batch.samples(i):
+            if seq.wants_logits:  # every token of the chunk; the last one samples
+                kept.append((i, len(out_index)))
+                out_index += range(len(tokens) - n, len(tokens))
+            elif batch.samples(i):
                 out_index.append(len(tokens) - 1)
+            if batch.samples(i):
                 out_rows.append(i)
+                sample_at.append(len(out_index) - 1)
         width = max(len(batch.seqs[i].blocks) for i in rows)
         table = torch.tensor([batch.seqs[i].blocks + [0] * (width - len(batch.seqs[i].blocks)) for i in rows],
                              device=self.device)
@@ -187,4 +199,9 @@ class ModelRunner:
                     logits = self.model(tokens_t[None], pos_t[None], kv_cache=cache, output_index=out_t)
             finally:
                 cache.set_batch(None, None)
-        return logits[:len(out_rows)], out_rows
+        if not kept:  # out_index holds exactly the sampling rows
+            return logits[:len(out_rows)], out_rows
+        for i, first in kept:
+            seq, n = batch.seqs[i], batch.num_tokens[i]
+            seq.keep_logits(seq.num_computed, logits[first:first + n])
+        return logits[torch.tensor(sample_at, dtype=torch.long, device=dev)], out_rows

@@ -156,9 +156,10 @@ class Scheduler:
         return seq.block_hashes[i]
 
     def _match_prefix(self, seq: Request) -> None:
-        """Take the cached blocks of the longest prefix of the window (full blocks only)."""
+        """Take the cached blocks of the longest prefix of the window (full blocks only); none
+        for a request that keeps its prompt's logits (every prompt token must run)."""
         bs = self.block_size
-        if self.pool.enable_prefix_caching:
+        if self.pool.enable_prefix_caching and not seq.keep_prompt_logits:
             for i in range(seq.num_tokens // bs):
                 block = self.pool.lookup(self._hash(seq, i))
                 if block is None:

@@ -54,14 +54,14 @@ def load_native(name: str, sources: list[Path], what: str) -> bool:
     if os.environ.get("ARLM_NO_NATIVE"):
         return False
     try:
-        from torch.utils.cpp_extension import load
-
         build = _build_dir(name, sources)
         build.mkdir(parents=True, exist_ok=True)
         lib = build / f"{name}.so"
         if lib.exists():
             torch.ops.load_library(str(lib))
         else:
+            from torch.utils.cpp_extension import load  # ~0.15 s (setuptools): only to build
+
             print(f"arlm: building the {what} for this CPU (once, ~1 min)...", file=sys.stderr)
             load(name=name, sources=[str(p) for p in sources], build_directory=str(build),
                  # -fopenmp: at::parallel_for is an OpenMP pragma in a header; without the flag it
@@ -103,6 +103,8 @@ def _register_fake() -> None:
 
 
 def _fallback(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    if scale.dim() == 2:  # Q8_0: a scale per group of 32
+        return torch.nn.functional.linear(x, (w.float().view(*scale.shape, 32) * scale.float()[..., None]).view(w.shape))
     return torch.nn.functional.linear(x, w.to(x.dtype)) * scale
 
 
@@ -122,7 +124,8 @@ def q4_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, mins: torch
 
 
 def int8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x [M, K] float32, w [N, K] int8, scale [N] float32 -> [M, N] float32."""
+    """x [M, K] float32, w [N, K] int8, scale [N] float32 (per row) or [N, K/32] float16 (Q8_0,
+    per group of 32) -> [M, N] float32."""
     if x.device.type == "cpu" and native_available():
         return torch.ops.arlm.int8_linear(x.contiguous(), w, scale)
     return _fallback(x, w, scale)
@@ -173,6 +176,33 @@ def pack_int8(w: torch.Tensor) -> torch.Tensor:
     return u.permute(0, 2, 1, 3).contiguous().view(N // 16, K // 4, 64)
 
 
+def unpack_int8(wp: torch.Tensor) -> torch.Tensor:
+    """`pack_int8`'s inverse: uint8 [N/16, K/4, 64] -> int8 [N, K]."""
+    NB, C, _ = wp.shape
+    return (wp.view(NB, C, 16, 4).permute(0, 2, 1, 3).reshape(NB * 16, C * 4) ^ 0x80).view(torch.int8)
+
+
+def pack_scales(s: torch.Tensor) -> torch.Tensor:
+    """Per-group scales [N, G] -> [N/16, G, 16]: the 16 channels of a packed block side by side."""
+    N, G = s.shape
+    return s.reshape(N // 16, 16, G).transpose(1, 2).contiguous()
+
+
+def unpack_scales(s: torch.Tensor) -> torch.Tensor:
+    """`pack_scales`' inverse: [N/16, G, 16] -> [N, G]."""
+    NB, G, _ = s.shape
+    return s.transpose(1, 2).reshape(NB * 16, G)
+
+
+def unpack_packed_q4(wp: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """`pack_q4`'s inverse: the packed 4-bit layout -> the row layout (w, scale, mins)."""
+    NB, C, _ = wp.shape  # C = K / 8
+    b = wp.view(NB, C, 16, 4).permute(0, 2, 1, 3)  # [NB, 16, K/8, 4]
+    q = torch.stack([b & 0x0F, b >> 4], dim=3).reshape(NB * 16, C * 8 // 32, 32)  # [N, G, 32]
+    w = (q[..., :16] | (q[..., 16:] << 4)).reshape(NB * 16, C * 4)
+    return w, unpack_scales(scale), unpack_scales(mins)
+
+
 def pack_q4(w: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Row-layout 4-bit weights (q4_linear.cpp) -> the layout of `q4_linear_a8p`: uint8
     [N/16, K/8, 64] (for 16 channels, 8 K-values each: the first 4 in the low nibbles, the next 4
@@ -183,14 +213,12 @@ def pack_q4(w: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor) -> tuple[t
     q = torch.cat([groups & 0x0F, groups >> 4], dim=-1).view(N // 16, 16, K // 8, 2, 4)
     packed = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).permute(0, 2, 1, 3).contiguous().view(N // 16, K // 8, 64)
 
-    def side_by_side(s: torch.Tensor) -> torch.Tensor:
-        return s.reshape(N // 16, 16, G).transpose(1, 2).contiguous()
-
-    return packed, side_by_side(scale), side_by_side(mins)
+    return packed, pack_scales(scale), pack_scales(mins)
 
 
 def int8_linear_a8p(x: torch.Tensor, wp: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """`int8_linear_a8` over `pack_int8`'s layout (packed_available() must hold)."""
+    """`int8_linear_a8` over `pack_int8`'s layout (packed_available() must hold); scale [N] float32,
+    or Q8_0's per-group scales as `pack_scales` lays them out, [N/16, K/32, 16] float16."""
     return torch.ops.arlm.int8_linear_a8p(x.contiguous(), wp, scale)
 
 

@@ -9,6 +9,7 @@
 // packed kernels further down do the same products 16 output channels at a time:
 //
 //   int8 weights  (w = s[n] * q):              y = s[n] * sum_g dx_g * sum_j q_j qx_j
+//   Q8_0 weights  (w = d[n,g] * q):            y = sum_g d dx_g * sum_j q_j qx_j
 //   4-bit weights (w = d[n,g] * q + m[n,g]):   y = sum_g d dx_g * sum_j q_j qx_j + m * dx_g * sum_j qx_j
 //
 // The result is exactly the float product of the dequantized weights and the quantized
@@ -142,9 +143,11 @@ void q4_block(const int8_t* qx, const float* dx, const float* sx, int64_t K, con
     for (int r = 0; r < kRows; ++r) out[i * kRows + r] = hsum(acc[i][r]) + dot_f32(mn + r * G, sx + i * G, G);
 }
 
-// MB rows of quantized x against kRows int8 weight rows (per-row scale applied by the caller).
-template <int MB>
-void i8_block(const int8_t* qx, const float* dx, int64_t K, const int8_t* w, float* out) {
+// MB rows of quantized x against kRows int8 weight rows: a per-row scale is applied by the caller;
+// group scales (Q8_0: dw [kRows, K/32], widened) multiply each group's dot product here.
+template <int MB, bool kGrouped = false>
+void i8_block(const int8_t* qx, const float* dx, int64_t K, const int8_t* w, float* out,
+              const float* dw = nullptr) {
   const int64_t G = K / kGroup;
   __m256 acc[MB][kRows];
   for (int i = 0; i < MB; ++i)
@@ -160,7 +163,8 @@ void i8_block(const int8_t* qx, const float* dx, int64_t K, const int8_t* w, flo
       const __m256 dxv = _mm256_set1_ps(dx[i * G + g]);
       for (int r = 0; r < kRows; ++r) {
         const __m256 dot = _mm256_cvtepi32_ps(dot_u8s8(wa[r], _mm256_sign_epi8(xq, ws[r])));
-        acc[i][r] = _mm256_fmadd_ps(dot, dxv, acc[i][r]);
+        const __m256 sv = kGrouped ? _mm256_set1_ps(dx[i * G + g] * dw[r * G + g]) : dxv;
+        acc[i][r] = _mm256_fmadd_ps(dot, sv, acc[i][r]);
       }
     }
   }
@@ -185,13 +189,13 @@ float q4_scalar(const int8_t* qx, const float* dx, const float* sx, int64_t K, c
   return acc + dot_f32(mn, sx, G);
 }
 
-float i8_scalar(const int8_t* qx, const float* dx, int64_t K, const int8_t* w) {
+float i8_scalar(const int8_t* qx, const float* dx, int64_t K, const int8_t* w, const float* dw = nullptr) {
   const int64_t G = K / kGroup;
   float acc = 0.f;
   for (int64_t g = 0; g < G; ++g) {
     int dot = 0;
     for (int j = 0; j < kGroup; ++j) dot += w[g * kGroup + j] * qx[g * kGroup + j];
-    acc += static_cast<float>(dot) * dx[g];
+    acc += static_cast<float>(dot) * (dw ? dx[g] * dw[g] : dx[g]);
   }
   return acc;
 }
@@ -265,10 +269,11 @@ inline void store(const __m512 (&acc)[MB][NB], float* out) {
 // out[i * NB * 16 + c]: sum_g dx_g * dot_g(w, qx) for row i, channel c of the blocks; qs: the
 // rows' sums of qx per group (dot_g(w + 128, qx) - 128 * qs_g = dot_g(w, qx)).
 // pf: where to prefetch the next tile from (the same offsets as w), or null.
+// With group scales (Q8_0), dw [NB blocks][G][16] float16 multiplies each group's dot products.
 template <int MB, int NB>
 void i8p_block(const int8_t* qx, const float* dx, const int32_t* qs, int64_t K, const uint8_t* w, const uint8_t* pf,
-               float* out) {
-  const int64_t G = K / kGroup, block = K * kLanes;
+               float* out, const at::Half* dw = nullptr) {
+  const int64_t G = K / kGroup, block = K * kLanes, sblock = G * kLanes;
   __m512 acc[MB][NB];
   zero(acc);
   for (int64_t g = 0; g < G; ++g) {
@@ -287,11 +292,16 @@ void i8p_block(const int8_t* qx, const float* dx, const int32_t* qs, int64_t K, 
         for (int b = 0; b < NB; ++b) dot[i][b] = _mm512_dpbusd_epi32(dot[i][b], wv[b], xb);
       }
     }
+    __m512 ds[NB];
+    if (dw)
+      for (int b = 0; b < NB; ++b)
+        ds[b] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dw + b * sblock + g * kLanes)));
     for (int i = 0; i < MB; ++i) {
       const __m512 s = _mm512_set1_ps(dx[i * G + g]);
       const __m512i offset = _mm512_set1_epi32(128 * qs[i * G + g]);
       for (int b = 0; b < NB; ++b)
-        acc[i][b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(dot[i][b], offset)), s, acc[i][b]);
+        acc[i][b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(dot[i][b], offset)),
+                                    dw ? _mm512_mul_ps(ds[b], s) : s, acc[i][b]);
     }
   }
   store(acc, out);
@@ -395,24 +405,31 @@ at::Tensor int8_linear_a8(const at::Tensor& x, const at::Tensor& w, const at::Te
   const QuantizedX xq(x);
   at::Tensor y = at::empty({M, N}, x.options());
   const int8_t* wp = w.data_ptr<int8_t>();
-  const float* sp = scale.data_ptr<float>();
+  const bool grouped = arlm_kernels::group_scales(scale);  // Q8_0: scale [N, G] float16
+  const float* sp = grouped ? nullptr : scale.data_ptr<float>();
+  const at::Half* gp = grouped ? scale.data_ptr<at::Half>() : nullptr;
   float* yp = y.data_ptr<float>();
   const int64_t tiles = (N + kRows - 1) / kRows;
   at::parallel_for(0, tiles, 16, [&](int64_t t0, int64_t t1) {
+    std::vector<float> dw(grouped ? kRows * G : 0);  // one tile's group scales, widened once
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t n = t * kRows, rows = std::min(kRows, N - n);
       const int8_t* wt = wp + n * K;
       const int8_t* q = xq.q.get();
       const float* dx = xq.d.get();
+      if (grouped) widen(gp + n * G, rows * G, dw.data());
+      auto row_scale = [&](int64_t r) { return grouped ? 1.f : sp[n + r]; };
 #if defined(__AVX2__) && defined(__FMA__)
       if (rows == kRows) {
         float out[4 * kRows];
         auto store = [&](int64_t m, int mb) {
           for (int i = 0; i < mb; ++i)
-            for (int r = 0; r < kRows; ++r) yp[(m + i) * N + n + r] = out[i * kRows + r] * sp[n + r];
+            for (int r = 0; r < kRows; ++r)
+              yp[(m + i) * N + n + r] = grouped ? out[i * kRows + r] : out[i * kRows + r] * sp[n + r];
         };
         row_blocks(M, [&](auto mb, int64_t m) {
-          i8_block<decltype(mb)::value>(q + m * K, dx + m * G, K, wt, out);
+          if (grouped) i8_block<decltype(mb)::value, true>(q + m * K, dx + m * G, K, wt, out, dw.data());
+          else i8_block<decltype(mb)::value>(q + m * K, dx + m * G, K, wt, out);
           store(m, decltype(mb)::value);
         });
         continue;
@@ -420,7 +437,8 @@ at::Tensor int8_linear_a8(const at::Tensor& x, const at::Tensor& w, const at::Te
 #endif
       for (int64_t m = 0; m < M; ++m)
         for (int64_t r = 0; r < rows; ++r)
-          yp[m * N + n + r] = i8_scalar(q + m * K, dx + m * G, K, wt + r * K) * sp[n + r];
+          yp[m * N + n + r] = grouped ? i8_scalar(q + m * K, dx + m * G, K, wt + r * K, dw.data() + r * G)
+                                      : i8_scalar(q + m * K, dx + m * G, K, wt + r * K) * row_scale(r);
     }
   });
   return y;
@@ -440,6 +458,10 @@ int64_t arlm_kernels::packed_out_features(const char* op, int64_t K, const at::T
   if (scale.dim() == 1) {
     TORCH_CHECK(wp.size(1) == K / 4 && scale.size(0) == NB * kLanes && scale.scalar_type() == at::kFloat &&
                 scale.is_contiguous(), op, ": int8 wp [N/16, K/4, 64] uint8, scale [N] float32");
+  } else if (wp.size(1) == K / 4) {  // Q8_0: int8 with a scale per group of 32
+    TORCH_CHECK(scale.dim() == 3 && scale.scalar_type() == at::kHalf && scale.is_contiguous() &&
+                scale.size(0) == NB && scale.size(1) == G && scale.size(2) == kLanes,
+                op, ": Q8_0 wp [N/16, K/4, 64] uint8, scale [N/16, K/32, 16] float16");
   } else {
     TORCH_CHECK(wp.size(1) == K / 8 && scale.dim() == 3 && scale.scalar_type() == at::kHalf &&
                 scale.is_contiguous() && scale.size(0) == NB && scale.size(1) == G && scale.size(2) == kLanes &&
@@ -453,11 +475,11 @@ void arlm_kernels::linear_a8p(const Act8& a, int64_t M, int64_t K, const at::Ten
                               const at::Tensor& mins, float* y, int64_t ldy, bool accumulate) {
 #ifdef ARLM_AVX512
   const int64_t G = K / kGroup, NB = wp.size(0);
-  const bool q4 = scale.dim() == 3;
+  const bool q4 = wp.size(1) == K / 8, q8 = !q4 && scale.dim() == 3;  // else int8 with a scale per row
   const int64_t block = q4 ? K / 2 * kLanes : K * kLanes;  // bytes of one block of 16 channels
   const uint8_t* wpp = wp.data_ptr<uint8_t>();
-  const float* sp = q4 ? nullptr : scale.data_ptr<float>();
-  const at::Half* dp = q4 ? scale.data_ptr<at::Half>() : nullptr;
+  const float* sp = q4 || q8 ? nullptr : scale.data_ptr<float>();
+  const at::Half* dp = q4 || q8 ? scale.data_ptr<at::Half>() : nullptr;
   const at::Half* mp = q4 ? mins.data_ptr<at::Half>() : nullptr;
   at::parallel_for(0, (NB + 1) / 2, 4, [&](int64_t t0, int64_t t1) {
     float out[4 * 2 * kLanes];
@@ -475,14 +497,15 @@ void arlm_kernels::linear_a8p(const Act8& a, int64_t M, int64_t K, const at::Ten
           if (nb == 2) q4p_block<MB, 2>(q, dx, a.s + m * G, K, wt, d, mn, pf, out);
           else q4p_block<MB, 1>(q, dx, a.s + m * G, K, wt, d, mn, pf, out);
         } else {
-          if (nb == 2) i8p_block<MB, 2>(q, dx, a.sum + m * G, K, wt, pf, out);
-          else i8p_block<MB, 1>(q, dx, a.sum + m * G, K, wt, pf, out);
+          const at::Half* dw = q8 ? dp + b0 * G * kLanes : nullptr;
+          if (nb == 2) i8p_block<MB, 2>(q, dx, a.sum + m * G, K, wt, pf, out, dw);
+          else i8p_block<MB, 1>(q, dx, a.sum + m * G, K, wt, pf, out, dw);
         }
         for (int i = 0; i < MB; ++i)
           for (int64_t b = 0; b < nb; ++b) {  // 16 channels: (times the int8 scale) into y, or added to it
             float* yr = y + (m + i) * ldy + (b0 + b) * kLanes;
             __m512 v = _mm512_loadu_ps(out + (i * nb + b) * kLanes);
-            if (!q4) v = _mm512_mul_ps(v, _mm512_loadu_ps(sp + (b0 + b) * kLanes));
+            if (sp) v = _mm512_mul_ps(v, _mm512_loadu_ps(sp + (b0 + b) * kLanes));
             _mm512_storeu_ps(yr, accumulate ? _mm512_add_ps(_mm512_loadu_ps(yr), v) : v);
           }
       });
@@ -497,7 +520,7 @@ void arlm_kernels::linear_a8p(const Act8& a, int64_t M, int64_t K, const at::Ten
 at::Tensor int8_linear_a8p(const at::Tensor& x, const at::Tensor& wp, const at::Tensor& scale) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "int8_linear_a8p: x [M, K] contiguous float32");
-  TORCH_CHECK(scale.dim() == 1, "int8_linear_a8p: scale [N] float32");
+  TORCH_CHECK(scale.dim() == 1 || scale.dim() == 3, "int8_linear_a8p: scale [N] float32 or [N/16, K/32, 16] float16");
   const int64_t N = arlm_kernels::packed_out_features("int8_linear_a8p", x.size(1), wp, scale, scale);
   const QuantizedX xq(x);
   at::Tensor y = at::empty({x.size(0), N}, x.options());

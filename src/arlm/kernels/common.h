@@ -25,16 +25,23 @@ inline void check_q4(const char* op, const at::Tensor& x, const at::Tensor& w, c
               mins.sizes() == scale.sizes(), op, ": shape mismatch (K must be a multiple of 32)");
 }
 
-// int8 weights: x [M, K] float32, w [N, K] int8, scale [N] float32, all contiguous (K a multiple
-// of 32 where the kernel works in groups).
+// int8 weights: x [M, K] float32, w [N, K] int8, all contiguous, and either one scale per output
+// row, scale [N] float32, or one per group of 32 (Q8_0's layout, the file's own), scale [N, K/32]
+// float16 (K a multiple of 32 where the kernel works in groups, and for group scales).
+inline bool group_scales(const at::Tensor& scale) { return scale.dim() == 2; }
+
 inline void check_int8(const char* op, const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
                        bool groups_of_32) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && scale.dim() == 1, op, ": x [M,K], w [N,K], scale [N]");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kChar && scale.scalar_type() == at::kFloat,
-              op, ": x float32, w int8, scale float32");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && (scale.dim() == 1 || scale.dim() == 2),
+              op, ": x [M,K], w [N,K], scale [N] or [N,K/32]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kChar &&
+              scale.scalar_type() == (group_scales(scale) ? at::kHalf : at::kFloat),
+              op, ": x float32, w int8, scale float32 [N] or float16 [N,K/32]");
   TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && scale.is_contiguous(), op, ": contiguous inputs");
-  TORCH_CHECK(w.size(1) == x.size(1) && scale.size(0) == w.size(0) && (!groups_of_32 || x.size(1) % 32 == 0),
-              op, groups_of_32 ? ": shape mismatch (K must be a multiple of 32)" : ": shape mismatch");
+  const bool grouped = groups_of_32 || group_scales(scale);
+  TORCH_CHECK(w.size(1) == x.size(1) && scale.size(0) == w.size(0) && (!grouped || x.size(1) % 32 == 0) &&
+              (!group_scales(scale) || scale.size(1) == x.size(1) / 32),
+              op, grouped ? ": shape mismatch (K must be a multiple of 32)" : ": shape mismatch");
 }
 
 // 8-bit activations (a8_linear.cpp) in the caller's storage, as one flat run of values cut into
@@ -51,8 +58,9 @@ struct Act8 {
 // callers quantize what they just wrote, inside their own parallel loop.
 void quantize_span(const float* x, int64_t n, const Act8& a, int64_t at);
 
-// Packed int8 / 4-bit weights (a8_linear.cpp; wp 3-D, scale [N] for int8 or [N/16, K/32, 16] with
-// mins for 4-bit): checks the layout against K and returns N.
+// Packed int8 / 4-bit weights (a8_linear.cpp; wp 3-D; int8 with scale [N] float32 or, Q8_0,
+// [N/16, K/32, 16] float16; 4-bit with scale and mins [N/16, K/32, 16]): checks the layout against
+// K and returns N.
 int64_t packed_out_features(const char* op, int64_t K, const at::Tensor& wp, const at::Tensor& scale,
                             const at::Tensor& mins);
 

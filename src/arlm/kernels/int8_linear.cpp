@@ -1,4 +1,5 @@
-// Weight-only int8 linear layer for CPU decode: y[m, n] = scale[n] * sum_k x[m, k] * w[n, k].
+// Weight-only int8 linear layer for CPU decode: y[m, n] = scale[n] * sum_k x[m, k] * w[n, k], or
+// with a scale per group of 32 (Q8_0): y[m, n] = sum_g scale[n, g] * sum_{k in g} x[m, k] * w[n, k].
 //
 // Decode is memory-bound: each step streams every weight once. Stock PyTorch has no fast path
 // for int8 weights with float activations on AVX2 (its int8 kernels run at ~1 GB/s here), so this
@@ -10,6 +11,8 @@
 #include <immintrin.h>
 
 #include "common.h"
+
+#include <vector>
 
 namespace {
 
@@ -76,6 +79,62 @@ inline void tile(const float* x, int64_t M, const int8_t* w, int64_t K, int64_t 
     }
 }
 
+// Group scales (Q8_0): MB x rows against kRows weight rows, each group of 32 summed on its own and
+// scaled by d[r * G + g] (the tile's scales widened to float32).
+template <int MB>
+inline void block_rows_grouped(const float* x, int64_t ldx, const int8_t* w, int64_t K, const float* d,
+                               float* acc_out) {
+#if defined(__AVX2__) && defined(__FMA__)
+  const int64_t G = K / 32;
+  __m256 acc[MB][kRows];
+  for (int i = 0; i < MB; ++i)
+    for (int r = 0; r < kRows; ++r) acc[i][r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m256 part[MB][kRows];
+    for (int i = 0; i < MB; ++i)
+      for (int r = 0; r < kRows; ++r) part[i][r] = _mm256_setzero_ps();
+    for (int64_t k = g * 32; k < g * 32 + 32; k += 8) {
+      __m256 wv[kRows];
+      for (int r = 0; r < kRows; ++r) wv[r] = widen8(w + r * K + k);
+      for (int i = 0; i < MB; ++i) {
+        const __m256 xv = _mm256_loadu_ps(x + i * ldx + k);
+        for (int r = 0; r < kRows; ++r) part[i][r] = _mm256_fmadd_ps(wv[r], xv, part[i][r]);
+      }
+    }
+    for (int i = 0; i < MB; ++i)
+      for (int r = 0; r < kRows; ++r) acc[i][r] = _mm256_fmadd_ps(part[i][r], _mm256_set1_ps(d[r * G + g]), acc[i][r]);
+  }
+  for (int i = 0; i < MB; ++i)
+    for (int r = 0; r < kRows; ++r) acc_out[i * kRows + r] = hsum(acc[i][r]);
+#endif
+}
+
+// All M rows of x against one tile of `rows` weight rows with group scales d [rows, K/32].
+inline void tile_grouped(const float* x, int64_t M, const int8_t* w, int64_t K, int64_t rows, float* y, int64_t N,
+                         const float* d) {
+  const int64_t G = K / 32;
+#if defined(__AVX2__) && defined(__FMA__)
+  if (rows == kRows) {
+    float out[kRows];
+    for (int64_t m = 0; m < M; ++m) {
+      block_rows_grouped<1>(x + m * K, K, w, K, d, out);
+      for (int r = 0; r < kRows; ++r) y[m * N + r] = out[r];
+    }
+    return;
+  }
+#endif
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t r = 0; r < rows; ++r) {
+      float acc = 0.f;
+      for (int64_t g = 0; g < G; ++g) {
+        float part = 0.f;
+        for (int64_t k = g * 32; k < g * 32 + 32; ++k) part += x[m * K + k] * static_cast<float>(w[r * K + k]);
+        acc += part * d[r * G + g];
+      }
+      y[m * N + r] = acc;
+    }
+}
+
 }  // namespace
 
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale) {
@@ -84,9 +143,22 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   at::Tensor y = at::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
   const int8_t* wp = w.data_ptr<int8_t>();
-  const float* sp = scale.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t tiles = (N + kRows - 1) / kRows;
+  if (arlm_kernels::group_scales(scale)) {
+    const int64_t G = K / 32;
+    const at::Half* sp = scale.data_ptr<at::Half>();
+    at::parallel_for(0, tiles, 16, [&](int64_t t0, int64_t t1) {
+      std::vector<float> d(kRows * G);  // one tile's scales, widened once
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t n = t * kRows, rows = std::min(kRows, N - n);
+        for (int64_t i = 0; i < rows * G; ++i) d[i] = static_cast<float>(sp[n * G + i]);
+        tile_grouped(xp, M, wp + n * K, K, rows, yp + n, N, d.data());
+      }
+    });
+    return y;
+  }
+  const float* sp = scale.data_ptr<float>();
   at::parallel_for(0, tiles, 16, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t n = t * kRows;

@@ -52,15 +52,12 @@ def applies(model: Transformer) -> bool:
 def linear_weights(layer: torch.nn.Module) -> tuple[list[torch.Tensor], bool] | None:
     """A linear layer as the kernels take it, [w, scale, mins], and whether it wants 8-bit
     activations; None for a layer they cannot run (biases, other dtypes)."""
-    from ..quant import Int8Linear, Q4Linear
+    from ..quant import QuantizedLinear
 
     none = torch.empty(0)
-    if isinstance(layer, Q4Linear) and layer.bias is None:  # packed layout where it has one (quant.py)
-        packed = layer.int8_activations and layer.packed is not None
-        return list(layer.packed) if packed else [layer.weight, layer.scale, layer.mins], layer.int8_activations
-    if isinstance(layer, Int8Linear) and layer.bias is None:
-        packed = layer.int8_activations and layer.packed is not None
-        return [layer.packed if packed else layer.weight, layer.scale, none], layer.int8_activations
+    if isinstance(layer, QuantizedLinear) and layer.bias is None:  # in its layout, packed or rows (quant.py)
+        w = list(layer.tensors())
+        return w + [none] * (3 - len(w)), layer.int8_activations
     if type(layer) is torch.nn.Linear and layer.bias is None and layer.weight.dtype == torch.float32:
         return [layer.weight.detach().contiguous(), none, none], False
     return None
@@ -99,7 +96,8 @@ class NativeLlama:
         self.model, self.weights, self.a8 = model, weights, a8
         cfg = model.config
         self.n_head, self.n_kv_heads, self.eps = cfg.n_head, cfg.n_kv_heads, cfg.norm_eps
-        self.emb = model.tok_emb.weight.detach()
+        emb = getattr(model.tok_emb, "weight", None)  # None: gathered from quantized rows (quant.QuantizedEmbedding)
+        self.emb = emb.detach() if isinstance(emb, torch.Tensor) else None
         self._head = head
         self._norm = model.norm.weight.detach()
 
@@ -120,7 +118,7 @@ class NativeLlama:
     def embed(self, tokens: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Token embeddings [N, d] float32 for ids [N] (a fresh tensor, or `out`): the stacks run
         in place on them."""
-        if self.emb.dtype == torch.float32:
+        if self.emb is not None and self.emb.dtype == torch.float32:
             return torch.index_select(self.emb, 0, tokens) if out is None else \
                 torch.index_select(self.emb, 0, tokens, out=out)
         x = self.model.tok_emb(tokens).float()

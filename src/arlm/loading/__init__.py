@@ -7,7 +7,7 @@ takes a `LoadedModel` and never cares where the weights came from.
 from __future__ import annotations
 
 import importlib.metadata
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -32,6 +32,10 @@ class LoadedModel:
     name: str
     source: str  # "gguf", "hf" or "checkpoint"
     path: Path
+    # Loaded with the file's quantized blocks as they are (load_model(quantized=True)); the
+    # tensors arlm had to round again, where the file's type has no kernel.
+    quantized: bool = False
+    requantized: list[str] = field(default_factory=list)
 
     @property
     def config(self) -> ModelConfig:
@@ -61,7 +65,7 @@ def build_model(config: ModelConfig, state_dict: dict[str, torch.Tensor], device
                 dtype: torch.dtype = torch.float32) -> Transformer:
     """Instantiate a Transformer and load `state_dict` strictly (tied heads may be absent)."""
     with torch.device("meta"):
-        model = Transformer(config)
+        model = Transformer(config, init=False)
     model = model.to_empty(device=device)
     # Buffers (RoPE tables) are not in the state dict: recompute them on the real device.
     if config.pos_embedding == "rope":
@@ -80,9 +84,41 @@ def build_model(config: ModelConfig, state_dict: dict[str, torch.Tensor], device
     return model.to(device=device, dtype=dtype).eval()
 
 
+def load_quantized_gguf(path: Path) -> LoadedModel:
+    """A GGUF file's model with its quantized weights as the file stores them, in the kernels'
+    layout (`arlm.quant.prepare`, 8-bit activations), from the cache when it holds the file
+    (`arlm.loading.cache`), else built from the file and cached."""
+    from .. import kernels
+    from ..quant import prepare
+    from . import cache
+    from .gguf import quantized_model
+
+    layout = "packed" if kernels.packed_available() else "rows"
+    loaded = cache.load(path, layout)
+    if loaded is None:
+        gf, model, requantized = quantized_model(path)
+        try:
+            tokenizer = Tokenizer.from_gguf_fields(gf.tokenizer_fields)
+        except (TokenizerError, KeyError) as e:
+            raise LoadError(f"{path}: cannot build its tokenizer ({e})") from None
+        loaded = LoadedModel(prepare(model, "int8"), tokenizer, gf.chat_template, gf.name, "gguf", path,
+                             requantized=requantized)
+        cache.save(path, layout, loaded, requantized)
+    loaded.quantized = True
+    return loaded
+
+
 def load_model(spec: str = "smollm2", device: str | torch.device = "cpu",
-               dtype: torch.dtype = torch.float32) -> LoadedModel:
+               dtype: torch.dtype = torch.float32, quantized: bool = False) -> LoadedModel:
+    """The model `spec` names. quantized: a GGUF file's quantized tensors stay as they are
+    (`load_quantized_gguf`; CPU, float32 activations' dtype); other sources load as floats."""
     path = resolve_model_path(spec)
+    if quantized and path.is_file() and str(device) == "cpu" and dtype == torch.float32:
+        from .gguf import GGUF_MAGIC
+
+        with open(path, "rb") as fh:
+            if fh.read(4) == GGUF_MAGIC:
+                return load_quantized_gguf(path)
     if path.is_dir():
         from .checkpoint import is_checkpoint_dir, read_checkpoint
 

@@ -1,14 +1,22 @@
-"""Read a Llama-family GGUF file: config, dequantized weights, tokenizer and chat template.
+"""Read a Llama-family GGUF file: config, weights, tokenizer and chat template.
 
-The file is opened once with `gguf.GGUFReader` (a memory map; ~3-5 s for SmolLM2) and every
-tensor is dequantized once with `gguf.quants.dequantize` (F32, F16, BF16, Q8_0, Q4_0, Q4_1, the
-K-quants...). Nothing here parses GGUF by hand.
+The file is opened once with `gguf.GGUFReader` (a memory map). Two ways to its weights:
+
+- `quantized_model`: the file's Q4_1 and Q8_0 blocks go into arlm's quantized layers as they are
+  (`arlm.quant.Q4Linear`, `Q8Linear`: the same bytes, split into weights and scales), block by
+  block, without a float32 copy of the model; the token embedding is gathered from its quantized
+  rows. Tensors of other types are dequantized and re-quantized to int8 per row (see
+  `requantized`: the one place arlm adds rounding the file did not have).
+- `read_gguf`: every tensor dequantized to float32 (`--quantize none`, the reference path).
+
+Dequantization is `gguf.quants.dequantize` (F32, F16, BF16, Q8_0, Q4_0, Q4_1, the K-quants...);
+nothing here parses GGUF by hand beyond splitting a block into its scale and values.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -40,6 +48,7 @@ class GGUFModel:
     tokenizer_fields: dict
     chat_template: str | None
     name: str
+    requantized: list[str] = field(default_factory=list)  # tensors arlm rounded again (quantized_model)
 
 
 def unpermute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -47,6 +56,7 @@ def unpermute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
 
     The converter interleaves each head's two rotary halves (rows i and i + d/2 become 2i and
     2i + 1) to suit ggml's pairwise RoPE. Our RoPE rotates halves (HF's layout), so swap back.
+    Rows are whole output channels, so this works on quantized rows (blocks) as well.
     """
     rows = w.shape[0]
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
@@ -57,8 +67,29 @@ def _field(reader, key: str, default=None):
     return default if f is None else f.contents()
 
 
-def read_gguf(path: str | Path) -> GGUFModel:
-    """Parse `path` into a ModelConfig, our state dict (float32) and tokenizer metadata."""
+@dataclass
+class GGUFFile:
+    """An open GGUF file: its reader (tensors memory-mapped), config and metadata."""
+
+    path: Path
+    reader: object
+    config: ModelConfig
+    tokenizer_fields: dict
+    chat_template: str | None
+    name: str
+
+    def weights(self):
+        """(our name, layer or None, GGUF tensor) for each tensor arlm uses, in file order."""
+        for t in self.reader.tensors:
+            layer, rest = None, t.name
+            if t.name.startswith("blk."):
+                _, layer, rest = t.name.split(".", 2)
+            if t.name in _GLOBAL_NAMES or rest in _LAYER_NAMES or rest in _PART_OF:
+                yield rest, layer, t  # others, e.g. rope_freqs for scaled RoPE, this family does not use
+
+
+def open_gguf(path: str | Path) -> GGUFFile:
+    """Open and check a GGUF file; its config and metadata, tensors not read yet."""
     path = Path(path)
     try:
         with open(path, "rb") as fh:
@@ -104,37 +135,138 @@ def read_gguf(path: str | Path) -> GGUFModel:
     rope_dims = meta("rope.dimension_count")
     if rope_dims is not None and int(rope_dims) != config.head_dim:
         raise LoadError(f"{path}: partial rotary embeddings ({rope_dims} of {config.head_dim} dims) unsupported")
+    tok_fields = {k: _field(reader, k) for k in reader.fields if k.startswith("tokenizer.ggml.")}
+    return GGUFFile(path, reader, config, tok_fields, _field(reader, "tokenizer.chat_template"),
+                    _field(reader, "general.name") or path.stem)
 
-    state: dict[str, torch.Tensor] = {}
-    parts: dict[str, np.ndarray] = {}  # pieces of fused tensors, by GGUF name, until complete
-    for t in reader.tensors:
-        layer, rest = None, t.name
-        if t.name.startswith("blk."):
-            _, layer, rest = t.name.split(".", 2)
-        if t.name not in _GLOBAL_NAMES and rest not in _LAYER_NAMES and rest not in _PART_OF:
-            continue  # e.g. rope_freqs for scaled RoPE, which this model family does not use
-        try:
-            w = gguf.quants.dequantize(t.data, t.tensor_type)
-        except NotImplementedError:
-            raise LoadError(f"{path}: tensor {t.name} has GGML type {t.tensor_type.name}, "
-                            "which gguf cannot dequantize") from None
-        w = np.asarray(w, dtype=np.float32).reshape([int(x) for x in reversed(t.shape)])
-        if rest == "attn_q.weight":
-            w = unpermute_rope_rows(w, n_head)
-        elif rest == "attn_k.weight":
-            w = unpermute_rope_rows(w, n_kv)
+
+def _dequantize(gf: GGUFFile, t) -> np.ndarray:
+    import gguf
+
+    try:
+        w = gguf.quants.dequantize(t.data, t.tensor_type)
+    except NotImplementedError:
+        raise LoadError(f"{gf.path}: tensor {t.name} has GGML type {t.tensor_type.name}, "
+                        "which gguf cannot dequantize") from None
+    return np.asarray(w, dtype=np.float32).reshape([int(x) for x in reversed(t.shape)])
+
+
+def _unpermute(rest: str, w: np.ndarray, config: ModelConfig) -> np.ndarray:
+    if rest == "attn_q.weight":
+        return unpermute_rope_rows(w, config.n_head)
+    if rest == "attn_k.weight":
+        return unpermute_rope_rows(w, config.n_kv_heads)
+    return w
+
+
+def _tensors_by_name(gf: GGUFFile, convert) -> dict[str, object]:
+    """Our name -> convert(parts): parts the [(gguf short name, tensor)] of a fused weight, or one."""
+    out: dict[str, object] = {}
+    parts: dict[str, object] = {}  # pieces of fused tensors, by GGUF name, until complete
+    for rest, layer, t in gf.weights():
         if t.name in _GLOBAL_NAMES:
-            state[_GLOBAL_NAMES[t.name]] = torch.from_numpy(w if w.flags.writeable and w.flags.c_contiguous else w.copy())
+            out[_GLOBAL_NAMES[t.name]] = convert([(rest, t)])
         elif rest in _LAYER_NAMES:
-            state[f"blocks.{layer}.{_LAYER_NAMES[rest]}"] = torch.from_numpy(w.copy())
+            out[f"blocks.{layer}.{_LAYER_NAMES[rest]}"] = convert([(rest, t)])
         else:
-            parts[t.name] = w
+            parts[t.name] = t
             group, ours = _PART_OF[rest]
             names = [f"blk.{layer}.{g}" for g in group]
             if all(n in parts for n in names):
-                state[f"blocks.{layer}.{ours}"] = torch.from_numpy(np.concatenate([parts.pop(n) for n in names]))
+                out[f"blocks.{layer}.{ours}"] = convert([(g, parts.pop(n)) for g, n in zip(group, names)])
+    return out
 
-    tok_fields = {k: _field(reader, k) for k in reader.fields if k.startswith("tokenizer.ggml.")}
-    return GGUFModel(config=config, state_dict=state, tokenizer_fields=tok_fields,
-                     chat_template=_field(reader, "tokenizer.chat_template"),
-                     name=_field(reader, "general.name") or path.stem)
+
+def read_gguf(path: str | Path) -> GGUFModel:
+    """Parse `path` into a ModelConfig, our state dict (float32) and tokenizer metadata."""
+    gf = open_gguf(path)
+
+    def to_float(parts) -> torch.Tensor:
+        ws = [_unpermute(rest, _dequantize(gf, t), gf.config) for rest, t in parts]
+        w = ws[0] if len(ws) == 1 else np.concatenate(ws)
+        return torch.from_numpy(w if w.flags.writeable and w.flags.c_contiguous else w.copy())
+
+    state = _tensors_by_name(gf, to_float)
+    return GGUFModel(config=gf.config, state_dict=state, tokenizer_fields=gf.tokenizer_fields,
+                     chat_template=gf.chat_template, name=gf.name)
+
+
+# Bytes per block of 32 and the block's fields, for the types loaded as they are.
+_BLOCK = {"Q4_1": 20, "Q8_0": 34}
+
+
+def _blocks(gf: GGUFFile, rest: str, t) -> np.ndarray:
+    """A Q4_1 / Q8_0 tensor's blocks [N, K/32, bytes per block], q/k rows un-permuted (a view of
+    the memory map where nothing moves)."""
+    data = np.asarray(t.data).reshape(int(t.shape[1]), -1, _BLOCK[t.tensor_type.name])
+    return _unpermute(rest, data, gf.config)
+
+
+def _quantized_layer(gf: GGUFFile, parts, requantized: list[str]):
+    """A fused or single linear weight from its file tensors: Q4Linear / Q8Linear where every
+    part has that type (the file's bytes, split), else int8 per row from the dequantized values."""
+    from ..quant import Int8Linear, Q4Linear, Q8Linear
+
+    kinds = {t.tensor_type.name for _, t in parts}
+    if len(kinds) == 1 and (kind := kinds.pop()) in _BLOCK:
+        b = np.concatenate([_blocks(gf, rest, t) for rest, t in parts]) if len(parts) > 1 else \
+            np.ascontiguousarray(_blocks(gf, *parts[0]))
+        N, G, _ = b.shape
+        cls = Q4Linear if kind == "Q4_1" else Q8Linear
+        with torch.device("meta"):
+            layer = cls(32 * G, N)
+        scale = torch.from_numpy(np.ascontiguousarray(b[..., 0:2]).view(np.float16).reshape(N, G))
+        if kind == "Q4_1":
+            mins = torch.from_numpy(np.ascontiguousarray(b[..., 2:4]).view(np.float16).reshape(N, G))
+            layer._set(torch.from_numpy(np.ascontiguousarray(b[..., 4:]).reshape(N, 16 * G)), scale, mins)
+        else:
+            layer._set(torch.from_numpy(np.ascontiguousarray(b[..., 2:]).view(np.int8).reshape(N, 32 * G)), scale)
+        return layer
+    ws = [_unpermute(rest, _dequantize(gf, t), gf.config) for rest, t in parts]
+    requantized += [t.name for _, t in parts]
+    return Int8Linear.from_float(torch.from_numpy(np.concatenate(ws) if len(ws) > 1 else ws[0]))
+
+
+def quantized_model(path: str | Path) -> tuple[GGUFFile, "torch.nn.Module", list[str]]:
+    """The file's model with its quantized weights kept as they are stored (see the module doc):
+    (the open file, the model, names of the tensors that had to be re-quantized)."""
+    from ..model import Transformer, rope_table
+    from ..quant import QuantizedEmbedding
+
+    gf = open_gguf(path)
+    cfg = gf.config
+    requantized: list[str] = []
+
+    def convert(parts):
+        rest, t = parts[0]
+        if len(parts) == 1 and (len(t.shape) == 1 or (rest == "token_embd.weight" and t.tensor_type.name not in _BLOCK)):
+            return torch.from_numpy(_dequantize(gf, t).copy())  # norms, or a float table gathered as it is
+        return _quantized_layer(gf, parts, requantized)
+
+    tensors = _tensors_by_name(gf, convert)
+    with torch.device("meta"):
+        model = Transformer(cfg, init=False)
+    model.rope_cos, model.rope_sin = rope_table(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+    emb = tensors.pop("tok_emb.weight")
+    for name, value in tensors.items():
+        owner_name, _, attr = name.rpartition(".")
+        if isinstance(value, torch.Tensor):  # a norm's weight
+            setattr(model.get_submodule(owner_name), attr, torch.nn.Parameter(value, requires_grad=False))
+        else:  # a quantized layer in place of an nn.Linear
+            parent, _, child = owner_name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, child, value)
+    if isinstance(emb, torch.Tensor):
+        model.tok_emb = torch.nn.Embedding.from_pretrained(emb, freeze=True)
+        if cfg.tie_embeddings:  # the head is int8 per row from the float table
+            from ..quant import Int8Linear
+
+            requantized.append("token_embd.weight (as the tied output head)")
+            model.lm_head = Int8Linear.from_float(emb)
+    else:
+        model.tok_emb = QuantizedEmbedding(emb)
+        if cfg.tie_embeddings:  # one matrix for both: the head's rows are the table
+            model.lm_head = emb
+    missing = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+    if missing:
+        raise LoadError(f"{gf.path}: tensors missing from the file: {missing[:4]}")
+    return gf, model.eval(), requantized

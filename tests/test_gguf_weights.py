@@ -1,0 +1,248 @@
+"""The file's weights as they are: Q8_0 kernels, the layouts' round trips, and the quantized load.
+
+References: float64 products of the dequantized weights for the kernels; gguf's own dequantizer
+for the loaded blocks (bitwise); the float model quantized by `quantize(..., "auto")` for the
+loaded model (bitwise: loading straight from the blocks changes the layout, never a value).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from arlm import kernels
+from arlm.quant import Int8Linear, Q4Linear, Q8Linear, QuantizedEmbedding, QuantizedLinear, quantize
+from cpu_flags import packed_expected
+
+needs_packed = pytest.mark.skipif(not packed_expected(),
+                                  reason="this CPU has no AVX-512 VNNI (or ARLM_MARCH built for one without)")
+
+
+def _q8_case(g, N, K):
+    w = torch.randint(-127, 128, (N, K), generator=g, dtype=torch.int8)
+    d = (torch.rand(N, K // 32, generator=g) * 0.02 + 1e-4).half()
+    return w, d
+
+
+def _q8_dense(w, d):
+    return w.double() * d.double().repeat_interleave(32, 1)
+
+
+def _dequantized_x(x):
+    q, d = kernels.quantize_activations(x)
+    return (q.view(*d.shape, 32).double() * d.double()[..., None]).view(x.shape)
+
+
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 9, 33])
+@pytest.mark.parametrize("N,K", [(1536, 576), (67, 96), (5, 32)])
+def test_q8_kernels_match_float64(M, N, K):
+    # Q8_0: a float16 scale per 32 weights. Float activations: x @ W exactly (to float32 sums);
+    # 8-bit activations: (quantized x) @ W. 1e-5 of the output scale (float32 over K terms).
+    g = torch.Generator().manual_seed(M * 13 + N + K)
+    x = torch.randn(M, K, generator=g) * 3 + 1.0  # one-signed bias: the packed +128 must come off exactly
+    w, d = _q8_case(g, N, K)
+    dense = _q8_dense(w, d)
+    cases = [(kernels.int8_linear(x, w, d), x.double() @ dense.T),
+             (kernels.int8_linear_a8(x, w, d), _dequantized_x(x) @ dense.T)]
+    if packed_expected() and N % 16 == 0:
+        cases.append((kernels.int8_linear_a8p(x, kernels.pack_int8(w), kernels.pack_scales(d)),
+                      _dequantized_x(x) @ dense.T))
+    for y, ref in cases:
+        assert y.dtype == torch.float32 and y.shape == (M, N)
+        assert (y.double() - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+
+
+def test_q8_fallback_matches_native():
+    assert kernels.native_available()
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(3, 96, generator=g)
+    w, d = _q8_case(g, 40, 96)
+    ref = kernels._fallback(x, w, d)
+    torch.testing.assert_close(kernels.int8_linear(x, w, d), ref, rtol=0, atol=1e-5 * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("op", ["int8_linear", "int8_linear_a8", "int8_linear_a8p"])
+def test_q8_rows_are_independent(op):
+    # A row's result does not depend on the rows batched with it, bitwise.
+    if op == "int8_linear_a8p" and not packed_expected():
+        pytest.skip("no packed kernels on this CPU")
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(9, 576, generator=g)
+    w, d = _q8_case(g, 304, 576)
+    args = (kernels.pack_int8(w), kernels.pack_scales(d)) if op.endswith("p") else (w, d)
+    f = getattr(kernels, op)
+    together = f(x, *args)
+    for i in range(9):
+        assert torch.equal(f(x[i:i + 1].contiguous(), *args)[0], together[i])
+
+
+def test_layout_round_trips_are_exact():
+    g = torch.Generator().manual_seed(4)
+    w8, d = _q8_case(g, 64, 96)
+    assert torch.equal(kernels.unpack_int8(kernels.pack_int8(w8)), w8)
+    assert torch.equal(kernels.unpack_scales(kernels.pack_scales(d)), d)
+    w4 = torch.randint(0, 256, (64, 48), generator=g, dtype=torch.uint8)
+    s4, m4 = (torch.rand(64, 3, generator=g)).half(), torch.randn(64, 3, generator=g).half()
+    for a, b in zip(kernels.unpack_packed_q4(*kernels.pack_q4(w4, s4, m4)), (w4, s4, m4)):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("cls", [Int8Linear, Q8Linear, Q4Linear])
+def test_a_packed_layer_holds_one_copy_and_gathers_its_rows(cls):
+    # pack() replaces the row layout (one copy of the matrix); rows, dequantized rows and the
+    # product are the same either way (products to float32 order: different kernels).
+    g = torch.Generator().manual_seed(5)
+    layer = cls.from_float(torch.randn(64, 96, generator=g))
+    layer._a8 = True  # 8-bit activations, still in rows
+    rows = [t.clone() for t in layer.tensors()]
+    dense = layer.dequantize()
+    x = torch.randn(3, 96, generator=g)
+    y = layer(x)
+    layer.pack()
+    assert layer.packed == packed_expected()
+    if layer.packed:
+        assert layer.weight.dim() == 3 and len(list(layer.buffers())) == len(rows)
+    for a, b in zip(layer.rows(), rows):
+        assert torch.equal(a, b)
+    idx = torch.tensor([5, 0, 63, 17, 5])
+    assert torch.equal(layer.dequantize_rows(idx), dense[idx])
+    torch.testing.assert_close(layer(x), y, rtol=0, atol=1e-6 * y.abs().max().item())
+    layer.int8_activations = False  # float activations: the row layout
+    assert not layer.packed and all(torch.equal(a, b) for a, b in zip(layer.tensors(), rows))
+    layer.pack()
+    assert not layer.packed  # the packed kernels take 8-bit activations only
+
+
+def test_q8_round_trip_is_exact_on_q8_values():
+    # Values a Q8_0 file dequantizes to (d * q, |q| <= 127 with 127 present) quantize back to the
+    # same bytes: quantize(model, "auto") keeps a Q8_0 matrix as Q8_0 without new rounding.
+    g = torch.Generator().manual_seed(6)
+    d = (torch.rand(40, 4, 1, generator=g) * 0.02 + 1e-3).half()
+    q = torch.randint(-127, 128, (40, 4, 32), generator=g)
+    q[..., 0] = 127
+    w = (q.float() * d.float()).view(40, 128)
+    layer = Q8Linear.from_float(w)
+    assert torch.equal(layer.dequantize(), w)
+    assert torch.equal(layer.scale, d.view(40, 4)) and torch.equal(layer.weight, q.view(40, 128).to(torch.int8))
+
+
+# -- the quantized load ----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def direct(smollm2_path, tmp_path_factory):
+    """SmolLM2 loaded from its blocks (no cache: a fresh ARLM_CACHE), and its cached twin."""
+    from arlm.loading import load_model
+
+    root = tmp_path_factory.mktemp("cache")
+    old = os.environ.get("ARLM_CACHE")
+    os.environ["ARLM_CACHE"] = str(root)
+    try:
+        built = load_model(str(smollm2_path), quantized=True)
+        cached = load_model(str(smollm2_path), quantized=True)
+    finally:
+        if old is None:
+            os.environ.pop("ARLM_CACHE")
+        else:
+            os.environ["ARLM_CACHE"] = old
+    return built, cached, root
+
+
+def test_loaded_blocks_are_the_files_bytes(smollm2_path, direct):
+    # Every Q4_1 / Q8_0 tensor comes back, through the loaded layers, exactly as gguf's own
+    # dequantizer reads it from the file (q/k rows in HF's rotary order).
+    import gguf
+
+    from arlm.loading.gguf import unpermute_rope_rows
+
+    model = direct[0].model
+    cfg = model.config
+    reader = gguf.GGUFReader(str(smollm2_path))
+    t = {x.name: x for x in reader.tensors}
+
+    def deq(name, heads=None):
+        w = gguf.quants.dequantize(t[name].data, t[name].tensor_type).reshape(int(t[name].shape[1]), -1)
+        return torch.from_numpy(unpermute_rope_rows(w, heads) if heads else w.copy())
+
+    assert direct[0].requantized == []
+    for i in (0, cfg.n_layer - 1):
+        qkv = torch.cat([deq(f"blk.{i}.attn_q.weight", cfg.n_head), deq(f"blk.{i}.attn_k.weight", cfg.n_kv_heads),
+                         deq(f"blk.{i}.attn_v.weight")])
+        block = model.blocks[i]
+        assert isinstance(block.attn.wqkv, Q4Linear) and torch.equal(block.attn.wqkv.dequantize(), qkv)
+        assert torch.equal(block.mlp.down.dequantize(), deq(f"blk.{i}.ffn_down.weight"))
+    emb = deq("token_embd.weight")
+    assert isinstance(model.lm_head, Q8Linear) and torch.equal(model.lm_head.dequantize(), emb)
+    ids = torch.tensor([[0, 1, 49151, 504, 504]])
+    assert isinstance(model.tok_emb, QuantizedEmbedding) and model.tok_emb.table is model.lm_head
+    assert torch.equal(model.tok_emb(ids), emb[ids])
+
+
+def test_the_quantized_load_changes_layout_not_values(smollm2, direct):
+    # Bit for bit: the same tensors and the same logits as the float model quantized by
+    # quantize(..., "auto") (the path before loading from blocks), on the same kernels.
+    ref = quantize(copy.deepcopy(smollm2.model), "auto", keep_dense=False)
+    ref.tok_emb = QuantizedEmbedding(ref.lm_head)  # gathered, as loaded: the same float values
+    loaded = direct[0].model
+    mods = dict(ref.named_modules())
+    layers = [(n, m) for n, m in loaded.named_modules() if isinstance(m, QuantizedLinear)]
+    assert len(layers) == 4 * loaded.config.n_layer + 1
+    for name, m in layers:
+        assert type(m) is type(mods[name]), name
+        assert all(torch.equal(a, b) for a, b in zip(m.tensors(), mods[name].tensors())), name
+    ids = torch.tensor([smollm2.tokenizer.encode("The capital of France is Paris, and the capital of")])
+    with torch.inference_mode():
+        assert torch.equal(loaded(ids), ref(ids))
+        assert torch.equal(smollm2.model.tok_emb(ids), loaded.tok_emb(ids))
+
+
+def test_no_float32_copy_of_the_weights(direct):
+    # Float32 is left only where the file has it (norms) and the RoPE tables; the quantized
+    # matrices are held once (the head's rows are the embedding's).
+    for loaded in direct[:2]:
+        model = loaded.model
+        tensors = {id(t): t for t in list(model.parameters()) + list(model.buffers())}.values()
+        float_bytes = sum(t.numel() * t.element_size() for t in tensors if t.dtype == torch.float32)
+        rope = model.rope_cos.numel() * 8
+        assert float_bytes - rope < 200_000, float_bytes
+        total = sum(t.numel() * t.element_size() for t in tensors) - rope
+        assert total < 100e6, total  # ~70 MB of 4-bit blocks + ~30 MB of Q8_0 head
+
+
+def test_the_cache_gives_the_same_model(direct):
+    built, cached, root = direct
+    assert cached.quantized and cached.tokenizer.encode("Hello, world") == built.tokenizer.encode("Hello, world")
+    assert cached.chat_template == built.chat_template and cached.name == built.name
+    assert cached.tokenizer.eos_ids == built.tokenizer.eos_ids
+    b, c = dict(built.model.named_modules()), dict(cached.model.named_modules())
+    assert b.keys() == c.keys()
+    for name, m in b.items():
+        if isinstance(m, QuantizedLinear):
+            assert type(c[name]) is type(m) and all(torch.equal(x, y) for x, y in zip(m.tensors(), c[name].tensors()))
+    assert cached.model.tok_emb.table is cached.model.lm_head
+    ids = torch.tensor([[504, 2644, 3290, 335, 260]])
+    with torch.inference_mode():
+        assert torch.equal(built.model(ids), cached.model(ids))
+    (directory,) = [p for p in (root / "models").iterdir() if p.is_dir()]
+    assert {p.name for p in directory.iterdir()} == {"manifest.json", "weights.bin", "tokenizer.json"}
+
+
+def test_a_damaged_cache_is_rebuilt(smollm2_path, tmp_path, monkeypatch):
+    from arlm.loading import load_model
+
+    monkeypatch.setenv("ARLM_CACHE", str(tmp_path))
+    first = load_model(str(smollm2_path), quantized=True)
+    (directory,) = [p for p in (tmp_path / "models").iterdir() if p.is_dir()]
+    manifest = json.loads((directory / "manifest.json").read_text())
+    manifest["modules"] = manifest["modules"][:10]  # a manifest that no longer covers the model
+    (directory / "manifest.json").write_text(json.dumps(manifest))
+    again = load_model(str(smollm2_path), quantized=True)
+    ids = torch.tensor([[504, 2644]])
+    with torch.inference_mode():
+        assert torch.equal(first.model(ids), again.model(ids))
+    # no temporary directories left behind
+    assert not [p for p in (tmp_path / "models").iterdir() if ".tmp" in p.name]
