@@ -181,6 +181,7 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
     print(f"text: {len(args.files)} file(s), {len(ids)} tokens, "
           + ("a BOS token first (the tokenizer adds one)" if bos else "no BOS token (the tokenizer adds none)"))
     print(f"model: {c['model']} | quantization: {c['quantization']} | prefill dtype: {c['prefill_dtype']} | "
+          f"activations: {c.get('activations', '-')} | "
           f"KV dtype: {c['kv_dtype']} | device: {c['device']}")
     print(f"time: {r.seconds:.2f} s, {r.to_dict()['tokens_per_s']:.1f} tokens/s "
           f"({r.tokens_computed} window tokens through the model)")

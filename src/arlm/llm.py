@@ -172,6 +172,7 @@ class LLM:
         self.chat_template = loaded.chat_template
         self.quantization: str | None = None
         self.prefill_dtype = "float32"  # how a quantized model prefills: "quantized" or a dense copy's dtype (configure)
+        self.activations = "float32"  # a quantized model's activation precision (configure)
         self.kv_dtype: torch.dtype = next(self.model.parameters()).dtype  # the KV caches' dtype (configure)
         self._mailbox: dict[str, list[RequestOutput]] = {}
         self._start(ModelRunner(self.model))
@@ -188,20 +189,21 @@ class LLM:
     @classmethod
     def load(cls, spec: str = "smollm2", device: str = "cpu", dtype: torch.dtype = torch.float32,
              quantize: str | None = "auto", compile: bool = False, prefill_dtype: str = "auto",
-             kv_dtype: str = "auto") -> "LLM":
-        """Load a model by name or path; `quantize`, `compile`, `prefill_dtype` and `kv_dtype`
-        pick the decode and prefill paths (see `configure`)."""
+             kv_dtype: str = "auto", activations: str = "int8x2") -> "LLM":
+        """Load a model by name or path; `quantize`, `compile`, `prefill_dtype`, `kv_dtype` and
+        `activations` pick the decode and prefill paths (see `configure`)."""
         from . import kernels
         from .loading import load_model
 
         # "auto" on CPU: the file's quantized blocks as they are, straight into the kernels' layout
         direct = quantize == "auto" and device == "cpu" and dtype == torch.float32 and kernels.native_available()
         llm = cls(load_model(spec, device=device, dtype=dtype, quantized=direct))
-        llm.configure(quantize=quantize, compile=compile, prefill_dtype=prefill_dtype, kv_dtype=kv_dtype)
+        llm.configure(quantize=quantize, compile=compile, prefill_dtype=prefill_dtype, kv_dtype=kv_dtype,
+                      activations=activations)
         return llm
 
     def configure(self, quantize: str | None = None, compile: bool = False, prefill_dtype: str = "auto",
-                  kv_dtype: str = "auto") -> None:
+                  kv_dtype: str = "auto", activations: str = "int8x2") -> None:
         """Pick the decode path: weight quantization and (optionally) a compiled decode step.
 
         quantize: None/"none", "int8", "q4", or "auto": on CPU with the native kernels, 4-bit for
@@ -211,6 +213,9 @@ class LLM:
         of each weight for prefill's GEMMs; "auto": quantized where the packed kernels are built
         (AVX-512 VNNI: faster than bf16 GEMMs there, docs/benchmarks.md), else bfloat16 on CPUs with
         native bf16 matmuls (AVX512-BF16 or AMX), else float32.
+        activations (quantized models): "int8x2" (8-bit twice, ~15 bits: float32's answers),
+        "int8" (one 8-bit pass but the head's: faster, less faithful) or "float32" (slow); see
+        `arlm.quant.prepare` and docs/benchmarks.md for what each costs and buys.
         kv_dtype: the KV cache's dtype, "float32", "float16", "bfloat16" or "auto": float16 where a
         quantized model decodes through the native step on CPU (a step streams the cache once: half
         the bytes; its rounding, ~5e-4 relative, is far below the 8-bit activations'), else the
@@ -226,6 +231,10 @@ class LLM:
             quantize = None
         if kv_dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise ValueError(f"unknown KV cache dtype {kv_dtype!r} (expected auto, float32, float16 or bfloat16)")
+        from .quant import ACTIVATIONS
+
+        if activations not in ACTIVATIONS:
+            raise ValueError(f"unknown activation precision {activations!r} (expected {', '.join(ACTIVATIONS)})")
         if prefill_dtype not in ("auto", "quantized", "float32", "bfloat16"):
             raise ValueError(f"unknown prefill dtype {prefill_dtype!r} (expected auto, quantized, float32 or bfloat16)")
         if prefill_dtype == "auto":
@@ -235,17 +244,17 @@ class LLM:
         from .quant import QuantizedLinear, prepare
         from .quant import quantize as quantize_model
 
-        dense = dict(keep_dense=prefill_dtype != "quantized",
+        dense = dict(keep_dense=prefill_dtype != "quantized", activations=activations,
                      prefill_dtype=torch.bfloat16 if prefill_dtype == "bfloat16" else None)
         if any(isinstance(m, QuantizedLinear) for m in self.model.modules()):  # loaded quantized (LLM.load)
             if quantize != "auto":
                 raise ValueError(f"{self.loaded.name} was loaded with its file's quantized weights; load it "
                                  f"again with quantize={quantize!r} for another precision")
-            prepare(self.model, "int8", **dense)
-            self.prefill_dtype = prefill_dtype
+            prepare(self.model, **dense)
+            self.prefill_dtype, self.activations = prefill_dtype, activations
         elif quantize in ("auto", "int8", "q4"):
             quantize_model(self.model, quantize, **dense)
-            self.prefill_dtype = prefill_dtype
+            self.prefill_dtype, self.activations = prefill_dtype, activations
         self.quantization = quantize if quantize != "none" else None
         decode_fn = None  # the native step where it applies, else decode_step
         if compile and device.type == "cuda":  # CUDA graphs: one launch per decode step

@@ -303,6 +303,7 @@ def run_config(llm) -> dict:
     dtype = str(next(llm.model.parameters()).dtype).removeprefix("torch.")
     return {"model": llm.loaded.name, "quantization": llm.quantization or "none",
             "prefill_dtype": llm.prefill_dtype if llm.quantization else dtype,
+            "activations": llm.activations if llm.quantization else dtype,
             "kv_dtype": str(llm.kv_dtype).removeprefix("torch."),
             "dtype": dtype, "device": str(llm.runner.device)}
 

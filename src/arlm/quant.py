@@ -6,10 +6,12 @@ weights) 6.4x fewer. A GGUF file's Q4_1 and Q8_0 tensors are loaded as they are 
 (`arlm.loading.gguf`, no float32 copy and no second rounding): `Q4Linear`, `Q8Linear`, and for a
 tied model the token embedding gathered from the head's Q8_0 rows (`QuantizedEmbedding`).
 
-With activations="int8" (the default for decode), each layer also quantizes its input to 8 bits
-per group of 32, as llama.cpp does, and the kernels multiply in integers (one VNNI instruction per
-32 weights): 4-bit decode then runs at memory speed instead of being bound by widening every
-weight to float. The extra error is measured with `arlm perplexity --kl-divergence`.
+With 8-bit activations each layer also quantizes its input per group of 32, as llama.cpp does,
+and the kernels multiply in integers (one VNNI instruction per 32 weights): 4-bit decode then runs
+at memory speed instead of being bound by widening every weight to float. By default the input
+is taken twice ("int8x2", `prepare`): 8 bits, then 8 more for what the first pass rounded away,
+which leaves the next-token distributions within 1e-5 KL of float32 (`arlm perplexity
+--kl-divergence`, docs/benchmarks.md).
 On CPUs with AVX-512 VNNI the layers hold their weights in the kernels' packed layout instead of
 the row layout (16 output channels to a vector, `arlm.kernels.pack_int8` / `pack_q4`), which
 multiplies several rows 2-3x faster: batched decode and serving. One copy either way.
@@ -75,6 +77,9 @@ class QuantizedLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
         self.dense_weight: torch.Tensor | None = None  # a float copy for prefill (see dense_weights)
         self._a8 = False
+        # With 8-bit activations: take them twice, x ~ q1 d1 + q2 d2 (the second the first's rounding
+        # error), ~15 bits for ~2x the integer products and one pass over the weights (prepare).
+        self.residual_activations = False
 
     @property
     def int8_activations(self) -> bool:
@@ -142,7 +147,15 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (y := _dense_forward(self, x)) is not None:
             return y
-        y = self._matmul(x.reshape(-1, self.in_features).float())
+        x2 = x.reshape(-1, self.in_features).float()
+        if not (self.residual_activations and self._a8 and self.in_features % 32 == 0):
+            y = self._matmul(x2)
+        elif self.packed:
+            y = kernels.linear_a8p_residual(x2, *self.tensors())
+        else:  # each row and its residual as two rows of x, then their products added
+            M = x2.shape[0]
+            pairs = torch.stack([x2, x2 - kernels._dequantized_activations(x2)], 1).view(2 * M, -1)
+            y = self._matmul(pairs).view(M, 2, -1).sum(1)
         if self.bias is not None:
             y = y + self.bias
         return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
@@ -329,21 +342,33 @@ def _exact(layer: QuantizedLinear, weight: torch.Tensor) -> bool:
     return bool((layer.dequantize() - weight.detach().float()).abs().max() <= 1e-6 * weight.detach().abs().max())
 
 
-def prepare(model: Transformer, activations: str = "int8", keep_dense: bool = False,
+ACTIVATIONS = ("int8x2", "int8", "float32")
+
+
+def prepare(model: Transformer, activations: str = "int8x2", keep_dense: bool = False,
             prefill_dtype: torch.dtype | None = None) -> Transformer:
     """Set every quantized layer's activation precision and layout, and its dense copy for prefill.
 
-    activations: "int8" (integer-dot kernels; the packed layout where it is built) or "float32"
-    (weight-only, exact products, the row layout). keep_dense: a float copy of each weight for
-    prefill's GEMMs (`dense_weights`), in prefill_dtype (default float32) - made from the
-    quantized values, or shared with a float original the caller set as `dense_weight` already.
+    activations, the measured choice per layer type (docs/benchmarks.md, "Fidelity"):
+    - "int8x2": every linear takes its input as 8 bits twice (`residual_activations`: the second
+      pass quantizes the first one's rounding error): ~15-bit activations, next-token
+      distributions within 1e-5 KL of float32 (the answers float32 gives), for ~12% of decode
+      speed and ~40% of prefill speed against "int8" on a Zen 4 CPU;
+    - "int8": one 8-bit pass (llama.cpp's choice), except the LM head, which takes two: it
+      removes ~30% of the single pass's KL divergence for no measurable time;
+    - "float32": weight-only quantization, float activations (the row-layout kernels: slow).
+    The integer paths use the packed layout where it is built. keep_dense: a float copy of each
+    weight for prefill's GEMMs (`dense_weights`), in prefill_dtype (default float32) - made from
+    the quantized values, or shared with a float original the caller set as `dense_weight`.
     """
-    if activations not in ("int8", "float32"):
-        raise ValueError(f"unknown activation precision {activations!r} (expected int8 or float32)")
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"unknown activation precision {activations!r} (expected {', '.join(ACTIVATIONS)})")
+    head = getattr(model, "lm_head", None)
     for layer in model.modules():
         if not isinstance(layer, QuantizedLinear):
             continue
-        layer.int8_activations = activations == "int8"  # and the layout with it
+        layer.int8_activations = activations != "float32"  # and the layout with it
+        layer.residual_activations = activations == "int8x2" or (activations == "int8" and layer is head)
         if not keep_dense:
             layer.dense_weight = None
             continue
@@ -354,7 +379,7 @@ def prepare(model: Transformer, activations: str = "int8", keep_dense: bool = Fa
 
 
 def quantize(model: Transformer, mode: str = "auto", keep_dense: bool = True,
-             activations: str = "int8", prefill_dtype: torch.dtype | None = None) -> Transformer:
+             activations: str = "int8x2", prefill_dtype: torch.dtype | None = None) -> Transformer:
     """Replace every nn.Linear of a float model (attention, MLP, LM head) with a quantized layer,
     in place.
 
@@ -365,11 +390,12 @@ def quantize(model: Transformer, mode: str = "auto", keep_dense: bool = True,
     for the lookup. keep_dense keeps each layer's float weight beside it for prefill
     (`dense_weights`), shared with the float model (no copy) or as a prefill_dtype copy (bf16:
     half the memory; on CPUs with AVX512-BF16 or AMX, GEMMs ~2.4x faster than float32).
-    activations: "int8" (integer-dot kernels, faster) or "float32" (weight-only, exact products).
-    A model loaded quantized from its file (`arlm.loading`) needs none of this: `prepare` only.
+    activations: see `prepare`. A model loaded quantized from its file (`arlm.loading`) needs none of this: `prepare` only.
     """
     if mode not in ("auto", "int8", "q4"):
         raise ValueError(f"unknown quantization {mode!r} (expected auto, int8 or q4)")
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"unknown activation precision {activations!r} (expected {', '.join(ACTIVATIONS)})")
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if not isinstance(child, nn.Linear):

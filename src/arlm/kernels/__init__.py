@@ -227,6 +227,14 @@ def q4_linear_a8p(x: torch.Tensor, wp: torch.Tensor, scale: torch.Tensor, mins: 
     return torch.ops.arlm.q4_linear_a8p(x.contiguous(), wp, scale, mins)
 
 
+def linear_a8p_residual(x: torch.Tensor, wp: torch.Tensor, scale: torch.Tensor,
+                        mins: torch.Tensor | None = None) -> torch.Tensor:
+    """A packed layer (`int8_linear_a8p` / `q4_linear_a8p`'s operands) with its 8-bit activations
+    taken twice: x ~ q1 d1 + q2 d2, q2 d2 the rounding error of the first, quantized again
+    (~15 bits; a8_linear.cpp). packed_available() must hold."""
+    return torch.ops.arlm.linear_a8p_residual(x.contiguous(), wp, scale, torch.empty(0) if mins is None else mins)
+
+
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """x.argmax(dim=-1) for [B, V] logits (the same index: first maximum, or first NaN); on CPU a
     native kernel (torch's index reductions are slow there: 1.3 ms for [32, 49152])."""

@@ -516,6 +516,47 @@ void arlm_kernels::linear_a8p(const Act8& a, int64_t M, int64_t K, const at::Ten
 #endif
 }
 
+void arlm_kernels::activation_residual(const float* x, int64_t n, float* r) {
+  int8_t q[kGroup];
+  float d, s;
+  int32_t sum;
+  for (int64_t e = 0; e < n; e += kGroup) {
+    quantize_group(x + e, q, &d, &s, &sum);
+    for (int j = 0; j < kGroup; ++j) r[e + j] = x[e + j] - static_cast<float>(q[j]) * d;
+  }
+}
+
+void arlm_kernels::linear_a8p_residual(const float* x, int64_t M, int64_t K, const at::Tensor& wp,
+                                       const at::Tensor& scale, const at::Tensor& mins, float* y, int64_t ldy,
+                                       bool accumulate) {
+  const int64_t G = K / kGroup;
+  // Rows 2m and 2m + 1: x_m quantized, then what that rounding lost, quantized again.
+  std::unique_ptr<int8_t[]> q(new int8_t[2 * M * K]);
+  std::unique_ptr<float[]> d(new float[2 * M * G]), s(new float[2 * M * G]);
+  std::unique_ptr<int32_t[]> sum(new int32_t[2 * M * G]);
+  at::parallel_for(0, M * G, 256, [&](int64_t b0, int64_t b1) {
+    float r[kGroup];
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t m = b / G, g = b % G, main = (2 * m) * G + g, res = (2 * m + 1) * G + g;
+      const float* src = x + m * K + g * kGroup;
+      int8_t* q1 = q.get() + (2 * m) * K + g * kGroup;
+      quantize_group(src, q1, d.get() + main, s.get() + main, sum.get() + main);
+      for (int j = 0; j < kGroup; ++j) r[j] = src[j] - static_cast<float>(q1[j]) * d[main];
+      quantize_group(r, q.get() + (2 * m + 1) * K + g * kGroup, d.get() + res, s.get() + res, sum.get() + res);
+    }
+  });
+  const int64_t N = wp.size(0) * kLanes;
+  std::unique_ptr<float[]> pairs(new float[2 * M * N]);
+  linear_a8p({q.get(), d.get(), s.get(), sum.get()}, 2 * M, K, wp, scale, mins, pairs.get(), N, false);
+  at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m)
+      for (int64_t n = 0; n < N; ++n) {
+        const float v = pairs[2 * m * N + n] + pairs[(2 * m + 1) * N + n];
+        y[m * ldy + n] = accumulate ? y[m * ldy + n] + v : v;
+      }
+  });
+}
+
 // The packed twins of int8_linear_a8 / q4_linear_a8 (layouts above; AVX-512 VNNI only).
 at::Tensor int8_linear_a8p(const at::Tensor& x, const at::Tensor& wp, const at::Tensor& scale) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
@@ -547,7 +588,25 @@ bool packed_a8_available() {
 #endif
 }
 
+// linear_a8p_residual as an op: packed weights (wp, scale, mins as the a8p ops take them; mins
+// empty for int8 layouts).
+at::Tensor linear_a8p_residual(const at::Tensor& x, const at::Tensor& wp, const at::Tensor& scale,
+                               const at::Tensor& mins) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "linear_a8p_residual: x [M, K] contiguous float32");
+  const int64_t N = arlm_kernels::packed_out_features("linear_a8p_residual", x.size(1), wp, scale, mins);
+  at::Tensor y = at::empty({x.size(0), N}, x.options());
+#ifdef ARLM_AVX512
+  arlm_kernels::linear_a8p_residual(x.data_ptr<float>(), x.size(0), x.size(1), wp, scale, mins, y.data_ptr<float>(),
+                                    N, false);
+#else
+  TORCH_CHECK(false, "linear_a8p_residual: built without AVX-512 VNNI");
+#endif
+  return y;
+}
+
 TORCH_LIBRARY_FRAGMENT(arlm, m) {
+  m.def("linear_a8p_residual(Tensor x, Tensor wp, Tensor scale, Tensor mins) -> Tensor");
   m.def("q4_linear_a8(Tensor x, Tensor w, Tensor scale, Tensor mins) -> Tensor");
   m.def("int8_linear_a8(Tensor x, Tensor w, Tensor scale) -> Tensor");
   m.def("int8_linear_a8p(Tensor x, Tensor wp, Tensor scale) -> Tensor");
@@ -560,5 +619,6 @@ TORCH_LIBRARY_IMPL(arlm, CPU, m) {
   m.impl("int8_linear_a8", &int8_linear_a8);
   m.impl("int8_linear_a8p", &int8_linear_a8p);
   m.impl("q4_linear_a8p", &q4_linear_a8p);
+  m.impl("linear_a8p_residual", &linear_a8p_residual);
 }
 

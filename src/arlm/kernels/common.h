@@ -69,6 +69,17 @@ int64_t packed_out_features(const char* op, int64_t K, const at::Tensor& wp, con
 void linear_a8p(const Act8& x, int64_t M, int64_t K, const at::Tensor& wp, const at::Tensor& scale,
                 const at::Tensor& mins, float* y, int64_t ldy, bool accumulate);
 
+// The same product with 8-bit activations taken twice: x ~ q1 d1 + q2 d2, q2 d2 the 8-bit
+// rounding of x's own rounding error (x - q1 d1). ~15 bits of activation, close to float32's
+// products, for ~2x the integer dot products but one pass over the weights (each row of x and
+// its residual run as a pair of rows). x [M, K] float32 (row stride K); y as linear_a8p.
+// r[0..n) = x - (x quantized to 8 bits per group of 32 and back): what one 8-bit pass loses (n a
+// multiple of 32). Serial.
+void activation_residual(const float* x, int64_t n, float* r);
+
+void linear_a8p_residual(const float* x, int64_t M, int64_t K, const at::Tensor& wp, const at::Tensor& scale,
+                         const at::Tensor& mins, float* y, int64_t ldy, bool accumulate);
+
 }  // namespace arlm_kernels
 
 #if defined(__AVX2__) && defined(__FMA__)

@@ -139,8 +139,27 @@ int64_t out_features(const char* op, const at::Tensor* p, int64_t K) {
 // y[M, N] (row stride ldy) = x W^T, or y += x W^T when accumulate (the residual adds). x [M, K]
 // float32; xq: x quantized (arlm_kernels::Act8), which packed layers read instead. Packed layers
 // write straight into y; the other layouts (AVX2 / float32 builds) go through their tensor ops.
+// residual (with a8): the 8-bit activations taken twice (arlm_kernels::linear_a8p_residual), for
+// the packed layouts in one pass over the weights, for the row layouts as each row of x and its
+// residual run as two rows.
 void linear_into(const float* x, const arlm_kernels::Act8* xq, int64_t M, int64_t K, const at::Tensor* p, bool a8,
-                 float* y, int64_t ldy, bool accumulate) {
+                 float* y, int64_t ldy, bool accumulate, bool residual = false) {
+  if (residual && a8 && K % 32 == 0) {
+    if (packed(p)) return arlm_kernels::linear_a8p_residual(x, M, K, p[0], p[1], p[2], y, ldy, accumulate);
+    const int64_t N = out_features("decode", p, K);
+    std::vector<float> pairs_x(2 * M * K), pairs_y(2 * M * N);
+    for (int64_t m = 0; m < M; ++m) {
+      std::copy(x + m * K, x + (m + 1) * K, pairs_x.data() + 2 * m * K);
+      arlm_kernels::activation_residual(x + m * K, K, pairs_x.data() + (2 * m + 1) * K);
+    }
+    linear_into(pairs_x.data(), nullptr, 2 * M, K, p, a8, pairs_y.data(), N, false);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t n = 0; n < N; ++n) {
+        const float v = pairs_y[2 * m * N + n] + pairs_y[(2 * m + 1) * N + n];
+        y[m * ldy + n] = accumulate ? y[m * ldy + n] + v : v;
+      }
+    return;
+  }
   if (packed(p)) {
     TORCH_CHECK(a8 && xq, "decode: packed weights need 8-bit activations");
     return arlm_kernels::linear_a8p(*xq, M, K, p[0], p[1], p[2], y, ldy, accumulate);
@@ -334,21 +353,25 @@ inline void timed(Phase phase, F f) {
   g_phase_seconds[phase] += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
+// residual: bit (1 << slot) set for each linear (kWqkv, kWo, kGateUp, kDown) whose 8-bit
+// activations are taken twice (linear_into); those read the float input, not buf.xq.
 template <typename Attend>
-void run_layers(float* x, const Shapes& s, at::TensorList weights, int64_t L, double eps, bool a8, Buffers& buf,
-                Attend attend) {
+void run_layers(float* x, const Shapes& s, at::TensorList weights, int64_t L, double eps, bool a8, int64_t residual,
+                Buffers& buf, Attend attend) {
   const int64_t N = s.N, d = s.d;
+  auto twice = [&](LayerWeight slot) { return a8 && (residual >> slot & 1); };
   for (int64_t l = 0; l < L; ++l) {
     const at::Tensor* W = weights.data() + kLayerWeights * l;
-    auto quantized_for = [&](const at::Tensor* p) { return packed(p) ? &buf.xq : nullptr; };
-    timed(kNorm1, [&] { rms_norm(x, W[kAttnNorm].data_ptr<float>(), N, d, eps, buf.h, quantized_for(W + kWqkv)); });
-    timed(kQkv, [&] { linear_into(buf.h, &buf.xq, N, d, W + kWqkv, a8, buf.qkv, s.qkv_dim, false); });
-    timed(kAttention, [&] { attend(l, buf.qkv, quantized_for(W + kWo)); });
-    timed(kWoPass, [&] { linear_into(buf.attn, &buf.xq, N, s.H * s.hd, W + kWo, a8, x, d, true); });
-    timed(kNorm2, [&] { rms_norm(x, W[kMlpNorm].data_ptr<float>(), N, d, eps, buf.h, quantized_for(W + kGateUp)); });
-    timed(kGateUpPass, [&] { linear_into(buf.h, &buf.xq, N, d, W + kGateUp, a8, buf.gu, 2 * s.dff, false); });
-    timed(kSilu, [&] { silu_mul(buf.gu, N, s.dff, buf.act, quantized_for(W + kDown)); });
-    timed(kDownPass, [&] { linear_into(buf.act, &buf.xq, N, s.dff, W + kDown, a8, x, d, true); });
+    auto quantized_for = [&](LayerWeight slot) { return packed(W + slot) && !twice(slot) ? &buf.xq : nullptr; };
+    timed(kNorm1, [&] { rms_norm(x, W[kAttnNorm].data_ptr<float>(), N, d, eps, buf.h, quantized_for(kWqkv)); });
+    timed(kQkv, [&] { linear_into(buf.h, &buf.xq, N, d, W + kWqkv, a8, buf.qkv, s.qkv_dim, false, twice(kWqkv)); });
+    timed(kAttention, [&] { attend(l, buf.qkv, quantized_for(kWo)); });
+    timed(kWoPass, [&] { linear_into(buf.attn, &buf.xq, N, s.H * s.hd, W + kWo, a8, x, d, true, twice(kWo)); });
+    timed(kNorm2, [&] { rms_norm(x, W[kMlpNorm].data_ptr<float>(), N, d, eps, buf.h, quantized_for(kGateUp)); });
+    timed(kGateUpPass,
+          [&] { linear_into(buf.h, &buf.xq, N, d, W + kGateUp, a8, buf.gu, 2 * s.dff, false, twice(kGateUp)); });
+    timed(kSilu, [&] { silu_mul(buf.gu, N, s.dff, buf.act, quantized_for(kDown)); });
+    timed(kDownPass, [&] { linear_into(buf.act, &buf.xq, N, s.dff, W + kDown, a8, x, d, true, twice(kDown)); });
   }
 }
 
@@ -381,7 +404,7 @@ void check_common(const char* op, const at::Tensor& x, at::TensorList weights, i
 // attention reads slots 0..min(pos, kv_len - 1) of the row. cos, sin [max_T, hd].
 void decode_llama(const at::Tensor& x, at::TensorList weights, const at::Tensor& k_cache, const at::Tensor& v_cache,
                   const at::Tensor& pos, const at::Tensor& cos, const at::Tensor& sin, int64_t kv_len,
-                  int64_t n_head, int64_t n_kv_heads, double eps, bool a8) {
+                  int64_t n_head, int64_t n_kv_heads, double eps, bool a8, int64_t residual) {
   TORCH_CHECK(k_cache.dim() == 5 && (k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kHalf) &&
               k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() && v_cache.is_contiguous() &&
               v_cache.scalar_type() == k_cache.scalar_type(),
@@ -475,12 +498,12 @@ void decode_llama(const at::Tensor& x, at::TensorList weights, const at::Tensor&
     auto attend = [&](int64_t l, float* qkv, const arlm_kernels::Act8* xq) {
       attend_in(k_cache.data_ptr<at::Half>(), v_cache.data_ptr<at::Half>(), l, qkv, xq);
     };
-    run_layers(x.data_ptr<float>(), s, weights, L, eps, a8, buf, attend);
+    run_layers(x.data_ptr<float>(), s, weights, L, eps, a8, residual, buf, attend);
   } else {
     auto attend = [&](int64_t l, float* qkv, const arlm_kernels::Act8* xq) {
       attend_in(k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), l, qkv, xq);
     };
-    run_layers(x.data_ptr<float>(), s, weights, L, eps, a8, buf, attend);
+    run_layers(x.data_ptr<float>(), s, weights, L, eps, a8, residual, buf, attend);
   }
 }
 
@@ -491,7 +514,7 @@ void decode_llama(const at::Tensor& x, at::TensorList weights, const at::Tensor&
 void forward_llama_paged(const at::Tensor& x, at::TensorList weights, const at::Tensor& k_pool,
                          const at::Tensor& v_pool, const at::Tensor& block_table, const at::Tensor& seq_index,
                          const at::Tensor& pos, const at::Tensor& cos, const at::Tensor& sin, int64_t n_head,
-                         int64_t n_kv_heads, double eps, bool a8) {
+                         int64_t n_kv_heads, double eps, bool a8, int64_t residual) {
   TORCH_CHECK(k_pool.dim() == 5 && (k_pool.scalar_type() == at::kFloat || k_pool.scalar_type() == at::kHalf) &&
               v_pool.sizes() == k_pool.sizes() && v_pool.scalar_type() == k_pool.scalar_type(),
               "forward_llama_paged: float32 or float16 pools [L, n_blocks, H_kv, block_size, hd]");
@@ -539,19 +562,20 @@ void forward_llama_paged(const at::Tensor& x, at::TensorList weights, const at::
     auto attend = [&](int64_t l, float* qkv, const Act8* xq) {
       attend_in(k_pool.data_ptr<at::Half>(), v_pool.data_ptr<at::Half>(), l, qkv, xq);
     };
-    run_layers(x.data_ptr<float>(), s, weights, L, eps, a8, buf, attend);
+    run_layers(x.data_ptr<float>(), s, weights, L, eps, a8, residual, buf, attend);
   } else {
     auto attend = [&](int64_t l, float* qkv, const Act8* xq) {
       attend_in(k_pool.data_ptr<float>(), v_pool.data_ptr<float>(), l, qkv, xq);
     };
-    run_layers(x.data_ptr<float>(), s, weights, L, eps, a8, buf, attend);
+    run_layers(x.data_ptr<float>(), s, weights, L, eps, a8, residual, buf, attend);
   }
 }
 
 // The final norm and the LM head: logits out [N, V] = head(rms_norm(x) * norm). head: (w, scale,
-// mins) in any layout `decode_llama` takes. Writes into out (a buffer reused step after step).
+// mins) in any layout `decode_llama` takes; residual: a packed head takes its 8-bit activations
+// twice (linear_a8p_residual). Writes into out (a buffer reused step after step).
 void llama_head(const at::Tensor& x, const at::Tensor& norm, at::TensorList head, double eps, bool a8,
-                const at::Tensor& out) {
+                bool residual, const at::Tensor& out) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && head.size() == 3 &&
               norm.numel() == x.size(1) && norm.scalar_type() == at::kFloat && norm.is_contiguous(),
               "llama_head: x [N, d] contiguous float32, norm [d] float32, head (w, scale, mins)");
@@ -565,9 +589,11 @@ void llama_head(const at::Tensor& x, const at::Tensor& norm, at::TensorList head
   const arlm_kernels::Act8 xq{arena.take<int8_t>(N * d), arena.take<float>(G), arena.take<float>(G),
                               arena.take<int32_t>(G)};
   TORCH_CHECK(!packed(head.data()) || d % 32 == 0, "llama_head: packed head needs d a multiple of 32");
+  const bool two_pass = residual && a8 && d % 32 == 0;  // 8-bit activations taken twice (linear_into)
   timed(kHead, [&] {
-    rms_norm(x.data_ptr<float>(), norm.data_ptr<float>(), N, d, eps, h, packed(head.data()) ? &xq : nullptr);
-    linear_into(h, &xq, N, d, head.data(), a8, out.data_ptr<float>(), V, false);
+    rms_norm(x.data_ptr<float>(), norm.data_ptr<float>(), N, d, eps, h,
+             packed(head.data()) && !two_pass ? &xq : nullptr);
+    linear_into(h, &xq, N, d, head.data(), a8, out.data_ptr<float>(), V, false, two_pass);
   });
 }
 
@@ -631,11 +657,11 @@ at::Tensor argmax_rows(const at::Tensor& x) {
 TORCH_LIBRARY_FRAGMENT(arlm, m) {
   m.def("argmax_rows(Tensor x) -> Tensor");
   m.def("decode_llama(Tensor(c!) x, Tensor[] weights, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor pos, "
-        "Tensor cos, Tensor sin, int kv_len, int n_head, int n_kv_heads, float eps, bool a8) -> ()");
+        "Tensor cos, Tensor sin, int kv_len, int n_head, int n_kv_heads, float eps, bool a8, int residual=0) -> ()");
   m.def("forward_llama_paged(Tensor(c!) x, Tensor[] weights, Tensor(a!) k_pool, Tensor(b!) v_pool, "
         "Tensor block_table, Tensor seq_index, Tensor pos, Tensor cos, Tensor sin, int n_head, int n_kv_heads, "
-        "float eps, bool a8) -> ()");
-  m.def("llama_head(Tensor x, Tensor norm, Tensor[] head, float eps, bool a8, Tensor(a!) out) -> ()");
+        "float eps, bool a8, int residual=0) -> ()");
+  m.def("llama_head(Tensor x, Tensor norm, Tensor[] head, float eps, bool a8, bool residual, Tensor(a!) out) -> ()");
   m.def("decode_profile(bool on) -> Tensor", &decode_profile);
 }
 

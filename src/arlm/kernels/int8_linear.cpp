@@ -109,10 +109,53 @@ inline void block_rows_grouped(const float* x, int64_t ldx, const int8_t* w, int
 #endif
 }
 
+#if defined(__AVX512F__)
+// The same with 16 weights to a vector: a group of 32 is two widened loads and two FMAs per row.
+template <int MB>
+inline void block_rows_grouped16(const float* x, int64_t ldx, const int8_t* w, int64_t K, const float* d,
+                                 float* acc_out) {
+  const int64_t G = K / 32;
+  __m512 acc[MB][kRows];
+  for (int i = 0; i < MB; ++i)
+    for (int r = 0; r < kRows; ++r) acc[i][r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m512 w0[kRows], w1[kRows];
+    for (int r = 0; r < kRows; ++r) {
+      const int8_t* p = w + r * K + g * 32;
+      w0[r] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+      w1[r] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
+    }
+    for (int i = 0; i < MB; ++i) {
+      const __m512 x0 = _mm512_loadu_ps(x + i * ldx + g * 32), x1 = _mm512_loadu_ps(x + i * ldx + g * 32 + 16);
+      for (int r = 0; r < kRows; ++r) {
+        const __m512 part = _mm512_fmadd_ps(w1[r], x1, _mm512_mul_ps(w0[r], x0));
+        acc[i][r] = _mm512_fmadd_ps(part, _mm512_set1_ps(d[r * G + g]), acc[i][r]);
+      }
+    }
+  }
+  for (int i = 0; i < MB; ++i)
+    for (int r = 0; r < kRows; ++r) acc_out[i * kRows + r] = _mm512_reduce_add_ps(acc[i][r]);
+}
+#endif
+
 // All M rows of x against one tile of `rows` weight rows with group scales d [rows, K/32].
 inline void tile_grouped(const float* x, int64_t M, const int8_t* w, int64_t K, int64_t rows, float* y, int64_t N,
                          const float* d) {
   const int64_t G = K / 32;
+#if defined(__AVX512F__)
+  if (rows == kRows) {  // x rows 4, 2, 1 at a time: each widened weight vector serves them all
+    float out[4 * kRows];
+    int64_t m = 0;
+    auto put = [&](int mb) {
+      for (int i = 0; i < mb; ++i)
+        for (int r = 0; r < kRows; ++r) y[(m + i) * N + r] = out[i * kRows + r];
+    };
+    for (; m + 4 <= M; m += 4) { block_rows_grouped16<4>(x + m * K, K, w, K, d, out); put(4); }
+    for (; m + 2 <= M; m += 2) { block_rows_grouped16<2>(x + m * K, K, w, K, d, out); put(2); }
+    for (; m < M; ++m) { block_rows_grouped16<1>(x + m * K, K, w, K, d, out); put(1); }
+    return;
+  }
+#endif
 #if defined(__AVX2__) && defined(__FMA__)
   if (rows == kRows) {
     float out[kRows];
@@ -152,7 +195,13 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
       std::vector<float> d(kRows * G);  // one tile's scales, widened once
       for (int64_t t = t0; t < t1; ++t) {
         const int64_t n = t * kRows, rows = std::min(kRows, N - n);
-        for (int64_t i = 0; i < rows * G; ++i) d[i] = static_cast<float>(sp[n * G + i]);
+        int64_t i = 0;
+#if defined(__F16C__)
+        for (; i + 8 <= rows * G; i += 8)  // scalar float16 conversion would cost more than the matmul
+          _mm256_storeu_ps(d.data() + i,
+                           _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp + n * G + i))));
+#endif
+        for (; i < rows * G; ++i) d[i] = static_cast<float>(sp[n * G + i]);
         tile_grouped(xp, M, wp + n * K, K, rows, yp + n, N, d.data());
       }
     });

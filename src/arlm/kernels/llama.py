@@ -63,16 +63,20 @@ def linear_weights(layer: torch.nn.Module) -> tuple[list[torch.Tensor], bool] | 
     return None
 
 
-def layer_weights(model: Transformer) -> tuple[list[torch.Tensor], bool] | None:
-    """Every layer's weights laid out as `LayerWeight` says, and whether the stack runs with 8-bit
-    activations; None where the kernels cannot take them (float32 norms, one activation mode)."""
+def layer_weights(model: Transformer) -> tuple[list[torch.Tensor], bool, int] | None:
+    """Every layer's weights laid out as `LayerWeight` says, whether the stack runs with 8-bit
+    activations, and the residual mask: bit 1 << slot for each linear whose 8-bit activations are
+    taken twice (`QuantizedLinear.residual_activations`); None where the kernels cannot take them
+    (float32 norms, one activation mode, one residual choice per linear across the layers)."""
     weights: list[torch.Tensor] = []
     a8: set[bool] = set()
+    masks: set[int] = set()
     for block in model.blocks:
         norms = (block.attn_norm.weight, block.mlp_norm.weight)
         if any(w.dtype != torch.float32 for w in norms):
             return None
         layer: list[torch.Tensor | None] = [None] * LayerWeight.COUNT
+        mask = 0
         layer[LayerWeight.ATTN_NORM], layer[LayerWeight.MLP_NORM] = norms[0].detach(), norms[1].detach()
         for slot, linear in ((LayerWeight.WQKV, block.attn.wqkv), (LayerWeight.WO, block.attn.wo),
                              (LayerWeight.GATE_UP, block.mlp.gate_up), (LayerWeight.DOWN, block.mlp.down)):
@@ -82,18 +86,21 @@ def layer_weights(model: Transformer) -> tuple[list[torch.Tensor], bool] | None:
             layer[slot:slot + 3] = native[0]
             if native[0][1].numel():  # float32 layers run in either mode
                 a8.add(native[1])
+            if getattr(linear, "residual_activations", False):
+                mask |= 1 << slot
+        masks.add(mask)
         weights.extend(layer)  # type: ignore[arg-type]
-    if len(a8) > 1:
+    if len(a8) > 1 or len(masks) > 1:
         return None
-    return weights, a8 == {True}
+    return weights, a8 == {True}, masks.pop() if masks else 0
 
 
 class NativeLlama:
     """A model's layer stack and head as native calls; see the module docstring."""
 
     def __init__(self, model: Transformer, weights: list[torch.Tensor], a8: bool,
-                 head: tuple[list[torch.Tensor], bool] | None) -> None:
-        self.model, self.weights, self.a8 = model, weights, a8
+                 head: tuple[list[torch.Tensor], bool] | None, residual: int = 0) -> None:
+        self.model, self.weights, self.a8, self.residual = model, weights, a8, residual
         cfg = model.config
         self.n_head, self.n_kv_heads, self.eps = cfg.n_head, cfg.n_kv_heads, cfg.norm_eps
         emb = getattr(model.tok_emb, "weight", None)  # None: gathered from quantized rows (quant.QuantizedEmbedding)
@@ -113,7 +120,7 @@ class NativeLlama:
         head = linear_weights(model.lm_head)
         if model.norm.weight.dtype != torch.float32:
             head = None
-        return cls(model, layers[0], layers[1], head)
+        return cls(model, layers[0], layers[1], head, layers[2])
 
     def embed(self, tokens: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Token embeddings [N, d] float32 for ids [N] (a fresh tensor, or `out`): the stacks run
@@ -129,7 +136,7 @@ class NativeLlama:
         contiguous cache k, v [L, B, H_kv, T, d_head]; attention reads slots < kv_len."""
         m = self.model
         torch.ops.arlm.decode_llama(x, self.weights, k, v, pos, m.rope_cos, m.rope_sin, kv_len,
-                                    self.n_head, self.n_kv_heads, self.eps, self.a8)
+                                    self.n_head, self.n_kv_heads, self.eps, self.a8, self.residual)
 
     def forward(self, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_table: torch.Tensor,
                 seq_index: torch.Tensor, pos: torch.Tensor) -> None:
@@ -137,7 +144,8 @@ class NativeLlama:
         block_table [S, M]) at position pos[i], K/V in the pools k, v [L, n_blocks, H_kv, bs, d_head]."""
         m = self.model
         torch.ops.arlm.forward_llama_paged(x, self.weights, k, v, block_table, seq_index, pos, m.rope_cos,
-                                           m.rope_sin, self.n_head, self.n_kv_heads, self.eps, self.a8)
+                                           m.rope_sin, self.n_head, self.n_kv_heads, self.eps, self.a8,
+                                           self.residual)
 
     def head(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Final norm + LM head: hidden states [N, d] -> float32 logits [N, vocab] (into `out`).
@@ -149,7 +157,8 @@ class NativeLlama:
             return logits if out is None else out.copy_(logits)
         weights, a8 = self._head
         out = x.new_empty(x.shape[0], self.model.config.vocab_size) if out is None else out
-        torch.ops.arlm.llama_head(x.contiguous(), self._norm, weights, self.eps, a8, out)
+        residual = bool(getattr(self.model.lm_head, "residual_activations", False))
+        torch.ops.arlm.llama_head(x.contiguous(), self._norm, weights, self.eps, a8, residual, out)
         return out
 
 

@@ -86,7 +86,7 @@ def build_model(config: ModelConfig, state_dict: dict[str, torch.Tensor], device
 
 def load_quantized_gguf(path: Path) -> LoadedModel:
     """A GGUF file's model with its quantized weights as the file stores them, in the kernels'
-    layout (`arlm.quant.prepare`, 8-bit activations), from the cache when it holds the file
+    layout (`arlm.quant.prepare`, integer activations: packed where that is built), from the cache when it holds the file
     (`arlm.loading.cache`), else built from the file and cached."""
     from .. import kernels
     from ..quant import prepare
@@ -101,9 +101,10 @@ def load_quantized_gguf(path: Path) -> LoadedModel:
             tokenizer = Tokenizer.from_gguf_fields(gf.tokenizer_fields)
         except (TokenizerError, KeyError) as e:
             raise LoadError(f"{path}: cannot build its tokenizer ({e})") from None
-        loaded = LoadedModel(prepare(model, "int8"), tokenizer, gf.chat_template, gf.name, "gguf", path,
+        loaded = LoadedModel(prepare(model), tokenizer, gf.chat_template, gf.name, "gguf", path,
                              requantized=requantized)
         cache.save(path, layout, loaded, requantized)
+    prepare(loaded.model)  # the default activations (LLM.configure may choose others)
     loaded.quantized = True
     return loaded
 
