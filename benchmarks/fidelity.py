@@ -47,12 +47,11 @@ ANSWER_TOKENS = 16
 # name -> LLM.load keyword arguments. "default" is what `arlm generate` runs.
 CONFIGS = {
     "float32": dict(quantize=None),
-    "default": dict(),
-    "default, KV float32": dict(kv_dtype="float32"),
-    "default, prefill float32": dict(prefill_dtype="float32"),
-    "default, KV + prefill float32": dict(kv_dtype="float32", prefill_dtype="float32"),
+    "default (int8x2)": dict(),
+    "int8": dict(activations="int8"),
+    "int8, KV float32": dict(activations="int8", kv_dtype="float32"),
+    "int8, prefill float32": dict(activations="int8", prefill_dtype="float32"),
 }
-
 
 def texts(max_tokens: int | None) -> dict[str, str]:
     shakespeare = (ROOT / "data" / "tinyshakespeare.txt").read_text()
@@ -133,7 +132,7 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--stride", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=None, help="only the first N tokens of each text")
-    ap.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated names from: " + ", ".join(CONFIGS))
+    ap.add_argument("--configs", default=";".join(CONFIGS), help="semicolon-separated names from: " + "; ".join(CONFIGS))
     ap.add_argument("--repeat", type=int, default=3, help="speed runs per configuration (median)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--work", default=str(ROOT / "build" / "fidelity"), help="where the float32 logits go")
@@ -146,7 +145,7 @@ def main() -> int:
     gguf = resolve_model_path("smollm2")
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    names = [n.strip() for n in args.configs.split(",") if n.strip()]
+    names = [n.strip() for n in args.configs.split(";") if n.strip()]
     unknown = [n for n in names if n not in CONFIGS]
     if unknown:
         ap.error(f"unknown configs {unknown}")
@@ -222,7 +221,7 @@ def main() -> int:
         for label, t in r.get("texts", {}).items():
             kl = t["kl"]
             if kl:
-                print(f"| {name} | {label} | {kl['mean_kl']:.5f} | {kl['p99_kl']:.4f} | {kl['top1_agreement']:.2f} "
+                print(f"| {name} | {label} | {kl['mean_kl']:.2e} | {kl['p99_kl']:.2e} | {kl['top1_agreement']:.2f} "
                       f"| {kl['mean_abs_delta_logp']:.4f} | {t['perplexity']:.3f} |")
             else:
                 print(f"| {name} | {label} | 0 | 0 | 100 | 0 | {t['perplexity']:.3f} |")

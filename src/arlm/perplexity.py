@@ -304,6 +304,7 @@ def run_config(llm) -> dict:
     return {"model": llm.loaded.name, "quantization": llm.quantization or "none",
             "prefill_dtype": llm.prefill_dtype if llm.quantization else dtype,
             "activations": llm.activations if llm.quantization else dtype,
+            "requantized": list(getattr(llm.loaded, "requantized", [])),
             "kv_dtype": str(llm.kv_dtype).removeprefix("torch."),
             "dtype": dtype, "device": str(llm.runner.device)}
 

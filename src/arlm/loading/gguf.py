@@ -182,6 +182,16 @@ def read_gguf(path: str | Path) -> GGUFModel:
     gf = open_gguf(path)
 
     def to_float(parts) -> torch.Tensor:
+        if all(t.tensor_type.name in _BLOCK for _, t in parts) and len(parts[0][1].shape) == 2:
+            # Straight into one preallocated array, a few thousand rows at a time: the weights are
+            # held once (no per-tensor temporaries the size of the tensor, no concatenation).
+            blocks = [_blocks(gf, rest, t) for rest, t in parts]
+            out = np.empty((sum(b.shape[0] for b in blocks), 32 * blocks[0].shape[1]), np.float32)
+            row = 0
+            for (_, t), b in zip(parts, blocks):
+                _dequantize_blocks(b, t.tensor_type.name, out[row:row + b.shape[0]])
+                row += b.shape[0]
+            return torch.from_numpy(out)
         ws = [_unpermute(rest, _dequantize(gf, t), gf.config) for rest, t in parts]
         w = ws[0] if len(ws) == 1 else np.concatenate(ws)
         return torch.from_numpy(w if w.flags.writeable and w.flags.c_contiguous else w.copy())
@@ -200,6 +210,23 @@ def _blocks(gf: GGUFFile, rest: str, t) -> np.ndarray:
     the memory map where nothing moves)."""
     data = np.asarray(t.data).reshape(int(t.shape[1]), -1, _BLOCK[t.tensor_type.name])
     return _unpermute(rest, data, gf.config)
+
+
+def _dequantize_blocks(b: np.ndarray, kind: str, out: np.ndarray, rows: int = 2048) -> None:
+    """Q4_1 / Q8_0 blocks [N, G, bytes] -> float32 out [N, 32 G], as gguf.quants.dequantize does
+    (d * q (+ m) in float32: the same values, bit for bit), `rows` rows at a time."""
+    for i in range(0, b.shape[0], rows):
+        c = b[i:i + rows]
+        n, G = c.shape[0], c.shape[1]
+        d = np.ascontiguousarray(c[..., 0:2]).view(np.float16).astype(np.float32)  # [n, G, 1]
+        if kind == "Q8_0":
+            q = np.ascontiguousarray(c[..., 2:]).view(np.int8).astype(np.float32)
+            out[i:i + n] = (d * q).reshape(n, 32 * G)
+        else:
+            m = np.ascontiguousarray(c[..., 2:4]).view(np.float16).astype(np.float32)
+            qs = c[..., 4:]
+            q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.float32)
+            out[i:i + n] = (d * q + m).reshape(n, 32 * G)
 
 
 def _quantized_layer(gf: GGUFFile, parts, requantized: list[str]):
