@@ -167,6 +167,15 @@ def load(path: Path, layout: str):
     except (OSError, ValueError):
         return None
 
+    # The tokenizer (~0.13 s of JSON parsing in Rust, outside the GIL) loads beside the model.
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tokenizers import Tokenizer as HFTokenizer
+
+    pool = ThreadPoolExecutor(1)
+    backend = pool.submit(HFTokenizer.from_file, str(directory / "tokenizer.json"))
+    pool.shutdown(wait=False)
+
     def tensor(r: dict) -> torch.Tensor:
         dtype = _DTYPES[r["dtype"]]
         n = dtype.itemsize * int(torch.Size(r["shape"]).numel())
@@ -205,10 +214,7 @@ def load(path: Path, layout: str):
     if any(t.is_meta for t in list(model.parameters()) + list(model.buffers())):
         return None  # an incomplete manifest: rebuild
     try:
-        from tokenizers import Tokenizer as HFTokenizer
-
-        tokenizer = Tokenizer(HFTokenizer.from_file(str(directory / "tokenizer.json")), manifest["bos_id"],
-                              manifest["eos_ids"], manifest["add_bos"])
+        tokenizer = Tokenizer(backend.result(), manifest["bos_id"], manifest["eos_ids"], manifest["add_bos"])
     except (OSError, ValueError, Exception):  # noqa: BLE001 - HF's parser raises its own kinds: rebuild
         return None
     return LoadedModel(model.eval(), tokenizer, manifest["chat_template"], manifest["name"], "gguf", path,
