@@ -9,15 +9,17 @@ prompt ids, greedy, EOS ignored. Run it for each side in turn, several times, an
 medians (docs/benchmarks.md): the machine drifts more than most changes.
 """
 
+import argparse
 import json
-import sys
 
 import torch
 
 from arlm.llm import LLM
 from arlm.sampling import SamplingParams
 
-kwargs = json.loads(sys.argv[1]) if len(sys.argv) > 1 else {}
+ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+ap.add_argument("kwargs", nargs="?", type=json.loads, default={}, help="LLM.load keyword arguments as JSON")
+kwargs = ap.parse_args().kwargs
 llm = LLM.load("smollm2", **kwargs)
 g = torch.Generator().manual_seed(0)
 short = torch.randint(1000, 20000, (64,), generator=g).tolist()

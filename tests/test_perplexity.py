@@ -258,19 +258,25 @@ def test_cli_json_and_text(cli, text_file, base_file, ids):
 
 @pytest.mark.slow
 def test_cli_end_to_end_quantized_kl(text_file, tmp_path, capsys):
-    """Real loads: the float32 run saved, the default (quantized) run compared with it: a KL well
-    above the float16 bound (1.4e-5), the base perplexity read back from the file."""
+    """Real loads: the float32 run saved, the single 8-bit pass (`--activations int8`) compared
+    with it: a KL well above the float16 bound (1.4e-5), the base perplexity read back from the
+    file; the default (8 bits twice) within that bound of float32."""
     base = tmp_path / "f32.lgp"
     common = [str(text_file), "--context", str(CONTEXT), "--stride", str(STRIDE), "--json"]
     assert arlm.cli.main(["perplexity", *common, "--quantize", "none", "--save-logits", str(base)]) == 0
     f32 = json.loads(capsys.readouterr().out)
-    assert arlm.cli.main(["perplexity", *common, "--quantize", "auto", "--kl-divergence", str(base)]) == 0
+    assert arlm.cli.main(["perplexity", *common, "--quantize", "auto", "--activations", "int8",
+                          "--kl-divergence", str(base)]) == 0
     quant = json.loads(capsys.readouterr().out)
+    assert quant["activations"] == "int8"
     kl = quant["kl_divergence"]
     assert quant["quantization"] == "auto" and kl["base_config"]["quantization"] == "none"
     assert kl["mean_kl"] > 1e-4 and kl["max_kl"] >= kl["p99_kl"] >= kl["median_kl"] > 0
     assert kl["base_perplexity"] == pytest.approx(f32["perplexity"], rel=1e-2)
     assert kl["perplexity"] == pytest.approx(quant["perplexity"], rel=1e-12)
+    assert arlm.cli.main(["perplexity", *common, "--kl-divergence", str(base)]) == 0
+    default = json.loads(capsys.readouterr().out)
+    assert default["activations"] == "int8x2" and default["kl_divergence"]["mean_kl"] < 1.4e-5
 
 
 def bad_inputs(tmp_path, text_file, base_file, smollm2) -> dict[str, tuple[list, str, int]]:
