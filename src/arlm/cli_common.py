@@ -48,16 +48,16 @@ def add_model_args(p: argparse.ArgumentParser, compile: bool = True) -> None:
     p.add_argument("--dtype", default="auto", choices=("auto",) + DTYPES,
                    help="weight and activation dtype (auto: float32 on CPU, bfloat16 on CUDA)")
     p.add_argument("--quantize", default="auto", choices=("auto", "none", "int8", "q4"),
-                   help="weight quantization for decode (auto, on CPU: 4-bit where that is lossless, as "
-                        "for a Q4_1 GGUF, int8 elsewhere, with 8-bit activations; none on GPU)")
+                   help="weight quantization (auto, on CPU: a GGUF's Q4_1 and Q8_0 blocks as stored, int8 per "
+                        "row for other types or a float model's matrices; none on GPU)")
     p.add_argument("--prefill-dtype", default="auto", choices=("auto", "quantized", "float32", "bfloat16"),
                    help="how a quantized model prefills: through the decode kernels (quantized) or a dense "
                         "copy of the weights (auto: quantized on AVX-512 VNNI CPUs, else bfloat16 with "
                         "AVX512-BF16 or AMX, else float32)")
     p.add_argument("--activations", default="int8x2", choices=("int8x2", "int8", "float32"),
                    help="a quantized model's activation precision: int8x2 (default: 8 bits taken twice, "
-                        "~15 bits, float32's answers), int8 (one 8-bit pass, as llama.cpp: ~12%% faster "
-                        "decode, ~1.6x faster prefill, less faithful) or float32 (slow)")
+                        "~15 bits, float32's answers), int8 (one 8-bit pass, as llama.cpp: batched decode "
+                        "~1.3x and prefill ~1.6x faster, less faithful) or float32 (slow)")
     p.add_argument("--kv-dtype", default="auto", choices=("auto", "float32", "float16", "bfloat16"),
                    help="KV cache dtype (auto: float16 under a quantized model on CPU, as llama.cpp's default "
                         "cache: half the bytes per decode step; else the model's dtype)")

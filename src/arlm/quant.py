@@ -352,8 +352,8 @@ def prepare(model: Transformer, activations: str = "int8x2", keep_dense: bool = 
     activations, the measured choice per layer type (docs/benchmarks.md, "Fidelity"):
     - "int8x2": every linear takes its input as 8 bits twice (`residual_activations`: the second
       pass quantizes the first one's rounding error): ~15-bit activations, next-token
-      distributions within 1e-5 KL of float32 (the answers float32 gives), for ~12% of decode
-      speed and ~40% of prefill speed against "int8" on a Zen 4 CPU;
+      distributions within 1e-5 KL of float32 (the answers float32 gives); batch-1 decode as
+      fast as "int8", batched decode ~1.3x and prefill ~1.6x slower on a Zen 4 CPU;
     - "int8": one 8-bit pass (llama.cpp's choice), except the LM head, which takes two: it
       removes ~30% of the single pass's KL divergence for no measurable time;
     - "float32": weight-only quantization, float activations (the row-layout kernels: slow).
