@@ -24,6 +24,7 @@ every other matrix goes to int8 per row.
 from __future__ import annotations
 
 import threading
+from abc import ABC, abstractmethod
 from contextlib import contextmanager
 
 import torch
@@ -61,7 +62,7 @@ def _dense_forward(layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     return None
 
 
-class QuantizedLinear(nn.Module):
+class QuantizedLinear(nn.Module, ABC):
     """What the quantized layers share: y = x @ W.T + bias with W held quantized, in one layout at
     a time: the row layout (one output row after another, as the file stores it) or, after
     `pack()`, the packed kernels' layout (16 output channels to a vector, AVX-512 VNNI CPUs, 8-bit
@@ -127,22 +128,24 @@ class QuantizedLinear(nn.Module):
         if bias is not None:
             self.bias.data.copy_(bias.detach().float())
 
+    @abstractmethod
     def rows(self) -> tuple[torch.Tensor, ...]:
         """The weight in the row layout (a fresh copy where it is packed)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def dequantize_rows(self, index: torch.Tensor) -> torch.Tensor:
         """Float32 rows `index` [T] of W: [T, in_features] (an embedding table's gather)."""
-        raise NotImplementedError
 
     def dequantize(self) -> torch.Tensor:
         return self.dequantize_rows(torch.arange(self.out_features, device=self.weight.device))
 
+    @abstractmethod
     def _pack(self, rows: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        raise NotImplementedError
+        """The row layout's tensors -> the packed layout's."""
 
+    @abstractmethod
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+        """x [M, K] float32 -> x W^T [M, N] float32, on the kernel for the layer's layout."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (y := _dense_forward(self, x)) is not None:
