@@ -326,3 +326,15 @@ def test_default_path_answers_as_float32(smollm2, smollm2_path):
     assert answers(smollm2) == ref
     default = answers(LLM.load(str(smollm2_path)))
     assert sum(a == r for a, r in zip(default, ref)) >= 22, [smollm2.tokenizer.decode(a) for a in default]
+
+
+def test_float_path_from_the_cached_blocks_equals_the_files_dequantization(smollm2, smollm2_path):
+    # `--quantize none` dequantizes the cached blocks (no second parse of the file): every tensor
+    # bit for bit what the file's own dequantization (read_gguf, gguf's dequantizer) gives.
+    from arlm.loading.gguf import read_gguf
+
+    ref = read_gguf(smollm2_path).state_dict
+    state = smollm2.model.state_dict()
+    assert set(ref) - {"lm_head.weight"} <= set(state)
+    for name, t in ref.items():
+        assert torch.equal(state[name], t), name

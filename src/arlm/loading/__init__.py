@@ -109,17 +109,49 @@ def load_quantized_gguf(path: Path) -> LoadedModel:
     return loaded
 
 
+def dequantized_state(model: Transformer, rows: int = 4096) -> dict[str, torch.Tensor]:
+    """A quantized model's weights as a float32 state dict: each matrix dequantized into one new
+    tensor, `rows` output rows at a time (no temporaries the size of the matrix); the norms copied
+    (not views of a cache's map)."""
+    from ..quant import QuantizedEmbedding, QuantizedLinear
+
+    def dequantize(layer: QuantizedLinear) -> torch.Tensor:
+        out = torch.empty(layer.out_features, layer.in_features)
+        for i in range(0, layer.out_features, rows):
+            out[i:i + rows] = layer.dequantize_rows(torch.arange(i, min(i + rows, layer.out_features)))
+        return out
+
+    state = {name: p.detach().clone() for name, p in model.named_parameters()}
+    for name, m in model.named_modules():  # a tied head is the embedding's table: listed once
+        if isinstance(m, QuantizedEmbedding):
+            state[f"{name}.weight"] = dequantize(m.table)
+        elif isinstance(m, QuantizedLinear) and not name.endswith(".table"):
+            state[f"{name}.weight"] = dequantize(m)
+    return state
+
+
 def load_model(spec: str = "smollm2", device: str | torch.device = "cpu",
                dtype: torch.dtype = torch.float32, quantized: bool = False) -> LoadedModel:
     """The model `spec` names. quantized: a GGUF file's quantized tensors stay as they are
-    (`load_quantized_gguf`; CPU, float32 activations' dtype); other sources load as floats."""
+    (`load_quantized_gguf`; CPU, float32 activations' dtype); other sources load as floats.
+
+    A GGUF file loaded as floats whose tensors all have kernels (nothing re-quantized) is
+    dequantized from the same cached blocks, the same values bit for bit as gguf's dequantizer
+    gives (tests/test_gguf_weights.py), without parsing the file again (~3.5 s for SmolLM2)."""
     path = resolve_model_path(spec)
-    if quantized and path.is_file() and str(device) == "cpu" and dtype == torch.float32:
+    if path.is_file():
         from .gguf import GGUF_MAGIC
 
         with open(path, "rb") as fh:
-            if fh.read(4) == GGUF_MAGIC:
-                return load_quantized_gguf(path)
+            gguf_file = fh.read(4) == GGUF_MAGIC
+        if gguf_file and quantized and str(device) == "cpu" and dtype == torch.float32:
+            return load_quantized_gguf(path)
+        if gguf_file:
+            blocks = load_quantized_gguf(path)
+            if not blocks.requantized:
+                state = dequantized_state(blocks.model)
+                return LoadedModel(build_model(blocks.config, state, device, dtype), blocks.tokenizer,
+                                   blocks.chat_template, blocks.name, "gguf", path)
     if path.is_dir():
         from .checkpoint import is_checkpoint_dir, read_checkpoint
 
