@@ -338,3 +338,17 @@ def test_float_path_from_the_cached_blocks_equals_the_files_dequantization(smoll
     assert set(ref) - {"lm_head.weight"} <= set(state)
     for name, t in ref.items():
         assert torch.equal(state[name], t), name
+
+
+def test_a_cache_written_meanwhile_is_kept(direct, monkeypatch):
+    # Two processes building the same cache at once: the second to finish keeps the first's
+    # directory (which a third may be mapping) instead of replacing it.
+    from arlm.loading import cache
+
+    built, _, root = direct
+    monkeypatch.setenv("ARLM_CACHE", str(root))
+    (directory,) = [p for p in (root / "models").iterdir() if p.is_dir()]
+    layout = directory.name.split("-")[1]
+    stamp = (directory / "weights.bin").stat().st_mtime_ns
+    assert cache.save(built.path, layout, built, []) == directory
+    assert (directory / "weights.bin").stat().st_mtime_ns == stamp

@@ -96,6 +96,7 @@ def load_quantized_gguf(path: Path) -> LoadedModel:
     layout = "packed" if kernels.packed_available() else "rows"
     loaded = cache.load(path, layout)
     if loaded is None:
+        unreadable = cache.cache_dir(path, layout).exists()  # damaged or stale: to be replaced
         gf, model, requantized = quantized_model(path)
         try:
             tokenizer = Tokenizer.from_gguf_fields(gf.tokenizer_fields)
@@ -103,7 +104,7 @@ def load_quantized_gguf(path: Path) -> LoadedModel:
             raise LoadError(f"{path}: cannot build its tokenizer ({e})") from None
         loaded = LoadedModel(prepare(model), tokenizer, gf.chat_template, gf.name, "gguf", path,
                              requantized=requantized)
-        cache.save(path, layout, loaded, requantized)
+        cache.save(path, layout, loaded, requantized, replace=unreadable)
     prepare(loaded.model)  # the default activations (LLM.configure may choose others)
     loaded.quantized = True
     return loaded

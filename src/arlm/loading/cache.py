@@ -99,13 +99,16 @@ def _describe(model: torch.nn.Module, add) -> list[dict]:
     return entries
 
 
-def save(path: Path, layout: str, loaded, requantized: list[str]) -> Path | None:
-    """Write `loaded` (a LoadedModel whose weights are in their final layout) to the cache, in
-    place of one `load` could not read; the directory, or None where the cache cannot be written
-    (a read-only home: nothing lost but time)."""
+def save(path: Path, layout: str, loaded, requantized: list[str], replace: bool = False) -> Path | None:
+    """Write `loaded` (a LoadedModel whose weights are in their final layout) to the cache; the
+    directory, or None where the cache cannot be written (a read-only home: nothing lost but
+    time). replace: a directory already there is one `load` could not read, and goes; without it,
+    one already there was written by another process meanwhile, and stays."""
     final = cache_dir(path, layout)
-    if final.exists():  # one `load` could not read: out of the way (a process mapping it keeps its pages)
-        shutil.rmtree(final, ignore_errors=True)
+    if final.exists():
+        if not replace:  # another process wrote it meanwhile
+            return final
+        shutil.rmtree(final, ignore_errors=True)  # one `load` could not read (a process mapping it keeps its pages)
     chunks: list[torch.Tensor] = []
     offset = 0
 
