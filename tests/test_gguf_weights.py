@@ -350,5 +350,5 @@ def test_a_cache_written_meanwhile_is_kept(direct, monkeypatch):
     (directory,) = [p for p in (root / "models").iterdir() if p.is_dir()]
     layout = directory.name.split("-")[1]
     stamp = (directory / "weights.bin").stat().st_mtime_ns
-    assert cache.save(built.path, layout, built, []) == directory
+    assert cache.save(built.path, layout, built) == directory
     assert (directory / "weights.bin").stat().st_mtime_ns == stamp

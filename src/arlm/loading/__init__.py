@@ -104,7 +104,7 @@ def load_quantized_gguf(path: Path) -> LoadedModel:
             raise LoadError(f"{path}: cannot build its tokenizer ({e})") from None
         loaded = LoadedModel(prepare(model), tokenizer, gf.chat_template, gf.name, "gguf", path,
                              requantized=requantized)
-        cache.save(path, layout, loaded, requantized, replace=unreadable)
+        cache.save(path, layout, loaded, replace=unreadable)
     prepare(loaded.model)  # the default activations (LLM.configure may choose others)
     loaded.quantized = True
     return loaded

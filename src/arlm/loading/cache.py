@@ -99,7 +99,7 @@ def _describe(model: torch.nn.Module, add) -> list[dict]:
     return entries
 
 
-def save(path: Path, layout: str, loaded, requantized: list[str], replace: bool = False) -> Path | None:
+def save(path: Path, layout: str, loaded, replace: bool = False) -> Path | None:
     """Write `loaded` (a LoadedModel whose weights are in their final layout) to the cache; the
     directory, or None where the cache cannot be written (a read-only home: nothing lost but
     time). replace: a directory already there is one `load` could not read, and goes; without it,
@@ -127,7 +127,7 @@ def save(path: Path, layout: str, loaded, requantized: list[str], replace: bool 
     manifest = {"format": FORMAT, "source": str(path), "name": loaded.name, "config": loaded.config.to_dict(),
                 "chat_template": loaded.chat_template, "bos_id": loaded.tokenizer.bos_id,
                 "eos_ids": loaded.tokenizer.eos_ids, "add_bos": loaded.tokenizer.add_bos,
-                "requantized": requantized, "modules": _describe(loaded.model, add)}
+                "requantized": loaded.requantized, "modules": _describe(loaded.model, add)}
     try:
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=final.name + ".tmp"))

@@ -16,7 +16,7 @@ nothing here parses GGUF by hand beyond splitting a block into its scale and val
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -48,7 +48,6 @@ class GGUFModel:
     tokenizer_fields: dict
     chat_template: str | None
     name: str
-    requantized: list[str] = field(default_factory=list)  # tensors arlm rounded again (quantized_model)
 
 
 def unpermute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
