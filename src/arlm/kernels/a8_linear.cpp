@@ -530,28 +530,37 @@ void arlm_kernels::linear_a8p_residual(const float* x, int64_t M, int64_t K, con
                                        const at::Tensor& scale, const at::Tensor& mins, float* y, int64_t ldy,
                                        bool accumulate) {
   const int64_t G = K / kGroup;
-  // Rows 2m and 2m + 1: x_m quantized, then what that rounding lost, quantized again.
-  std::unique_ptr<int8_t[]> q(new int8_t[2 * M * K]);
-  std::unique_ptr<float[]> d(new float[2 * M * G]), s(new float[2 * M * G]);
-  std::unique_ptr<int32_t[]> sum(new int32_t[2 * M * G]);
+  // Rows 2m and 2m + 1: x_m quantized, then what that rounding lost, quantized again. Scratch
+  // kept per calling thread and grown as needed: a decode step allocates nothing here.
+  thread_local std::vector<int8_t> q;
+  thread_local std::vector<float> d, s, pairs;
+  thread_local std::vector<int32_t> sum;
+  q.resize(std::max<size_t>(q.size(), 2 * M * K));
+  for (auto* v : {&d, &s}) v->resize(std::max<size_t>(v->size(), 2 * M * G));
+  sum.resize(std::max<size_t>(sum.size(), 2 * M * G));
+  // Pointers for the pool's threads: a thread_local's name would mean each thread's own copy.
+  int8_t* qp = q.data();
+  float *dp = d.data(), *sp = s.data();
+  int32_t* up = sum.data();
   at::parallel_for(0, M * G, 256, [&](int64_t b0, int64_t b1) {
     float r[kGroup];
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t m = b / G, g = b % G, main = (2 * m) * G + g, res = (2 * m + 1) * G + g;
       const float* src = x + m * K + g * kGroup;
-      int8_t* q1 = q.get() + (2 * m) * K + g * kGroup;
-      quantize_group(src, q1, d.get() + main, s.get() + main, sum.get() + main);
-      for (int j = 0; j < kGroup; ++j) r[j] = src[j] - static_cast<float>(q1[j]) * d[main];
-      quantize_group(r, q.get() + (2 * m + 1) * K + g * kGroup, d.get() + res, s.get() + res, sum.get() + res);
+      int8_t* q1 = qp + (2 * m) * K + g * kGroup;
+      quantize_group(src, q1, dp + main, sp + main, up + main);
+      for (int j = 0; j < kGroup; ++j) r[j] = src[j] - static_cast<float>(q1[j]) * dp[main];
+      quantize_group(r, qp + (2 * m + 1) * K + g * kGroup, dp + res, sp + res, up + res);
     }
   });
   const int64_t N = wp.size(0) * kLanes;
-  std::unique_ptr<float[]> pairs(new float[2 * M * N]);
-  linear_a8p({q.get(), d.get(), s.get(), sum.get()}, 2 * M, K, wp, scale, mins, pairs.get(), N, false);
+  pairs.resize(std::max<size_t>(pairs.size(), 2 * M * N));
+  const float* pp = pairs.data();
+  linear_a8p({qp, dp, sp, up}, 2 * M, K, wp, scale, mins, pairs.data(), N, false);
   at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m)
       for (int64_t n = 0; n < N; ++n) {
-        const float v = pairs[2 * m * N + n] + pairs[(2 * m + 1) * N + n];
+        const float v = pp[2 * m * N + n] + pp[(2 * m + 1) * N + n];
         y[m * ldy + n] = accumulate ? y[m * ldy + n] + v : v;
       }
   });

@@ -147,7 +147,9 @@ void linear_into(const float* x, const arlm_kernels::Act8* xq, int64_t M, int64_
   if (residual && a8 && K % 32 == 0) {
     if (packed(p)) return arlm_kernels::linear_a8p_residual(x, M, K, p[0], p[1], p[2], y, ldy, accumulate);
     const int64_t N = out_features("decode", p, K);
-    std::vector<float> pairs_x(2 * M * K), pairs_y(2 * M * N);
+    thread_local std::vector<float> pairs_x, pairs_y;  // kept and grown: no allocation per step
+    pairs_x.resize(std::max<size_t>(pairs_x.size(), 2 * M * K));
+    pairs_y.resize(std::max<size_t>(pairs_y.size(), 2 * M * N));
     for (int64_t m = 0; m < M; ++m) {
       std::copy(x + m * K, x + (m + 1) * K, pairs_x.data() + 2 * m * K);
       arlm_kernels::activation_residual(x + m * K, K, pairs_x.data() + (2 * m + 1) * K);
