@@ -200,15 +200,7 @@ float i8_scalar(const int8_t* qx, const float* dx, int64_t K, const int8_t* w, c
   return acc;
 }
 
-// float16 -> float32, 8 at a time (F16C).
-inline void widen(const at::Half* src, int64_t n, float* dst) {
-  int64_t i = 0;
-#if defined(__F16C__)
-  for (; i + 8 <= n; i += 8)
-    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
-#endif
-  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
-}
+using arlm_kernels::widen;
 
 // Calls block(MB, m) over the rows of x in blocks of MB = 4, 2 and 1 rows (MB as a type, so that
 // it can be a template argument).

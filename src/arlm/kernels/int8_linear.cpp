@@ -195,13 +195,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
       std::vector<float> d(kRows * G);  // one tile's scales, widened once
       for (int64_t t = t0; t < t1; ++t) {
         const int64_t n = t * kRows, rows = std::min(kRows, N - n);
-        int64_t i = 0;
-#if defined(__F16C__)
-        for (; i + 8 <= rows * G; i += 8)  // scalar float16 conversion would cost more than the matmul
-          _mm256_storeu_ps(d.data() + i,
-                           _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp + n * G + i))));
-#endif
-        for (; i < rows * G; ++i) d[i] = static_cast<float>(sp[n * G + i]);
+        arlm_kernels::widen(sp + n * G, rows * G, d.data());
         tile_grouped(xp, M, wp + n * K, K, rows, yp + n, N, d.data());
       }
     });
