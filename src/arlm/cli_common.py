@@ -66,6 +66,36 @@ def add_model_args(p: argparse.ArgumentParser, compile: bool = True) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: all cores)")
 
 
+def add_speculative_args(p: argparse.ArgumentParser) -> None:
+    """--speculative and its settings (arlm.engine.speculative)."""
+    p.add_argument("--speculative", default=None, metavar="METHOD",
+                   help="speculative decoding: ngram (prompt lookup), self:N (the model's first N layers), or a "
+                        "draft model with the same vocabulary (name or path); greedy output is unchanged, "
+                        "sampled output keeps its distribution")
+    p.add_argument("--num-speculative-tokens", type=positive_int, default=8, metavar="K",
+                   help="the most tokens drafted per sequence and step (default: 8)")
+    p.add_argument("--speculative-fixed", action="store_true",
+                   help="always draft K tokens (default: adaptive, from the acceptance rate and the load)")
+    p.add_argument("--prompt-lookup-min", type=positive_int, default=1, metavar="N",
+                   help="ngram: the shortest suffix looked up (default: 1)")
+    p.add_argument("--prompt-lookup-max", type=positive_int, default=4, metavar="N",
+                   help="ngram: the longest suffix looked up, tried first (default: 4)")
+
+
+def speculative_config(args: argparse.Namespace):
+    """The SpeculativeConfig the flags ask for, or None (no --speculative)."""
+    from .engine.speculative import SpeculativeConfig
+
+    if getattr(args, "speculative", None) is None:
+        return None
+    try:
+        return SpeculativeConfig(method=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
+                                 adaptive=not args.speculative_fixed, ngram_min=args.prompt_lookup_min,
+                                 ngram_max=args.prompt_lookup_max)
+    except ValueError as e:
+        raise UsageError(f"arlm: error: --speculative: {e}") from None
+
+
 def add_sampling_args(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
     p.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
     p.add_argument("--temperature", type=float, default=0.8, help="0 is greedy (default: 0.8)")
@@ -124,15 +154,26 @@ def load_llm(args: argparse.Namespace):
         torch.set_num_threads(args.threads)
     quantize = None if args.quantize == "none" else args.quantize
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if args.device.startswith("cuda") else "float32")
-    return LLM.load(args.model, device=args.device, dtype=_torch_dtype(dtype), quantize=quantize,
-                    compile=getattr(args, "compile", False), prefill_dtype=args.prefill_dtype,
-                    kv_dtype=args.kv_dtype, activations=args.activations)
+    llm = LLM.load(args.model, device=args.device, dtype=_torch_dtype(dtype), quantize=quantize,
+                   compile=getattr(args, "compile", False), prefill_dtype=args.prefill_dtype,
+                   kv_dtype=args.kv_dtype, activations=args.activations)
+    spec = speculative_config(args)
+    if spec is not None:
+        try:
+            llm.speculative = spec
+            llm.drafter(spec)
+        except (ValueError, FileNotFoundError) as e:
+            raise UsageError(f"arlm: error: --speculative {args.speculative}: {e}") from None
+    return llm
 
 
 def stats_line(stats, prefix: str = "") -> str:
+    spec = (f" | speculative: {stats.spec_accepted}/{stats.spec_proposed} draft tokens accepted "
+            f"({stats.spec_acceptance_rate:.0%}), {stats.spec_tokens_per_pass:.2f} tokens per pass"
+            if stats.spec_passes else "")
     return (f"{prefix}prefill: {stats.prompt_tokens} tokens, {stats.prefill_tokens_per_s:.1f} tokens/s | "
             f"decode: {stats.decode_tokens} tokens, {stats.decode_tokens_per_s:.1f} tokens/s | "
-            f"KV cache: {stats.kv_cache_bytes / 2**20:.2f} MiB ({stats.kv_cache_bytes} bytes)")
+            f"KV cache: {stats.kv_cache_bytes / 2**20:.2f} MiB ({stats.kv_cache_bytes} bytes)" + spec)
 
 
 

@@ -16,6 +16,7 @@ from typing import Iterator
 import torch
 
 from .engine import Engine, EngineConfig, FinishReason, ModelRunner, Request, RequestOutput
+from .engine.speculative import Drafter, SpeculativeConfig
 from .loading import LoadedModel
 from .sampling import SamplingParams
 from .text import TextStreamer
@@ -61,6 +62,19 @@ class GenerationStats:
     decode_tokens: int = 0  # tokens produced by decode steps (excludes each request's first, from prefill)
     decode_seconds: float = 0.0
     kv_cache_bytes: int = 0  # bytes allocated for the cache
+    # speculative decoding (the stream's requests): draft tokens verified, accepted, and target
+    # passes that verified a draft (per request)
+    spec_proposed: int = 0
+    spec_accepted: int = 0
+    spec_passes: int = 0
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        return self.spec_accepted / self.spec_proposed if self.spec_proposed else 0.0
+
+    @property
+    def spec_tokens_per_pass(self) -> float:
+        return (self.spec_accepted + self.spec_passes) / self.spec_passes if self.spec_passes else 0.0
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -75,7 +89,11 @@ class GenerationStats:
                 "prefill_tokens_per_s": round(self.prefill_tokens_per_s, 2),
                 "decode_tokens": self.decode_tokens, "decode_seconds": round(self.decode_seconds, 4),
                 "decode_tokens_per_s": round(self.decode_tokens_per_s, 2),
-                "kv_cache_bytes": self.kv_cache_bytes}
+                "kv_cache_bytes": self.kv_cache_bytes,
+                "speculative": {"proposed": self.spec_proposed, "accepted": self.spec_accepted,
+                                "passes": self.spec_passes,
+                                "acceptance_rate": round(self.spec_acceptance_rate, 4),
+                                "tokens_per_pass": round(self.spec_tokens_per_pass, 3)}}
 
 
 @dataclass
@@ -95,11 +113,13 @@ class TextStream:
     own stream."""
 
     def __init__(self, engine: Engine, prompt_ids: list[list[int]], params: SamplingParams, tokenizer: Tokenizer,
-                 context_shift: bool = False, mailbox: dict[str, list[RequestOutput]] | None = None) -> None:
+                 context_shift: bool = False, mailbox: dict[str, list[RequestOutput]] | None = None,
+                 drafter: Drafter | None = None) -> None:
         for p in prompt_ids:  # every prompt is checked before any is queued
             engine.check_request(p, params)
         self.engine, self.prompt_ids, self.params = engine, prompt_ids, params
         self.context_shift = context_shift
+        self.drafter = drafter
         self.tokenizer = tokenizer
         self.requests: list[Request] = []
         self.mailbox = {} if mailbox is None else mailbox
@@ -131,9 +151,11 @@ class TextStream:
     def __iter__(self) -> Iterator[TextChunk]:
         if self.requests:
             raise RuntimeError("a TextStream runs once")
-        self.requests = [self.engine.add_request(p, self.params, context_shift=self.context_shift)
+        self.requests = [self.engine.add_request(p, self.params, context_shift=self.context_shift,
+                                                 drafter=self.drafter)
                          for p in self.prompt_ids]
         streamers = [TextStreamer(self.tokenizer, self.params.stop) for _ in self.requests]
+        stopped: set[int] = set()
         row_of = {r.request_id: i for i, r in enumerate(self.requests)}
         try:
             for out in self._outputs():
@@ -141,12 +163,16 @@ class TextStream:
                     raise RuntimeError(f"request {out.request_id}: {out.error}")
                 row = row_of[out.request_id]
                 req = self.requests[row]
+                if row in stopped:  # tokens a speculative step gave past the stop string
+                    continue
                 text, hit = streamers[row].push(out.token_id, final=out.finish_reason is not None)
                 reason = out.finish_reason
                 if hit:
                     # A stop string completed by the token that also reached max_new_tokens or
-                    # the context limit wins: the text was cut at the string, so that is why it stopped.
-                    self.engine.abort(req.request_id, FinishReason.STOP)
+                    # the context limit wins: the text was cut at the string, so that is why it
+                    # stopped. The request ends at this token, as plain decoding ends it.
+                    stopped.add(row)
+                    self.engine.abort(req.request_id, FinishReason.STOP, num_output_tokens=out.num_output_tokens)
                     req.finish_reason = reason = FinishReason.STOP
                 yield TextChunk(row, [out.token_id], text, reason)
         finally:
@@ -154,6 +180,10 @@ class TextStream:
                 if not r.finished:
                     self.engine.abort(r.request_id)
                 self.mailbox.pop(r.request_id, None)
+                if r.spec is not None:
+                    self.stats.spec_proposed += r.spec.proposed
+                    self.stats.spec_accepted += r.spec.accepted
+                    self.stats.spec_passes += r.spec.passes
 
     def completions(self, texts: list[str]) -> list[Completion]:
         return [Completion(r.prompt_ids, r.output_ids, t, r.finish_reason, self.stats)
@@ -175,6 +205,8 @@ class LLM:
         self.activations = "float32"  # a quantized model's activation precision (configure)
         self.kv_dtype: torch.dtype = next(self.model.parameters()).dtype  # the KV caches' dtype (configure)
         self._mailbox: dict[str, list[RequestOutput]] = {}
+        self.speculative: SpeculativeConfig | None = None  # the default of generate/stream (configure)
+        self._drafters: dict[tuple, Drafter] = {}
         self._start(ModelRunner(self.model))
 
     def _start(self, runner: ModelRunner) -> None:
@@ -182,6 +214,7 @@ class LLM:
         batches on a contiguous cache: every prompt of a call prefilled in one pass (as many as
         `max_num_seqs`), then decoded by rows."""
         self.runner = runner
+        self._drafters = {}  # bound to the old weights
         self.engine = Engine(runner, self.tokenizer.eos_ids,
                              EngineConfig(block_size=None, max_num_seqs=1024, max_num_batched_tokens=1 << 20,
                                           kv_dtype=self.kv_dtype))
@@ -189,9 +222,11 @@ class LLM:
     @classmethod
     def load(cls, spec: str = "smollm2", device: str = "cpu", dtype: torch.dtype = torch.float32,
              quantize: str | None = "auto", compile: bool = False, prefill_dtype: str = "auto",
-             kv_dtype: str = "auto", activations: str = "int8x2") -> "LLM":
+             kv_dtype: str = "auto", activations: str = "int8x2",
+             speculative: str | SpeculativeConfig | None = None) -> "LLM":
         """Load a model by name or path; `quantize`, `compile`, `prefill_dtype`, `kv_dtype` and
-        `activations` pick the decode and prefill paths (see `configure`)."""
+        `activations` pick the decode and prefill paths (see `configure`); `speculative` the
+        default speculative decoding of `generate` and `stream` (see `drafter`)."""
         from . import kernels
         from .loading import load_model
 
@@ -200,7 +235,56 @@ class LLM:
         llm = cls(load_model(spec, device=device, dtype=dtype, quantized=direct))
         llm.configure(quantize=quantize, compile=compile, prefill_dtype=prefill_dtype, kv_dtype=kv_dtype,
                       activations=activations)
+        if speculative is not None:
+            llm.speculative = llm.speculative_config(speculative)
+            llm.drafter(llm.speculative)  # load a draft model now, and fail now if it cannot be
         return llm
+
+    @staticmethod
+    def speculative_config(spec: str | SpeculativeConfig) -> SpeculativeConfig:
+        """A `SpeculativeConfig` from one (as it is) or a method name ("ngram", "self:N", a model)."""
+        if isinstance(spec, SpeculativeConfig):
+            return spec
+        if not isinstance(spec, str) or not spec:
+            raise TypeError(f"speculative: expected a method name or a SpeculativeConfig, got {spec!r}")
+        return SpeculativeConfig(method=spec)
+
+    def drafter(self, spec: str | SpeculativeConfig | bool | None = None) -> Drafter | None:
+        """The drafter for `spec` (built once per configuration, then reused): "ngram" (prompt
+        lookup), "self:N" (this model's first N layers and its head), or any model `LLM.load`
+        takes with this model's vocabulary, loaded as this one was; a `SpeculativeConfig` for
+        the other settings. None: this LLM's default (`speculative`); False or "off": none."""
+        from .engine.speculative import ModelDrafter, NgramDrafter, self_draft
+
+        if spec is None:
+            spec = self.speculative
+        if spec is None or spec is False or spec == "off":
+            return None
+        config = self.speculative_config(spec)
+        if self.runner.exact_rows == 1:
+            raise ValueError("speculative decoding needs the native CPU kernels (a Llama-family model on CPU), "
+                             "whose rows do not depend on their batch; this model runs on the module path")
+        key = tuple(sorted(vars(config).items()))
+        if key in self._drafters:
+            return self._drafters[key]
+        method = config.method
+        if method == "ngram":
+            drafter: Drafter = NgramDrafter(config)
+        elif method == "self" or method.startswith("self:"):
+            n = method.partition(":")[2]
+            if n and not n.isdigit():
+                raise ValueError(f"speculative method {method!r}: expected self:N, N the number of layers")
+            layers = int(n) if n else self.model.config.n_layer // 2
+            drafter = ModelDrafter(self_draft(self.model, layers), config, self.model)
+        else:
+            draft = LLM.load(method, device=str(next(self.model.parameters()).device),
+                             quantize="auto" if self.quantization else None, activations=self.activations)
+            if draft.tokenizer.vocab_size != self.tokenizer.vocab_size or \
+                    draft.model.config.vocab_size != self.model.config.vocab_size:
+                raise ValueError(f"draft model {method} has another vocabulary than {self.loaded.name}")
+            drafter = ModelDrafter(draft.model, config, self.model)
+        self._drafters[key] = drafter
+        return drafter
 
     def configure(self, quantize: str | None = None, compile: bool = False, prefill_dtype: str = "auto",
                   kv_dtype: str = "auto", activations: str = "int8x2") -> None:
@@ -319,16 +403,19 @@ class LLM:
         return ids
 
     def stream(self, prompts: str | list[str] | list[list[int]], params: SamplingParams,
-               context_shift: bool = False) -> TextStream:
+               context_shift: bool = False, speculative: str | SpeculativeConfig | bool | None = None) -> TextStream:
         """The prompts (as `prompt_ids` takes them, each checked now) as a `TextStream`: the
         engine runs them as it is iterated. context_shift: a request that fills the context window
-        goes on from its last half instead of stopping."""
+        goes on from its last half instead of stopping. speculative: decode speculatively (see
+        `drafter`; None: this LLM's default, False: not): greedy output is token for token the
+        same, sampled output has the same distribution."""
         return TextStream(self.engine, self.prompt_ids(prompts), params, self.tokenizer, context_shift,
-                          self._mailbox)
+                          self._mailbox, self.drafter(speculative))
 
     def generate(self, prompts: str | list[str] | list[list[int]], params: SamplingParams,
-                 context_shift: bool = False) -> list[Completion]:
-        stream = self.stream(prompts, params, context_shift)
+                 context_shift: bool = False,
+                 speculative: str | SpeculativeConfig | bool | None = None) -> list[Completion]:
+        stream = self.stream(prompts, params, context_shift, speculative)
         texts = [""] * len(stream.prompt_ids)
         for chunk in stream:
             texts[chunk.row] += chunk.text
@@ -379,7 +466,7 @@ class ChatSession:
                               f"tokens (max_new_tokens) {'no longer fit' if len(self.messages) > 1 else 'do not fit'} "
                               f"the context window of {self.max_context} tokens; start a new chat, or allow a "
                               f"shorter reply or a longer context")
-        stream = TextStream(self.engine, [ids], self.params, self.llm.tokenizer)
+        stream = TextStream(self.engine, [ids], self.params, self.llm.tokenizer, drafter=self.llm.drafter())
         self.stats = stream.stats
         reply = ""
         for chunk in stream:

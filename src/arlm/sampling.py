@@ -173,41 +173,59 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     return kernels.argmax_rows(probs / race)
 
 
+def penalized(logits: torch.Tensor, params: list[SamplingParams], seen: torch.Tensor | None = None) -> torch.Tensor:
+    """logits [B, V] as float32 with each row's repetition penalty applied (seen [B, V] bool,
+    needed only for rows with a penalty): what greedy rows take the argmax of."""
+    logits = logits.float()
+    penalties = [p.repetition_penalty for p in params]
+    if seen is not None and any(r != 1.0 for r in penalties):
+        logits = apply_repetition_penalty(logits, seen, torch.tensor(penalties, device=logits.device)[:, None])
+    return logits
+
+
+def warped_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The distribution [B, V] each (non-greedy) row draws from: penalized logits [B, V] (see
+    `penalized`) through its temperature, then top-k, top-p, min-p, as [B, 1]-parameter tensor
+    ops over the rows that use each filter (a disabled filter leaves its rows untouched)."""
+    dev = logits.device
+
+    def column(values: list, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=dev)[:, None]
+
+    x = logits / column([p.temperature for p in params])
+    for name, fn, off in (("top_k", top_k_filter, 0), ("top_p", top_p_filter, 1.0), ("min_p", min_p_filter, 0.0)):
+        on = [i for i, p in enumerate(params) if getattr(p, name) != off]
+        if on:
+            dtype = torch.int64 if name == "top_k" else torch.float32
+            x[on] = fn(x[on], column([getattr(params[i], name) for i in on], dtype))
+    return x.softmax(dim=-1)
+
+
+def draw(probs: torch.Tensor, generators: list[torch.Generator | None] | None = None) -> torch.Tensor:
+    """One token per row of probs [B, V] (any non-negative weights), row b from its own
+    generator: an exponential race, argmax(p_i / E_i) with E_i ~ Exp(1). Returns [B] int64."""
+    race = torch.empty_like(probs)
+    for i in range(probs.shape[0]):  # per-request streams: a seeded row is reproducible in any batch
+        race[i].exponential_(1.0, generator=generators[i] if generators else None)
+    return kernels.argmax_rows(probs / race.clamp_min_(1e-20))
+
+
 def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
                 generators: list[torch.Generator | None] | None = None,
                 seen: torch.Tensor | None = None) -> torch.Tensor:
     """Pick one token per row, row b with its own `params[b]` and `generators[b]`.
 
-    The filters run as [B, 1]-parameter tensor ops over the rows that need them; only the random
-    draw loops over rows, so that a seeded request takes the same numbers from its own generator
-    whatever shares its batch. Greedy rows are exactly `sample`'s argmax. logits [B, V]; seen
-    [B, V] bool (needed only for rows with a repetition penalty). Returns [B] int64.
+    The filters run as [B, 1]-parameter tensor ops over the rows that need them (`warped_probs`);
+    only the random draw loops over rows, so that a seeded request takes the same numbers from
+    its own generator whatever shares its batch. Greedy rows are exactly `sample`'s argmax.
+    logits [B, V]; seen [B, V] bool (needed only for rows with a repetition penalty). Returns
+    [B] int64.
     """
-    B = logits.shape[0]
-    dev = logits.device
-    logits = logits.float()
-    penalties = [p.repetition_penalty for p in params]
-    if seen is not None and any(r != 1.0 for r in penalties):
-        logits = apply_repetition_penalty(logits, seen, torch.tensor(penalties, device=dev)[:, None])
+    logits = penalized(logits, params, seen)
     tokens = kernels.argmax_rows(logits)
     rows = [b for b, p in enumerate(params) if not p.greedy]
     if not rows:
         return tokens
-
-    def column(values: list, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype, device=dev)[:, None]
-
-    sub = [params[b] for b in rows]
-    x = logits[rows] / column([p.temperature for p in sub])
-    # Each filter only on the rows that use it: a disabled filter must leave its rows untouched.
-    for name, fn, off in (("top_k", top_k_filter, 0), ("top_p", top_p_filter, 1.0), ("min_p", min_p_filter, 0.0)):
-        on = [i for i, p in enumerate(sub) if getattr(p, name) != off]
-        if on:
-            dtype = torch.int64 if name == "top_k" else torch.float32
-            x[on] = fn(x[on], column([getattr(sub[i], name) for i in on], dtype))
-    probs = x.softmax(dim=-1)
-    race = torch.empty_like(probs)
-    for i, b in enumerate(rows):  # per-request streams: a seeded row is reproducible in any batch
-        race[i].exponential_(1.0, generator=generators[b] if generators else None)
-    tokens[rows] = kernels.argmax_rows(probs / race.clamp_min_(1e-20))
+    probs = warped_probs(logits[rows], [params[b] for b in rows])
+    tokens[rows] = draw(probs, [generators[b] for b in rows] if generators else None)
     return tokens

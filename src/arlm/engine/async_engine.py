@@ -16,6 +16,7 @@ from typing import AsyncIterator
 from ..sampling import SamplingParams
 from .engine import Engine, RequestOutput
 from .request import FinishReason
+from .speculative import Drafter
 
 log = logging.getLogger(__name__)
 
@@ -75,14 +76,14 @@ class AsyncEngine:
         return f"{prefix}-{self._next_id}"
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                       arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
+                       arrival_time: float | None = None, drafter: Drafter | None = None) -> AsyncIterator[RequestOutput]:
         """Yield the request's tokens as they come; leaving early aborts it and frees its blocks."""
         if self.dead:
             raise EngineDead(self.dead)
         self.engine.check_request(prompt_ids, params)
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
-        self._post(("add", request_id, prompt_ids, params, arrival_time or time.monotonic()))
+        self._post(("add", request_id, prompt_ids, params, arrival_time or time.monotonic(), drafter))
         finished = False
         try:
             while True:
@@ -136,8 +137,8 @@ class AsyncEngine:
                     engine.abort(request_id, rest[0])
                     continue
                 try:
-                    prompt_ids, params, arrival_time = rest
-                    engine.add_request(prompt_ids, params, request_id, arrival_time)
+                    prompt_ids, params, arrival_time, drafter = rest
+                    engine.add_request(prompt_ids, params, request_id, arrival_time, drafter=drafter)
                 except ValueError as e:  # checked before; only a race could get here
                     self._loop.call_soon_threadsafe(self._deliver, request_id, e)
             if not engine.has_unfinished():

@@ -29,6 +29,7 @@ from ..sampling import SamplingParams, sample_rows
 from .request import FinishReason, Request, RequestStatus
 from .runner import ModelRunner
 from .scheduler import Scheduler
+from .speculative import Drafter, SpecState, verify
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +80,20 @@ class EngineStats:
     finished: dict[str, int] = field(default_factory=dict)  # by finish reason
     steps: int = 0
     step_seconds: float = 0.0  # wall time inside `step` (the rest is idle or the front end)
+    # speculative decoding: draft tokens verified, of those accepted, and rows that verified a
+    # draft (one per request per target pass); each such row emits accepted + 1 tokens
+    spec_proposed: int = 0
+    spec_accepted: int = 0
+    spec_passes: int = 0
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        return self.spec_accepted / self.spec_proposed if self.spec_proposed else 0.0
+
+    @property
+    def spec_tokens_per_pass(self) -> float:
+        """Mean tokens a verifying row emitted per target pass (1 is plain decoding's)."""
+        return (self.spec_accepted + self.spec_passes) / self.spec_passes if self.spec_passes else 0.0
     # called with each request's time to first token, in seconds (arlm serve's histogram)
     on_first_token: Callable[[float], None] | None = None
 
@@ -146,12 +161,14 @@ class Engine:
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
                     arrival_time: float | None = None, context_shift: bool = False,
-                    prompt_logits: bool = False) -> Request:
+                    prompt_logits: bool = False, drafter: Drafter | None = None) -> Request:
         """Queue a request; it runs from the next `step`. context_shift: at a full context window
         it goes on from the window's last half instead of finishing with CONTEXT. prompt_logits:
         keep the float32 logits of every prompt position in `request.prompt_logits` [P, vocab]
         (whole once it has sampled its first token); the prompt is then computed in full, never
-        taken from the prefix cache."""
+        taken from the prefix cache. drafter: decode it speculatively with this drafter
+        (engine/speculative.py); its tokens are those plain decoding gives (greedy: the same
+        tokens; sampled: the same distribution)."""
         self.check_request(prompt_ids, params)
         if request_id is None:
             self._next_id += 1
@@ -162,18 +179,30 @@ class Engine:
                              self.device, context_shift, prompt_logits)
         if arrival_time is not None:
             req.arrival_time = arrival_time
+        if drafter is not None:
+            req.drafter, req.spec = drafter, SpecState()
         self.requests[request_id] = req
         self.scheduler.add(req)
         self.stats.requests += 1
         self.stats.prompt_tokens += len(prompt_ids)
         return req
 
-    def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> None:
-        """End a request now and free its blocks (unknown or finished ids are ignored)."""
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT,
+              num_output_tokens: int | None = None) -> None:
+        """End a request now and free its blocks (unknown or finished ids are ignored).
+        num_output_tokens: keep only that many of its output tokens (a stop string found at the
+        text edge in a token before the last one a speculative step gave)."""
         req = self.requests.pop(request_id, None)
         if req is not None and req.status != RequestStatus.FINISHED:
             self.scheduler.finish(req, reason)
             self._count_finished(req)
+            self._release(req)
+        if req is not None and num_output_tokens is not None:
+            del req.token_ids[req.num_prompt_tokens + num_output_tokens:]
+
+    def _release(self, req: Request) -> None:
+        if req.drafter is not None:
+            req.drafter.release(req)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -193,16 +222,19 @@ class Engine:
         t0 = time.perf_counter()
         if self.config.contiguous and not self.scheduler.running and self.scheduler.waiting:
             self._fit_cache()
+        drafting = self._propose()
         batch = self.scheduler.schedule()
         if not batch:
             return []
         with torch.inference_mode():
             logits, rows = self.runner.execute(self.cache, batch, by_rows=self.config.contiguous)
             sampled, failed = self._sample(logits, rows, batch)
+        for req in drafting:
+            req.draft, req.draft_probs = [], None
         prompt_tokens = sum(n for i, n in enumerate(batch.num_tokens) if not batch.decodes(i))
         outputs = self._postprocess(batch, sampled, failed)
         seconds = time.perf_counter() - t0
-        self.last_step = StepStats(prompt_tokens, len(sampled), seconds)
+        self.last_step = StepStats(prompt_tokens, len(outputs), seconds)
         self.stats.steps += 1
         self.stats.step_seconds += seconds
         return outputs
@@ -222,9 +254,47 @@ class Engine:
             self.cache = KVCache.contiguous(cfg, rows, length, self.kv_dtype, self.device)
         self.scheduler.resize(rows, length)
 
-    def _sample(self, logits: torch.Tensor, rows: list[int], batch) -> tuple[dict[int, int], dict[int, Exception]]:
-        """The next token of each sampling row (logits [len(rows), V]) as {batch row: token id},
-        and the rows whose sampling raised, with the error.
+    def _propose(self) -> list[Request]:
+        """Drafts for the running requests that decode speculatively (`Request.draft`), as long
+        as their drafter's rule finds worth it in a step of this size; returns those requests."""
+        running = self.scheduler.running
+        decoding = [r for r in running if r.num_tokens - r.num_computed == 1]
+        spec = [r for r in decoding if r.drafter is not None]
+        if not spec:
+            return []
+        # The step's tokens before drafts: a token per decode, and the prompt tokens it will take.
+        prompts = sum(r.num_tokens - r.num_computed for r in running if r.num_tokens - r.num_computed > 1)
+        prompts += sum(r.num_tokens for r in self.scheduler.waiting)
+        step_tokens = min(self.config.max_num_batched_tokens, len(decoding) + prompts)
+        spare = self.config.max_num_batched_tokens - len(decoding)
+        if self.runner.exact_rows is not None:  # a bigger step would change the decode rows' arithmetic
+            spare = min(spare, self.runner.exact_rows - step_tokens)
+        by_drafter: dict[int, tuple[object, list[Request], list[int]]] = {}
+        for r in spec:
+            # Never past what may be emitted (max_new_tokens), nor past the context window:
+            # the last draft position must have a slot, so a cut falls where plain decoding's does.
+            cap = min(r.params.max_new_tokens - r.num_output_tokens - 1, self.scheduler.max_model_len - r.num_tokens,
+                      spare)
+            k = r.drafter.draft_length(r, cap, step_tokens)
+            if k > 0:
+                group = by_drafter.setdefault(id(r.drafter), (r.drafter, [], []))
+                group[1].append(r)
+                group[2].append(k)
+        drafting = []
+        for drafter, reqs, ks in by_drafter.values():
+            for r, k, draft in zip(reqs, ks, drafter.propose_batch(reqs, ks)):
+                r.draft = list(draft[:k])
+                if r.draft_probs is not None:
+                    r.draft_probs = r.draft_probs[:len(r.draft)]
+                if r.draft:
+                    drafting.append(r)
+        return drafting
+
+    def _sample(self, logits: torch.Tensor, rows: list[int], batch) -> tuple[dict[int, list[int]], dict[int, Exception]]:
+        """The tokens of each sampling row as {batch row: token ids} (logits [len(rows), V]; a
+        row that verifies a draft has its k + 1 logits rows in a run and gets the tokens
+        `speculative.verify` keeps, any other one token), and the rows whose sampling raised,
+        with the error.
 
         All rows are drawn in one `sample_rows`; if that raises, each row is drawn alone, so
         that a request whose parameters break sampling fails by itself instead of taking every
@@ -233,17 +303,53 @@ class Engine:
         generator is drawn from: the rows that succeed alone get the tokens they would have."""
         if not rows:
             return {}, {}
+        plain = [j for j, i in enumerate(rows) if not batch.drafts[i]]
+        verifying = [j for j, i in enumerate(rows) if batch.drafts[i]]
+        sampled, failed = self._sample_plain(logits, [rows[j] for j in plain], batch, plain)
+        if verifying:
+            vrows = list(dict.fromkeys(rows[j] for j in verifying))  # each verifying row once, in order
+            vlogits = logits[torch.tensor(verifying, device=logits.device)]
+            try:
+                kept = verify(vlogits, [batch.seqs[i] for i in vrows], [batch.drafts[i] for i in vrows])
+            except Exception:  # noqa: BLE001 - narrowed down to rows below
+                kept = None
+            start = 0
+            for n, i in enumerate(vrows):
+                k = len(batch.drafts[i])
+                seq = batch.seqs[i]
+                try:
+                    toks = kept[n] if kept is not None else \
+                        verify(vlogits[start:start + k + 1], [seq], [batch.drafts[i]])[0]
+                except Exception as e:  # noqa: BLE001 - this request fails, the others go on
+                    failed[i] = e
+                    start += k + 1
+                    continue
+                start += k + 1
+                sampled[i] = toks
+                seq.spec.record(k, len(toks) - 1)
+                self.stats.spec_proposed += k
+                self.stats.spec_accepted += len(toks) - 1
+                self.stats.spec_passes += 1
+        return sampled, failed
+
+    def _sample_plain(self, logits: torch.Tensor, rows: list[int], batch,
+                      at: list[int]) -> tuple[dict[int, list[int]], dict[int, Exception]]:
+        """One token for each of `rows` (batch rows), from logits rows `at`."""
+        if not rows:
+            return {}, {}
+        if len(at) != logits.shape[0]:
+            logits = logits[torch.tensor(at, device=logits.device)]
         reqs = [batch.seqs[i] for i in rows]
         try:
             next_ids = sample_rows(logits, [r.params for r in reqs], [r.generator for r in reqs],
                                    self._seen(reqs)).tolist()  # the step's one host sync
-            return dict(zip(rows, next_ids)), {}
+            return {i: [t] for i, t in zip(rows, next_ids)}, {}
         except Exception:  # noqa: BLE001 - narrowed down to rows below
             pass
         sampled, failed = {}, {}
         for j, (i, r) in enumerate(zip(rows, reqs)):
             try:
-                sampled[i] = sample_rows(logits[j:j + 1], [r.params], [r.generator], self._seen([r])).item()
+                sampled[i] = [sample_rows(logits[j:j + 1], [r.params], [r.generator], self._seen([r])).item()]
             except Exception as e:  # noqa: BLE001 - this request fails, the others go on
                 failed[i] = e
         return sampled, failed
@@ -259,14 +365,18 @@ class Engine:
 
     def _postprocess(self, batch, sampled: dict[int, int], failed: dict[int, Exception]) -> list[RequestOutput]:
         outputs = []
-        for req in self.scheduler.update(batch, sampled):
-            self.stats.generation_tokens += 1
-            if req.num_output_tokens == 1 and self.stats.on_first_token is not None:
+        for req, new in self.scheduler.update(batch, sampled):
+            self.stats.generation_tokens += len(new)
+            count = req.num_output_tokens - len(new)
+            if count == 0 and self.stats.on_first_token is not None:
                 self.stats.on_first_token(req.first_token_time - req.arrival_time)
-            outputs.append(RequestOutput(req.request_id, req.token_ids[-1], req.num_output_tokens, req.finish_reason))
+            for j, tok in enumerate(new):
+                last = j == len(new) - 1
+                outputs.append(RequestOutput(req.request_id, tok, count + j + 1, req.finish_reason if last else None))
             if req.status == RequestStatus.FINISHED:
                 del self.requests[req.request_id]
                 self._count_finished(req)
+                self._release(req)
         for i, e in failed.items():  # (update took them for mid-prompt chunks: they are dropped now)
             req = batch.seqs[i]
             log.error("sampling failed for request %s: %s: %s", req.request_id, type(e).__name__, e)
@@ -277,10 +387,11 @@ class Engine:
 
     # -- offline ----------------------------------------------------------------------------------
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                 drafter: Drafter | None = None) -> list[list[int]]:
         """Run prompts to the end (all submitted at once); the output token ids of each, in order."""
         params = params if isinstance(params, list) else [params] * len(prompts)
-        reqs = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        reqs = [self.add_request(p, sp, drafter=drafter) for p, sp in zip(prompts, params)]
         try:
             while any(not r.finished for r in reqs):
                 for out in self.step():

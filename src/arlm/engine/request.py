@@ -7,10 +7,14 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from .speculative import Drafter, SpecState
 
 
 class RequestStatus(StrEnum):
@@ -66,6 +70,13 @@ class Request:
     prompt_logits: torch.Tensor | None = None  # [P, vocab] float32 (keep_prompt_logits)
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
+    # Speculative decoding (engine/speculative.py): who drafts for it, this step's draft (tokens
+    # proposed after the window, not yet verified) and the drafter's distributions [k, vocab]
+    # for them (None: deterministic proposals), its acceptance estimate and counts.
+    drafter: "Drafter | None" = None
+    draft: list[int] = field(default_factory=list)
+    draft_probs: torch.Tensor | None = None
+    spec: "SpecState | None" = None
 
     @classmethod
     def create(cls, request_id: str, prompt_ids: list[int], params: SamplingParams, vocab_size: int,

@@ -24,6 +24,7 @@ shape): the reference the tests hold the engine to, and what `torch.compile` com
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
 
 import torch
@@ -68,6 +69,15 @@ class ModelRunner:
         self.dense_prefill = dense_prefill
         self.native = NativeLlama.bind(model)
         self.device = next(model.parameters()).device
+        # How many tokens a step may hold for each row's result not to depend on the others
+        # (speculative decoding verifies through it): any number with the quantized kernels;
+        # 4 where the native stack has float32 matrices (above 4 rows a GEMM sums in its own
+        # order, decode.cpp's f32_linear_into); 1 on the module path (torch's matmuls).
+        self.exact_rows: int | None = None
+        if self.native is None:
+            self.exact_rows = 1
+        elif any(type(m) is torch.nn.Linear for m in model.modules()):
+            self.exact_rows = 4
         self._buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # rows -> (hidden state, logits)
         self._rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # rows -> (token ids, positions)
 
@@ -80,7 +90,7 @@ class ModelRunner:
         by_rows: the cache is contiguous, a block per request (its block id is its row)."""
         for src, dst in batch.copies:
             cache.copy_block(src, dst)
-        if by_rows and all(batch.decodes(i) for i in range(len(batch.seqs))):
+        if by_rows and all(batch.decodes(i) and not batch.drafts[i] for i in range(len(batch.seqs))):
             return self._decode_rows(cache, batch), list(range(len(batch.seqs)))
         if by_rows and (self.native is None or self.dense_prefill) and all(
                 s.blocks[0] == i and s.num_computed == 0 and batch.samples(i) and not s.wants_logits
@@ -154,6 +164,27 @@ class ModelRunner:
                 b0 = b1
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
+    def forward_flat(self, cache: KVCache, tokens: list[int], positions: list[int], seq_index: list[int],
+                     tables: list[list[int]], out_index: list[int], dense: bool = False) -> torch.Tensor:
+        """A flattened batch through block tables: token j of sequence seq_index[j] (whose blocks
+        are tables[seq_index[j]]) at positions[j]; the logits [len(out_index), vocab] of the
+        flat positions out_index (at least one row). dense: through the dense weights."""
+        dev = self.device
+        width = max(len(t) for t in tables)
+        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=dev)
+        tokens_t, pos_t = torch.tensor(tokens, device=dev), torch.tensor(positions, device=dev)
+        seq_t, out_t = torch.tensor(seq_index, device=dev), torch.tensor(out_index or [0], device=dev)
+        if self.native is not None and not dense and cache.use_kernel:
+            x = self.native.embed(tokens_t)
+            self.native.forward(x, cache.k, cache.v, table, seq_t, pos_t)
+            return self.native.head(x[out_t])
+        cache.set_batch(table, seq_t)
+        try:
+            with dense_weights() if dense else contextlib.nullcontext():
+                return self.model(tokens_t[None], pos_t[None], kv_cache=cache, output_index=out_t)
+        finally:
+            cache.set_batch(None, None)
+
     def _forward_table(self, cache: KVCache, batch: Batch, rows: list[int],
                        dense: bool) -> tuple[torch.Tensor, list[int]]:
         """Rows `rows` of the batch flattened through the block table; (logits, rows that sample)."""
@@ -167,40 +198,27 @@ class ModelRunner:
         for j, i in enumerate(rows):
             seq, n = batch.seqs[i], batch.num_tokens[i]
             start = seq.num_computed
-            tokens += seq.window(start, start + n)
+            tokens += batch.input_ids(i)
             positions += range(start, start + n)
             seq_index += [j] * n
             if seq.wants_logits:  # every token of the chunk; the last one samples
                 kept.append((i, len(out_index)))
                 out_index += range(len(tokens) - n, len(tokens))
+            elif batch.drafts[i]:  # a draft's k + 1 positions: each one verifies the next
+                out_index += range(len(tokens) - n, len(tokens))
+                out_rows += [i] * (n - 1)
+                sample_at += range(len(out_index) - n, len(out_index) - 1)
             elif batch.samples(i):
                 out_index.append(len(tokens) - 1)
             if batch.samples(i):
                 out_rows.append(i)
                 sample_at.append(len(out_index) - 1)
-        width = max(len(batch.seqs[i].blocks) for i in rows)
-        table = torch.tensor([batch.seqs[i].blocks + [0] * (width - len(batch.seqs[i].blocks)) for i in rows],
-                             device=self.device)
-        dev = self.device
-        tokens_t, pos_t = torch.tensor(tokens, device=dev), torch.tensor(positions, device=dev)
-        seq_t, out_t = torch.tensor(seq_index, device=dev), torch.tensor(out_index or [0], device=dev)
-        native = (self.native is not None and not (dense and self.dense_prefill) and cache.use_kernel)
-        if native:
-            x = self.native.embed(tokens_t)
-            self.native.forward(x, cache.k, cache.v, table, seq_t, pos_t)
-            logits = self.native.head(x[out_t])
-        else:
-            cache.set_batch(table, seq_t)
-            try:
-                if dense:
-                    with dense_weights():
-                        logits = self.model(tokens_t[None], pos_t[None], kv_cache=cache, output_index=out_t)
-                else:
-                    logits = self.model(tokens_t[None], pos_t[None], kv_cache=cache, output_index=out_t)
-            finally:
-                cache.set_batch(None, None)
+        tables = [batch.seqs[i].blocks for i in rows]
+        logits = self.forward_flat(cache, tokens, positions, seq_index, tables, out_index,
+                                   dense and self.dense_prefill)
         if not kept:  # out_index holds exactly the sampling rows
             return logits[:len(out_rows)], out_rows
+        dev = self.device
         for i, first in kept:
             seq, n = batch.seqs[i], batch.num_tokens[i]
             seq.keep_logits(seq.num_computed, logits[first:first + n])

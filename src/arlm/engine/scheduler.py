@@ -29,29 +29,43 @@ WAITING, RUNNING, FINISHED = RequestStatus.WAITING, RequestStatus.RUNNING, Reque
 
 @dataclass
 class ScheduledBatch:
-    """What one step computes: `num_tokens[i]` tokens of `seqs[i]`, from its `num_computed`."""
+    """What one step computes: `num_tokens[i]` tokens of `seqs[i]`, from its `num_computed`.
+
+    A row that verifies a draft (`drafts[i]`, k proposed tokens not yet in the request) feeds its
+    last token and the k drafted ones: num_tokens[i] = 1 + k, and all k + 1 positions reach the
+    LM head."""
 
     seqs: list[Request] = field(default_factory=list)
     num_tokens: list[int] = field(default_factory=list)
+    drafts: list[list[int]] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) copy-on-write blocks
     preempted: list[Request] = field(default_factory=list)
 
-    def add(self, seq: Request, n: int) -> None:
+    def add(self, seq: Request, n: int, draft: list[int] | None = None) -> None:
         self.seqs.append(seq)
         self.num_tokens.append(n)
+        self.drafts.append(draft or [])
 
     def __len__(self) -> int:
         return len(self.seqs)
 
+    def input_ids(self, i: int) -> list[int]:
+        """The token ids row i feeds: the next window tokens, then its draft."""
+        seq, k = self.seqs[i], len(self.drafts[i])
+        start = seq.num_computed
+        return seq.window(start, start + self.num_tokens[i] - k) + self.drafts[i]
+
     def samples(self, i: int) -> bool:
         """Whether row i reaches the end of its window this step (then it samples a token)."""
         seq = self.seqs[i]
-        return seq.num_computed + self.num_tokens[i] == seq.num_tokens
+        return seq.num_computed + self.num_tokens[i] - len(self.drafts[i]) == seq.num_tokens
 
     def decodes(self, i: int) -> bool:
-        """Whether row i feeds one generated token (not a prompt, not a recomputation)."""
+        """Whether row i feeds one generated token (not a prompt, not a recomputation), and its
+        draft if it has one: it takes decode's arithmetic."""
         seq = self.seqs[i]
-        return self.num_tokens[i] == 1 and seq.num_dropped + seq.num_computed >= seq.num_prompt_tokens
+        return (self.num_tokens[i] - len(self.drafts[i]) == 1
+                and seq.num_dropped + seq.num_computed >= seq.num_prompt_tokens)
 
 
 @dataclass
@@ -116,6 +130,7 @@ class Scheduler:
     def _preempt(self, seq: Request, batch: ScheduledBatch) -> None:
         self.running.remove(seq)
         self._free(seq)
+        seq.draft, seq.draft_probs = [], None
         seq.status = WAITING
         self.waiting.appendleft(seq)
         batch.preempted.append(seq)
@@ -189,19 +204,26 @@ class Scheduler:
                     return False
             return True
 
-        # 1-2. Running sequences: decodes first, then chunks of prompts being prefilled.
+        # 1-2. Running sequences: decodes first (with their drafts, as far as the budget goes:
+        # every decode gets its own token before any draft token), then chunks of prompts.
         decoding = [s for s in self.running if s.num_tokens - s.num_computed == 1]
         prefilling = [s for s in self.running if s.num_tokens - s.num_computed > 1]
+        spare = budget - len(decoding)
         for seq in decoding + prefilling:
             if budget == 0:
                 break
             if seq.status != RUNNING:  # preempted earlier in this loop
                 continue
-            n = min(seq.num_tokens - seq.num_computed, budget)
+            if seq.draft:
+                del seq.draft[max(0, min(spare, budget - 1)):]
+                spare -= len(seq.draft)
+                if not seq.draft:
+                    seq.draft_probs = None
+            n = min(seq.num_tokens - seq.num_computed + len(seq.draft), budget)
             if not make_room(seq, n):
                 continue
             self._reserve(seq, n, batch)
-            batch.add(seq, n)
+            batch.add(seq, n, list(seq.draft))
             scheduled.add(id(seq))
             budget -= n
 
@@ -227,34 +249,51 @@ class Scheduler:
             budget -= n
         return batch
 
-    def update(self, batch: ScheduledBatch, sampled: dict[int, int]) -> list[Request]:
+    def update(self, batch: ScheduledBatch, sampled: dict[int, list[int]]) -> list[tuple[Request, list[int]]]:
         """After the forward pass: advance `num_computed`, cache newly full blocks, append the
-        sampled tokens (`sampled[i]` for batch row i) and finish requests (end of sequence, max
-        tokens, a full context window) or shift their window. Returns the requests that got a
-        new token."""
+        sampled tokens (`sampled[i]` for batch row i: one token, or for a row that verified a
+        draft the accepted draft tokens and one more) and finish requests (end of sequence, max
+        tokens, a full context window) or shift their window, checked after each token as plain
+        decoding would: a token past the one that finishes is dropped. Returns each request that
+        got tokens, with them.
+
+        A verifying row computed its draft's K/V too; only the accepted ones count. The rejected
+        positions stay in the blocks, never read (attention reads positions below the reader's,
+        and the next step writes them first), and the blocks past the accepted length go back to
+        the pool. Blocks join the prefix cache only once every slot holds a verified token."""
         bs = self.block_size
         out = []
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
-            seq.num_computed += n
-            self.stats.computed_tokens += n
+            tokens = sampled.get(i)
+            k = len(batch.drafts[i])
+            computed = n - k + (len(tokens) - 1 if k and tokens else 0)
+            seq.num_computed += computed
+            self.stats.computed_tokens += computed
+            keep = -(-seq.num_computed // bs)
+            while len(seq.blocks) > keep:  # blocks that held only rejected draft tokens
+                self.pool.release(seq.blocks.pop())
             full = min(seq.num_computed // bs, len(seq.blocks))
             while self.pool.enable_prefix_caching and seq.num_registered < full:
                 self.pool.register(seq.blocks[seq.num_registered], self._hash(seq, seq.num_registered))
                 seq.num_registered += 1
-            if i not in sampled:
+            if tokens is None:
                 continue  # mid-prompt chunk: nothing to sample yet
-            tok = sampled[i]
-            seq.append(tok)
-            out.append(seq)
-            if tok in seq.eos_ids:
-                self.finish(seq, FinishReason.EOS)
-            elif seq.num_output_tokens >= seq.params.max_new_tokens:
-                self.finish(seq, FinishReason.LENGTH)
-            elif seq.num_tokens > self.max_model_len:  # the window is full: no slot for the token just sampled
-                if seq.context_shift and self.max_model_len >= 2:
-                    self._shift(seq)
-                else:
-                    self.finish(seq, FinishReason.CONTEXT)
+            new = []
+            for tok in tokens:
+                seq.append(tok)
+                new.append(tok)
+                if tok in seq.eos_ids:
+                    self.finish(seq, FinishReason.EOS)
+                elif seq.num_output_tokens >= seq.params.max_new_tokens:
+                    self.finish(seq, FinishReason.LENGTH)
+                elif seq.num_tokens > self.max_model_len:  # the window is full: no slot for the token just sampled
+                    if seq.context_shift and self.max_model_len >= 2:
+                        self._shift(seq)
+                    else:
+                        self.finish(seq, FinishReason.CONTEXT)
+                if seq.status != RUNNING:
+                    break
+            out.append((seq, new))
         return out
 
     def _shift(self, seq: Request) -> None:

@@ -11,7 +11,7 @@ import threading
 import time
 from pathlib import Path
 
-from ..cli_common import UsageError, add_model_args, check_device, load_llm, parse_size
+from ..cli_common import UsageError, add_model_args, add_speculative_args, check_device, load_llm, parse_size
 
 # The smallest --kv-cache-memory taken before the model loads: two blocks of a small model. The
 # model's own minimum (two blocks of its K and V) is checked once its shapes are known.
@@ -125,7 +125,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     print(f"arlm serve: model {name} ({llm.quantization or 'no quantization'}), KV pool {cache.n_blocks} blocks x "
           f"{cache.block_size} tokens = {cache.nbytes / 2**20:.0f} MiB ({str(cache.k.dtype).removeprefix('torch.')}), "
           f"context {engine.max_model_len} tokens, "
-          f"paged-attention kernel {'native' if cache.use_kernel else 'PyTorch fallback'}; "
+          f"paged-attention kernel {'native' if cache.use_kernel else 'PyTorch fallback'}, "
+          f"speculative decoding {llm.speculative.method if llm.speculative else 'off'}; "
           f"listening on {url}" + (" (API key required)" if api_key else ""), file=sys.stderr, flush=True)
 
     def shutdown(signum, frame) -> None:
@@ -142,6 +143,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def add_serve(sub) -> None:
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API (continuous batching)")
     add_model_args(p, compile=False)  # for serving, --quantize and --prefill-dtype auto are decided in cmd_serve
+    add_speculative_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 (or set ARLM_API_KEY)")

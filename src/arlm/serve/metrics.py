@@ -75,6 +75,18 @@ def render(engine: AsyncEngine, http_requests: dict[tuple[str, int], int], time_
     _metric(out, "arlm_engine_steps_total", "counter", "Forward passes run by the engine.", [(stats.steps, None)])
     _metric(out, "arlm_engine_step_seconds_total", "counter", "Time spent in engine steps.",
             [(round(stats.step_seconds, 6), None)])
+    _metric(out, "arlm_spec_decode_num_draft_tokens_total", "counter",
+            "Speculative decoding: draft tokens verified by the target.", [(stats.spec_proposed, None)])
+    _metric(out, "arlm_spec_decode_num_accepted_tokens_total", "counter",
+            "Speculative decoding: draft tokens accepted.", [(stats.spec_accepted, None)])
+    _metric(out, "arlm_spec_decode_num_passes_total", "counter",
+            "Speculative decoding: rows that verified a draft (one per sequence per target pass).",
+            [(stats.spec_passes, None)])
+    _metric(out, "arlm_spec_decode_acceptance_rate", "gauge", "Accepted over verified draft tokens, since start.",
+            [(round(stats.spec_acceptance_rate, 6), None)])
+    _metric(out, "arlm_spec_decode_tokens_per_pass", "gauge",
+            "Mean tokens a verifying sequence emitted per target pass (1 is plain decoding's), since start.",
+            [(round(stats.spec_tokens_per_pass, 6), None)])
     _histogram(out, "arlm_time_to_first_token_seconds", "Time from arrival to the first generated token.",
                time_to_first_token)
     return "\n".join(out) + "\n"
