@@ -429,8 +429,11 @@ def weight_bytes(model: nn.Module) -> int:
     table, whose rows are gathered, and the RoPE tables)."""
     total = 0
     seen: set[int] = set()
+    # A head tied to a quantized embedding (QuantizedEmbedding) holds the table: it is streamed.
+    head = {id(t) for t in list(model.lm_head.parameters()) + list(model.lm_head.buffers())}
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        if name.startswith("tok_emb") or name.startswith("pos_emb") or "rope" in name or id(t) in seen:
+        if (name.startswith("tok_emb") and id(t) not in head) or name.startswith("pos_emb") or "rope" in name \
+                or id(t) in seen:
             continue
         seen.add(id(t))
         total += t.numel() * t.element_size()

@@ -266,6 +266,17 @@ class Scheduler:
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
             tokens = sampled.get(i)
             k = len(batch.drafts[i])
+            reason = None
+            if tokens is not None:
+                # The tokens taken: up to the first that ends the request (or fills the window).
+                for j, tok in enumerate(tokens):
+                    reason = self._ends(seq, tok, j + 1)
+                    if reason is not None:
+                        tokens = tokens[:j + 1]
+                        break
+                for tok in tokens:
+                    seq.append(tok)
+            # Computed: the row's tokens but the rejected draft ones (and any past the end).
             computed = n - k + (len(tokens) - 1 if k and tokens else 0)
             seq.num_computed += computed
             self.stats.computed_tokens += computed
@@ -278,23 +289,23 @@ class Scheduler:
                 seq.num_registered += 1
             if tokens is None:
                 continue  # mid-prompt chunk: nothing to sample yet
-            new = []
-            for tok in tokens:
-                seq.append(tok)
-                new.append(tok)
-                if tok in seq.eos_ids:
-                    self.finish(seq, FinishReason.EOS)
-                elif seq.num_output_tokens >= seq.params.max_new_tokens:
-                    self.finish(seq, FinishReason.LENGTH)
-                elif seq.num_tokens > self.max_model_len:  # the window is full: no slot for the token just sampled
-                    if seq.context_shift and self.max_model_len >= 2:
-                        self._shift(seq)
-                    else:
-                        self.finish(seq, FinishReason.CONTEXT)
-                if seq.status != RUNNING:
-                    break
-            out.append((seq, new))
+            if reason == "shift":
+                self._shift(seq)
+            elif reason is not None:
+                self.finish(seq, reason)
+            out.append((seq, tokens))
         return out
+
+    def _ends(self, seq: Request, tok: int, nth: int) -> FinishReason | str | None:
+        """Whether appending `tok` as the nth new token of this step ends the request (a reason),
+        shifts its window ("shift"), or neither (None)."""
+        if tok in seq.eos_ids:
+            return FinishReason.EOS
+        if seq.num_output_tokens + nth >= seq.params.max_new_tokens:
+            return FinishReason.LENGTH
+        if seq.num_tokens + nth > self.max_model_len:  # the window is full: no slot for the token just sampled
+            return "shift" if seq.context_shift and self.max_model_len >= 2 else FinishReason.CONTEXT
+        return None
 
     def _shift(self, seq: Request) -> None:
         """Context shift: the request goes on from the last half of its window (the tokens before

@@ -52,6 +52,7 @@ import torch.nn as nn
 from .. import kernels
 from ..kv_cache import KVCache
 from ..model import Transformer
+from ..quant import weight_bytes
 from ..sampling import draw, penalized, warped_probs
 from .request import Request
 
@@ -310,22 +311,6 @@ class ModelDrafter(Drafter):
             for j, b in enumerate(rows):
                 tokens[b], qs[b] = drawn[j], probs[j]
         return list(zip(tokens, qs))
-
-
-def weight_bytes(model: nn.Module) -> int:
-    """Bytes of a model's weights, each tensor once (shared modules and tied heads counted once)."""
-    seen: set[int] = set()
-    total = 0
-    for t in list(model.parameters()) + list(model.buffers()):
-        if t.data_ptr() not in seen:
-            seen.add(t.data_ptr())
-            total += t.numel() * t.element_size()
-    for m in model.modules():  # quantized layers keep their weights as buffers or plain attributes
-        for t in getattr(m, "tensors", lambda: ())():
-            if isinstance(t, torch.Tensor) and t.data_ptr() not in seen:
-                seen.add(t.data_ptr())
-                total += t.numel() * t.element_size()
-    return total
 
 
 def self_draft(model: Transformer, n_layers: int) -> Transformer:
