@@ -437,6 +437,7 @@ def weight_bytes(model: nn.Module) -> int:
             continue
         seen.add(id(t))
         total += t.numel() * t.element_size()
-    if getattr(model.config, "tie_embeddings", False) and isinstance(model.lm_head, nn.Linear):
+    if getattr(model.config, "tie_embeddings", False) and isinstance(model.lm_head, nn.Linear) \
+            and id(model.tok_emb.weight) not in seen:
         total += model.tok_emb.weight.numel() * model.tok_emb.weight.element_size()
     return total

@@ -158,7 +158,6 @@ class Server:
     def __init__(self, llm: LLM, engine: AsyncEngine, model_name: str, api_key: str | None = None,
                  max_body_bytes: int = 2 << 20) -> None:
         self.llm, self.engine, self.model_name = llm, engine, model_name
-        self.drafter = llm.drafter()  # speculative decoding for every request (arlm serve --speculative), or None
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
         self.created = int(time.time())
@@ -263,7 +262,8 @@ class Server:
         """One sequence: stream its text pieces, cut at a stop string."""
         rid = self.engine.new_request_id("req")
         streamer = TextStreamer(self.llm.tokenizer, params.stop)
-        tokens = self.engine.generate(rid, prompt_ids, params, arrival, drafter=self.drafter)
+        # speculative decoding for every request where the server has it (arlm serve --speculative)
+        tokens = self.engine.generate(rid, prompt_ids, params, arrival, drafter=self.llm.drafter())
         try:
             async for out in tokens:
                 text, hit = streamer.push(out.token_id, final=out.finish_reason is not None)

@@ -1,0 +1,289 @@
+"""Speculative decoding: plain vs speculative in the same run, SmolLM2-135M-Instruct, beside llama.cpp.
+
+    LLAMA_CPP_LIB_PATH=build/llama.cpp/bin .venv/bin/python benchmarks/speculative.py \
+        [--threads 2] [--repeats 3] [--max-tokens 128] [--clients 1,8,32] [--skip-llama-cpp] [--skip-http]
+        [--self-draft 10] [--json out.json]
+
+Two prompt sets, each sent through the model's chat template:
+(a) input-grounded: rewrite or correct a given paragraph, edit a given code snippet, answer by
+    quoting a given passage (the output copies from the prompt: prompt lookup's case);
+(b) free text: open questions, stories, explanations.
+
+1. In process (`LLM.generate`), greedy and sampled (temperature 0.7, seeded), batch 1 (each
+   prompt alone, one after another) and batch 8 (the set in one call): plain, prompt lookup
+   (`--speculative ngram`, adaptive) and, at batch 1, a self-draft (the model's first N layers and
+   its head). Plain and speculative runs alternate, `--repeats` times; medians. Reported: output
+   tokens/s over the wall clock (prefill included), the ratio to plain, the draft tokens accepted
+   over those verified, and the tokens a verifying sequence gained per target pass.
+2. llama.cpp on the same GGUF (llama-cpp-python, built by `make bench-peers`), batch 1: plain and
+   its prompt-lookup decoding (`LlamaPromptLookupDecoding`, 10 draft tokens: its default), fed
+   arlm's token ids, greedy and sampled at 0.7, tokens/s over the wall clock.
+3. `arlm serve` with and without `--speculative ngram` (both up, loads alternating), 1, 8 and
+   32 concurrent streaming clients over set (a) then (b), greedy: output tokens/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from bench_args import positive_int, positive_int_list  # noqa: E402
+
+PARAGRAPHS = [
+    "The committee met on Tuesday to discuss the budget for the new library. After a long debate, they agreed "
+    "to fund the project, but only if the city council approves the plan by the end of the month.",
+    "Our team shipped the new search feature last week. Early numbers show that users find what they need "
+    "faster, and support tickets about search have dropped by a third since the release.",
+    "The river flooded twice this spring. Farmers along the valley lost part of their crops, and the county "
+    "has asked the state for emergency funds to repair the roads and the old stone bridge.",
+]
+CODE = [
+    "def total(items):\n    s = 0\n    for x in items:\n        s = s + x.price * x.qty\n    return s\n",
+    "function greet(name) {\n  const message = 'Hello, ' + name + '!';\n  console.log(message);\n  return message;\n}\n",
+]
+PASSAGE = ("The Amazon rainforest covers much of the Amazon basin of South America. The basin spans about seven "
+           "million square kilometres, of which about five and a half million are covered by the rainforest. "
+           "The region includes territory belonging to nine nations, and the majority of the forest lies in "
+           "Brazil, with sixty percent of the rainforest.")
+GROUNDED = [
+    f"Rewrite this paragraph in the past tense, keeping everything else the same:\n\n{PARAGRAPHS[1]}",
+    f"Correct the spelling and grammar:\n\n{PARAGRAPHS[0].replace('the ', 'teh ').replace('agreed', 'agred')}",
+    f"Repeat this paragraph exactly, then add one sentence at the end:\n\n{PARAGRAPHS[2]}",
+    f"Rename the variable s to subtotal in this code and return the code:\n\n{CODE[0]}",
+    f"Add a JSDoc comment to this function and return the whole function:\n\n{CODE[1]}",
+    f"Quote the sentence from the passage that says how large the basin is.\n\n{PASSAGE}",
+    f"Answer by quoting the passage: which country holds most of the forest?\n\n{PASSAGE}",
+    f"Make this paragraph more formal without changing its facts:\n\n{PARAGRAPHS[1]}",
+]
+FREE = [
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Explain how a refrigerator works to a ten-year-old.",
+    "What are three good habits for learning a new language? Explain each.",
+    "Describe a walk through a busy market in the morning.",
+    "Why is the sky blue? Answer in a paragraph.",
+    "Give me a plan for a weekend trip to the mountains.",
+    "Write a poem about autumn leaves.",
+    "What should I consider when buying a used bicycle?",
+]
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def run_arlm(llm, texts: list[str], params, batch: int, speculative) -> dict:
+    """Generate every text (alone, or `batch` at a time); tokens, seconds and speculation counts."""
+    t0 = time.perf_counter()
+    tokens = proposed = accepted = passes = 0
+    for i in range(0, len(texts), batch):
+        out = llm.generate(texts[i:i + batch], params, speculative=speculative)
+        tokens += sum(len(c.token_ids) for c in out)
+        s = out[0].stats
+        proposed, accepted, passes = proposed + s.spec_proposed, accepted + s.spec_accepted, passes + s.spec_passes
+    return {"tokens": tokens, "seconds": time.perf_counter() - t0, "proposed": proposed, "accepted": accepted,
+            "passes": passes}
+
+
+def summarize(runs: list[dict]) -> dict:
+    r = {"tokens_per_s": median([x["tokens"] / x["seconds"] for x in runs]),
+         "tokens": runs[-1]["tokens"]}
+    p, a, n = (sum(x[k] for x in runs) for k in ("proposed", "accepted", "passes"))
+    r["acceptance"] = a / p if p else None
+    r["tokens_per_pass"] = (a + n) / n if n else None
+    return r
+
+
+def bench_in_process(args) -> dict:
+    from arlm.engine.speculative import SpeculativeConfig
+    from arlm.llm import LLM
+    from arlm.sampling import SamplingParams
+
+    llm = LLM.load("smollm2")
+    sets = {"grounded": GROUNDED, "free": FREE}
+    texts = {k: [llm.apply_chat_template([{"role": "user", "content": t}]) for t in v] for k, v in sets.items()}
+    modes = {"greedy": dict(temperature=0.0), "t=0.7": dict(temperature=0.7, top_p=1.0, seed=1)}
+    methods = {"plain": False, "ngram": "ngram"}
+    if args.self_draft:
+        methods[f"self:{args.self_draft}"] = SpeculativeConfig(f"self:{args.self_draft}")
+    llm.generate(texts["free"][0], SamplingParams(max_new_tokens=16, temperature=0))  # warm-up
+    results: dict = {}
+    for set_name in sets:
+        for mode, kw in modes.items():
+            params = SamplingParams(max_new_tokens=args.max_tokens, **kw)
+            for batch in (1, 8):
+                runs: dict[str, list[dict]] = {m: [] for m in methods}
+                for _ in range(args.repeats):  # alternating: drift in the machine's speed hits all alike
+                    for m, spec in methods.items():
+                        if batch > 1 and m.startswith("self"):
+                            continue
+                        runs[m].append(run_arlm(llm, texts[set_name], params, batch, spec))
+                row = {m: summarize(r) for m, r in runs.items() if r}
+                for m in row:
+                    row[m]["ratio"] = row[m]["tokens_per_s"] / row["plain"]["tokens_per_s"]
+                results[f"{set_name} {mode} batch {batch}"] = row
+                print_row(f"{set_name} {mode} batch {batch}", row)
+    return results
+
+
+def print_row(name: str, row: dict) -> None:
+    parts = []
+    for m, r in row.items():
+        extra = (f" acc {r['acceptance']:.2f} tpp {r['tokens_per_pass']:.2f}" if r.get("acceptance") is not None
+                 else "")
+        parts.append(f"{m} {r['tokens_per_s']:.1f} tok/s ({r['ratio']:.2f}x{extra})")
+    print(f"{name:<28} " + " | ".join(parts), flush=True)
+
+
+def bench_llama_cpp(args) -> dict:
+    from llama_cpp import Llama
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+    from arlm.llm import render_chat
+    from arlm.loading import load_model, resolve_model_path
+
+    loaded = load_model("smollm2")  # (its tokenizer and chat template)
+    tok, template = loaded.tokenizer, loaded.chat_template
+    gguf = str(resolve_model_path("smollm2"))
+    kw = dict(model_path=gguf, n_ctx=2048, n_batch=512, n_threads=args.threads, n_threads_batch=args.threads, seed=1,
+              verbose=False)
+    engines = {"llama.cpp": Llama(**kw),
+               "llama.cpp lookup": Llama(**kw, draft_model=LlamaPromptLookupDecoding(num_pred_tokens=10))}
+    eos = set(tok.eos_ids)
+    results: dict = {}
+    for set_name, prompts in (("grounded", GROUNDED), ("free", FREE)):
+        ids = [tok.encode(render_chat(template, [{"role": "user", "content": t}])) for t in prompts]
+        for mode, temp in (("greedy", 0.0), ("t=0.7", 0.7)):
+            runs: dict[str, list[float]] = {k: [] for k in engines}
+            for _ in range(args.repeats):
+                for name, llm in engines.items():
+                    t0, n = time.perf_counter(), 0
+                    for p in ids:
+                        for i, t in enumerate(llm.generate(p, temp=temp, top_k=0 if temp else 1, top_p=1.0,
+                                                           min_p=0.0, repeat_penalty=1.0, reset=True)):
+                            n += 1
+                            if t in eos or i + 1 >= args.max_tokens:
+                                break
+                    runs[name].append(n / (time.perf_counter() - t0))
+            row = {k: median(v) for k, v in runs.items()}
+            results[f"{set_name} {mode} batch 1"] = row
+            print(f"{set_name} {mode} batch 1".ljust(28) + " " +
+                  " | ".join(f"{k} {v:.1f} tok/s" for k, v in row.items()), flush=True)
+    return results
+
+
+async def _stream(client, url: str, prompt: str, max_tokens: int) -> int:
+    body = {"model": "smollm2", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    tokens = 0
+    async with client.stream("POST", f"{url}/v1/completions", json=body, timeout=900) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    tokens = chunk["usage"]["completion_tokens"]
+    return tokens
+
+
+async def _load(url: str, prompts: list[str], max_tokens: int) -> float:
+    import httpx
+
+    limits = httpx.Limits(max_connections=64, max_keepalive_connections=0)
+    async with httpx.AsyncClient(limits=limits) as client:
+        t0 = time.perf_counter()
+        tokens = await asyncio.gather(*(_stream(client, url, p, max_tokens) for p in prompts))
+        return sum(tokens) / (time.perf_counter() - t0)
+
+
+def bench_http(args) -> dict:
+    from serve import free_port, run_server, stop
+
+    from arlm.llm import render_chat
+    from arlm.loading import load_model
+
+    template = load_model("smollm2").chat_template
+    servers = {}
+    results: dict = {}
+    try:
+        for name, extra in (("plain", []), ("ngram", ["--speculative", "ngram"])):
+            port = free_port()
+            url = f"http://127.0.0.1:{port}"
+            env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false"}
+            servers[name] = url, run_server([sys.executable, "-m", "arlm", "serve", "--model", "smollm2", "--port",
+                                             str(port), "--kv-cache-memory", "1GiB", *extra], env, url)
+        for set_name, prompts in (("grounded", GROUNDED), ("free", FREE)):
+            texts = [render_chat(template, [{"role": "user", "content": t}]) for t in prompts]
+            for url, _ in servers.values():
+                asyncio.run(_load(url, texts[:2], 8))  # warm-up
+            for c in args.clients:
+                batch = [texts[i % len(texts)] for i in range(c)]
+                runs: dict[str, list[float]] = {k: [] for k in servers}
+                for _ in range(args.repeats):
+                    for name, (url, _) in servers.items():
+                        runs[name].append(asyncio.run(_load(url, batch, args.max_tokens)))
+                row = {k: median(v) for k, v in runs.items()}
+                row["ratio"] = row["ngram"] / row["plain"]
+                results[f"{set_name} {c} clients"] = row
+                print(f"serve {set_name} {c:>2} clients: plain {row['plain']:.1f} tok/s | ngram {row['ngram']:.1f} "
+                      f"tok/s ({row['ratio']:.2f}x)", flush=True)
+    finally:
+        for _, proc in servers.values():
+            stop(proc)
+    return results
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--threads", type=positive_int, default=2)
+    p.add_argument("--repeats", type=positive_int, default=3)
+    p.add_argument("--max-tokens", type=positive_int, default=128)
+    p.add_argument("--clients", type=positive_int_list, default="1,8,32")
+    p.add_argument("--self-draft", type=int, default=10, help="layers of the self-draft row (0: skip it)")
+    p.add_argument("--skip-llama-cpp", action="store_true")
+    p.add_argument("--skip-http", action="store_true")
+    p.add_argument("--skip-in-process", action="store_true")
+    p.add_argument("--json", default=None, help="write the results here")
+    args = p.parse_args()
+    import torch
+
+    torch.set_num_threads(args.threads)
+    out: dict = {"cpu": cpu_name(), "threads": args.threads, "max_tokens": args.max_tokens}
+    if not args.skip_in_process:
+        print("== arlm, in process (LLM.generate): output tokens/s, wall clock ==", flush=True)
+        out["arlm"] = bench_in_process(args)
+    if not args.skip_llama_cpp:
+        print("== llama.cpp (llama-cpp-python), batch 1 ==", flush=True)
+        try:
+            out["llama.cpp"] = bench_llama_cpp(args)
+        except ImportError as e:
+            print(f"llama.cpp: skipped ({e}; build it with `make bench-peers`)")
+    if not args.skip_http:
+        print("== arlm serve: concurrent streaming clients, greedy ==", flush=True)
+        out["serve"] = bench_http(args)
+    if args.json:
+        tmp = Path(args.json).with_suffix(".tmp")
+        tmp.write_text(json.dumps(out, indent=1))
+        os.replace(tmp, args.json)
+
+
+def cpu_name() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
+if __name__ == "__main__":
+    main()
