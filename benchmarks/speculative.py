@@ -40,29 +40,42 @@ from bench_args import positive_int, positive_int_list  # noqa: E402
 
 PARAGRAPHS = [
     "The committee met on Tuesday to discuss the budget for the new library. After a long debate, they agreed "
-    "to fund the project, but only if the city council approves the plan by the end of the month.",
+    "to fund the project, but only if the city council approves the plan by the end of the month. The library "
+    "will have three floors, a reading garden on the roof and a room for children's stories on Saturday "
+    "mornings. Construction is expected to start in the spring and to take about two years, during which the "
+    "old library on Main Street will stay open with shorter hours.",
     "Our team shipped the new search feature last week. Early numbers show that users find what they need "
-    "faster, and support tickets about search have dropped by a third since the release.",
+    "faster, and support tickets about search have dropped by a third since the release. The next step is to "
+    "add filters for date and author, which many customers have asked for. We also plan to improve the "
+    "results for misspelled words, because about one search in ten contains a typo.",
     "The river flooded twice this spring. Farmers along the valley lost part of their crops, and the county "
-    "has asked the state for emergency funds to repair the roads and the old stone bridge.",
+    "has asked the state for emergency funds to repair the roads and the old stone bridge. Volunteers filled "
+    "sandbags for three days, and the school gym served as a shelter for families whose homes were under "
+    "water. Engineers say a new levee would protect the town, but it would cost more than the county spends "
+    "on roads in five years.",
 ]
 CODE = [
-    "def total(items):\n    s = 0\n    for x in items:\n        s = s + x.price * x.qty\n    return s\n",
-    "function greet(name) {\n  const message = 'Hello, ' + name + '!';\n  console.log(message);\n  return message;\n}\n",
+    "def total(items):\n    s = 0\n    for x in items:\n        if x.qty <= 0:\n            continue\n"
+    "        s = s + x.price * x.qty\n    if s > 100:\n        s = s * 0.9\n    return s\n\n\n"
+    "def average(items):\n    if not items:\n        return 0\n    return total(items) / len(items)\n",
+    "function greet(name) {\n  const message = 'Hello, ' + name + '!';\n  console.log(message);\n  return message;\n}\n\n"
+    "function farewell(name) {\n  const message = 'Goodbye, ' + name + '.';\n  console.log(message);\n"
+    "  return message;\n}\n",
 ]
 PASSAGE = ("The Amazon rainforest covers much of the Amazon basin of South America. The basin spans about seven "
            "million square kilometres, of which about five and a half million are covered by the rainforest. "
            "The region includes territory belonging to nine nations, and the majority of the forest lies in "
            "Brazil, with sixty percent of the rainforest.")
 GROUNDED = [
-    f"Rewrite this paragraph in the past tense, keeping everything else the same:\n\n{PARAGRAPHS[1]}",
-    f"Correct the spelling and grammar:\n\n{PARAGRAPHS[0].replace('the ', 'teh ').replace('agreed', 'agred')}",
-    f"Repeat this paragraph exactly, then add one sentence at the end:\n\n{PARAGRAPHS[2]}",
-    f"Rename the variable s to subtotal in this code and return the code:\n\n{CODE[0]}",
-    f"Add a JSDoc comment to this function and return the whole function:\n\n{CODE[1]}",
+    f"Rewrite this text in the past tense, keeping everything else the same:\n\n{PARAGRAPHS[1]}",
+    f"Correct the spelling mistakes in this text:\n\n"
+    f"{PARAGRAPHS[0].replace('the ', 'teh ').replace('agreed', 'agred').replace('three', 'thre')}",
+    f"Repeat this text exactly:\n\n{PARAGRAPHS[2]}",
+    f"Rename the variable s to subtotal in this code and return the whole code:\n\n{CODE[0]}",
+    f"Add a comment above each function in this code and return the whole code:\n\n{CODE[1]}",
     f"Quote the sentence from the passage that says how large the basin is.\n\n{PASSAGE}",
-    f"Answer by quoting the passage: which country holds most of the forest?\n\n{PASSAGE}",
-    f"Make this paragraph more formal without changing its facts:\n\n{PARAGRAPHS[1]}",
+    f"Replace every 'the' with 'this' in the following text:\n\n{PARAGRAPHS[0]}",
+    f"Make this text more formal without changing its facts:\n\n{PARAGRAPHS[2]}",
 ]
 FREE = [
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
@@ -245,7 +258,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--threads", type=positive_int, default=2)
     p.add_argument("--repeats", type=positive_int, default=3)
-    p.add_argument("--max-tokens", type=positive_int, default=128)
+    p.add_argument("--max-tokens", type=positive_int, default=160)
     p.add_argument("--clients", type=positive_int_list, default="1,8,32")
     p.add_argument("--self-draft", type=int, default=10, help="layers of the self-draft row (0: skip it)")
     p.add_argument("--skip-llama-cpp", action="store_true")

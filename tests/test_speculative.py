@@ -230,29 +230,37 @@ def test_ngram_proposes_what_followed_the_longest_match():
 
 
 def test_draft_length_rule():
-    """k grows with the acceptance estimate, shrinks under load, and is 0 where it cannot pay."""
-    d = NgramDrafter(SpeculativeConfig(num_speculative_tokens=8))
+    """k grows with the acceptance estimate, shrinks under load, and is 0 where it cannot pay;
+    estimates are kept per kind of proposal (the n-gram's match length)."""
     from arlm.engine.request import Request
 
-    r = Request.create("r", [1, 2], SamplingParams(), 16)
+    d = NgramDrafter(SpeculativeConfig(num_speculative_tokens=8))
+    r = Request.create("r", [1, 2, 3, 4, 9, 1, 2, 3, 4], SamplingParams(), 16)
     r.spec = SpecState()
     base = d.draft_length(r, 8, 1)
+    assert r.spec.kind == 4 and base > 0  # a 4-token match
     for _ in range(10):
         r.spec.record(5, 5)
     assert d.draft_length(r, 8, 1) > base and d.draft_length(r, 8, 1) == 8
     assert d.draft_length(r, 3, 1) == 3 and d.draft_length(r, 0, 1) == 0
     for _ in range(20):  # alpha ~ 0.75: a few tokens alone, fewer beside 7 other decodes, none at 64
         r.spec.record(4, 3)
-    assert 3 <= d.draft_length(r, 8, 1) < 8
+    assert 2 <= d.draft_length(r, 8, 1) < 8
     assert 0 < d.draft_length(r, 8, 8) < d.draft_length(r, 8, 1) and d.draft_length(r, 8, 64) == 0
     for _ in range(20):
         r.spec.record(5, 0)
     assert d.draft_length(r, 8, 1) == 0
+    short = Request.create("s", [7, 1, 2, 3, 4, 9, 5, 4], SamplingParams(), 16)  # only "4" matches
+    short.spec = r.spec  # the 4-gram estimate is low; the 1-gram one still at its prior
+    assert d.draft_length(short, 8, 1) == 1 and short.spec.kind == 1
     for _ in range(200):  # not drafting, the estimate drifts back to the prior: it tries again
         d.draft_length(r, 8, 1)
     assert d.draft_length(r, 8, 1) > 0
     fixed = NgramDrafter(SpeculativeConfig(num_speculative_tokens=5, adaptive=False))
     assert fixed.draft_length(r, 8, 64) == 5
+    none = Request.create("n", [5, 6, 7], SamplingParams(), 16)
+    none.spec = SpecState()
+    assert fixed.draft_length(none, 8, 1) == 0  # nothing to look up: no draft
 
 
 def test_adaptive_speculation_backs_off_a_drafter_that_never_helps(model):
@@ -416,6 +424,11 @@ def test_smollm2_float32_path_speculates_within_its_exact_rows(smollm2):
     spec = smollm2.generate(text, params, speculative="ngram")[0]
     assert spec.token_ids == plain.token_ids and spec.stats.spec_accepted > 0
     assert spec.stats.spec_proposed <= 3 * spec.stats.spec_passes
+    # two sequences: 4 tokens a step between them, drafts included
+    texts = [text, smollm2.apply_chat_template([{"role": "user", "content": "Repeat: one two three four."}])]
+    plain2 = [c.token_ids for c in smollm2.generate(texts, params)]
+    spec2 = smollm2.generate(texts, params, speculative="ngram")
+    assert [c.token_ids for c in spec2] == plain2 and spec2[0].stats.spec_passes > 0
 
 
 def test_smollm2_stop_strings_cut_where_plain_decoding_does(llm):

@@ -264,7 +264,8 @@ class Engine:
             return []
         # The step's tokens before drafts: a token per decode, and the prompt tokens it will take.
         prompts = sum(r.num_tokens - r.num_computed for r in running if r.num_tokens - r.num_computed > 1)
-        prompts += sum(r.num_tokens for r in self.scheduler.waiting)
+        if not self.scheduler.static_batches:  # (a static batch admits no one while it runs)
+            prompts += sum(r.num_tokens for r in self.scheduler.waiting)
         step_tokens = min(self.config.max_num_batched_tokens, len(decoding) + prompts)
         spare = self.config.max_num_batched_tokens - len(decoding)
         if self.runner.exact_rows is not None:  # a bigger step would change the decode rows' arithmetic
@@ -276,6 +277,7 @@ class Engine:
             cap = min(r.params.max_new_tokens - r.num_output_tokens - 1, self.scheduler.max_model_len - r.num_tokens,
                       spare)
             k = r.drafter.draft_length(r, cap, step_tokens)
+            spare -= max(k, 0)
             if k > 0:
                 group = by_drafter.setdefault(id(r.drafter), (r.drafter, [], []))
                 group[1].append(r)
