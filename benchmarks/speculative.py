@@ -2,7 +2,7 @@
 
     LLAMA_CPP_LIB_PATH=build/llama.cpp/bin .venv/bin/python benchmarks/speculative.py \
         [--threads 2] [--repeats 3] [--max-tokens 128] [--clients 1,8,32] [--skip-llama-cpp] [--skip-http]
-        [--self-draft 10] [--json out.json]
+        [--self-draft 10] [--batch 1,8] [--modes greedy,t=0.7] [--step-cost] [--json out.json]
 
 Two prompt sets, each sent through the model's chat template:
 (a) input-grounded: rewrite or correct a given paragraph, edit a given code snippet, answer by
@@ -13,11 +13,14 @@ Two prompt sets, each sent through the model's chat template:
    prompt alone, one after another) and batch 8 (the set in one call): plain, prompt lookup
    (`--speculative ngram`, adaptive) and, at batch 1, a self-draft (the model's first N layers and
    its head). Plain and speculative runs alternate, `--repeats` times; medians. Reported: output
-   tokens/s over the wall clock (prefill included), the ratio to plain, the draft tokens accepted
-   over those verified, and the tokens a verifying sequence gained per target pass.
+   tokens/s over the wall clock (prefill included), the ratio to plain, the ratio of decode
+   tokens/s alone (the steps that computed no prompt token), the draft tokens accepted over
+   those verified, and the tokens a verifying sequence gained per target pass.
 2. llama.cpp on the same GGUF (llama-cpp-python, built by `make bench-peers`), batch 1: plain and
    its prompt-lookup decoding (`LlamaPromptLookupDecoding`, 10 draft tokens: its default), fed
    arlm's token ids, greedy and sampled at 0.7, tokens/s over the wall clock.
+0. (--step-cost) one forward pass of 1, 8 and 32 sequences feeding 1..8 tokens each, relative
+   to one token each: what verification costs on this CPU.
 3. `arlm serve` with and without `--speculative ngram` (both up, loads alternating), 1, 8 and
    32 concurrent streaming clients over set (a) then (b), greedy: output tokens/s.
 """
@@ -96,18 +99,21 @@ def median(xs: list[float]) -> float:
 def run_arlm(llm, texts: list[str], params, batch: int, speculative) -> dict:
     """Generate every text (alone, or `batch` at a time); tokens, seconds and speculation counts."""
     t0 = time.perf_counter()
-    tokens = proposed = accepted = passes = 0
+    tokens = proposed = accepted = passes = decode_tokens = 0
+    decode_seconds = 0.0
     for i in range(0, len(texts), batch):
         out = llm.generate(texts[i:i + batch], params, speculative=speculative)
         tokens += sum(len(c.token_ids) for c in out)
         s = out[0].stats
         proposed, accepted, passes = proposed + s.spec_proposed, accepted + s.spec_accepted, passes + s.spec_passes
+        decode_tokens, decode_seconds = decode_tokens + s.decode_tokens, decode_seconds + s.decode_seconds
     return {"tokens": tokens, "seconds": time.perf_counter() - t0, "proposed": proposed, "accepted": accepted,
-            "passes": passes}
+            "passes": passes, "decode_tokens_per_s": decode_tokens / decode_seconds if decode_seconds else 0.0}
 
 
 def summarize(runs: list[dict]) -> dict:
     r = {"tokens_per_s": median([x["tokens"] / x["seconds"] for x in runs]),
+         "decode_tokens_per_s": median([x["decode_tokens_per_s"] for x in runs]),
          "tokens": runs[-1]["tokens"]}
     p, a, n = (sum(x[k] for x in runs) for k in ("proposed", "accepted", "passes"))
     r["acceptance"] = a / p if p else None
@@ -124,15 +130,18 @@ def bench_in_process(args) -> dict:
     sets = {"grounded": GROUNDED, "free": FREE}
     texts = {k: [llm.apply_chat_template([{"role": "user", "content": t}]) for t in v] for k, v in sets.items()}
     modes = {"greedy": dict(temperature=0.0), "t=0.7": dict(temperature=0.7, top_p=1.0, seed=1)}
+    modes = {m: modes[m] for m in args.modes}
     methods = {"plain": False, "ngram": "ngram"}
-    if args.self_draft:
+    if args.self_draft:  # adaptive, the rule keeps it off (it never pays here); so also always 2 tokens
         methods[f"self:{args.self_draft}"] = SpeculativeConfig(f"self:{args.self_draft}")
+        methods[f"self:{args.self_draft} k=2"] = SpeculativeConfig(f"self:{args.self_draft}",
+                                                                   num_speculative_tokens=2, adaptive=False)
     llm.generate(texts["free"][0], SamplingParams(max_new_tokens=16, temperature=0))  # warm-up
     results: dict = {}
     for set_name in sets:
         for mode, kw in modes.items():
             params = SamplingParams(max_new_tokens=args.max_tokens, **kw)
-            for batch in (1, 8):
+            for batch in args.batch:
                 runs: dict[str, list[dict]] = {m: [] for m in methods}
                 for _ in range(args.repeats):  # alternating: drift in the machine's speed hits all alike
                     for m, spec in methods.items():
@@ -142,6 +151,7 @@ def bench_in_process(args) -> dict:
                 row = {m: summarize(r) for m, r in runs.items() if r}
                 for m in row:
                     row[m]["ratio"] = row[m]["tokens_per_s"] / row["plain"]["tokens_per_s"]
+                    row[m]["decode_ratio"] = row[m]["decode_tokens_per_s"] / row["plain"]["decode_tokens_per_s"]
                 results[f"{set_name} {mode} batch {batch}"] = row
                 print_row(f"{set_name} {mode} batch {batch}", row)
     return results
@@ -152,8 +162,45 @@ def print_row(name: str, row: dict) -> None:
     for m, r in row.items():
         extra = (f" acc {r['acceptance']:.2f} tpp {r['tokens_per_pass']:.2f}" if r.get("acceptance") is not None
                  else "")
-        parts.append(f"{m} {r['tokens_per_s']:.1f} tok/s ({r['ratio']:.2f}x{extra})")
+        parts.append(f"{m} {r['tokens_per_s']:.1f} tok/s ({r['ratio']:.2f}x, decode {r['decode_ratio']:.2f}x{extra})")
     print(f"{name:<28} " + " | ".join(parts), flush=True)
+
+
+def bench_step_cost(args) -> dict:
+    """What verifying costs: one forward pass (block table, LM head on every position) of S
+    sequences at position ~200, each feeding 1..8 tokens, relative to 1 token each."""
+    import torch
+
+    from arlm.kv_cache import KVCache
+    from arlm.llm import LLM
+
+    llm = LLM.load("smollm2")
+    native, cfg = llm.runner.native, llm.model.config
+    cache = KVCache.pool(cfg, 32 * 16, 16, llm.kv_dtype)
+    results: dict = {}
+
+    def step(seqs: int, per: int) -> float:
+        table = torch.arange(seqs * 16).view(seqs, 16)
+        tokens = torch.randint(0, 1000, (seqs * per,))
+        seq = torch.arange(seqs).repeat_interleave(per)
+        pos = (200 + torch.arange(per)).repeat(seqs)
+        times = []
+        with torch.inference_mode():
+            for _ in range(7):
+                t0 = time.perf_counter()
+                x = native.embed(tokens)
+                native.forward(x, cache.k, cache.v, table, seq, pos)
+                native.head(x)
+                times.append(time.perf_counter() - t0)
+        return median(times)
+
+    for seqs in (1, 8, 32):
+        base = step(seqs, 1)
+        row = {per: step(seqs, per) / base for per in (1, 2, 3, 4, 5, 6, 8)}
+        results[seqs] = {"one_token_ms": 1000 * base, "relative": row}
+        print(f"{seqs:>2} sequences: one token each {1000 * base:.1f} ms; tokens each -> relative cost: "
+              + " ".join(f"{k}:{v:.2f}" for k, v in row.items()), flush=True)
+    return results
 
 
 def bench_llama_cpp(args) -> dict:
@@ -260,16 +307,23 @@ def main() -> None:
     p.add_argument("--repeats", type=positive_int, default=3)
     p.add_argument("--max-tokens", type=positive_int, default=160)
     p.add_argument("--clients", type=positive_int_list, default="1,8,32")
-    p.add_argument("--self-draft", type=int, default=10, help="layers of the self-draft row (0: skip it)")
+    p.add_argument("--self-draft", type=int, default=10, help="layers of the self-draft rows (0: skip them)")
+    p.add_argument("--batch", type=positive_int_list, default="1,8", help="in-process batch sizes (default: 1,8)")
+    p.add_argument("--modes", type=lambda t: t.split(","), default="greedy,t=0.7",
+                   help="in-process sampling modes, of greedy,t=0.7 (default: both)")
     p.add_argument("--skip-llama-cpp", action="store_true")
     p.add_argument("--skip-http", action="store_true")
     p.add_argument("--skip-in-process", action="store_true")
+    p.add_argument("--step-cost", action="store_true", help="first, time one pass of 1..8 tokens per sequence")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args()
     import torch
 
     torch.set_num_threads(args.threads)
     out: dict = {"cpu": cpu_name(), "threads": args.threads, "max_tokens": args.max_tokens}
+    if args.step_cost:
+        print("== the cost of verifying: tokens per sequence in one pass ==", flush=True)
+        out["step_cost"] = bench_step_cost(args)
     if not args.skip_in_process:
         print("== arlm, in process (LLM.generate): output tokens/s, wall clock ==", flush=True)
         out["arlm"] = bench_in_process(args)
