@@ -435,7 +435,7 @@ def test_smollm2_stop_strings_cut_where_plain_decoding_does(llm):
     text = llm.apply_chat_template([{"role": "user", "content": COPY}])
     params = SamplingParams(max_new_tokens=60, temperature=0)
     full = llm.generate(text, params)[0].text
-    for stop in ("library", "debate,", "council"):
+    for stop in ("library", "debate,", "council", "month"):  # (the last: EOS may come in the same step)
         assert stop in full
         p = SamplingParams(max_new_tokens=60, temperature=0, stop=[stop])
         a, b = llm.generate(text, p)[0], llm.generate(text, p, speculative="ngram")[0]

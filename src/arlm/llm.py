@@ -172,8 +172,10 @@ class TextStream:
                     # the context limit wins: the text was cut at the string, so that is why it
                     # stopped. The request ends at this token, as plain decoding ends it.
                     stopped.add(row)
-                    self.engine.abort(req.request_id, FinishReason.STOP, num_output_tokens=out.num_output_tokens)
+                    self.engine.abort(req.request_id, FinishReason.STOP)
                     req.finish_reason = reason = FinishReason.STOP
+                    # (a speculative step may have given tokens past this one, or ended later)
+                    del req.token_ids[req.num_prompt_tokens + out.num_output_tokens:]
                 yield TextChunk(row, [out.token_id], text, reason)
         finally:
             for r in self.requests:

@@ -187,18 +187,13 @@ class Engine:
         self.stats.prompt_tokens += len(prompt_ids)
         return req
 
-    def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT,
-              num_output_tokens: int | None = None) -> None:
-        """End a request now and free its blocks (unknown or finished ids are ignored).
-        num_output_tokens: keep only that many of its output tokens (a stop string found at the
-        text edge in a token before the last one a speculative step gave)."""
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> None:
+        """End a request now and free its blocks (unknown or finished ids are ignored)."""
         req = self.requests.pop(request_id, None)
         if req is not None and req.status != RequestStatus.FINISHED:
             self.scheduler.finish(req, reason)
             self._count_finished(req)
             self._release(req)
-        if req is not None and num_output_tokens is not None:
-            del req.token_ids[req.num_prompt_tokens + num_output_tokens:]
 
     def _release(self, req: Request) -> None:
         if req.drafter is not None:
