@@ -263,6 +263,28 @@ def test_draft_length_rule():
     assert fixed.draft_length(none, 8, 1) == 0  # nothing to look up: no draft
 
 
+def test_step_cost_follows_the_machine():
+    """The engine's fit of a step's cost a + bN: the prior until step sizes vary, then b / a."""
+    from arlm.engine.speculative import StepCost
+
+    c = StepCost()
+    assert c.r(0.25) == 0.25
+    for _ in range(100):  # one size only: nothing to fit
+        c.observe(8, 0.02)
+    assert c.r(0.25) == 0.25
+    g = torch.Generator().manual_seed(0)
+    for i in range(400):  # a machine where each token costs 0.6 of the weight pass
+        n = [1, 2, 4, 9][i % 4]
+        c.observe(n, (1 + 0.6 * n) * 0.005 * (1 + 0.05 * float(torch.randn(1, generator=g))))
+    assert abs(c.r(0.25) - 0.6) < 0.08
+    d = NgramDrafter(SpeculativeConfig(num_speculative_tokens=8))
+    from arlm.engine.request import Request
+
+    r = Request.create("r", [1, 2, 3, 4, 9, 1, 2, 3, 4], SamplingParams(), 16)
+    r.spec = SpecState()
+    assert d.draft_length(r, 8, 1, cost=0.6) < d.draft_length(r, 8, 1, cost=0.1)
+
+
 def test_adaptive_speculation_backs_off_a_drafter_that_never_helps(model):
     ps = prompts(4, seed=3)
     params = SamplingParams(max_new_tokens=60, **GREEDY)

@@ -29,7 +29,7 @@ from ..sampling import SamplingParams, sample_rows
 from .request import FinishReason, Request, RequestStatus
 from .runner import ModelRunner
 from .scheduler import Scheduler
-from .speculative import Drafter, SpecState, verify
+from .speculative import Drafter, SpecState, StepCost, verify
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +118,7 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
         self.last_step = StepStats()
+        self.step_cost = StepCost()  # what a decode step costs here, by its size (speculation's rule)
         self._next_id = 0
         if config.contiguous:
             self.cache: KVCache | None = None  # sized for each batch (`_fit_cache`)
@@ -229,6 +230,9 @@ class Engine:
         prompt_tokens = sum(n for i, n in enumerate(batch.num_tokens) if not batch.decodes(i))
         outputs = self._postprocess(batch, sampled, failed)
         seconds = time.perf_counter() - t0
+        if drafting or self.step_cost.s0:  # (only where something speculates: a decode step's size and time)
+            if not prompt_tokens:
+                self.step_cost.observe(sum(batch.num_tokens), seconds)
         self.last_step = StepStats(prompt_tokens, len(outputs), seconds)
         self.stats.steps += 1
         self.stats.step_seconds += seconds
@@ -271,7 +275,7 @@ class Engine:
             # the last draft position must have a slot, so a cut falls where plain decoding's does.
             cap = min(r.params.max_new_tokens - r.num_output_tokens - 1, self.scheduler.max_model_len - r.num_tokens,
                       spare)
-            k = r.drafter.draft_length(r, cap, step_tokens)
+            k = r.drafter.draft_length(r, cap, step_tokens, self.step_cost.r(r.drafter.config.verify_cost))
             spare -= max(k, 0)
             if k > 0:
                 group = by_drafter.setdefault(id(r.drafter), (r.drafter, [], []))

@@ -33,7 +33,8 @@ How many tokens to draft (`SpeculativeConfig.adaptive`): a step of N tokens cost
 a + b * N (a: streaming the weights, b: each token's compute; r = b / a is `verify_cost`), and
 k draft tokens add b * k (plus the drafter's own cost) for alpha + ... + alpha^k expected tokens,
 alpha the request's estimated acceptance for this kind of proposal (per n-gram length: a long
-match in a copy is right far more often than a one-token one). `best_draft_length` picks the k
+match in a copy is right far more often than a one-token one). r starts at the configured value
+and follows what the machine's steps show (`StepCost`). `best_draft_length` picks the k
 that maximizes the step's expected tokens per unit of time. So drafts grow after full
 acceptance (alpha rises), shrink after rejections, and stop for a request whose alpha is too low,
 and for the whole step under load, where N is large and a draft token costs nearly a whole
@@ -141,6 +142,38 @@ def best_draft_length(alpha: float, cap: int, step_tokens: int, r: float, d: flo
     return best_k
 
 
+class StepCost:
+    """The step's cost as this machine shows it: a + b * N for a step of N tokens, fitted to the
+    engine's decode steps (no prompt tokens) by exponentially weighted least squares; `r()` is
+    b / a, blended with the configured prior (`SpeculativeConfig.verify_cost`) until the steps
+    seen vary enough in size to tell. Speculation itself varies them; a CPU where extra rows cost
+    more than the prior says (no packed kernels, a busy machine) is then drafted for less."""
+
+    DECAY = 0.995  # per step: the last ~200 steps weigh most
+    FULL_WEIGHT = 50.0  # steps of varied size before the fit alone decides
+
+    def __init__(self) -> None:
+        self.s0 = self.s1 = self.s2 = self.t0 = self.t1 = 0.0
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        d = self.DECAY
+        self.s0, self.s1, self.s2 = d * self.s0 + 1, d * self.s1 + tokens, d * self.s2 + tokens * tokens
+        self.t0, self.t1 = d * self.t0 + seconds, d * self.t1 + tokens * seconds
+
+    def r(self, prior: float) -> float:
+        """b / a as fitted, blended with `prior` by how much the fit has to go on."""
+        if self.s0 < 2:
+            return prior
+        var = self.s2 / self.s0 - (self.s1 / self.s0) ** 2  # of the step sizes seen
+        if var < 0.25:
+            return prior
+        b = (self.s0 * self.t1 - self.s1 * self.t0) / (self.s0 * self.s2 - self.s1 ** 2)
+        a = (self.t0 - b * self.s1) / self.s0
+        fit = min(2.0, b / a) if a > 0 and b > 0 else (2.0 if b > 0 else prior)
+        w = min(1.0, self.s0 * min(1.0, var) / self.FULL_WEIGHT)
+        return (1 - w) * prior + w * max(fit, 0.02)
+
+
 class Drafter(ABC):
     """Proposes the next tokens of a request. `cost`: one drafted token's cost relative to the
     target's pass over its weights (0 for a lookup), for the draft length rule."""
@@ -170,9 +203,11 @@ class Drafter(ABC):
         """The acceptance a request starts from, for proposals of this kind."""
         return 0.6
 
-    def draft_length(self, request: Request, cap: int, step_tokens: int) -> int:
+    def draft_length(self, request: Request, cap: int, step_tokens: int, cost: float | None = None) -> int:
         """How many tokens to draft for `request` now (at most `cap`), in a step of about
-        `step_tokens` tokens before drafts (see the module doc)."""
+        `step_tokens` tokens before drafts, a token costing `cost` of the step's weight pass
+        (default: the configured `verify_cost`; the engine passes its `StepCost`). See the
+        module doc."""
         cap = min(cap, self.config.num_speculative_tokens)
         if cap <= 0:
             return 0
@@ -184,7 +219,8 @@ class Drafter(ABC):
         if not self.config.adaptive:
             return cap
         prior = self.prior(kind)
-        k = best_draft_length(spec.alpha(kind, prior), cap, step_tokens, self.config.verify_cost, self.cost)
+        r = self.config.verify_cost if cost is None else cost
+        k = best_draft_length(spec.alpha(kind, prior), cap, step_tokens, r, self.cost)
         if k == 0:
             spec.drift(kind, prior)
         return k
