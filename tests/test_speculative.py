@@ -264,25 +264,29 @@ def test_draft_length_rule():
 
 
 def test_step_cost_follows_the_machine():
-    """The engine's fit of a step's cost a + bN: the prior until step sizes vary, then b / a."""
+    """Step times by size from the engine's own steps: seen sizes as seen, others interpolated,
+    or extrapolated by the prior but never below the largest sizes' slope; drafts follow them."""
+    from arlm.engine.request import Request
     from arlm.engine.speculative import StepCost
 
     c = StepCost()
-    assert c.r(0.25) == 0.25
-    for _ in range(100):  # one size only: nothing to fit
-        c.observe(8, 0.02)
-    assert c.r(0.25) == 0.25
-    g = torch.Generator().manual_seed(0)
-    for i in range(400):  # a machine where each token costs 0.6 of the weight pass
-        n = [1, 2, 4, 9][i % 4]
-        c.observe(n, (1 + 0.6 * n) * 0.005 * (1 + 0.05 * float(torch.randn(1, generator=g))))
-    assert abs(c.r(0.25) - 0.6) < 0.08
+    assert c.time(3, 0.25) == 1 + 0.25 * 3  # nothing seen: the prior
+    for n, t in ((1, 5.0), (2, 6.0), (8, 16.0), (9, 18.5)):
+        c.observe(n, t)
+    assert c.time(8, 0.25) == 16.0 and c.time(5, 0.25) == 11.0  # interpolated
+    assert c.time(11, 0.25) == 23.5  # the last slope (2.5 per token), above the prior's
+    c.observe(8, 18.0)
+    assert c.time(8, 0.25) == 16.2  # an average, not the last step alone
+    c.observe(8, 1000.0)
+    assert c.time(8, 0.25) < 17.5  # a stalled step moves it by at most half the average
     d = NgramDrafter(SpeculativeConfig(num_speculative_tokens=8))
-    from arlm.engine.request import Request
-
     r = Request.create("r", [1, 2, 3, 4, 9, 1, 2, 3, 4], SamplingParams(), 16)
     r.spec = SpecState()
-    assert d.draft_length(r, 8, 1, cost=0.6) < d.draft_length(r, 8, 1, cost=0.1)
+    cheap, dear = StepCost(), StepCost()
+    for n in range(1, 17):
+        cheap.observe(n, 5.0 + 0.5 * n)  # extra rows nearly free
+        dear.observe(n, 5.0 * n)  # every row costs a whole step
+    assert d.draft_length(r, 8, 1, dear) == 0 < d.draft_length(r, 8, 1) < d.draft_length(r, 8, 1, cheap)
 
 
 def test_adaptive_speculation_backs_off_a_drafter_that_never_helps(model):

@@ -72,7 +72,7 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
                    help="speculative decoding: ngram (prompt lookup), self:N (the model's first N layers), or a "
                         "draft model with the same vocabulary (name or path); greedy output is unchanged, "
                         "sampled output keeps its distribution")
-    p.add_argument("--num-speculative-tokens", type=positive_int, default=8, metavar="K",
+    p.add_argument("--num-speculative-tokens", "--speculative-k", type=positive_int, default=8, metavar="K",
                    help="the most tokens drafted per sequence and step (default: 8)")
     p.add_argument("--speculative-fixed", action="store_true",
                    help="always draft K tokens (default: adaptive, from the acceptance rate and the load)")

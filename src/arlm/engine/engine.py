@@ -230,9 +230,8 @@ class Engine:
         prompt_tokens = sum(n for i, n in enumerate(batch.num_tokens) if not batch.decodes(i))
         outputs = self._postprocess(batch, sampled, failed)
         seconds = time.perf_counter() - t0
-        if drafting or self.step_cost.s0:  # (only where something speculates: a decode step's size and time)
-            if not prompt_tokens:
-                self.step_cost.observe(sum(batch.num_tokens), seconds)
+        if not prompt_tokens and (drafting or self.step_cost.times):  # where something speculates
+            self.step_cost.observe(sum(batch.num_tokens), seconds)
         self.last_step = StepStats(prompt_tokens, len(outputs), seconds)
         self.stats.steps += 1
         self.stats.step_seconds += seconds
@@ -275,8 +274,12 @@ class Engine:
             # the last draft position must have a slot, so a cut falls where plain decoding's does.
             cap = min(r.params.max_new_tokens - r.num_output_tokens - 1, self.scheduler.max_model_len - r.num_tokens,
                       spare)
-            k = r.drafter.draft_length(r, cap, step_tokens, self.step_cost.r(r.drafter.config.verify_cost))
-            spare -= max(k, 0)
+            # Drafts by the measured step times, but for seeded sampling: its draws depend on
+            # where drafts fall, so it drafts by the prior cost alone and reproduces run to run.
+            timed = r.params.greedy or r.params.seed is None
+            k = r.drafter.draft_length(r, cap, step_tokens, self.step_cost if timed else None)
+            spare -= k
+            step_tokens += k
             if k > 0:
                 group = by_drafter.setdefault(id(r.drafter), (r.drafter, [], []))
                 group[1].append(r)

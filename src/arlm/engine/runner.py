@@ -4,7 +4,9 @@ It prepares the step's tensors from the requests and picks how the forward pass 
 
 - **rows** (a contiguous cache, every request decoding one token): tokens `[B, 1]`, row `b` of
   the cache for request `b`, rows not in this step riding along at position 0 (their output is
-  ignored), so the shapes of a decode step do not change. Natively `NativeLlama.decode`; else
+  ignored), so the shapes of a decode step do not change. Natively, once some rows have finished,
+  the step takes the block-table path instead (each row in a one-block table), which computes
+  only the rows still running. Natively `NativeLlama.decode`; else
   `decode_step` (the module path, or its `torch.compile`d / CUDA-graph twin).
 - **rows prefill** (a contiguous cache, a static batch's first step, run by the modules): whole
   prompts `[B, P]` through `prefill`, SDPA over each row's slots.
@@ -90,7 +92,8 @@ class ModelRunner:
         by_rows: the cache is contiguous, a block per request (its block id is its row)."""
         for src, dst in batch.copies:
             cache.copy_block(src, dst)
-        if by_rows and all(batch.decodes(i) and not batch.drafts[i] for i in range(len(batch.seqs))):
+        if by_rows and all(batch.decodes(i) and not batch.drafts[i] for i in range(len(batch.seqs))) and (
+                len(batch.seqs) == cache.n_blocks or not self._native_table(cache)):
             return self._decode_rows(cache, batch), list(range(len(batch.seqs)))
         if by_rows and (self.native is None or self.dense_prefill) and all(
                 s.blocks[0] == i and s.num_computed == 0 and batch.samples(i) and not s.wants_logits
@@ -108,6 +111,14 @@ class ModelRunner:
                 return logits[order], [rows[j] for j in order]
             return self._forward_table(cache, batch, list(range(len(batch.seqs))), bool(prompt))
         return self._forward_table(cache, batch, list(range(len(batch.seqs))), False)
+
+    def _native_table(self, cache: KVCache) -> bool:
+        """Whether a decode step can take the native block-table path instead of the rows path:
+        then a static batch some of whose rows have finished (an early EOS, a speculative row
+        that ran ahead) computes only the rows still running, with the same arithmetic (the two
+        paths agree bit for bit); the rows path computes every row of the cache, to keep its
+        shapes fixed (what a compiled step or a CUDA graph wants)."""
+        return self.native is not None and self.decode_fn is None and cache.use_kernel
 
     def _decode_rows(self, cache: KVCache, batch: Batch) -> torch.Tensor:
         R = cache.n_blocks

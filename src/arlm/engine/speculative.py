@@ -29,16 +29,16 @@ Drafters (`Drafter.propose(request, k) -> token ids`):
   with the request's each time, and it recomputes from the first difference). `self_draft` makes
   one from the target itself: its first layers, final norm and LM head, sharing the weights.
 
-How many tokens to draft (`SpeculativeConfig.adaptive`): a step of N tokens costs about
-a + b * N (a: streaming the weights, b: each token's compute; r = b / a is `verify_cost`), and
-k draft tokens add b * k (plus the drafter's own cost) for alpha + ... + alpha^k expected tokens,
-alpha the request's estimated acceptance for this kind of proposal (per n-gram length: a long
-match in a copy is right far more often than a one-token one). r starts at the configured value
-and follows what the machine's steps show (`StepCost`). `best_draft_length` picks the k
-that maximizes the step's expected tokens per unit of time. So drafts grow after full
-acceptance (alpha rises), shrink after rejections, and stop for a request whose alpha is too low,
-and for the whole step under load, where N is large and a draft token costs nearly a whole
-token's share of the step. A request not drafting drifts back toward the prior and tries again.
+How many tokens to draft (`SpeculativeConfig.adaptive`): k draft tokens make the step k tokens
+longer and yield alpha + ... + alpha^k expected tokens, alpha the request's estimated acceptance
+for this kind of proposal (per n-gram length: a long match in a copy is right far more often
+than a one-token one). `best_draft_length` picks the k that maximizes the step's expected tokens
+per second, with step times by size from `StepCost`: the engine's own decode steps, and before
+it has seen a size, a + b * n with b / a = `verify_cost`. So drafts grow after full acceptance
+(alpha rises), shrink after rejections, and stop for a request whose alpha is too low, and for
+the whole step under load, where an extra token costs nearly a whole token's share of the step.
+A request not drafting drifts back toward its prior and tries again. Each request's draft counts
+in the step size the next one is judged at.
 """
 
 from __future__ import annotations
@@ -126,52 +126,66 @@ class SpecState:
         e[1] = DRIFT * e[1] + (1 - DRIFT) * PRIOR_WEIGHT * (1 - prior)
 
 
-def best_draft_length(alpha: float, cap: int, step_tokens: int, r: float, d: float) -> int:
-    """The k in 0..cap that maximizes the step's expected tokens per unit of time: a step of N
-    tokens takes 1 + r * N (units of its weight pass), k draft tokens take r * k more and the
-    drafter d * k; they yield alpha + alpha^2 + ... + alpha^k expected extra tokens (a draft
-    token is kept only with all before it)."""
+def best_draft_length(alpha: float, cap: int, step_tokens: int, step_time, d: float = 0.0) -> int:
+    """The k in 0..cap that maximizes the step's expected tokens per second: a step of n tokens
+    takes `step_time(n)` (any unit), the drafter d * step_time(1) per draft token, and k draft
+    tokens yield alpha + alpha^2 + ... + alpha^k expected extra tokens (a draft token is kept
+    only with all before it)."""
     n = max(step_tokens, 1)
-    best_k, best, gain, p = 0, n / (1 + r * n), 0.0, 1.0
+    one = step_time(1)
+    best_k, best, gain, p = 0, n / step_time(n), 0.0, 1.0
     for k in range(1, cap + 1):
         p *= alpha
         gain += p
-        rate = (n + gain) / (1 + r * (n + k) + d * k)
+        rate = (n + gain) / (step_time(n + k) + d * k * one)
         if rate > best:
             best_k, best = k, rate
     return best_k
 
 
 class StepCost:
-    """The step's cost as this machine shows it: a + b * N for a step of N tokens, fitted to the
-    engine's decode steps (no prompt tokens) by exponentially weighted least squares; `r()` is
-    b / a, blended with the configured prior (`SpeculativeConfig.verify_cost`) until the steps
-    seen vary enough in size to tell. Speculation itself varies them; a CPU where extra rows cost
-    more than the prior says (no packed kernels, a busy machine) is then drafted for less."""
+    """What a decode step of n tokens takes on this machine: the engine's own decode steps (no
+    prompt tokens), an exponential average per size; sizes not seen yet are interpolated
+    between the nearest seen, or extrapolated from them by the prior a + b * n (b / a =
+    `SpeculativeConfig.verify_cost`), never more cheaply than the largest two seen sizes'
+    slope. The cost is not linear: at one sequence an extra token costs ~0.2 of a step (the
+    weights are streamed once for all rows), from ~8 tokens on nearly a whole token's share
+    (the matrix units are busy). Speculation varies the sizes, so the table fills where drafts
+    are tried; a CPU where extra rows cost more gets shorter drafts."""
 
-    DECAY = 0.995  # per step: the last ~200 steps weigh most
-    FULL_WEIGHT = 50.0  # steps of varied size before the fit alone decides
+    KEEP = 0.9  # per observation of a size: the last ~10 weigh most
 
     def __init__(self) -> None:
-        self.s0 = self.s1 = self.s2 = self.t0 = self.t1 = 0.0
+        self.times: dict[int, float] = {}
 
     def observe(self, tokens: int, seconds: float) -> None:
-        d = self.DECAY
-        self.s0, self.s1, self.s2 = d * self.s0 + 1, d * self.s1 + tokens, d * self.s2 + tokens * tokens
-        self.t0, self.t1 = d * self.t0 + seconds, d * self.t1 + tokens * seconds
+        t = self.times.get(tokens)
+        if t is not None:  # a step the machine stalled (another process, a page fault) moves it less
+            seconds = min(max(seconds, 0.5 * t), 1.5 * t)
+        self.times[tokens] = seconds if t is None else self.KEEP * t + (1 - self.KEEP) * seconds
 
-    def r(self, prior: float) -> float:
-        """b / a as fitted, blended with `prior` by how much the fit has to go on."""
-        if self.s0 < 2:
-            return prior
-        var = self.s2 / self.s0 - (self.s1 / self.s0) ** 2  # of the step sizes seen
-        if var < 0.25:
-            return prior
-        b = (self.s0 * self.t1 - self.s1 * self.t0) / (self.s0 * self.s2 - self.s1 ** 2)
-        a = (self.t0 - b * self.s1) / self.s0
-        fit = min(2.0, b / a) if a > 0 and b > 0 else (2.0 if b > 0 else prior)
-        w = min(1.0, self.s0 * min(1.0, var) / self.FULL_WEIGHT)
-        return (1 - w) * prior + w * max(fit, 0.02)
+    def time(self, n: int, r: float) -> float:
+        """The time of a step of n tokens (seconds where anything was seen, else prior units)."""
+        t = self.times
+        if n in t:
+            return t[n]
+        if not t:
+            return 1 + r * n
+        below = [m for m in t if m < n]
+        above = [m for m in t if m > n]
+        if below and above:
+            lo, hi = max(below), min(above)
+            return t[lo] + (t[hi] - t[lo]) * (n - lo) / (hi - lo)
+        if above:  # smaller than anything seen: the prior's shape under the smallest seen
+            hi = min(above)
+            return t[hi] * (1 + r * n) / (1 + r * hi)
+        lo = max(below)
+        prior = t[lo] * (1 + r * n) / (1 + r * lo)
+        if len(below) >= 2:
+            lo2 = max(m for m in below if m < lo)
+            slope = (t[lo] - t[lo2]) / (lo - lo2)
+            return max(prior, t[lo] + slope * (n - lo))
+        return prior
 
 
 class Drafter(ABC):
@@ -203,11 +217,10 @@ class Drafter(ABC):
         """The acceptance a request starts from, for proposals of this kind."""
         return 0.6
 
-    def draft_length(self, request: Request, cap: int, step_tokens: int, cost: float | None = None) -> int:
+    def draft_length(self, request: Request, cap: int, step_tokens: int, cost: StepCost | None = None) -> int:
         """How many tokens to draft for `request` now (at most `cap`), in a step of about
-        `step_tokens` tokens before drafts, a token costing `cost` of the step's weight pass
-        (default: the configured `verify_cost`; the engine passes its `StepCost`). See the
-        module doc."""
+        `step_tokens` tokens before this draft, with step times from `cost` (the engine's
+        `StepCost`; None: the prior a + b * n alone). See the module doc."""
         cap = min(cap, self.config.num_speculative_tokens)
         if cap <= 0:
             return 0
@@ -219,8 +232,9 @@ class Drafter(ABC):
         if not self.config.adaptive:
             return cap
         prior = self.prior(kind)
-        r = self.config.verify_cost if cost is None else cost
-        k = best_draft_length(spec.alpha(kind, prior), cap, step_tokens, r, self.cost)
+        r = self.config.verify_cost
+        step_time = (lambda n: 1 + r * n) if cost is None else (lambda n: cost.time(n, r))
+        k = best_draft_length(spec.alpha(kind, prior), cap, step_tokens, step_time, self.cost)
         if k == 0:
             spec.drift(kind, prior)
         return k
