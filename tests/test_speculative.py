@@ -242,11 +242,12 @@ def test_draft_length_rule():
     for _ in range(10):
         r.spec.record(5, 5)
     assert d.draft_length(r, 8, 1) > base and d.draft_length(r, 8, 1) == 8
+    assert d.draft_length(r, 8, 8) > 0  # a request that keeps being right drafts beside 7 others
     assert d.draft_length(r, 3, 1) == 3 and d.draft_length(r, 0, 1) == 0
     for _ in range(20):  # alpha ~ 0.75: a few tokens alone, fewer beside 7 other decodes, none at 64
         r.spec.record(4, 3)
     assert 2 <= d.draft_length(r, 8, 1) < 8
-    assert 0 < d.draft_length(r, 8, 8) < d.draft_length(r, 8, 1) and d.draft_length(r, 8, 64) == 0
+    assert d.draft_length(r, 8, 8) < d.draft_length(r, 8, 1) and d.draft_length(r, 8, 64) == 0
     for _ in range(20):
         r.spec.record(5, 0)
     assert d.draft_length(r, 8, 1) == 0
