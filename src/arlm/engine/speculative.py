@@ -162,8 +162,10 @@ class StepCost:
 
     def __init__(self) -> None:
         self.times: dict[int, float] = {}
+        self._memo: dict[tuple[int, float], float] = {}  # time() between two observations
 
     def observe(self, tokens: int, seconds: float) -> None:
+        self._memo.clear()
         t = self.times.get(tokens)
         if t is not None:  # a step the machine stalled (another process, a page fault) moves it less
             seconds = min(max(seconds, 0.5 * t), 1.5 * t)
@@ -171,6 +173,12 @@ class StepCost:
 
     def time(self, n: int, r: float) -> float:
         """The time of a step of n tokens (seconds where anything was seen, else prior units)."""
+        key = (n, r)
+        if key not in self._memo:  # (asked for the same few sizes by every request of a step)
+            self._memo[key] = self._time(n, r)
+        return self._memo[key]
+
+    def _time(self, n: int, r: float) -> float:
         t = self.times
         if n in t:
             return t[n]
