@@ -320,7 +320,9 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    out: dict = {"cpu": cpu_name(), "threads": args.threads, "max_tokens": args.max_tokens}
+    from run import machine  # (benchmarks/run.py: the CPU, cores, torch and Python versions)
+
+    out: dict = {**machine(), "max_tokens": args.max_tokens}
     if args.step_cost:
         print("== the cost of verifying: tokens per sequence in one pass ==", flush=True)
         out["step_cost"] = bench_step_cost(args)
@@ -340,16 +342,6 @@ def main() -> None:
         tmp = Path(args.json).with_suffix(".tmp")
         tmp.write_text(json.dumps(out, indent=1))
         os.replace(tmp, args.json)
-
-
-def cpu_name() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from arlm import kernels
 from arlm.config import ModelConfig
 from arlm.engine import Engine, EngineConfig, FinishReason
 from arlm.engine import speculative
@@ -30,7 +29,6 @@ from arlm.sampling import SamplingParams, penalized, warped_probs
 
 from conftest import randomize_
 
-pytestmark = pytest.mark.skipif(not kernels.native_available(), reason="the native kernels did not build")
 
 STATIC = dict(block_size=None, max_num_seqs=1024, max_num_batched_tokens=1 << 20)
 PAGED = dict(block_size=4, kv_cache_tokens=4096, max_num_batched_tokens=64)

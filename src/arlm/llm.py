@@ -16,7 +16,7 @@ from typing import Iterator
 import torch
 
 from .engine import Engine, EngineConfig, FinishReason, ModelRunner, Request, RequestOutput
-from .engine.speculative import Drafter, SpeculativeConfig
+from .engine.speculative import Drafter, SpecRates, SpeculativeConfig
 from .loading import LoadedModel
 from .sampling import SamplingParams
 from .text import TextStreamer
@@ -56,7 +56,7 @@ class TextChunk:
 
 
 @dataclass
-class GenerationStats:
+class GenerationStats(SpecRates):
     prompt_tokens: int = 0  # prompt tokens run through the model (not those a prefix cache held)
     prefill_seconds: float = 0.0  # steps that computed prompt tokens
     decode_tokens: int = 0  # tokens produced by decode steps (excludes each request's first, from prefill)
@@ -67,14 +67,6 @@ class GenerationStats:
     spec_proposed: int = 0
     spec_accepted: int = 0
     spec_passes: int = 0
-
-    @property
-    def spec_acceptance_rate(self) -> float:
-        return self.spec_accepted / self.spec_proposed if self.spec_proposed else 0.0
-
-    @property
-    def spec_tokens_per_pass(self) -> float:
-        return (self.spec_accepted + self.spec_passes) / self.spec_passes if self.spec_passes else 0.0
 
     @property
     def prefill_tokens_per_s(self) -> float:

@@ -29,7 +29,7 @@ from ..sampling import SamplingParams, sample_rows
 from .request import FinishReason, Request, RequestStatus
 from .runner import ModelRunner
 from .scheduler import Scheduler
-from .speculative import Drafter, SpecState, StepCost, verify
+from .speculative import Drafter, SpecRates, SpecState, StepCost, verify
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ class StepStats:
 
 
 @dataclass
-class EngineStats:
+class EngineStats(SpecRates):
     requests: int = 0  # accepted
     prompt_tokens: int = 0
     generation_tokens: int = 0
@@ -85,15 +85,6 @@ class EngineStats:
     spec_proposed: int = 0
     spec_accepted: int = 0
     spec_passes: int = 0
-
-    @property
-    def spec_acceptance_rate(self) -> float:
-        return self.spec_accepted / self.spec_proposed if self.spec_proposed else 0.0
-
-    @property
-    def spec_tokens_per_pass(self) -> float:
-        """Mean tokens a verifying row emitted per target pass (1 is plain decoding's)."""
-        return (self.spec_accepted + self.spec_passes) / self.spec_passes if self.spec_passes else 0.0
     # called with each request's time to first token, in seconds (arlm serve's histogram)
     on_first_token: Callable[[float], None] | None = None
 

@@ -90,6 +90,25 @@ DECAY = 0.8  # per verification: recent passes weigh most
 DRIFT = 0.97  # per step without a draft: back toward the prior (about 25 steps to half-way)
 
 
+class SpecRates:
+    """The rates of speculation counts `spec_proposed`, `spec_accepted`, `spec_passes` (draft
+    tokens verified, of those accepted, rows that verified a draft: one per sequence per target
+    pass), for the stats classes that keep them (EngineStats, GenerationStats)."""
+
+    spec_proposed: int
+    spec_accepted: int
+    spec_passes: int
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        return self.spec_accepted / self.spec_proposed if self.spec_proposed else 0.0
+
+    @property
+    def spec_tokens_per_pass(self) -> float:
+        """Mean tokens a verifying row emitted per target pass (1 is plain decoding's)."""
+        return (self.spec_accepted + self.spec_passes) / self.spec_passes if self.spec_passes else 0.0
+
+
 @dataclass
 class SpecState:
     """A request's speculation: its acceptance estimates and its counts."""
