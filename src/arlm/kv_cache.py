@@ -18,7 +18,17 @@ The model reads the cache in one of two ways (`Transformer.forward`):
   place on CPU; elsewhere a PyTorch path gathers each token's keys and calls SDPA).
 
 A cache narrower than the model (float16 under float32) stores K/V rounded and attends in the
-model's dtype.
+model's dtype. A quantized cache (`kv_dtype` "int8" or "int4") stores each row (the d_head values
+of one token and KV head) as a record of bytes, `[n_layer, n_blocks, H_kv, block_size, row_bytes]`
+uint8, quantized when written (`quantize_rows`, the native kernels' formats bit for bit:
+kernels/attention.h):
+
+- int8: llama.cpp's q8_0, 8-bit codes with a float16 scale per group of 32: 68 bytes a row of 64
+  (0.53x float16).
+- int4: QuaRot's rotation, then 4-bit codes with a float16 scale and minimum per group (keys 16,
+  values 32): the normalized Walsh-Hadamard transform spreads a key's outlier channels over the
+  whole row before the row is cut into groups, and q . k = Hq . Hk; 48 + 40 bytes for a key and
+  a value row of 64 (0.34x float16). benchmarks/kv_schemes.py measured the candidates.
 """
 
 from __future__ import annotations
@@ -29,6 +39,109 @@ import torch
 import torch.nn.functional as F
 
 from .config import ModelConfig
+
+# The cache's element types: a torch float dtype, or a quantized format by name.
+KVDtype = torch.dtype | str
+QUANTIZED = ("int8", "int4")
+KV_DTYPES = ("float32", "float16", "bfloat16", *QUANTIZED)
+_FORMAT = {"int8": 1, "int4": 2}  # the kernels' kv_format (attention.h); 0: float32/float16 by dtype
+_INT4_GROUPS = (16, 32)  # keys, values
+
+
+def kv_dtype_name(dtype: KVDtype) -> str:
+    """"float16", "int8", ...: a KV dtype as the CLI, --json and /metrics name it."""
+    return dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
+
+
+def parse_kv_dtype(name: KVDtype) -> KVDtype:
+    """A torch float dtype or a quantized format's name, from a name in KV_DTYPES (or as it is)."""
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in KV_DTYPES:
+        raise ValueError(f"unknown KV cache dtype {name!r} (expected one of {', '.join(KV_DTYPES)})")
+    return name if name in QUANTIZED else getattr(torch, name)
+
+
+def row_bytes(dtype: KVDtype, head_dim: int) -> tuple[int, int]:
+    """Bytes of one cached key row and one value row (d_head values of one token and KV head)."""
+    if dtype == "int8":
+        return (head_dim + 2 * (head_dim // 32),) * 2
+    if dtype == "int4":
+        return tuple(head_dim // 2 + 4 * (head_dim // g) for g in _INT4_GROUPS)
+    n = head_dim * torch.empty(0, dtype=dtype).element_size()
+    return n, n
+
+
+def check_head_dim(dtype: KVDtype, head_dim: int) -> None:
+    """Raise ValueError where a quantized format cannot hold rows of head_dim values."""
+    if dtype == "int8" and head_dim % 32:
+        raise ValueError(f"an int8 KV cache needs a head size that is a multiple of 32, got {head_dim}")
+    if dtype == "int4" and (head_dim % 32 or head_dim & (head_dim - 1) or head_dim > 512):
+        raise ValueError(f"an int4 KV cache needs a head size that is a power of two from 32 to 512, got {head_dim}")
+
+
+# -- the quantized rows, mirroring kernels/attention.h operation for operation ---------------------
+
+def hadamard(x: torch.Tensor) -> torch.Tensor:
+    """H x along the last dim (a power of two): the Walsh-Hadamard butterflies, then / sqrt(n), in
+    the kernel's order (the same float32 results)."""
+    shape, n = x.shape, x.shape[-1]
+    h = 1
+    while h < n:
+        y = x.reshape(*shape[:-1], n // (2 * h), 2, h)
+        x = torch.stack([y[..., 0, :] + y[..., 1, :], y[..., 0, :] - y[..., 1, :]], dim=-2).reshape(shape)
+        h *= 2
+    return x * (torch.tensor(1.0) / torch.tensor(float(n)).sqrt()).to(x.device)
+
+
+def _scale_bytes(t: torch.Tensor) -> torch.Tensor:  # float16 [..., G] -> its bytes [..., 2G]
+    return t.contiguous().view(torch.uint8)
+
+
+def _quantize_q4(x: torch.Tensor, g: int) -> torch.Tensor:
+    *lead, hd = x.shape
+    xg = hadamard(x.float()).reshape(*lead, hd // g, g)
+    lo, hi = xg.amin(-1), xg.amax(-1)
+    d, m = ((hi - lo) / 15.0).half(), lo.half()
+    df, mf = d.float()[..., None], m.float()[..., None]
+    inv = torch.where(df > 0, 1.0 / df, torch.zeros_like(df))
+    q = torch.round((xg - mf) * inv).clamp(0, 15).to(torch.uint8).reshape(*lead, hd)
+    codes = q[..., 0::2] | (q[..., 1::2] << 4)
+    params = torch.stack([d, m], -1).reshape(*lead, 2 * (hd // g))  # per group: scale, min
+    return torch.cat([codes, _scale_bytes(params)], -1)
+
+
+def _dequantize_q4(rows: torch.Tensor, hd: int, g: int) -> torch.Tensor:
+    *lead, _ = rows.shape
+    codes = rows[..., :hd // 2]
+    q = torch.stack([codes & 0x0F, codes >> 4], -1).reshape(*lead, hd // g, g).float()
+    params = rows[..., hd // 2:].contiguous().view(torch.float16).float().reshape(*lead, hd // g, 2)
+    return hadamard((q * params[..., :1] + params[..., 1:]).reshape(*lead, hd))
+
+
+def quantize_rows(x: torch.Tensor, dtype: str, value: bool = False) -> torch.Tensor:
+    """Rows x [..., d_head] (float32) -> their records [..., row_bytes] uint8 in `dtype`'s format
+    ("int8" or "int4"; value: the format of value rows, which int4 groups differently)."""
+    *lead, hd = x.shape
+    if dtype == "int4":
+        return _quantize_q4(x, _INT4_GROUPS[value])
+    g = x.float().reshape(*lead, hd // 32, 32)
+    d = (g.abs().amax(-1) / 127.0).half()
+    df = d.float()[..., None]
+    inv = torch.where(df > 0, 1.0 / df, torch.zeros_like(df))
+    q = torch.round(g * inv).clamp(-127, 127).to(torch.int8).reshape(*lead, hd)
+    return torch.cat([q.view(torch.uint8), _scale_bytes(d)], -1)
+
+
+def dequantize_rows(rows: torch.Tensor, dtype: str, head_dim: int, value: bool = False) -> torch.Tensor:
+    """`quantize_rows`' inverse (up to its rounding): records [..., row_bytes] -> float32 [..., d_head],
+    in the model's space (an int4 row rotated back)."""
+    if dtype == "int4":
+        return _dequantize_q4(rows, head_dim, _INT4_GROUPS[value])
+    *lead, _ = rows.shape
+    q = rows[..., :head_dim].contiguous().view(torch.int8).float().reshape(*lead, head_dim // 32, 32)
+    d = rows[..., head_dim:].contiguous().view(torch.float16).float()
+    return (q * d[..., None]).reshape(*lead, head_dim)
 
 # The share of the memory available that a KV pool may take: the rest is for the step's
 # activations, the HTTP side and whatever else runs on the machine.
@@ -73,25 +186,34 @@ class KVCache:
     """K/V blocks for every layer, plus the block table of the batch being run (if any)."""
 
     def __init__(self, n_layer: int, n_blocks: int, block_size: int, n_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 dtype: KVDtype = torch.float32, device: torch.device | str = "cpu",
                  use_kernel: bool | None = None) -> None:
         if n_blocks < 1 or block_size < 1:
             raise ValueError(f"need at least one block of at least one slot, got {n_blocks} x {block_size}")
-        shape = (n_layer, n_blocks, n_kv_heads, block_size, head_dim)
+        dtype = parse_kv_dtype(dtype)
+        check_head_dim(dtype, head_dim)
+        self.kv_dtype, self.head_dim = dtype, head_dim
+        self.format = _FORMAT.get(dtype, 0) if isinstance(dtype, str) else 0  # the kernels' kv_format
+        shape = (n_layer, n_blocks, n_kv_heads, block_size)
+        kb, vb = row_bytes(dtype, head_dim)
         # zeros, not empty: the memory is committed at start-up, so an over-large budget fails now.
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        if isinstance(dtype, str):
+            self.k = torch.zeros(*shape, kb, dtype=torch.uint8, device=device)
+            self.v = torch.zeros(*shape, vb, dtype=torch.uint8, device=device)
+        else:
+            self.k = torch.zeros(*shape, head_dim, dtype=dtype, device=device)
+            self.v = torch.zeros(*shape, head_dim, dtype=dtype, device=device)
         if use_kernel is None:
             from . import kernels
 
-            use_kernel = (self.k.device.type == "cpu" and dtype in (torch.float32, torch.float16)
+            use_kernel = (self.k.device.type == "cpu" and dtype in (torch.float32, torch.float16, *QUANTIZED)
                           and kernels.native_available())
         self.use_kernel = use_kernel
         self.block_table: torch.Tensor | None = None  # [S, max_blocks] int64, S sequences this forward
         self.seq_index: torch.Tensor | None = None  # [N] int64, row of block_table per token
 
     @classmethod
-    def pool(cls, config: ModelConfig, n_blocks: int, block_size: int = 16, dtype: torch.dtype = torch.float32,
+    def pool(cls, config: ModelConfig, n_blocks: int, block_size: int = 16, dtype: KVDtype = torch.float32,
              device: torch.device | str = "cpu", use_kernel: bool | None = None) -> "KVCache":
         """A pool of `n_blocks` blocks of `block_size` slots for `config`'s layers and heads."""
         return cls(config.n_layer, n_blocks, block_size, config.n_kv_heads, config.head_dim, dtype, device,
@@ -99,7 +221,7 @@ class KVCache:
 
     @classmethod
     def contiguous(cls, config: ModelConfig, batch_size: int, capacity: int | None = None,
-                   dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> "KVCache":
+                   dtype: KVDtype = torch.float32, device: torch.device | str = "cpu") -> "KVCache":
         """The textbook cache `[n_layer, batch_size, H_kv, capacity, d_head]`: one block a row."""
         capacity = config.max_seq_len if capacity is None else capacity
         if not 0 < capacity <= config.max_seq_len:
@@ -107,10 +229,10 @@ class KVCache:
         return cls.pool(config, batch_size, capacity, dtype, device)
 
     @staticmethod
-    def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype = torch.float32) -> int:
-        """2 (K and V) * n_layer * H_kv * block_size * d_head * bytes per element."""
-        itemsize = torch.empty(0, dtype=dtype).element_size()
-        return 2 * config.n_layer * config.n_kv_heads * block_size * config.head_dim * itemsize
+    def bytes_per_block(config: ModelConfig, block_size: int, dtype: KVDtype = torch.float32) -> int:
+        """n_layer * H_kv * block_size * (bytes of a key row + of a value row)."""
+        return config.n_layer * config.n_kv_heads * block_size * sum(row_bytes(parse_kv_dtype(dtype),
+                                                                               config.head_dim))
 
     @property
     def n_blocks(self) -> int:
@@ -125,14 +247,19 @@ class KVCache:
     capacity = block_size
 
     @property
-    def dtype(self) -> torch.dtype:
-        return self.k.dtype
+    def dtype(self) -> KVDtype:
+        """The cached elements' type: a torch float dtype, or "int8" / "int4"."""
+        return self.kv_dtype
+
+    @property
+    def quantized(self) -> bool:
+        return isinstance(self.kv_dtype, str)
 
     @property
     def bytes_per_token(self) -> int:
-        """2 (K and V) * n_layer * H_kv * d_head * bytes per element."""
-        n_layer, _, h_kv, _, d_head = self.k.shape
-        return 2 * n_layer * h_kv * d_head * self.k.element_size()
+        """n_layer * H_kv * (bytes of a key row + of a value row), scales included."""
+        n_layer, _, h_kv, _, _ = self.k.shape
+        return n_layer * h_kv * (self.k.shape[-1] * self.k.element_size() + self.v.shape[-1] * self.v.element_size())
 
     @property
     def nbytes(self) -> int:
@@ -154,9 +281,23 @@ class KVCache:
         """Rows (blocks) b0 .. b1 - 1 as a cache of their own over this one's storage: what is
         written there lands here."""
         view = KVCache.__new__(KVCache)
+        view.__dict__.update(self.__dict__)
         view.k, view.v = self.k[:, b0:b1], self.v[:, b0:b1]
-        view.use_kernel, view.block_table, view.seq_index = self.use_kernel, None, None
+        view.block_table, view.seq_index = None, None
         return view
+
+    def _store(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """New K/V rows [..., d_head] as the pool stores them."""
+        if self.quantized:
+            return quantize_rows(k, self.kv_dtype), quantize_rows(v, self.kv_dtype, value=True)
+        return k.to(self.k.dtype), v.to(self.v.dtype)
+
+    def _load(self, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stored rows back as `dtype` values [..., d_head]."""
+        if self.quantized:
+            return (dequantize_rows(k, self.kv_dtype, self.head_dim).to(dtype),
+                    dequantize_rows(v, self.kv_dtype, self.head_dim, value=True).to(dtype))
+        return k.to(dtype), v.to(dtype)
 
     def update(self, layer: int, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -165,13 +306,13 @@ class KVCache:
         Returns views of slots `0 .. kv_len - 1` of this layer: ([B, H_kv, kv_len, d_head]) * 2.
         """
         B = k.shape[0]
-        index = input_pos[:, None, :, None].expand_as(k)
+        k_rows, v_rows = self._store(k, v)
         k_layer, v_layer = self.k[layer, :B], self.v[layer, :B]
-        k_layer.scatter_(2, index, k.to(k_layer.dtype))
-        v_layer.scatter_(2, index, v.to(v_layer.dtype))
+        k_layer.scatter_(2, input_pos[:, None, :, None].expand_as(k_rows), k_rows)
+        v_layer.scatter_(2, input_pos[:, None, :, None].expand_as(v_rows), v_rows)
         k_out, v_out = k_layer[:, :, :kv_len], v_layer[:, :, :kv_len]
-        if k_out.dtype != k.dtype:  # a float16 cache under a float32 model: stored narrow, attended in float32
-            return k_out.to(k.dtype), v_out.to(v.dtype)
+        if k_out.dtype != k.dtype:  # a narrower cache: stored narrow (or quantized), attended in the model's dtype
+            return self._load(k_out, v_out, k.dtype)
         return k_out, v_out
 
     # -- through a block table ----------------------------------------------------------------------
@@ -193,7 +334,7 @@ class KVCache:
         q3, k3, v3 = (t[0].transpose(0, 1).contiguous() for t in (q, k, v))  # [N, heads, d_head]
         if self.use_kernel and q3.dtype == torch.float32:
             y = torch.ops.arlm.paged_attention(q3, k3, v3, self.k[layer], self.v[layer], self.block_table,
-                                               self.seq_index, pos.contiguous(), q.shape[-1] ** -0.5)
+                                               self.seq_index, pos.contiguous(), q.shape[-1] ** -0.5, self.format)
         else:
             y = self._attend_torch(layer, pos, q3, k3, v3)
         return y.transpose(0, 1).unsqueeze(0)
@@ -205,14 +346,15 @@ class KVCache:
         table = self.block_table[self.seq_index]  # [N, max_blocks]
         rows = torch.arange(len(pos), device=pos.device)
         blocks = table[rows, pos // bs]
-        k_pool, v_pool = self.k[layer], self.v[layer]  # [n_blocks, H_kv, bs, d]
-        k_pool[blocks, :, pos % bs] = k.to(k_pool.dtype)
-        v_pool[blocks, :, pos % bs] = v.to(v_pool.dtype)
+        k_pool, v_pool = self.k[layer], self.v[layer]  # [n_blocks, H_kv, bs, row]
+        k_rows, v_rows = self._store(k, v)
+        k_pool[blocks, :, pos % bs] = k_rows
+        v_pool[blocks, :, pos % bs] = v_rows
         n = int(pos.max()) // bs + 1  # blocks the longest query reads
         N, H_kv, d = k.shape
-        # [N, H_kv, n*bs, d], widened to q's dtype where the pool is narrower
-        keys = k_pool[table[:, :n]].transpose(1, 2).reshape(N, H_kv, n * bs, d).to(q.dtype)
-        values = v_pool[table[:, :n]].transpose(1, 2).reshape(N, H_kv, n * bs, d).to(q.dtype)
+        # [N, H_kv, n*bs, d], widened to q's dtype where the pool is narrower (or quantized)
+        keys, values = (pool[table[:, :n]].transpose(1, 2).reshape(N, H_kv, n * bs, -1) for pool in (k_pool, v_pool))
+        keys, values = self._load(keys, values, q.dtype)
         mask = (torch.arange(n * bs, device=pos.device)[None, :] <= pos[:, None])[:, None, None, :]
         y = F.scaled_dot_product_attention(q[:, :, None, :], keys, values, attn_mask=mask,
                                            enable_gqa=q.shape[1] != H_kv)

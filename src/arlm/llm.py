@@ -18,6 +18,7 @@ import torch
 from .engine import Engine, EngineConfig, FinishReason, ModelRunner, Request, RequestOutput
 from .engine.speculative import Drafter, SpecRates, SpeculativeConfig
 from .loading import LoadedModel
+from .kv_cache import KVDtype, check_head_dim, parse_kv_dtype
 from .sampling import SamplingParams
 from .text import TextStreamer
 from .tokenizer import Tokenizer
@@ -197,7 +198,7 @@ class LLM:
         self.quantization: str | None = None
         self.prefill_dtype = "float32"  # how a quantized model prefills: "quantized" or a dense copy's dtype (configure)
         self.activations = "float32"  # a quantized model's activation precision (configure)
-        self.kv_dtype: torch.dtype = next(self.model.parameters()).dtype  # the KV caches' dtype (configure)
+        self.kv_dtype: KVDtype = next(self.model.parameters()).dtype  # the KV caches' dtype (configure)
         self._mailbox: dict[str, list[RequestOutput]] = {}
         self.speculative: SpeculativeConfig | None = None  # the default of generate/stream (configure)
         self._drafters: dict[tuple, Drafter] = {}
@@ -294,10 +295,12 @@ class LLM:
         activations (quantized models): "int8x2" (8-bit twice, ~15 bits: float32's answers),
         "int8" (one 8-bit pass but the head's: faster, less faithful) or "float32" (slow); see
         `arlm.quant.prepare` and docs/benchmarks.md for what each costs and buys.
-        kv_dtype: the KV cache's dtype, "float32", "float16", "bfloat16" or "auto": float16 where a
-        quantized model decodes through the native step on CPU (a step streams the cache once: half
-        the bytes; its rounding, ~5e-4 relative, is far below the 8-bit activations'), else the
-        model's dtype.
+        kv_dtype: the KV cache's dtype, "float32", "float16", "bfloat16", "int8", "int4" or
+        "auto": float16 where a quantized model decodes through the native step on CPU (a step
+        streams the cache once: half the bytes; its rounding, ~5e-4 relative, is far below the
+        8-bit activations'), else the model's dtype. int8 and int4 quantize K and V as they are
+        written (arlm.kv_cache: 0.53x and 0.34x float16's bytes; docs/benchmarks.md for what they
+        cost in perplexity and gain in speed).
         """
         from . import kernels
         from .engine import decode_step
@@ -307,8 +310,9 @@ class LLM:
             raise ValueError(f"unknown quantization {quantize!r} (expected none, auto, int8 or q4)")
         if quantize == "auto" and not (device.type == "cpu" and kernels.native_available()):
             quantize = None
-        if kv_dtype not in ("auto", "float32", "float16", "bfloat16"):
-            raise ValueError(f"unknown KV cache dtype {kv_dtype!r} (expected auto, float32, float16 or bfloat16)")
+        if kv_dtype != "auto":
+            kv = parse_kv_dtype(kv_dtype)  # (ValueError naming the choices)
+            check_head_dim(kv, self.model.config.head_dim)
         from .quant import ACTIVATIONS
 
         if activations not in ACTIVATIONS:
@@ -346,7 +350,7 @@ class LLM:
             native = self.quantization is not None and decode_fn is None and runner.native is not None
             self.kv_dtype = torch.float16 if native else next(self.model.parameters()).dtype
         else:
-            self.kv_dtype = getattr(torch, kv_dtype)
+            self.kv_dtype = kv
         self._start(runner)
 
     @property

@@ -140,13 +140,12 @@ class ModelRunner:
             tokens.copy_(torch.tensor(token_list), non_blocking=True)
             pos.copy_(torch.tensor(pos_list), non_blocking=True)
         kv_len = cache.capacity if self.static_kv_len else max(pos_list[r] for r in rows) + 1
-        if self.native is not None and self.decode_fn is None and cache.dtype in (torch.float32, torch.float16) \
-                and cache.k.device.type == "cpu":
+        if self.native is not None and self.decode_fn is None and cache.use_kernel:
             if R not in self._buffers:
                 self._buffers[R] = (torch.empty(R, self.config.d_model), torch.empty(R, self.config.vocab_size))
             x, logits = self._buffers[R]
             self.native.embed(tokens, out=x)
-            self.native.decode(x, cache.k, cache.v, pos, kv_len)
+            self.native.decode(x, cache.k, cache.v, pos, kv_len, cache.format)
             logits = self.native.head(x, logits)  # valid until the next step, as a CUDA graph's outputs
         else:
             step = self.decode_fn or decode_step
@@ -187,7 +186,7 @@ class ModelRunner:
         seq_t, out_t = torch.tensor(seq_index, device=dev), torch.tensor(out_index or [0], device=dev)
         if self.native is not None and not dense and cache.use_kernel:
             x = self.native.embed(tokens_t)
-            self.native.forward(x, cache.k, cache.v, table, seq_t, pos_t)
+            self.native.forward(x, cache.k, cache.v, table, seq_t, pos_t, cache.format)
             return self.native.head(x[out_t])
         cache.set_batch(table, seq_t)
         try:

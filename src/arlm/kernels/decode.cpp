@@ -401,17 +401,16 @@ void check_common(const char* op, const at::Tensor& x, at::TensorList weights, i
 
 // One decode step over a contiguous cache, in place on x [B, d]: the step's token embeddings in,
 // the hidden state after the last layer out (before the final norm). weights: kLayerWeights
-// tensors per layer, laid out as LayerWeight says. k_cache, v_cache
-// [L, B, H_kv, T, hd] float32 or float16; pos [B] int64, each row's position (its K/V go to slot pos);
-// attention reads slots 0..min(pos, kv_len - 1) of the row. cos, sin [max_T, hd].
+// tensors per layer, laid out as LayerWeight says. k_cache, v_cache [L, B, H_kv, T, row] in the
+// cache's format (kv_format, attention.h: float32 or float16 rows of hd, or quantized uint8 rows);
+// pos [B] int64, each row's position (its K/V go to slot pos); attention reads slots
+// 0..min(pos, kv_len - 1) of the row. cos, sin [max_T, hd].
 void decode_llama(const at::Tensor& x, at::TensorList weights, const at::Tensor& k_cache, const at::Tensor& v_cache,
                   const at::Tensor& pos, const at::Tensor& cos, const at::Tensor& sin, int64_t kv_len,
-                  int64_t n_head, int64_t n_kv_heads, double eps, bool a8, int64_t residual) {
-  TORCH_CHECK(k_cache.dim() == 5 && (k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kHalf) &&
-              k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() && v_cache.is_contiguous() &&
-              v_cache.scalar_type() == k_cache.scalar_type(),
-              "decode_llama: contiguous float32 or float16 caches [L, B, H_kv, T, hd]");
-  const int64_t L = k_cache.size(0), B = x.size(0), T = k_cache.size(3), hd = k_cache.size(4);
+                  int64_t n_head, int64_t n_kv_heads, double eps, bool a8, int64_t residual, int64_t kv_format) {
+  TORCH_CHECK(k_cache.dim() == 5 && v_cache.dim() == 5 && cos.dim() == 2 && k_cache.sizes().slice(0, 4) ==
+              v_cache.sizes().slice(0, 4), "decode_llama: caches [L, B, H_kv, T, row], cos [max_T, hd]");
+  const int64_t L = k_cache.size(0), B = x.size(0), T = k_cache.size(3), hd = cos.size(1);
   TORCH_CHECK(k_cache.size(1) == B && k_cache.size(2) == n_kv_heads && n_kv_heads > 0 && n_head % n_kv_heads == 0 &&
               hd % 2 == 0, "decode_llama: cache shape does not match the batch or the heads");
   TORCH_CHECK(0 < kv_len && kv_len <= T, "decode_llama: kv_len out of range");
@@ -433,11 +432,13 @@ void decode_llama(const at::Tensor& x, at::TensorList weights, const at::Tensor&
 
   // One (row, KV head) per task: RoPE on its key and its query heads, the new K/V into slot pos,
   // attention of the query heads over the row's slots, and the output quantized for wo. The
-  // cache holds float32 or float16 (E); everything else is float32.
+  // cache's rows are EK (keys) and EV (values); everything else is float32.
   auto attend_in = [&](auto* kc, auto* vc, int64_t l, float* qkv, const arlm_kernels::Act8* xq) {
-    using E = std::remove_pointer_t<decltype(kc)>;
-    E* kl = kc + l * B * Hkv * T * hd;
-    E* vl = vc + l * B * Hkv * T * hd;
+    using EK = std::remove_pointer_t<decltype(kc)>;
+    using EV = std::remove_pointer_t<decltype(vc)>;
+    const int64_t sk = arlm_kernels::KV<EK>::stride(hd), sv = arlm_kernels::KV<EV>::stride(hd);
+    EK* kl = kc + l * B * Hkv * T * sk;
+    EV* vl = vc + l * B * Hkv * T * sv;
     const bool fused = xq && group * hd % 32 == 0;  // the task's output is whole groups of 32
     auto rope_and_store = [&](int64_t b, int64_t j) {
       float* row = qkv + b * qkv_dim;
@@ -445,8 +446,8 @@ void decode_llama(const at::Tensor& x, at::TensorList weights, const at::Tensor&
       const float *c = cp + pp[b] * hd, *sn = sp + pp[b] * hd;
       rope(k, c, sn, hd);
       for (int64_t h = 0; h < group; ++h) rope(row + (j * group + h) * hd, c, sn, hd);
-      arlm_kernels::store_row(k, hd, kl + ((b * Hkv + j) * T + pp[b]) * hd);
-      arlm_kernels::store_row(v, hd, vl + ((b * Hkv + j) * T + pp[b]) * hd);
+      arlm_kernels::KV<EK>::store(k, hd, kl + ((b * Hkv + j) * T + pp[b]) * sk);
+      arlm_kernels::KV<EV>::store(v, hd, vl + ((b * Hkv + j) * T + pp[b]) * sv);
     };
     auto finish = [&](int64_t b, int64_t j) {
       const int64_t off = (b * H + j * group) * hd;  // the task's outputs in buf.attn
@@ -458,9 +459,11 @@ void decode_llama(const at::Tensor& x, at::TensorList weights, const at::Tensor&
         for (int64_t i = i0; i < i1; ++i) {
           const int64_t b = i / Hkv, j = i % Hkv, n = std::min(pp[b] + 1, kv_len);
           rope_and_store(b, j);
-          const E *K = kl + (b * Hkv + j) * T * hd, *V = vl + (b * Hkv + j) * T * hd;
-          arlm_kernels::attend_group<E>(qkv + b * qkv_dim + j * group * hd, group, hd, n, scale,
-                                        [&](auto f) { f(K, V, n); }, scratch, buf.attn + (b * H + j * group) * hd);
+          const EK* K = kl + (b * Hkv + j) * T * sk;
+          const EV* V = vl + (b * Hkv + j) * T * sv;
+          arlm_kernels::attend_group<EK, EV>(qkv + b * qkv_dim + j * group * hd, group, hd, n, scale,
+                                             [&](auto f) { f(K, V, n); }, scratch,
+                                             buf.attn + (b * H + j * group) * hd);
           finish(b, j);
         }
       });
@@ -476,17 +479,20 @@ void decode_llama(const at::Tensor& x, at::TensorList weights, const at::Tensor&
           const int64_t bj = i / chunks, c = i % chunks, b = bj / Hkv, j = bj % Hkv;
           const int64_t n = std::min(pp[b] + 1, kv_len), t0 = c * kChunk, len = std::min(kChunk, n - t0);
           if (len <= 0) continue;  // this row has fewer chunks
-          const E *K = kl + (bj * T + t0) * hd, *V = vl + (bj * T + t0) * hd;
-          arlm_kernels::attend_group<E>(qkv + b * qkv_dim + j * group * hd, group, hd, len, scale,
-                                        [&](auto f) { f(K, V, len); }, scratch, buf.partial + i * part,
-                                        stats + i * stat);
+          const EK* K = kl + (bj * T + t0) * sk;
+          const EV* V = vl + (bj * T + t0) * sv;
+          arlm_kernels::attend_group<EK, EV>(qkv + b * qkv_dim + j * group * hd, group, hd, len, scale,
+                                             [&](auto f) { f(K, V, len); }, scratch, buf.partial + i * part,
+                                             stats + i * stat);
         }
       });
       at::parallel_for(0, B * Hkv, 1, [&](int64_t i0, int64_t i1) {
         for (int64_t i = i0; i < i1; ++i) {
           const int64_t b = i / Hkv, j = i % Hkv, n = std::min(pp[b] + 1, kv_len);
+          float* out = buf.attn + (b * H + j * group) * hd;
           arlm_kernels::combine_chunks(buf.partial + i * chunks * part, stats + i * chunks * stat,
-                                       (n + kChunk - 1) / kChunk, group, hd, buf.attn + (b * H + j * group) * hd);
+                                       (n + kChunk - 1) / kChunk, group, hd, out);
+          arlm_kernels::unrotate<EV>(out, group, hd);
           finish(b, j);
         }
       });
@@ -496,17 +502,10 @@ void decode_llama(const at::Tensor& x, at::TensorList weights, const at::Tensor&
         for (int64_t b = b0; b < b1; ++b) arlm_kernels::quantize_span(buf.attn + b * H * hd, H * hd, *xq, b * H * hd);
       });
   };
-  if (k_cache.scalar_type() == at::kHalf) {
-    auto attend = [&](int64_t l, float* qkv, const arlm_kernels::Act8* xq) {
-      attend_in(k_cache.data_ptr<at::Half>(), v_cache.data_ptr<at::Half>(), l, qkv, xq);
-    };
+  arlm_kernels::with_kv("decode_llama", k_cache, v_cache, kv_format, hd, [&](auto* kc, auto* vc) {
+    auto attend = [&](int64_t l, float* qkv, const arlm_kernels::Act8* xq) { attend_in(kc, vc, l, qkv, xq); };
     run_layers(x.data_ptr<float>(), s, weights, L, eps, a8, residual, buf, attend);
-  } else {
-    auto attend = [&](int64_t l, float* qkv, const arlm_kernels::Act8* xq) {
-      attend_in(k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), l, qkv, xq);
-    };
-    run_layers(x.data_ptr<float>(), s, weights, L, eps, a8, residual, buf, attend);
-  }
+  });
 }
 
 // The same layer stack over the serving engine's paged pool (arlm.kv_cache.KVCache), in place on
@@ -516,20 +515,20 @@ void decode_llama(const at::Tensor& x, at::TensorList weights, const at::Tensor&
 void forward_llama_paged(const at::Tensor& x, at::TensorList weights, const at::Tensor& k_pool,
                          const at::Tensor& v_pool, const at::Tensor& block_table, const at::Tensor& seq_index,
                          const at::Tensor& pos, const at::Tensor& cos, const at::Tensor& sin, int64_t n_head,
-                         int64_t n_kv_heads, double eps, bool a8, int64_t residual) {
-  TORCH_CHECK(k_pool.dim() == 5 && (k_pool.scalar_type() == at::kFloat || k_pool.scalar_type() == at::kHalf) &&
-              v_pool.sizes() == k_pool.sizes() && v_pool.scalar_type() == k_pool.scalar_type(),
-              "forward_llama_paged: float32 or float16 pools [L, n_blocks, H_kv, block_size, hd]");
-  const int64_t L = k_pool.size(0), N = x.size(0), hd = k_pool.size(4);
+                         int64_t n_kv_heads, double eps, bool a8, int64_t residual, int64_t kv_format) {
+  TORCH_CHECK(k_pool.dim() == 5 && v_pool.dim() == 5 && cos.dim() == 2 &&
+              k_pool.sizes().slice(0, 4) == v_pool.sizes().slice(0, 4),
+              "forward_llama_paged: pools [L, n_blocks, H_kv, block_size, row], cos [max_T, hd]");
+  const int64_t L = k_pool.size(0), N = x.size(0), hd = cos.size(1);
   const int64_t H = n_head, Hkv = n_kv_heads;
   TORCH_CHECK(k_pool.size(2) == Hkv && Hkv > 0 && H % Hkv == 0 && hd % 2 == 0,
               "forward_llama_paged: heads do not match");
   check_common("forward_llama_paged", x, weights, L, pos, cos, sin, hd, block_table.size(1) * k_pool.size(3));
   TORCH_CHECK(block_table.scalar_type() == at::kLong && block_table.is_contiguous() && block_table.dim() == 2 &&
-              seq_index.scalar_type() == at::kLong && seq_index.is_contiguous() && seq_index.size(0) == N &&
-              k_pool.is_contiguous() && v_pool.is_contiguous(),
-              "forward_llama_paged: contiguous int64 block_table [S, M] and seq_index [N], contiguous pools");
-  const int64_t BS = k_pool.size(3), M = block_table.size(1), layer = k_pool[0].numel();
+              seq_index.scalar_type() == at::kLong && seq_index.is_contiguous() && seq_index.size(0) == N,
+              "forward_llama_paged: contiguous int64 block_table [S, M] and seq_index [N]");
+  const int64_t BS = k_pool.size(3), M = block_table.size(1);
+  const int64_t k_layer = k_pool[0].numel(), v_layer = v_pool[0].numel();  // elements of one layer's pool
   const int64_t *table = block_table.data_ptr<int64_t>(), *seq = seq_index.data_ptr<int64_t>();
   const int64_t* pp = pos.data_ptr<int64_t>();
   arlm_kernels::check_block_table("forward_llama_paged", table, block_table.size(0), M, seq, pp, N, BS,
@@ -539,9 +538,9 @@ void forward_llama_paged(const at::Tensor& x, at::TensorList weights, const at::
   const int64_t qkv_dim = s.qkv_dim, group = H / Hkv;
   const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
   Buffers buf(s, arlm_kernels::paged_scratch(pp, N, H, Hkv));
-  // straight from the q/k/v rows; the pools hold float32 or float16 (E)
+  // straight from the q/k/v rows; the pools hold the cache's format (attention.h)
   auto attend_in = [&](auto* k_base, auto* v_base, int64_t l, float* qkv, const arlm_kernels::Act8* xq) {
-    auto *kp = k_base + l * layer, *vp = v_base + l * layer;
+    auto *kp = k_base + l * k_layer, *vp = v_base + l * v_layer;
     at::parallel_for(0, N, 8, [&](int64_t i0, int64_t i1) {  // RoPE, then every token's K/V into the pool
       for (int64_t i = i0; i < i1; ++i) {
         for (int64_t j = 0; j < H + Hkv; ++j) rope(qkv + i * qkv_dim + j * hd, cp + pp[i] * hd, sp + pp[i] * hd, hd);
@@ -559,18 +558,10 @@ void forward_llama_paged(const at::Tensor& x, at::TensorList weights, const at::
         for (int64_t i = i0; i < i1; ++i) arlm_kernels::quantize_span(buf.attn + i * H * hd, H * hd, *xq, i * H * hd);
       });
   };
-  using Act8 = arlm_kernels::Act8;
-  if (k_pool.scalar_type() == at::kHalf) {
-    auto attend = [&](int64_t l, float* qkv, const Act8* xq) {
-      attend_in(k_pool.data_ptr<at::Half>(), v_pool.data_ptr<at::Half>(), l, qkv, xq);
-    };
+  arlm_kernels::with_kv("forward_llama_paged", k_pool, v_pool, kv_format, hd, [&](auto* kp, auto* vp) {
+    auto attend = [&](int64_t l, float* qkv, const arlm_kernels::Act8* xq) { attend_in(kp, vp, l, qkv, xq); };
     run_layers(x.data_ptr<float>(), s, weights, L, eps, a8, residual, buf, attend);
-  } else {
-    auto attend = [&](int64_t l, float* qkv, const Act8* xq) {
-      attend_in(k_pool.data_ptr<float>(), v_pool.data_ptr<float>(), l, qkv, xq);
-    };
-    run_layers(x.data_ptr<float>(), s, weights, L, eps, a8, residual, buf, attend);
-  }
+  });
 }
 
 // The final norm and the LM head: logits out [N, V] = head(rms_norm(x) * norm). head: (w, scale,
@@ -659,10 +650,11 @@ at::Tensor argmax_rows(const at::Tensor& x) {
 TORCH_LIBRARY_FRAGMENT(arlm, m) {
   m.def("argmax_rows(Tensor x) -> Tensor");
   m.def("decode_llama(Tensor(c!) x, Tensor[] weights, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor pos, "
-        "Tensor cos, Tensor sin, int kv_len, int n_head, int n_kv_heads, float eps, bool a8, int residual=0) -> ()");
+        "Tensor cos, Tensor sin, int kv_len, int n_head, int n_kv_heads, float eps, bool a8, int residual=0, "
+        "int kv_format=0) -> ()");
   m.def("forward_llama_paged(Tensor(c!) x, Tensor[] weights, Tensor(a!) k_pool, Tensor(b!) v_pool, "
         "Tensor block_table, Tensor seq_index, Tensor pos, Tensor cos, Tensor sin, int n_head, int n_kv_heads, "
-        "float eps, bool a8, int residual=0) -> ()");
+        "float eps, bool a8, int residual=0, int kv_format=0) -> ()");
   m.def("llama_head(Tensor x, Tensor norm, Tensor[] head, float eps, bool a8, bool residual, Tensor(a!) out) -> ()");
   m.def("decode_profile(bool on) -> Tensor", &decode_profile);
 }

@@ -131,21 +131,24 @@ class NativeLlama:
         x = self.model.tok_emb(tokens).float()
         return x.contiguous() if out is None else out.copy_(x)
 
-    def decode(self, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, kv_len: int) -> None:
+    def decode(self, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, kv_len: int,
+               kv_format: int = 0) -> None:
         """One decode step in place on x [B, d]: row b at position pos[b] over rows b of the
-        contiguous cache k, v [L, B, H_kv, T, d_head]; attention reads slots < kv_len."""
+        contiguous cache k, v [L, B, H_kv, T, row] (kv_format: `KVCache.format`); attention reads
+        slots < kv_len."""
         m = self.model
         torch.ops.arlm.decode_llama(x, self.weights, k, v, pos, m.rope_cos, m.rope_sin, kv_len,
-                                    self.n_head, self.n_kv_heads, self.eps, self.a8, self.residual)
+                                    self.n_head, self.n_kv_heads, self.eps, self.a8, self.residual, kv_format)
 
     def forward(self, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_table: torch.Tensor,
-                seq_index: torch.Tensor, pos: torch.Tensor) -> None:
+                seq_index: torch.Tensor, pos: torch.Tensor, kv_format: int = 0) -> None:
         """A flattened batch in place on x [N, d]: token i of sequence seq_index[i] (a row of
-        block_table [S, M]) at position pos[i], K/V in the pools k, v [L, n_blocks, H_kv, bs, d_head]."""
+        block_table [S, M]) at position pos[i], K/V in the pools k, v [L, n_blocks, H_kv, bs, row]
+        (kv_format: `KVCache.format`)."""
         m = self.model
         torch.ops.arlm.forward_llama_paged(x, self.weights, k, v, block_table, seq_index, pos, m.rope_cos,
                                            m.rope_sin, self.n_head, self.n_kv_heads, self.eps, self.a8,
-                                           self.residual)
+                                           self.residual, kv_format)
 
     def head(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Final norm + LM head: hidden states [N, d] -> float32 logits [N, vocab] (into `out`).

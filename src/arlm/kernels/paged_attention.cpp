@@ -5,44 +5,40 @@
 
 #include "paged_attention.h"
 
-// q [N, H, D]; k, v [N, Hkv, D] float32; k_pool, v_pool [n_blocks, Hkv, BS, D] float32 or float16 (written in place);
-// block_table [S, M], seq, pos [N]: int64. Returns [N, H, D].
+// q [N, H, D]; k, v [N, Hkv, D] float32; k_pool, v_pool [n_blocks, Hkv, BS, row] (written in
+// place) in the cache's format (kv_format, attention.h: float32 or float16 rows of D, or quantized
+// uint8 rows); block_table [S, M], seq, pos [N]: int64. Returns [N, H, D].
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor k_pool,
                            at::Tensor v_pool, const at::Tensor& block_table, const at::Tensor& seq,
-                           const at::Tensor& pos, double scale) {
+                           const at::Tensor& pos, double scale, int64_t kv_format) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && k_pool.dim() == 4 && v_pool.dim() == 4,
-              "paged_attention: q [N,H,D], k/v [N,Hkv,D], pools [n_blocks,Hkv,BS,D]");
+              "paged_attention: q [N,H,D], k/v [N,Hkv,D], pools [n_blocks,Hkv,BS,row]");
   for (const at::Tensor& t : {q, k, v}) {
     TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous(), "paged_attention: contiguous float32 q, k, v");
   }
-  TORCH_CHECK((k_pool.scalar_type() == at::kFloat || k_pool.scalar_type() == at::kHalf) &&
-              v_pool.scalar_type() == k_pool.scalar_type() && k_pool.is_contiguous() && v_pool.is_contiguous(),
-              "paged_attention: contiguous float32 or float16 pools");
   TORCH_CHECK(block_table.scalar_type() == at::kLong && seq.scalar_type() == at::kLong && pos.scalar_type() == at::kLong
               && block_table.is_contiguous() && seq.is_contiguous() && pos.is_contiguous(),
               "paged_attention: block_table, seq, pos contiguous int64");
   const int64_t N = q.size(0), H = q.size(1), D = q.size(2), Hkv = k.size(1);
   const int64_t BS = k_pool.size(2), M = block_table.size(1), n_blocks = k_pool.size(0);
-  TORCH_CHECK(H % Hkv == 0 && k_pool.size(1) == Hkv && k_pool.size(3) == D && v_pool.sizes() == k_pool.sizes(),
-              "paged_attention: shape mismatch");
+  TORCH_CHECK(H % Hkv == 0 && k_pool.size(1) == Hkv && v_pool.size(1) == Hkv && v_pool.size(0) == n_blocks &&
+              v_pool.size(2) == BS, "paged_attention: shape mismatch");
   const int64_t* bt = block_table.data_ptr<int64_t>();
   const int64_t* sp = seq.data_ptr<int64_t>();
   const int64_t* pp = pos.data_ptr<int64_t>();
   arlm_kernels::check_block_table("paged_attention", bt, block_table.size(0), M, sp, pp, N, BS, n_blocks);
   at::Tensor out = at::empty({N, H, D}, q.options());
-  auto run = [&](auto* kp, auto* vp) {
+  arlm_kernels::with_kv("paged_attention", k_pool, v_pool, kv_format, D, [&](auto* kp, auto* vp) {
     arlm_kernels::paged_attention(q.data_ptr<float>(), H * D, k.data_ptr<float>(), v.data_ptr<float>(), Hkv * D, kp,
                                   vp, bt, M, sp, pp, N, H, Hkv, D, BS, static_cast<float>(scale),
                                   out.data_ptr<float>());
-  };
-  if (k_pool.scalar_type() == at::kHalf) run(k_pool.data_ptr<at::Half>(), v_pool.data_ptr<at::Half>());
-  else run(k_pool.data_ptr<float>(), v_pool.data_ptr<float>());
+  });
   return out;
 }
 
 TORCH_LIBRARY_FRAGMENT(arlm, m) {
   m.def("paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor block_table, "
-        "Tensor seq, Tensor pos, float scale) -> Tensor");
+        "Tensor seq, Tensor pos, float scale, int kv_format=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(arlm, CPU, m) {

@@ -11,7 +11,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
-#include "common.h"
+#include "attention.h"
 
 #include <vector>
 
@@ -29,17 +29,18 @@ inline void check_block_table(const char* op, const int64_t* table, int64_t S, i
 }
 
 // Writes token i's new K/V (its Hkv heads of D floats at k + i * ldkv, v + i * ldkv) into slot
-// pos % BS of block table[seq, pos / BS] of one layer's pools kp, vp [n_blocks, Hkv, BS, D] of T
-// (float, or at::Half: rounded to nearest even, as torch's .to(torch.float16)).
-template <typename T>
-inline void paged_write(const float* k, const float* v, int64_t ldkv, T* kp, T* vp, const int64_t* table,
+// pos % BS of block table[seq, pos / BS] of one layer's pools kp [n_blocks, Hkv, BS, row] of TK and
+// vp of TV (attention.h: float, at::Half rounded to nearest even, or a quantized row).
+template <typename TK, typename TV>
+inline void paged_write(const float* k, const float* v, int64_t ldkv, TK* kp, TV* vp, const int64_t* table,
                         int64_t M, const int64_t* seq, const int64_t* pos, int64_t i, int64_t Hkv, int64_t D,
                         int64_t BS) {
   const int64_t blk = table[seq[i] * M + pos[i] / BS], slot = pos[i] % BS;
+  const int64_t sk = KV<TK>::stride(D), sv = KV<TV>::stride(D);
   for (int64_t g = 0; g < Hkv; ++g) {
-    const int64_t dst = ((blk * Hkv + g) * BS + slot) * D;
-    store_row(k + i * ldkv + g * D, D, kp + dst);
-    store_row(v + i * ldkv + g * D, D, vp + dst);
+    const int64_t row = (blk * Hkv + g) * BS + slot;
+    KV<TK>::store(k + i * ldkv + g * D, D, kp + row * sk);
+    KV<TV>::store(v + i * ldkv + g * D, D, vp + row * sv);
   }
 }
 
@@ -54,11 +55,12 @@ inline int64_t paged_scratch(const int64_t* pos, int64_t N, int64_t H, int64_t H
 // of D floats at q + i * ldq, reading keys 0..pos[i] of its sequence, one (token, KV head) per
 // task. scratch: at::get_num_threads() * paged_scratch(...) floats. Each task then calls
 // done(o, at): its G * D outputs, at offset `at` of out (the layer stack quantizes them there).
-template <typename T, typename Done>
-inline void paged_attend(const float* q, int64_t ldq, const T* kp, const T* vp, const int64_t* table,
+template <typename TK, typename TV, typename Done>
+inline void paged_attend(const float* q, int64_t ldq, const TK* kp, const TV* vp, const int64_t* table,
                          int64_t M, const int64_t* seq, const int64_t* pos, int64_t N, int64_t H, int64_t Hkv,
                          int64_t D, int64_t BS, float scale, float* out, float* scratch, Done done) {
   const int64_t G = H / Hkv, per_thread = paged_scratch(pos, N, H, Hkv);
+  const int64_t sk = KV<TK>::stride(D), sv = KV<TV>::stride(D);
   at::parallel_for(0, N * Hkv, 1, [&](int64_t w0, int64_t w1) {
     float* s = scratch + at::get_thread_num() * per_thread;
     for (int64_t w = w0; w < w1; ++w) {
@@ -66,21 +68,21 @@ inline void paged_attend(const float* q, int64_t ldq, const T* kp, const T* vp, 
       const int64_t* row = table + seq[i] * M;
       auto blocks = [&](auto f) {  // slots 0..L-1 of the sequence, a block at a time
         for (int64_t j0 = 0; j0 < L; j0 += BS) {
-          const int64_t off = (row[j0 / BS] * Hkv + g) * BS * D;
-          f(kp + off, vp + off, std::min(BS, L - j0));
+          const int64_t first = (row[j0 / BS] * Hkv + g) * BS;
+          f(kp + first * sk, vp + first * sv, std::min(BS, L - j0));
         }
       };
       float* o = out + (i * H + g * G) * D;
-      attend_group<T>(q + i * ldq + g * G * D, G, D, L, scale, blocks, s, o);
+      attend_group<TK, TV>(q + i * ldq + g * G * D, G, D, L, scale, blocks, s, o);
       done(o, (i * H + g * G) * D);
     }
   });
 }
 
 // The attention op's whole job: write the N tokens' K/V, then attend (scale given).
-template <typename T>
-inline void paged_attention(const float* q, int64_t ldq, const float* k, const float* v, int64_t ldkv, T* kp,
-                            T* vp, const int64_t* table, int64_t M, const int64_t* seq, const int64_t* pos,
+template <typename TK, typename TV>
+inline void paged_attention(const float* q, int64_t ldq, const float* k, const float* v, int64_t ldkv, TK* kp,
+                            TV* vp, const int64_t* table, int64_t M, const int64_t* seq, const int64_t* pos,
                             int64_t N, int64_t H, int64_t Hkv, int64_t D, int64_t BS, float scale, float* out) {
   at::parallel_for(0, N, 16, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) paged_write(k, v, ldkv, kp, vp, table, M, seq, pos, i, Hkv, D, BS);

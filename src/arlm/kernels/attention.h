@@ -1,0 +1,383 @@
+// How the KV cache stores one row: the hd values of one token's key (or value) for one KV head.
+// Every attention kernel reads and writes rows only through KV<T> (paged_attention.h, decode.cpp),
+// so a format is defined once, here, and arlm/kv_cache.py's quantizers mirror it bit for bit.
+//
+//   float, at::Half   hd elements (float16: rounded to nearest even when written)
+//   Q8                --kv-dtype int8, llama.cpp's q8_0: hd int8 codes, then hd / 32 float16
+//                     scales; value e = code[e] * scale[e / 32], scale = max |x| / 127 over the
+//                     group (rounded to float16 first, so the codes use the stored scale)
+//   Q4<G>             --kv-dtype int4: the row rotated by the normalized Walsh-Hadamard transform
+//                     (QuaRot: spreads a key's outlier channels over all of them), then groups of
+//                     G: hd / 2 bytes of codes (value 2i in the low nibble of byte i, 2i + 1 in
+//                     the high), then per group a float16 scale and minimum; value = code * scale
+//                     + min, scale = (max - min) / 15. Keys take G = 16, values G = 32.
+//
+// H is symmetric and its own inverse, so q . k = Hq . Hk and sum_t p_t v_t = H sum_t p_t (H v_t):
+// a rotated cache rotates the query heads once before the scores and the output once after.
+//
+// Every dequantized value is code * scale (+ min): the product of a 4- or 8-bit integer and a
+// float16 is exact in float32, so one rounding (the add) whether or not the compiler fuses it,
+// and the torch mirror gets the same bits.
+#pragma once
+#include <ATen/ATen.h>
+
+#include <cmath>
+#include <cstring>
+
+#include "common.h"
+
+#include <type_traits>
+#include <vector>
+
+namespace arlm_kernels {
+
+// K/V cache elements are float32 or float16 (half the bytes a decode step streams); the math
+// is float32 either way. load8 / load16: 8 or 16 of them widened to float32.
+inline float to_float(float v) { return v; }
+inline float to_float(at::Half v) { return static_cast<float>(v); }
+#if defined(__AVX2__) && defined(__FMA__)
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+#endif
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+#endif
+
+// dst[0..n) = src as T (float16: rounded to nearest even, as torch's .to(torch.float16)).
+inline void store_row(const float* src, int64_t n, float* dst) { std::copy(src, src + n, dst); }
+inline void store_row(const float* src, int64_t n, at::Half* dst) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i),
+                        _mm512_cvtps_ph(_mm512_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<at::Half>(src[i]);
+}
+
+// sum_i a[i] * b[i], in an order that depends on n alone.
+template <typename T>
+inline float dot(const float* a, const T* b, int64_t n) {
+#if defined(__AVX512F__)
+  if (n % 32 == 0) {
+    __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 32) {
+      s0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), load16(b + i), s0);
+      s1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16), load16(b + i + 16), s1);
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));
+  }
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+  if (n % 8 == 0) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load8(b + i), acc);
+    return hsum(acc);
+  }
+#endif
+  float s = 0.f;
+  for (int64_t i = 0; i < n; ++i) s += a[i] * to_float(b[i]);
+  return s;
+}
+
+
+struct Q8 {
+  uint8_t byte;
+};
+template <int G>
+struct Q4 {
+  uint8_t byte;
+};
+using Q4K = Q4<16>;  // keys: the more sensitive, smaller groups
+using Q4V = Q4<32>;
+
+// x <- H x for n (a power of two) floats: the Walsh-Hadamard butterflies, then / sqrt(n).
+inline void hadamard(float* x, int64_t n) {
+  for (int64_t h = 1; h < n; h *= 2)
+    for (int64_t i = 0; i < n; i += 2 * h)
+      for (int64_t j = i; j < i + h; ++j) {
+        const float a = x[j], b = x[j + h];
+        x[j] = a + b;
+        x[j + h] = a - b;
+      }
+  const float f = 1.f / std::sqrt(static_cast<float>(n));
+  for (int64_t i = 0; i < n; ++i) x[i] *= f;
+}
+
+inline float half_bits_to_float(const uint8_t* p) {
+  at::Half h;
+  std::memcpy(&h, p, 2);
+  return static_cast<float>(h);
+}
+inline void float_to_half_bits(float v, uint8_t* p) {
+  const at::Half h(v);
+  std::memcpy(p, &h, 2);
+}
+
+template <typename T>
+struct KV {  // float and at::Half: the row as it is
+  static constexpr bool quantized = false, rotated = false;
+  static int64_t stride(int64_t hd) { return hd; }
+  static void store(const float* src, int64_t hd, T* dst) { store_row(src, hd, dst); }
+  // The row as something load8 / load16 / to_float read: itself (buf unused).
+  static const T* view(const T* row, int64_t, float*) { return row; }
+};
+
+template <>
+struct KV<Q8> {
+  static constexpr bool quantized = true, rotated = false;
+  static int64_t stride(int64_t hd) { return hd + 2 * (hd / 32); }
+  static void store(const float* src, int64_t hd, Q8* dst) {
+    auto* codes = reinterpret_cast<int8_t*>(dst);
+    uint8_t* scales = reinterpret_cast<uint8_t*>(dst) + hd;
+    for (int64_t g = 0; g < hd / 32; ++g) {
+      const float* x = src + 32 * g;
+      float amax = 0.f;
+      for (int e = 0; e < 32; ++e) amax = std::max(amax, std::fabs(x[e]));
+      float_to_half_bits(amax / 127.f, scales + 2 * g);
+      const float d = half_bits_to_float(scales + 2 * g), inv = d > 0.f ? 1.f / d : 0.f;
+      for (int e = 0; e < 32; ++e)
+        codes[32 * g + e] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, std::nearbyint(x[e] * inv))));
+    }
+  }
+  static const float* view(const Q8* row, int64_t hd, float* buf) {
+    const auto* codes = reinterpret_cast<const int8_t*>(row);
+    const uint8_t* scales = reinterpret_cast<const uint8_t*>(row) + hd;
+    for (int64_t g = 0; g < hd / 32; ++g) {
+      const float d = half_bits_to_float(scales + 2 * g);
+      int e = 0;
+#if defined(__AVX512F__)
+      for (; e < 32; e += 16)
+        _mm512_storeu_ps(buf + 32 * g + e, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 32 * g + e)))), _mm512_set1_ps(d)));
+#endif
+      for (; e < 32; ++e) buf[32 * g + e] = static_cast<float>(codes[32 * g + e]) * d;
+    }
+    return buf;
+  }
+};
+
+template <int G>
+struct KV<Q4<G>> {
+  static constexpr bool quantized = true, rotated = true;
+  static int64_t stride(int64_t hd) { return hd / 2 + 4 * (hd / G); }
+  static void store(const float* src, int64_t hd, Q4<G>* dst) {
+    float x[512];  // hd <= 512 (checked by the ops)
+    std::copy(src, src + hd, x);
+    hadamard(x, hd);
+    uint8_t* codes = reinterpret_cast<uint8_t*>(dst);
+    uint8_t* params = codes + hd / 2;
+    for (int64_t g = 0; g < hd / G; ++g) {
+      const float* xg = x + G * g;
+      float lo = xg[0], hi = xg[0];
+      for (int e = 1; e < G; ++e) lo = std::min(lo, xg[e]), hi = std::max(hi, xg[e]);
+      float_to_half_bits((hi - lo) / 15.f, params + 4 * g);
+      float_to_half_bits(lo, params + 4 * g + 2);
+      const float d = half_bits_to_float(params + 4 * g), m = half_bits_to_float(params + 4 * g + 2);
+      const float inv = d > 0.f ? 1.f / d : 0.f;
+      for (int e = 0; e < G; e += 2) {
+        const auto q = [&](float v) {
+          return static_cast<uint8_t>(std::min(15.f, std::max(0.f, std::nearbyint((v - m) * inv))));
+        };
+        codes[(G * g + e) / 2] = static_cast<uint8_t>(q(xg[e]) | (q(xg[e + 1]) << 4));
+      }
+    }
+  }
+  static const float* view(const Q4<G>* row, int64_t hd, float* buf) {
+    const uint8_t* codes = reinterpret_cast<const uint8_t*>(row);
+    const uint8_t* params = codes + hd / 2;
+    for (int64_t g = 0; g < hd / G; ++g) {
+      const float d = half_bits_to_float(params + 4 * g), m = half_bits_to_float(params + 4 * g + 2);
+      int e = 0;
+#if defined(__AVX512F__)
+      for (; e < G; e += 16) {  // 8 bytes -> 16 codes, in order: low nibble, high nibble, ...
+        const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + (G * g + e) / 2));
+        const __m128i lo = _mm_and_si128(b, _mm_set1_epi8(0x0F)), hi = _mm_and_si128(_mm_srli_epi16(b, 4),
+                                                                                      _mm_set1_epi8(0x0F));
+        const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi)));
+        _mm512_storeu_ps(buf + G * g + e, _mm512_add_ps(_mm512_mul_ps(v, _mm512_set1_ps(d)), _mm512_set1_ps(m)));
+      }
+#endif
+      for (; e < G; ++e) {
+        const uint8_t byte = codes[(G * g + e) / 2];
+        buf[G * g + e] = static_cast<float>(e % 2 ? byte >> 4 : byte & 0x0F) * d + m;
+      }
+    }
+    return buf;
+  }
+};
+
+// Whether hd suits format T: whole groups, and a power of two for the rotation.
+template <typename T>
+inline bool kv_fits(int64_t hd) {
+  if constexpr (std::is_same_v<T, Q8>) return hd % 32 == 0;
+  if constexpr (KV<T>::rotated) return hd % 32 == 0 && hd <= 512 && (hd & (hd - 1)) == 0;
+  return true;
+}
+
+// The cache's formats as the ops take them (kv_format): 0 float32 / float16 (by dtype), 1 int8,
+// 2 int4. Calls f(k_pool, v_pool) with typed pointers.
+enum KVFormat : int64_t { kFloat = 0, kInt8 = 1, kInt4 = 2 };
+
+template <typename F>
+inline void with_kv(const char* op, const at::Tensor& k, const at::Tensor& v, int64_t format, int64_t hd, F f) {
+  auto check = [&](auto* kp, auto* vp, at::ScalarType st) {
+    using TK = std::remove_pointer_t<decltype(kp)>;
+    using TV = std::remove_pointer_t<decltype(vp)>;
+    TORCH_CHECK(k.scalar_type() == st && v.scalar_type() == st && k.is_contiguous() && v.is_contiguous() &&
+                k.size(-1) == KV<TK>::stride(hd) && v.size(-1) == KV<TV>::stride(hd) && kv_fits<TK>(hd) &&
+                kv_fits<TV>(hd), op, ": the KV pools do not match the cache format or head size");
+    f(kp, vp);
+  };
+  switch (format) {
+    case kFloat:
+      if (k.scalar_type() == at::kHalf) return check(k.data_ptr<at::Half>(), v.data_ptr<at::Half>(), at::kHalf);
+      return check(k.data_ptr<float>(), v.data_ptr<float>(), at::kFloat);
+    case kInt8:
+      return check(reinterpret_cast<Q8*>(k.data_ptr<uint8_t>()), reinterpret_cast<Q8*>(v.data_ptr<uint8_t>()),
+                   at::kByte);
+    case kInt4:
+      return check(reinterpret_cast<Q4K*>(k.data_ptr<uint8_t>()), reinterpret_cast<Q4V*>(v.data_ptr<uint8_t>()),
+                   at::kByte);
+    default:
+      TORCH_CHECK(false, op, ": unknown KV format ", format);
+  }
+}
+
+#if defined(__AVX512F__)
+// out[h] = inv[h] * sum_t s[h * n + t] V[t] for HB heads at once, V rows of C * 16 values: each V
+// row is loaded (dequantized, for a quantized cache: into buf) once for all HB heads; every head's
+// sum is in registers, in slot order.
+template <int C, int HB, typename TK, typename TV, typename Spans>
+inline void weighted_heads(const float* s, int64_t n, Spans spans, const float* inv, int64_t hd, float* out,
+                           float* buf) {
+  __m512 acc[HB][C];
+  for (int h = 0; h < HB; ++h)
+    for (int c = 0; c < C; ++c) acc[h][c] = _mm512_setzero_ps();
+  const int64_t stride = KV<TV>::stride(hd);
+  int64_t t = 0;
+  spans([&](const TK*, const TV* v, int64_t len) {
+    for (int64_t j = 0; j < len; ++j, ++t) {
+      const auto* row = KV<TV>::view(v + j * stride, hd, buf);
+      for (int c = 0; c < C; ++c) {
+        const __m512 vc = load16(row + c * 16);
+        for (int h = 0; h < HB; ++h) acc[h][c] = _mm512_fmadd_ps(_mm512_set1_ps(s[h * n + t]), vc, acc[h][c]);
+      }
+    }
+  });
+  for (int h = 0; h < HB; ++h)
+    for (int c = 0; c < C; ++c)
+      _mm512_storeu_ps(out + h * hd + c * 16, _mm512_mul_ps(acc[h][c], _mm512_set1_ps(inv[h])));
+}
+
+// weighted_heads over G heads, 16 / C at a time (16 accumulators).
+template <int C, typename TK, typename TV, typename Spans>
+inline void weighted_group(const float* s, int64_t n, int64_t G, Spans spans, const float* inv, int64_t hd,
+                           float* out, float* buf) {
+  constexpr int HB = 16 / C;
+  for (int64_t h = 0; h < G; h += HB) {
+    const float *sh = s + h * n, *ih = inv + h;
+    float* oh = out + h * hd;
+    switch (std::min<int64_t>(HB, G - h)) {
+      case 1: weighted_heads<C, 1, TK, TV>(sh, n, spans, ih, hd, oh, buf); break;
+      case 2: weighted_heads<C, 2 <= HB ? 2 : 1, TK, TV>(sh, n, spans, ih, hd, oh, buf); break;
+      case 3: weighted_heads<C, 3 <= HB ? 3 : 1, TK, TV>(sh, n, spans, ih, hd, oh, buf); break;
+      default: weighted_heads<C, HB, TK, TV>(sh, n, spans, ih, hd, oh, buf); break;
+    }
+  }
+}
+#endif
+
+// Back from a rotated V cache's space (see the top): out <- H out for each of the G heads. Call
+// it on the final output (after combine_chunks where a row was split).
+template <typename TV>
+inline void unrotate(float* out, int64_t G, int64_t hd) {
+  if constexpr (KV<TV>::rotated)
+    for (int64_t h = 0; h < G; ++h) hadamard(out + h * hd, hd);
+}
+
+// The G query heads that share one KV head (G * hd floats at q, head after head) attend over its n
+// cached slots: out[h] = softmax(q_h . K_t * scale) V. The slots come as spans of consecutive
+// rows, spans(f) calling f(k, v, len) for each in order: one span for a contiguous cache, one per
+// block for the paged pool. Each K and V row is read once for all G heads. Every head runs the
+// same operations in the same order whatever G, the layout, the batch or the thread, so its
+// output does not depend on them. K rows of TK, V rows of TV (KV<T> above). s: G * (n + 1) floats
+// of scratch; out: G * hd floats.
+// With stats, the slots are one chunk of a longer row (split-K, combine_chunks below): out gets
+// the unnormalized sums sum_t exp(s_t - max) V_t (in a rotated V cache's space: unrotate the
+// combined result), and stats[2h], stats[2h + 1] head h's max score and sum of exp.
+template <typename TK, typename TV, typename Spans>
+inline void attend_group(const float* q, int64_t G, int64_t hd, int64_t n, float scale, Spans spans, float* s,
+                         float* out, float* stats = nullptr) {
+  thread_local std::vector<float> local;  // a dequantized row, and the rotated queries
+  if constexpr (KV<TK>::quantized || KV<TV>::quantized) {
+    if (local.size() < static_cast<size_t>((G + 1) * hd)) local.resize((G + 1) * hd);
+  }
+  float* buf = local.data();
+  if constexpr (KV<TK>::rotated) {
+    std::copy(q, q + G * hd, buf + hd);
+    for (int64_t h = 0; h < G; ++h) hadamard(buf + hd + h * hd, hd);
+    q = buf + hd;
+  }
+  const int64_t stride = KV<TK>::stride(hd);
+  int64_t t = 0;
+  spans([&](const TK* k, const TV*, int64_t len) {
+    for (int64_t j = 0; j < len; ++j, ++t) {
+      const auto* row = KV<TK>::view(k + j * stride, hd, buf);
+      for (int64_t h = 0; h < G; ++h) s[h * n + t] = dot(q + h * hd, row, hd) * scale;
+    }
+  });
+  float* inv = s + G * n;
+  for (int64_t h = 0; h < G; ++h) {
+    if (!stats) {
+      inv[h] = 1.f / softmax_numerators(s + h * n, n);
+      continue;
+    }
+    stats[2 * h + 1] = softmax_numerators(s + h * n, n, stats + 2 * h);
+    inv[h] = 1.f;  // x * 1 is exact: the chunk's sums as they are
+  }
+#if defined(__AVX512F__)
+  if (hd == 64 || hd == 128) {
+    if (hd == 64) weighted_group<4, TK, TV>(s, n, G, spans, inv, hd, out, buf);
+    else weighted_group<8, TK, TV>(s, n, G, spans, inv, hd, out, buf);
+    if (!stats) unrotate<TV>(out, G, hd);
+    return;
+  }
+#endif
+  std::fill(out, out + G * hd, 0.f);
+  const int64_t vstride = KV<TV>::stride(hd);
+  t = 0;
+  spans([&](const TK*, const TV* v, int64_t len) {
+    for (int64_t j = 0; j < len; ++j, ++t) {
+      const auto* row = KV<TV>::view(v + j * vstride, hd, buf);
+      for (int64_t h = 0; h < G; ++h)
+        for (int64_t e = 0; e < hd; ++e) out[h * hd + e] += s[h * n + t] * to_float(row[e]);
+    }
+  });
+  for (int64_t h = 0; h < G; ++h)
+    for (int64_t e = 0; e < hd; ++e) out[h * hd + e] *= inv[h];
+  if (!stats) unrotate<TV>(out, G, hd);
+}
+
+// The attention output of G heads from C chunks' partial results (attend_group with stats; chunk
+// c's sums at part + c * G * hd, its stats at stats + c * 2 G): out = sum_c f_c o_c with
+// f_c = exp(m_c - M) / L, M the largest max, L = sum_c exp(m_c - M) l_c, in chunk order.
+inline void combine_chunks(const float* part, const float* stats, int64_t C, int64_t G, int64_t hd, float* out) {
+  for (int64_t h = 0; h < G; ++h) {
+    float top = -INFINITY, total = 0.f;
+    for (int64_t c = 0; c < C; ++c) top = std::max(top, stats[c * 2 * G + 2 * h]);
+    for (int64_t c = 0; c < C; ++c) total += std::exp(stats[c * 2 * G + 2 * h] - top) * stats[c * 2 * G + 2 * h + 1];
+    const float inv = 1.f / total;
+    float* o = out + h * hd;
+    for (int64_t c = 0; c < C; ++c) {
+      const float f = std::exp(stats[c * 2 * G + 2 * h] - top) * inv;
+      const float* p = part + (c * G + h) * hd;
+      for (int64_t e = 0; e < hd; ++e) o[e] = c == 0 ? p[e] * f : o[e] + p[e] * f;
+    }
+  }
+}
+
+}  // namespace arlm_kernels
