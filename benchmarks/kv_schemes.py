@@ -58,13 +58,14 @@ def q4_0(x):  # symmetric, groups of 32, float16 scale (llama.cpp's q4_0: the ex
     return (q * d).reshape(x.shape)
 
 
-def q4_1(x, dim=-1, g=32):  # asymmetric, groups of g along `dim`, float16 scale and minimum
+def q4_1(x, dim=-1, g=32, bits=4):  # asymmetric, groups of g along `dim`, float16 scale and minimum
     if dim != -1:
-        return q4_1(x.transpose(dim, -1), g=g).transpose(dim, -1)
+        return q4_1(x.transpose(dim, -1), g=g, bits=bits).transpose(dim, -1)
     xg = groups(x, g)
+    top = 2 ** bits - 1
     lo, hi = xg.amin(-1, keepdim=True).half().float(), xg.amax(-1, keepdim=True)
-    d = ((hi - lo) / 15).half().float()
-    q = torch.where(d > 0, torch.round((xg - lo) / d), torch.zeros_like(xg)).clamp(0, 15)
+    d = ((hi - lo) / top).half().float()
+    q = torch.where(d > 0, torch.round((xg - lo) / d), torch.zeros_like(xg)).clamp(0, top)
     return (q * d + lo).reshape(x.shape)
 
 
@@ -84,6 +85,7 @@ SCHEMES = {  # name -> (K fn, V fn, bytes per row of 64 values for K and V, or "
     "q4_1/16 K, q4_1 V": (lambda x: q4_1(x, g=16), q4_1, 48 + 40),
     "Hadamard q4_1/16 K, q4_1 V": ("had16", q4_1, 48 + 40),
     "Hadamard q4_1/16 K, Hadamard q4_1 V": ("had16", "had1", 48 + 40),
+    "Hadamard q5_1 K, Hadamard q4_1 V": ("had5", "had1", 48 + 40),
     "KIVI-32: K per channel, V q4_1": ("kivi", q4_1, 40 + 40),
     "KIVI-16: K per channel, V q4_1": ("kivi16", q4_1, 48 + 40),
 }
@@ -149,7 +151,8 @@ def main() -> None:
         k_fn, v_fn, nbytes = SCHEMES[name]
         kivi = {"kivi": 32, "kivi16": 16}.get(k_fn, 0) if isinstance(k_fn, str) else 0
         k_fn = {"had": rotated(q4_0, had), "had1": rotated(q4_1, had),
-                "had16": rotated(lambda x: q4_1(x, g=16), had)}.get(k_fn, k_fn) if isinstance(k_fn, str) else k_fn
+                "had16": rotated(lambda x: q4_1(x, g=16), had),
+                "had5": rotated(lambda x: q4_1(x, bits=5), had)}.get(k_fn, k_fn) if isinstance(k_fn, str) else k_fn
         v_fn = rotated(q4_1, had) if v_fn == "had1" else v_fn
         nll, kl, agree = [], [], []
         for b, w in zip(base, wins):

@@ -47,7 +47,7 @@ def run_case(llm: LLM, batch: int, context: int, steps: int, repeat: int) -> dic
 
     def step():
         native.embed(tokens, out=x)
-        native.decode(x, cache.k, cache.v, pos, context + 1)
+        native.decode(x, cache.k, cache.v, pos, context + 1, cache.format)
         native.head(x, logits)
 
     best = None

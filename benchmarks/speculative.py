@@ -189,7 +189,7 @@ def bench_step_cost(args) -> dict:
             for _ in range(7):
                 t0 = time.perf_counter()
                 x = native.embed(tokens)
-                native.forward(x, cache.k, cache.v, table, seq, pos)
+                native.forward(x, cache.k, cache.v, table, seq, pos, cache.format)
                 native.head(x)
                 times.append(time.perf_counter() - t0)
         return median(times)

@@ -40,7 +40,7 @@ def native_decode_fn(model):
             buffers[B] = (torch.empty(B, model.config.d_model), torch.empty(B, model.config.vocab_size))
         x, logits = buffers[B]
         native.embed(tokens[:, 0], out=x)
-        native.decode(x, cache.k, cache.v, input_pos[:, 0].contiguous(), kv_len)
+        native.decode(x, cache.k, cache.v, input_pos[:, 0].contiguous(), kv_len, cache.format)
         return native.head(x, logits)
 
     return step

@@ -175,7 +175,8 @@ def stats_line(stats, prefix: str = "") -> str:
             if stats.spec_passes else "")
     return (f"{prefix}prefill: {stats.prompt_tokens} tokens, {stats.prefill_tokens_per_s:.1f} tokens/s | "
             f"decode: {stats.decode_tokens} tokens, {stats.decode_tokens_per_s:.1f} tokens/s | "
-            f"KV cache: {stats.kv_cache_bytes / 2**20:.2f} MiB ({stats.kv_cache_bytes} bytes)" + spec)
+            f"KV cache: {stats.kv_dtype or '-'}, {stats.kv_bytes_per_token} bytes/token, "
+            f"{stats.kv_cache_bytes / 2**20:.2f} MiB ({stats.kv_cache_bytes} bytes)" + spec)
 
 
 

@@ -25,10 +25,11 @@ kernels/attention.h):
 
 - int8: llama.cpp's q8_0, 8-bit codes with a float16 scale per group of 32: 68 bytes a row of 64
   (0.53x float16).
-- int4: QuaRot's rotation, then 4-bit codes with a float16 scale and minimum per group (keys 16,
-  values 32): the normalized Walsh-Hadamard transform spreads a key's outlier channels over the
-  whole row before the row is cut into groups, and q . k = Hq . Hk; 48 + 40 bytes for a key and
-  a value row of 64 (0.34x float16). benchmarks/kv_schemes.py measured the candidates.
+- int4: QuaRot's rotation, then 4-bit values and 5-bit keys (the more sensitive), each group of
+  32 with a float16 scale and minimum: the normalized Walsh-Hadamard transform spreads a key's
+  outlier channels over the whole row before the row is cut into groups, and q . k = Hq . Hk;
+  48 + 40 bytes for a key and a value row of 64 (0.34x float16). benchmarks/kv_schemes.py
+  measured the candidates.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ KVDtype = torch.dtype | str
 QUANTIZED = ("int8", "int4")
 KV_DTYPES = ("float32", "float16", "bfloat16", *QUANTIZED)
 _FORMAT = {"int8": 1, "int4": 2}  # the kernels' kv_format (attention.h); 0: float32/float16 by dtype
-_INT4_GROUPS = (16, 32)  # keys, values
+_INT4 = ((5, 32), (4, 32))  # (bits, group) of keys (the more sensitive) and of values
 
 
 def kv_dtype_name(dtype: KVDtype) -> str:
@@ -67,7 +68,7 @@ def row_bytes(dtype: KVDtype, head_dim: int) -> tuple[int, int]:
     if dtype == "int8":
         return (head_dim + 2 * (head_dim // 32),) * 2
     if dtype == "int4":
-        return tuple(head_dim // 2 + 4 * (head_dim // g) for g in _INT4_GROUPS)
+        return tuple(head_dim // 2 + (head_dim // 8 if bits == 5 else 0) + 4 * (head_dim // g) for bits, g in _INT4)
     n = head_dim * torch.empty(0, dtype=dtype).element_size()
     return n, n
 
@@ -98,25 +99,34 @@ def _scale_bytes(t: torch.Tensor) -> torch.Tensor:  # float16 [..., G] -> its by
     return t.contiguous().view(torch.uint8)
 
 
-def _quantize_q4(x: torch.Tensor, g: int) -> torch.Tensor:
+def _quantize_rotated(x: torch.Tensor, bits: int, g: int) -> torch.Tensor:
     *lead, hd = x.shape
+    top = 2 ** bits - 1
     xg = hadamard(x.float()).reshape(*lead, hd // g, g)
     lo, hi = xg.amin(-1), xg.amax(-1)
-    d, m = ((hi - lo) / 15.0).half(), lo.half()
+    d, m = ((hi - lo) / float(top)).half(), lo.half()
     df, mf = d.float()[..., None], m.float()[..., None]
     inv = torch.where(df > 0, 1.0 / df, torch.zeros_like(df))
-    q = torch.round((xg - mf) * inv).clamp(0, 15).to(torch.uint8).reshape(*lead, hd)
-    codes = q[..., 0::2] | (q[..., 1::2] << 4)
-    params = torch.stack([d, m], -1).reshape(*lead, 2 * (hd // g))  # per group: scale, min
-    return torch.cat([codes, _scale_bytes(params)], -1)
+    q = torch.round((xg - mf) * inv).clamp(0, top).to(torch.uint8).reshape(*lead, hd)
+    parts = [(q[..., 0::2] & 0x0F) | ((q[..., 1::2] & 0x0F) << 4)]
+    if bits == 5:  # the 5th bits, 8 values to a byte, value e in bit e % 8
+        fifth = (q >> 4).reshape(*lead, hd // 8, 8)
+        parts.append((fifth << torch.arange(8, dtype=torch.uint8, device=x.device)).sum(-1, dtype=torch.uint8))
+    parts.append(_scale_bytes(torch.stack([d, m], -1).reshape(*lead, 2 * (hd // g))))  # per group: scale, min
+    return torch.cat(parts, -1)
 
 
-def _dequantize_q4(rows: torch.Tensor, hd: int, g: int) -> torch.Tensor:
+def _dequantize_rotated(rows: torch.Tensor, hd: int, bits: int, g: int) -> torch.Tensor:
     *lead, _ = rows.shape
-    codes = rows[..., :hd // 2]
-    q = torch.stack([codes & 0x0F, codes >> 4], -1).reshape(*lead, hd // g, g).float()
-    params = rows[..., hd // 2:].contiguous().view(torch.float16).float().reshape(*lead, hd // g, 2)
-    return hadamard((q * params[..., :1] + params[..., 1:]).reshape(*lead, hd))
+    low = rows[..., :hd // 2]
+    q = torch.stack([low & 0x0F, low >> 4], -1).reshape(*lead, hd)
+    at = hd // 2
+    if bits == 5:
+        high = rows[..., at:at + hd // 8]
+        q = q | ((high[..., None] >> torch.arange(8, dtype=torch.uint8, device=rows.device)) & 1).reshape(*lead, hd) << 4
+        at += hd // 8
+    params = rows[..., at:].contiguous().view(torch.float16).float().reshape(*lead, hd // g, 2)
+    return hadamard((q.reshape(*lead, hd // g, g).float() * params[..., :1] + params[..., 1:]).reshape(*lead, hd))
 
 
 def quantize_rows(x: torch.Tensor, dtype: str, value: bool = False) -> torch.Tensor:
@@ -124,7 +134,7 @@ def quantize_rows(x: torch.Tensor, dtype: str, value: bool = False) -> torch.Ten
     ("int8" or "int4"; value: the format of value rows, which int4 groups differently)."""
     *lead, hd = x.shape
     if dtype == "int4":
-        return _quantize_q4(x, _INT4_GROUPS[value])
+        return _quantize_rotated(x, *_INT4[value])
     g = x.float().reshape(*lead, hd // 32, 32)
     d = (g.abs().amax(-1) / 127.0).half()
     df = d.float()[..., None]
@@ -137,7 +147,7 @@ def dequantize_rows(rows: torch.Tensor, dtype: str, head_dim: int, value: bool =
     """`quantize_rows`' inverse (up to its rounding): records [..., row_bytes] -> float32 [..., d_head],
     in the model's space (an int4 row rotated back)."""
     if dtype == "int4":
-        return _dequantize_q4(rows, head_dim, _INT4_GROUPS[value])
+        return _dequantize_rotated(rows, head_dim, *_INT4[value])
     *lead, _ = rows.shape
     q = rows[..., :head_dim].contiguous().view(torch.int8).float().reshape(*lead, head_dim // 32, 32)
     d = rows[..., head_dim:].contiguous().view(torch.float16).float()

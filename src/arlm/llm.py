@@ -18,7 +18,7 @@ import torch
 from .engine import Engine, EngineConfig, FinishReason, ModelRunner, Request, RequestOutput
 from .engine.speculative import Drafter, SpecRates, SpeculativeConfig
 from .loading import LoadedModel
-from .kv_cache import KVDtype, check_head_dim, parse_kv_dtype
+from .kv_cache import KVDtype, check_head_dim, kv_dtype_name, parse_kv_dtype
 from .sampling import SamplingParams
 from .text import TextStreamer
 from .tokenizer import Tokenizer
@@ -63,6 +63,8 @@ class GenerationStats(SpecRates):
     decode_tokens: int = 0  # tokens produced by decode steps (excludes each request's first, from prefill)
     decode_seconds: float = 0.0
     kv_cache_bytes: int = 0  # bytes allocated for the cache
+    kv_dtype: str = ""  # its element type ("float16", "int8", ...)
+    kv_bytes_per_token: int = 0  # bytes one cached token takes: K and V, every layer, scales included
     # speculative decoding (the stream's requests): draft tokens verified, accepted, and target
     # passes that verified a draft (per request)
     spec_proposed: int = 0
@@ -83,6 +85,8 @@ class GenerationStats(SpecRates):
                 "decode_tokens": self.decode_tokens, "decode_seconds": round(self.decode_seconds, 4),
                 "decode_tokens_per_s": round(self.decode_tokens_per_s, 2),
                 "kv_cache_bytes": self.kv_cache_bytes,
+                "kv_cache": {"dtype": self.kv_dtype, "bytes_per_token": self.kv_bytes_per_token,
+                             "bytes": self.kv_cache_bytes},
                 "speculative": {"proposed": self.spec_proposed, "accepted": self.spec_accepted,
                                 "passes": self.spec_passes,
                                 "acceptance_rate": round(self.spec_acceptance_rate, 4),
@@ -134,7 +138,9 @@ class TextStream:
                 self.stats.decode_seconds += step.seconds
                 self.stats.decode_tokens += sum(1 for o in outputs if o.request_id in mine)
             if self.engine.cache is not None:
-                self.stats.kv_cache_bytes = self.engine.cache.nbytes
+                cache = self.engine.cache
+                self.stats.kv_cache_bytes, self.stats.kv_bytes_per_token = cache.nbytes, cache.bytes_per_token
+                self.stats.kv_dtype = kv_dtype_name(cache.dtype)
             for out in outputs:
                 if out.request_id in mine:
                     yield out

@@ -23,7 +23,7 @@ from typing import Callable
 
 import torch
 
-from ..kv_cache import KVCache, check_pool_fits
+from ..kv_cache import KVCache, KVDtype, check_head_dim, check_pool_fits, parse_kv_dtype
 from ..model import Transformer
 from ..sampling import SamplingParams, sample_rows
 from .request import FinishReason, Request, RequestStatus
@@ -45,7 +45,8 @@ class EngineConfig:
     max_num_seqs: int = 64  # running requests at most
     max_num_batched_tokens: int = 512  # tokens per forward pass (decodes + prompt chunks)
     enable_prefix_caching: bool = True
-    kv_dtype: torch.dtype | None = None  # None: the model's (float16 halves a step's K/V reads)
+    # None: the model's; float16 halves a step's K/V reads, "int8" / "int4" quantize them (kv_cache.py)
+    kv_dtype: KVDtype | None = None
 
     @property
     def contiguous(self) -> bool:
@@ -102,7 +103,9 @@ class Engine:
         self.device = param.device
         # The cache holds the activations' dtype (float32 unless the model runs in another float
         # type), or config.kv_dtype.
-        self.kv_dtype = config.kv_dtype or (param.dtype if param.dtype.is_floating_point else torch.float32)
+        self.kv_dtype = parse_kv_dtype(config.kv_dtype) if config.kv_dtype is not None else \
+            (param.dtype if param.dtype.is_floating_point else torch.float32)
+        check_head_dim(self.kv_dtype, cfg.head_dim)
         if config.max_num_batched_tokens < 1 or config.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
         self.eos_ids = frozenset(eos_ids)

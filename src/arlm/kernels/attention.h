@@ -6,16 +6,18 @@
 //   Q8                --kv-dtype int8, llama.cpp's q8_0: hd int8 codes, then hd / 32 float16
 //                     scales; value e = code[e] * scale[e / 32], scale = max |x| / 127 over the
 //                     group (rounded to float16 first, so the codes use the stored scale)
-//   Q4<G>             --kv-dtype int4: the row rotated by the normalized Walsh-Hadamard transform
-//                     (QuaRot: spreads a key's outlier channels over all of them), then groups of
-//                     G: hd / 2 bytes of codes (value 2i in the low nibble of byte i, 2i + 1 in
-//                     the high), then per group a float16 scale and minimum; value = code * scale
-//                     + min, scale = (max - min) / 15. Keys take G = 16, values G = 32.
+//   QR<B, G>          --kv-dtype int4: the row rotated by the normalized Walsh-Hadamard transform
+//                     (QuaRot: spreads a key's outlier channels over all of them), then B-bit
+//                     codes in groups of G: hd / 2 bytes of their low 4 bits (value 2i in the low
+//                     nibble of byte i, 2i + 1 in the high), for B = 5 hd / 8 bytes of their 5th
+//                     bits (value e's in bit e % 8 of byte e / 8), then per group a float16 scale
+//                     and minimum; value = code * scale + min, scale = (max - min) / (2^B - 1).
+//                     Values take 4 bits, keys (the more sensitive) 5; both groups of 32.
 //
 // H is symmetric and its own inverse, so q . k = Hq . Hk and sum_t p_t v_t = H sum_t p_t (H v_t):
 // a rotated cache rotates the query heads once before the scores and the output once after.
 //
-// Every dequantized value is code * scale (+ min): the product of a 4- or 8-bit integer and a
+// Every dequantized value is code * scale (+ min): the product of a 4- to 8-bit integer and a
 // float16 is exact in float32, so one rounding (the add) whether or not the compiler fuses it,
 // and the torch mirror gets the same bits.
 #pragma once
@@ -87,12 +89,12 @@ inline float dot(const float* a, const T* b, int64_t n) {
 struct Q8 {
   uint8_t byte;
 };
-template <int G>
-struct Q4 {
+template <int B, int G>
+struct QR {  // B bits (4 or 5), groups of G, rotated
   uint8_t byte;
 };
-using Q4K = Q4<16>;  // keys: the more sensitive, smaller groups
-using Q4V = Q4<32>;
+using Q4K = QR<5, 32>;  // keys: the more sensitive, a bit more
+using Q4V = QR<4, 32>;
 
 // x <- H x for n (a power of two) floats: the Walsh-Hadamard butterflies, then / sqrt(n).
 inline void hadamard(float* x, int64_t n) {
@@ -160,50 +162,65 @@ struct KV<Q8> {
   }
 };
 
-template <int G>
-struct KV<Q4<G>> {
+template <int B, int G>
+struct KV<QR<B, G>> {
   static constexpr bool quantized = true, rotated = true;
-  static int64_t stride(int64_t hd) { return hd / 2 + 4 * (hd / G); }
-  static void store(const float* src, int64_t hd, Q4<G>* dst) {
+  static constexpr int top = (1 << B) - 1;
+  static int64_t stride(int64_t hd) { return hd / 2 + (B == 5 ? hd / 8 : 0) + 4 * (hd / G); }
+  static void store(const float* src, int64_t hd, QR<B, G>* dst) {
     float x[512];  // hd <= 512 (checked by the ops)
     std::copy(src, src + hd, x);
     hadamard(x, hd);
-    uint8_t* codes = reinterpret_cast<uint8_t*>(dst);
-    uint8_t* params = codes + hd / 2;
+    uint8_t* low = reinterpret_cast<uint8_t*>(dst);
+    uint8_t* high = low + hd / 2;  // 5 bits: bit 4 of value e is bit e % 8 of high[e / 8]
+    uint8_t* params = high + (B == 5 ? hd / 8 : 0);
+    if (B == 5) std::fill(high, high + hd / 8, 0);
     for (int64_t g = 0; g < hd / G; ++g) {
       const float* xg = x + G * g;
       float lo = xg[0], hi = xg[0];
       for (int e = 1; e < G; ++e) lo = std::min(lo, xg[e]), hi = std::max(hi, xg[e]);
-      float_to_half_bits((hi - lo) / 15.f, params + 4 * g);
+      float_to_half_bits((hi - lo) / static_cast<float>(top), params + 4 * g);
       float_to_half_bits(lo, params + 4 * g + 2);
       const float d = half_bits_to_float(params + 4 * g), m = half_bits_to_float(params + 4 * g + 2);
       const float inv = d > 0.f ? 1.f / d : 0.f;
-      for (int e = 0; e < G; e += 2) {
-        const auto q = [&](float v) {
-          return static_cast<uint8_t>(std::min(15.f, std::max(0.f, std::nearbyint((v - m) * inv))));
-        };
-        codes[(G * g + e) / 2] = static_cast<uint8_t>(q(xg[e]) | (q(xg[e + 1]) << 4));
+      for (int e = 0; e < G; ++e) {
+        const int64_t i = G * g + e;
+        const auto q = static_cast<uint8_t>(std::min(static_cast<float>(top),
+                                                     std::max(0.f, std::nearbyint((xg[e] - m) * inv))));
+        if (e % 2 == 0) low[i / 2] = q & 0x0F;
+        else low[i / 2] |= static_cast<uint8_t>((q & 0x0F) << 4);
+        if (B == 5 && (q & 0x10)) high[i / 8] |= static_cast<uint8_t>(1u << (i % 8));
       }
     }
   }
-  static const float* view(const Q4<G>* row, int64_t hd, float* buf) {
-    const uint8_t* codes = reinterpret_cast<const uint8_t*>(row);
-    const uint8_t* params = codes + hd / 2;
+  static const float* view(const QR<B, G>* row, int64_t hd, float* buf) {
+    const uint8_t* low = reinterpret_cast<const uint8_t*>(row);
+    const uint8_t* high = low + hd / 2;
+    const uint8_t* params = high + (B == 5 ? hd / 8 : 0);
     for (int64_t g = 0; g < hd / G; ++g) {
       const float d = half_bits_to_float(params + 4 * g), m = half_bits_to_float(params + 4 * g + 2);
       int e = 0;
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
       for (; e < G; e += 16) {  // 8 bytes -> 16 codes, in order: low nibble, high nibble, ...
-        const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + (G * g + e) / 2));
+        const int64_t i = G * g + e;
+        const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(low + i / 2));
         const __m128i lo = _mm_and_si128(b, _mm_set1_epi8(0x0F)), hi = _mm_and_si128(_mm_srli_epi16(b, 4),
                                                                                       _mm_set1_epi8(0x0F));
-        const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi)));
-        _mm512_storeu_ps(buf + G * g + e, _mm512_add_ps(_mm512_mul_ps(v, _mm512_set1_ps(d)), _mm512_set1_ps(m)));
+        __m128i q = _mm_unpacklo_epi8(lo, hi);
+        if (B == 5) {
+          uint16_t bits;
+          std::memcpy(&bits, high + i / 8, 2);
+          q = _mm_or_si128(q, _mm_maskz_set1_epi8(bits, 0x10));
+        }
+        const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q));
+        _mm512_storeu_ps(buf + i, _mm512_add_ps(_mm512_mul_ps(v, _mm512_set1_ps(d)), _mm512_set1_ps(m)));
       }
 #endif
       for (; e < G; ++e) {
-        const uint8_t byte = codes[(G * g + e) / 2];
-        buf[G * g + e] = static_cast<float>(e % 2 ? byte >> 4 : byte & 0x0F) * d + m;
+        const int64_t i = G * g + e;
+        int q = i % 2 ? low[i / 2] >> 4 : low[i / 2] & 0x0F;
+        if (B == 5) q |= (high[i / 8] >> (i % 8) & 1) << 4;
+        buf[i] = static_cast<float>(q) * d + m;
       }
     }
     return buf;

@@ -96,6 +96,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from ..engine import AsyncEngine, Engine
+    from ..kv_cache import kv_dtype_name
     from .api import Server, create_app
 
     sock = bind(args.host, args.port)
@@ -123,7 +124,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     host, port = sock.getsockname()[:2]  # the port --port 0 was given
     url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
     print(f"arlm serve: model {name} ({llm.quantization or 'no quantization'}), KV pool {cache.n_blocks} blocks x "
-          f"{cache.block_size} tokens = {cache.nbytes / 2**20:.0f} MiB ({str(cache.k.dtype).removeprefix('torch.')}), "
+          f"{cache.block_size} tokens = {cache.nbytes / 2**20:.0f} MiB ({kv_dtype_name(cache.dtype)}, "
+          f"{cache.bytes_per_token} bytes/token), "
           f"context {engine.max_model_len} tokens, "
           f"paged-attention kernel {'native' if cache.use_kernel else 'PyTorch fallback'}, "
           f"speculative decoding {llm.speculative.method if llm.speculative else 'off'}; "
