@@ -153,6 +153,7 @@ def dequantize_rows(rows: torch.Tensor, dtype: str, head_dim: int, value: bool =
     d = rows[..., head_dim:].contiguous().view(torch.float16).float()
     return (q * d[..., None]).reshape(*lead, head_dim)
 
+
 # The share of the memory available that a KV pool may take: the rest is for the step's
 # activations, the HTTP side and whatever else runs on the machine.
 POOL_MEMORY_FRACTION = 0.9

@@ -109,14 +109,27 @@ inline void hadamard(float* x, int64_t n) {
   for (int64_t i = 0; i < n; ++i) x[i] *= f;
 }
 
+// A float16 stored as 2 bytes (scales, minimums), with F16C's conversions where the CPU has them
+// (both round to nearest even, as at::Half and torch's .half()).
 inline float half_bits_to_float(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+#if defined(__F16C__)
+  return _cvtsh_ss(bits);
+#else
   at::Half h;
-  std::memcpy(&h, p, 2);
+  std::memcpy(&h, &bits, 2);
   return static_cast<float>(h);
+#endif
 }
 inline void float_to_half_bits(float v, uint8_t* p) {
+#if defined(__F16C__)
+  const uint16_t bits = _cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT);
+  std::memcpy(p, &bits, 2);
+#else
   const at::Half h(v);
   std::memcpy(p, &h, 2);
+#endif
 }
 
 template <typename T>
@@ -126,6 +139,10 @@ struct KV {  // float and at::Half: the row as it is
   static void store(const float* src, int64_t hd, T* dst) { store_row(src, hd, dst); }
   // The row as something load8 / load16 / to_float read: itself (buf unused).
   static const T* view(const T* row, int64_t, float*) { return row; }
+#if defined(__AVX512F__)
+  // Values 16c .. 16c + 15 of the row as float32, in registers (the same values view gives).
+  static __m512 chunk16(const T* row, int64_t, int64_t c) { return load16(row + 16 * c); }
+#endif
 };
 
 template <>
@@ -145,6 +162,14 @@ struct KV<Q8> {
         codes[32 * g + e] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, std::nearbyint(x[e] * inv))));
     }
   }
+#if defined(__AVX512F__)
+  static __m512 chunk16(const Q8* row, int64_t hd, int64_t c) {
+    const auto* codes = reinterpret_cast<const int8_t*>(row) + 16 * c;
+    const float d = half_bits_to_float(reinterpret_cast<const uint8_t*>(row) + hd + 2 * (16 * c / 32));
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)))),
+                         _mm512_set1_ps(d));
+  }
+#endif
   static const float* view(const Q8* row, int64_t hd, float* buf) {
     const auto* codes = reinterpret_cast<const int8_t*>(row);
     const uint8_t* scales = reinterpret_cast<const uint8_t*>(row) + hd;
@@ -193,6 +218,29 @@ struct KV<QR<B, G>> {
       }
     }
   }
+#if defined(__AVX512F__)
+  static __m512 chunk16(const QR<B, G>* row, int64_t hd, int64_t c) {
+#if !(defined(__AVX512BW__) && defined(__AVX512VL__))
+    alignas(64) float buf[512];
+    return _mm512_loadu_ps(view(row, hd, buf) + 16 * c);
+#else
+    const uint8_t* low = reinterpret_cast<const uint8_t*>(row);
+    const uint8_t* params = low + hd / 2 + (B == 5 ? hd / 8 : 0) + 4 * (16 * c / G);
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(low + 8 * c));
+    const __m128i lo = _mm_and_si128(b, _mm_set1_epi8(0x0F)), hi = _mm_and_si128(_mm_srli_epi16(b, 4),
+                                                                                  _mm_set1_epi8(0x0F));
+    __m128i q = _mm_unpacklo_epi8(lo, hi);
+    if (B == 5) {
+      uint16_t bits;
+      std::memcpy(&bits, low + hd / 2 + 2 * c, 2);
+      q = _mm_or_si128(q, _mm_maskz_set1_epi8(bits, 0x10));
+    }
+    return _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q)),
+                                       _mm512_set1_ps(half_bits_to_float(params))),
+                         _mm512_set1_ps(half_bits_to_float(params + 2)));
+#endif
+  }
+#endif
   static const float* view(const QR<B, G>* row, int64_t hd, float* buf) {
     const uint8_t* low = reinterpret_cast<const uint8_t*>(row);
     const uint8_t* high = low + hd / 2;
@@ -266,11 +314,10 @@ inline void with_kv(const char* op, const at::Tensor& k, const at::Tensor& v, in
 
 #if defined(__AVX512F__)
 // out[h] = inv[h] * sum_t s[h * n + t] V[t] for HB heads at once, V rows of C * 16 values: each V
-// row is loaded (dequantized, for a quantized cache: into buf) once for all HB heads; every head's
+// row is loaded (a quantized row dequantized in registers: KV<T>::chunk16) once for all HB heads; every head's
 // sum is in registers, in slot order.
 template <int C, int HB, typename TK, typename TV, typename Spans>
-inline void weighted_heads(const float* s, int64_t n, Spans spans, const float* inv, int64_t hd, float* out,
-                           float* buf) {
+inline void weighted_heads(const float* s, int64_t n, Spans spans, const float* inv, int64_t hd, float* out) {
   __m512 acc[HB][C];
   for (int h = 0; h < HB; ++h)
     for (int c = 0; c < C; ++c) acc[h][c] = _mm512_setzero_ps();
@@ -278,9 +325,9 @@ inline void weighted_heads(const float* s, int64_t n, Spans spans, const float* 
   int64_t t = 0;
   spans([&](const TK*, const TV* v, int64_t len) {
     for (int64_t j = 0; j < len; ++j, ++t) {
-      const auto* row = KV<TV>::view(v + j * stride, hd, buf);
+      const TV* row = v + j * stride;
       for (int c = 0; c < C; ++c) {
-        const __m512 vc = load16(row + c * 16);
+        const __m512 vc = KV<TV>::chunk16(row, hd, c);
         for (int h = 0; h < HB; ++h) acc[h][c] = _mm512_fmadd_ps(_mm512_set1_ps(s[h * n + t]), vc, acc[h][c]);
       }
     }
@@ -293,18 +340,65 @@ inline void weighted_heads(const float* s, int64_t n, Spans spans, const float* 
 // weighted_heads over G heads, 16 / C at a time (16 accumulators).
 template <int C, typename TK, typename TV, typename Spans>
 inline void weighted_group(const float* s, int64_t n, int64_t G, Spans spans, const float* inv, int64_t hd,
-                           float* out, float* buf) {
+                           float* out) {
   constexpr int HB = 16 / C;
   for (int64_t h = 0; h < G; h += HB) {
     const float *sh = s + h * n, *ih = inv + h;
     float* oh = out + h * hd;
     switch (std::min<int64_t>(HB, G - h)) {
-      case 1: weighted_heads<C, 1, TK, TV>(sh, n, spans, ih, hd, oh, buf); break;
-      case 2: weighted_heads<C, 2 <= HB ? 2 : 1, TK, TV>(sh, n, spans, ih, hd, oh, buf); break;
-      case 3: weighted_heads<C, 3 <= HB ? 3 : 1, TK, TV>(sh, n, spans, ih, hd, oh, buf); break;
-      default: weighted_heads<C, HB, TK, TV>(sh, n, spans, ih, hd, oh, buf); break;
+      case 1: weighted_heads<C, 1, TK, TV>(sh, n, spans, ih, hd, oh); break;
+      case 2: weighted_heads<C, 2 <= HB ? 2 : 1, TK, TV>(sh, n, spans, ih, hd, oh); break;
+      case 3: weighted_heads<C, 3 <= HB ? 3 : 1, TK, TV>(sh, n, spans, ih, hd, oh); break;
+      default: weighted_heads<C, HB, TK, TV>(sh, n, spans, ih, hd, oh); break;
     }
   }
+}
+
+// The sums of the 16 lanes of a, b, c and d, each by a fixed tree of its own lanes (whatever the
+// other three hold): lane pairs, then pairs of pairs within each 128-bit lane, then the lanes.
+inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+  const __m512 x = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
+                                 _mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(x),
+                                 _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+// A quantized key cache's scores, s[h * n + t] = (q_h . K_t) * scale: keys dequantized in
+// registers four rows at a time (KV<T>::chunk16), each row's sum over its chunks in order and then
+// reduce4's tree, so a row's score depends on its own key alone. hd a multiple of 16, at most 512.
+template <typename TK, typename TV, typename Spans>
+inline void quantized_scores(const float* q, int64_t G, int64_t hd, int64_t n, float scale, Spans spans, float* s) {
+  alignas(64) float kb[4 * 512];
+  const int64_t stride = KV<TK>::stride(hd), C = hd / 16;
+  int64_t t = 0, held = 0;
+  auto flush = [&] {
+    for (int64_t r = held; r < 4; ++r) std::fill(kb + r * hd, kb + (r + 1) * hd, 0.f);
+    for (int64_t h = 0; h < G; ++h) {
+      const float* qh = q + h * hd;
+      __m512 acc[4];
+      const __m512 q0 = _mm512_loadu_ps(qh);
+      for (int r = 0; r < 4; ++r) acc[r] = _mm512_mul_ps(q0, _mm512_load_ps(kb + r * hd));
+      for (int64_t c = 1; c < C; ++c) {
+        const __m512 qc = _mm512_loadu_ps(qh + 16 * c);
+        for (int r = 0; r < 4; ++r) acc[r] = _mm512_fmadd_ps(qc, _mm512_load_ps(kb + r * hd + 16 * c), acc[r]);
+      }
+      alignas(16) float out[4];
+      _mm_store_ps(out, _mm_mul_ps(reduce4(acc[0], acc[1], acc[2], acc[3]), _mm_set1_ps(scale)));
+      for (int64_t r = 0; r < held; ++r) s[h * n + t - held + r] = out[r];
+    }
+    held = 0;
+  };
+  spans([&](const TK* k, const TV*, int64_t len) {
+    for (int64_t j = 0; j < len; ++j) {
+      for (int64_t c = 0; c < C; ++c) _mm512_store_ps(kb + held * hd + 16 * c, KV<TK>::chunk16(k + j * stride, hd, c));
+      ++t;
+      if (++held == 4) flush();
+    }
+  });
+  if (held) flush();
 }
 #endif
 
@@ -341,6 +435,11 @@ inline void attend_group(const float* q, int64_t G, int64_t hd, int64_t n, float
   }
   const int64_t stride = KV<TK>::stride(hd);
   int64_t t = 0;
+#if defined(__AVX512F__)
+  if (KV<TK>::quantized && hd % 16 == 0) {
+    quantized_scores<TK, TV>(q, G, hd, n, scale, spans, s);
+  } else
+#endif
   spans([&](const TK* k, const TV*, int64_t len) {
     for (int64_t j = 0; j < len; ++j, ++t) {
       const auto* row = KV<TK>::view(k + j * stride, hd, buf);
@@ -358,8 +457,8 @@ inline void attend_group(const float* q, int64_t G, int64_t hd, int64_t n, float
   }
 #if defined(__AVX512F__)
   if (hd == 64 || hd == 128) {
-    if (hd == 64) weighted_group<4, TK, TV>(s, n, G, spans, inv, hd, out, buf);
-    else weighted_group<8, TK, TV>(s, n, G, spans, inv, hd, out, buf);
+    if (hd == 64) weighted_group<4, TK, TV>(s, n, G, spans, inv, hd, out);
+    else weighted_group<8, TK, TV>(s, n, G, spans, inv, hd, out);
     if (!stats) unrotate<TV>(out, G, hd);
     return;
   }
