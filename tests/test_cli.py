@@ -49,7 +49,7 @@ def bad_inputs(tmp: Path, gguf: Path) -> dict[str, tuple[list[str], str]]:
         "negative-top-k": (["generate", "hi", "--top-k", "-1"], "top_k"),
         "non-numeric-temperature": (["generate", "hi", "--temperature", "warm"], "temperature"),
         "chat-bad-top-p": (["chat", "--top-p", "2"], "top_p"),
-        "unknown-kv-dtype": (["generate", "hi", "--kv-dtype", "int4"], "kv-dtype"),
+        "unknown-kv-dtype": (["generate", "hi", "--kv-dtype", "int3"], "kv-dtype"),
         "bogus-device": (["generate", "hi", "--device", "bogus"], "--device"),
         "unsupported-device": (["generate", "hi", "--device", "meta"], "cpu or cuda"),
         "empty-device": (["chat", "--device", ""], "--device"),

@@ -453,5 +453,6 @@ def test_kv_dtype_choices(smollm2):
     # a compiled step runs the modules, which would widen a float16 cache at every step
     assert configured(quantize="auto", kv_dtype="auto", compile=True).kv_dtype == torch.float32
     assert configured(quantize="auto", kv_dtype="float32").kv_dtype == torch.float32
+    assert configured(quantize="auto", kv_dtype="int8").kv_dtype == "int8"
     with pytest.raises(ValueError, match="KV cache dtype"):
-        configured(kv_dtype="int4")
+        configured(kv_dtype="int3")
