@@ -113,6 +113,18 @@ def test_generate_json_matches_api(smollm2):
     assert out["completion_token_ids"] == ref.token_ids
     assert out["text"] == ref.text and out["finish_reason"] == ref.finish_reason
     assert out["stats"]["prompt_tokens"] == len(ref.prompt_ids)
+    kv = out["stats"]["kv_cache"]  # float32 weights: a float32 cache, 2 x 30 x 3 x 64 x 4 bytes a token
+    assert kv["dtype"] == "float32" and kv["bytes_per_token"] == 46080 and kv["bytes"] == out["stats"]["kv_cache_bytes"]
+
+
+@pytest.mark.slow
+def test_generate_with_a_quantized_kv_cache_reports_it():
+    r = arlm("generate", "The capital of France is", "--temperature", "0", "--max-new-tokens", "8",
+             "--kv-dtype", "int8", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    kv = out["stats"]["kv_cache"]
+    assert kv["dtype"] == "int8" and kv["bytes_per_token"] == 12240 and "Paris" in out["text"]
 
 
 @pytest.mark.slow

@@ -62,7 +62,7 @@ def add_model_args(p: argparse.ArgumentParser, compile: bool = True) -> None:
                    help="KV cache dtype (auto: float16 under a quantized model on CPU, as llama.cpp's default "
                         "cache: half the bytes per decode step; else the model's dtype). int8: 8-bit K and V "
                         "with a scale per group of 32 (llama.cpp's q8_0), 0.53x float16's bytes; int4: "
-                        "Hadamard-rotated 4-bit K and V, 0.34x")
+                        "Hadamard-rotated 4-bit V and 5-bit K, 0.34x")
     if compile:
         p.add_argument("--compile", action="store_true", help="torch.compile the decode step")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: all cores)")

@@ -92,7 +92,18 @@ def hadamard(x: torch.Tensor) -> torch.Tensor:
         y = x.reshape(*shape[:-1], n // (2 * h), 2, h)
         x = torch.stack([y[..., 0, :] + y[..., 1, :], y[..., 0, :] - y[..., 1, :]], dim=-2).reshape(shape)
         h *= 2
-    return x * (torch.tensor(1.0) / torch.tensor(float(n)).sqrt()).to(x.device)
+    return x * _hadamard_scale(n)
+
+
+def _hadamard_scale(n: int) -> float:
+    """1 / sqrt(n) as the kernel computes it, in float32 (a Python float holding that value exactly:
+    a tensor times it multiplies by the same float32)."""
+    if n not in _HADAMARD_SCALES:
+        _HADAMARD_SCALES[n] = (torch.tensor(1.0) / torch.tensor(float(n)).sqrt()).item()
+    return _HADAMARD_SCALES[n]
+
+
+_HADAMARD_SCALES: dict[int, float] = {}
 
 
 def _scale_bytes(t: torch.Tensor) -> torch.Tensor:  # float16 [..., G] -> its bytes [..., 2G]

@@ -436,7 +436,7 @@ inline void attend_group(const float* q, int64_t G, int64_t hd, int64_t n, float
   const int64_t stride = KV<TK>::stride(hd);
   int64_t t = 0;
 #if defined(__AVX512F__)
-  if (KV<TK>::quantized && hd % 16 == 0) {
+  if (KV<TK>::quantized && hd % 16 == 0 && hd <= 512) {
     quantized_scores<TK, TV>(q, G, hd, n, scale, spans, s);
   } else
 #endif

@@ -21,8 +21,9 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
               "paged_attention: block_table, seq, pos contiguous int64");
   const int64_t N = q.size(0), H = q.size(1), D = q.size(2), Hkv = k.size(1);
   const int64_t BS = k_pool.size(2), M = block_table.size(1), n_blocks = k_pool.size(0);
-  TORCH_CHECK(H % Hkv == 0 && k_pool.size(1) == Hkv && v_pool.size(1) == Hkv && v_pool.size(0) == n_blocks &&
-              v_pool.size(2) == BS, "paged_attention: shape mismatch");
+  TORCH_CHECK(H % Hkv == 0 && k.size(0) == N && k.size(2) == D && v.sizes() == k.sizes() && k_pool.size(1) == Hkv &&
+              v_pool.size(1) == Hkv && v_pool.size(0) == n_blocks && v_pool.size(2) == BS,
+              "paged_attention: shape mismatch");
   const int64_t* bt = block_table.data_ptr<int64_t>();
   const int64_t* sp = seq.data_ptr<int64_t>();
   const int64_t* pp = pos.data_ptr<int64_t>();

@@ -68,13 +68,14 @@ def render(engine: AsyncEngine, http_requests: dict[tuple[str, int], int], time_
             [(pool.num_used, {"state": "used"}), (pool.num_free, {"state": "free"})])
     _metric(out, "arlm_kv_cache_block_size", "gauge", "Token slots per KV block.", [(sched.block_size, None)])
     cache = e.cache
-    dtype = {"dtype": kv_dtype_name(cache.dtype)}
-    _metric(out, "arlm_kv_cache_bytes_per_token", "gauge",
-            "Bytes one cached token takes (K and V, every layer, scales included), by element type.",
-            [(cache.bytes_per_token, dtype)])
-    _metric(out, "arlm_kv_cache_bytes", "gauge", "Bytes of the KV pool, allocated and held by sequences.",
-            [(cache.nbytes, {**dtype, "state": "allocated"}),
-             (pool.num_used * sched.block_size * cache.bytes_per_token, {**dtype, "state": "used"})])
+    if cache is not None:  # (a contiguous engine has none until its first batch; arlm serve's is paged)
+        dtype = {"dtype": kv_dtype_name(cache.dtype)}
+        _metric(out, "arlm_kv_cache_bytes_per_token", "gauge",
+                "Bytes one cached token takes (K and V, every layer, scales included), by element type.",
+                [(cache.bytes_per_token, dtype)])
+        _metric(out, "arlm_kv_cache_bytes", "gauge", "Bytes of the KV pool, allocated and held by sequences.",
+                [(cache.nbytes, {**dtype, "state": "allocated"}),
+                 (pool.num_used * sched.block_size * cache.bytes_per_token, {**dtype, "state": "used"})])
     _metric(out, "arlm_prefix_cache_queries_total", "counter", "Prompt tokens looked up in the prefix cache.",
             [(sched.stats.prefix_queries, None)])
     _metric(out, "arlm_prefix_cache_hits_total", "counter", "Prompt tokens found in the prefix cache (not recomputed).",
