@@ -210,3 +210,19 @@ def test_smollm2_perplexity_cost_of_each_format(smollm2, val_tokens):
         ppl[fmt] = math.exp(nll)
     assert ppl["int8"] <= ppl[torch.float32] * 1.005
     assert ppl["int4"] <= ppl[torch.float32] * 1.03
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_prefix_cache_and_preemption_over_a_quantized_pool(fmt):
+    """Shared prompt blocks (prefix caching, copy-on-write) and preempted requests recomputed in a
+    pool too small for all of them: the tokens of each request are those it gets alone."""
+    model = _model(seed=13)
+    shared = [(7 * i + 3) % 190 + 2 for i in range(40)]
+    prompts = [shared + [5, 6], shared + [9], shared[:20] + [11, 12, 13], [4, 4, 4]]
+    params = SamplingParams(max_new_tokens=30, temperature=0, ignore_eos=True)
+    alone = [Engine(ModelRunner(model), (), EngineConfig(kv_dtype=fmt, enable_prefix_caching=False))
+             .generate([p], params)[0] for p in prompts]
+    engine = Engine(ModelRunner(model), (), EngineConfig(kv_dtype=fmt, block_size=8, kv_cache_tokens=160,
+                                                         max_num_batched_tokens=32))
+    assert engine.generate(prompts, params) == alone
+    assert engine.scheduler.stats.prefix_hits > 0 and engine.scheduler.stats.preemptions > 0
