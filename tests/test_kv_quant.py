@@ -226,3 +226,72 @@ def test_prefix_cache_and_preemption_over_a_quantized_pool(fmt):
                                                          max_num_batched_tokens=32))
     assert engine.generate(prompts, params) == alone
     assert engine.scheduler.stats.prefix_hits > 0 and engine.scheduler.stats.preemptions > 0
+
+
+# -- a sliding window with attention sinks (KVCache.set_window; paged_attention.h) ----------------
+
+def _rope(x, pos, cos, sin):
+    """x [..., T, d] rotated at positions pos [T] (the model's half-split RoPE)."""
+    from arlm.model import apply_rope
+
+    return apply_rope(x.transpose(-2, -3), cos[pos][:, None, :], sin[pos][:, None, :]).transpose(-2, -3)
+
+
+def _window_case(fmt, use_kernel, W=8, S=2, n=40, seed=3):
+    """One sequence of n tokens through a cache with a window of W (0: none) and S sinks, in
+    chunks; (outputs [n, H, d], the cache, raw q and k [H, n, d] before RoPE, v, (cos, sin))."""
+    from arlm.model import rope_table
+
+    H, Hkv, D, BS = 4, 2, 64, 16
+    cos, sin = rope_table(D, 128, 10000.0)
+    g = torch.Generator().manual_seed(seed)
+    q_raw, k_raw = torch.randn(H, n, D, generator=g), torch.randn(Hkv, n, D, generator=g) * 2
+    v = torch.randn(Hkv, n, D, generator=g)
+    pos = torch.arange(n)
+    q, k = _rope(q_raw, pos, cos, sin), _rope(k_raw, pos, cos, sin)
+    cache = KVCache(1, 8, BS, Hkv, D, fmt, use_kernel=use_kernel)
+    if W:
+        cache.set_window(W, S, (cos, sin))
+    table = torch.tensor([[0, 1, 2, 3]])
+    outs = []
+    for a, b in ((0, 9), (9, 10), (10, 27), (27, n)):  # prompt chunks and single decode tokens
+        cache.set_batch(table, torch.zeros(b - a, dtype=torch.long))
+        outs.append(cache.attend(0, pos[None, a:b], q[None, :, a:b], k[None, :, a:b], v[None, :, a:b])[0])
+    return torch.cat(outs, dim=1).transpose(0, 1), cache, q_raw, k_raw, v, (cos, sin)
+
+
+@pytest.mark.parametrize("fmt", ("float32", "float16") + FORMATS)
+def test_windowed_kernel_matches_its_definition(fmt):
+    from arlm import kernels
+
+    if not kernels.native_available():
+        pytest.skip("native kernels not built")
+    native, cache_n, *_ = _window_case(fmt, True)
+    torch_, cache_t, *_ = _window_case(fmt, False)
+    assert torch.equal(cache_n.k, cache_t.k) and torch.equal(cache_n.v, cache_t.v)
+    assert (native - torch_).abs().max() <= 1e-5 * torch_.abs().max()
+
+
+def test_window_is_streamingllm_attention_over_positions_inside_the_cache():
+    """Each query past the window attends to the sinks and its last W keys as if the cache held
+    them at positions 0 .. S + W - 1 (sinks first, then the window in order) and the query sat at
+    the last one: the reference rotates the raw q and k at those positions."""
+    W, S, n = 8, 2, 40
+    out, _, q_raw, k_raw, v, (cos, sin) = _window_case("float32", None, W, S, n)
+    H, Hkv, D = q_raw.shape[0], k_raw.shape[0], q_raw.shape[2]
+    for p in range(n):
+        slots = list(range(p + 1)) if p < S + W else list(range(S)) + list(range(p - W + 1, p + 1))
+        at = torch.arange(len(slots))  # positions inside the cache
+        k = _rope(k_raw[:, slots], at, cos, sin).repeat_interleave(H // Hkv, 0)  # [H, len, D]
+        qp = _rope(q_raw[:, p:p + 1], at[-1:], cos, sin)  # [H, 1, D]
+        att = ((qp @ k.transpose(-1, -2)) * D ** -0.5).softmax(-1) @ v[:, slots].repeat_interleave(H // Hkv, 0)
+        assert (out[p] - att[:, 0]).abs().max() <= 1e-4 * att.abs().max(), p
+
+
+@pytest.mark.parametrize("fmt", ("float16", "int8"))
+def test_a_window_wider_than_the_sequence_changes_nothing(fmt):
+    plain, *_ = _window_case(fmt, None, W=0)
+    wide, *_ = _window_case(fmt, None, W=40, S=4)  # position 39 still reads every slot
+    narrow, *_ = _window_case(fmt, None, W=8, S=2)
+    assert torch.equal(plain, wide)
+    assert torch.equal(plain[:10], narrow[:10]) and not torch.equal(plain, narrow)

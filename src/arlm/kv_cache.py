@@ -233,6 +233,9 @@ class KVCache:
         self.use_kernel = use_kernel
         self.block_table: torch.Tensor | None = None  # [S, max_blocks] int64, S sequences this forward
         self.seq_index: torch.Tensor | None = None  # [N] int64, row of block_table per token
+        # A sliding window with attention sinks (`set_window`; block-table forwards only): 0, no window.
+        self.window, self.sinks = 0, 0
+        self.rope: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def pool(cls, config: ModelConfig, n_blocks: int, block_size: int = 16, dtype: KVDtype = torch.float32,
@@ -339,6 +342,17 @@ class KVCache:
 
     # -- through a block table ----------------------------------------------------------------------
 
+    def set_window(self, window: int, sinks: int, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """From now on a block-table forward's query at position p reads only the first `sinks`
+        slots and the last `window` (p - window + 1 .. p), as StreamingLLM's cache of sinks +
+        window slots: keys keep the rotation of their own positions (the window's are then at
+        their true distances), and the sink keys are scored with the query rotated back to the end
+        of that cache (by p - (sinks + window - 1) positions, with the model's RoPE tables `rope`
+        = (cos, sin) [max_T, d_head]), so no distance exceeds sinks + window. window 0: off."""
+        if window < 0 or sinks < 0 or (window and rope is None):
+            raise ValueError("a KV window needs window >= 1, sinks >= 0 and the model's RoPE tables")
+        self.window, self.sinks, self.rope = window, sinks, rope if window else None
+
     def set_batch(self, block_table: torch.Tensor | None, seq_index: torch.Tensor | None) -> None:
         """The next forward's layout: block_table [S, max_blocks] (a row per sequence, unused
         entries 0), seq_index [N] (the row of each of the N flattened tokens); None, None goes
@@ -355,8 +369,10 @@ class KVCache:
         pos = input_pos[0]
         q3, k3, v3 = (t[0].transpose(0, 1).contiguous() for t in (q, k, v))  # [N, heads, d_head]
         if self.use_kernel and q3.dtype == torch.float32:
+            cos, sin = self.rope if self.window else (None, None)
             y = torch.ops.arlm.paged_attention(q3, k3, v3, self.k[layer], self.v[layer], self.block_table,
-                                               self.seq_index, pos.contiguous(), q.shape[-1] ** -0.5, self.format)
+                                               self.seq_index, pos.contiguous(), q.shape[-1] ** -0.5, self.format,
+                                               self.window, self.sinks, cos, sin)
         else:
             y = self._attend_torch(layer, pos, q3, k3, v3)
         return y.transpose(0, 1).unsqueeze(0)
@@ -377,7 +393,33 @@ class KVCache:
         # [N, H_kv, n*bs, d], widened to q's dtype where the pool is narrower (or quantized)
         keys, values = (pool[table[:, :n]].transpose(1, 2).reshape(N, H_kv, n * bs, -1) for pool in (k_pool, v_pool))
         keys, values = self._load(keys, values, q.dtype)
+        if self.window:
+            return self._attend_window(pos, q, keys, values)
         mask = (torch.arange(n * bs, device=pos.device)[None, :] <= pos[:, None])[:, None, None, :]
         y = F.scaled_dot_product_attention(q[:, :, None, :], keys, values, attn_mask=mask,
                                            enable_gqa=q.shape[1] != H_kv)
         return y[:, :, 0, :]  # [N, H, d]
+
+    def _attend_window(self, pos: torch.Tensor, q: torch.Tensor, keys: torch.Tensor,
+                       values: torch.Tensor) -> torch.Tensor:
+        """`set_window`'s attention by its definition: q [N, H, d], keys/values [N, H_kv, slots, d]."""
+        W, S = self.window, self.sinks
+        cos, sin = self.rope
+        N, H, d = q.shape
+        slots = torch.arange(keys.shape[2], device=pos.device)
+        split = pos >= S + W  # these queries read sinks + window; the rest read 0..p
+        back = torch.where(split, pos - (S + W - 1), torch.zeros_like(pos))
+        c, s_ = cos[back][:, None, :], sin[back][:, None, :]  # [N, 1, d]
+        a, b = q.chunk(2, dim=-1)
+        # rotated back by `back` positions: (a cos + b sin, b cos - a sin)
+        q_sink = torch.cat([a * c[..., : d // 2] + b * s_[..., : d // 2], b * c[..., d // 2:] - a * s_[..., d // 2:]], -1)
+        rep = H // keys.shape[1]
+        k, v = keys.repeat_interleave(rep, 1), values.repeat_interleave(rep, 1)  # [N, H, slots, d]
+        scores = torch.einsum("nhd,nhtd->nht", q, k)
+        sink_scores = torch.einsum("nhd,nhtd->nht", q_sink, k)
+        sink = (slots[None, :] < S) & split[:, None]  # [N, slots]
+        scores = torch.where(sink[:, None, :], sink_scores, scores) * d ** -0.5
+        visible = (slots[None, :] <= pos[:, None]) & (~split[:, None] | (slots[None, :] < S)
+                                                      | (slots[None, :] > pos[:, None] - W))
+        scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
+        return torch.einsum("nht,nhtd->nhd", scores.softmax(-1), v)

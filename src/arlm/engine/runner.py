@@ -186,7 +186,7 @@ class ModelRunner:
         seq_t, out_t = torch.tensor(seq_index, device=dev), torch.tensor(out_index or [0], device=dev)
         if self.native is not None and not dense and cache.use_kernel:
             x = self.native.embed(tokens_t)
-            self.native.forward(x, cache.k, cache.v, table, seq_t, pos_t, cache.format)
+            self.native.forward(x, cache.k, cache.v, table, seq_t, pos_t, cache.format, cache.window, cache.sinks)
             return self.native.head(x[out_t])
         cache.set_batch(table, seq_t)
         try:

@@ -369,21 +369,33 @@ inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
 // A quantized key cache's scores, s[h * n + t] = (q_h . K_t) * scale: keys dequantized in
 // registers four rows at a time (KV<T>::chunk16), each row's sum over its chunks in order and then
 // reduce4's tree, so a row's score depends on its own key alone. hd a multiple of 16, at most 512.
+// Slots t < n_sink are scored with q_sink's heads instead of q's (attention sinks: attend_group).
 template <typename TK, typename TV, typename Spans>
-inline void quantized_scores(const float* q, int64_t G, int64_t hd, int64_t n, float scale, Spans spans, float* s) {
+inline void quantized_scores(const float* q, int64_t G, int64_t hd, int64_t n, float scale, Spans spans, float* s,
+                             const float* q_sink = nullptr, int64_t n_sink = 0) {
   alignas(64) float kb[4 * 512];
   const int64_t stride = KV<TK>::stride(hd), C = hd / 16;
   int64_t t = 0, held = 0;
   auto flush = [&] {
     for (int64_t r = held; r < 4; ++r) std::fill(kb + r * hd, kb + (r + 1) * hd, 0.f);
+    const int64_t t0 = t - held;  // the first row's slot
     for (int64_t h = 0; h < G; ++h) {
-      const float* qh = q + h * hd;
       __m512 acc[4];
-      const __m512 q0 = _mm512_loadu_ps(qh);
-      for (int r = 0; r < 4; ++r) acc[r] = _mm512_mul_ps(q0, _mm512_load_ps(kb + r * hd));
-      for (int64_t c = 1; c < C; ++c) {
-        const __m512 qc = _mm512_loadu_ps(qh + 16 * c);
-        for (int r = 0; r < 4; ++r) acc[r] = _mm512_fmadd_ps(qc, _mm512_load_ps(kb + r * hd + 16 * c), acc[r]);
+      if (t0 >= n_sink) {  // (every row with q: the usual case)
+        const float* qh = q + h * hd;
+        const __m512 q0 = _mm512_loadu_ps(qh);
+        for (int r = 0; r < 4; ++r) acc[r] = _mm512_mul_ps(q0, _mm512_load_ps(kb + r * hd));
+        for (int64_t c = 1; c < C; ++c) {
+          const __m512 qc = _mm512_loadu_ps(qh + 16 * c);
+          for (int r = 0; r < 4; ++r) acc[r] = _mm512_fmadd_ps(qc, _mm512_load_ps(kb + r * hd + 16 * c), acc[r]);
+        }
+      } else {  // rows before n_sink with q_sink: the same operations, row by row's own query
+        for (int r = 0; r < 4; ++r) {
+          const float* qh = (t0 + r < n_sink ? q_sink : q) + h * hd;
+          acc[r] = _mm512_mul_ps(_mm512_loadu_ps(qh), _mm512_load_ps(kb + r * hd));
+          for (int64_t c = 1; c < C; ++c)
+            acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * c), _mm512_load_ps(kb + r * hd + 16 * c), acc[r]);
+        }
       }
       alignas(16) float out[4];
       _mm_store_ps(out, _mm_mul_ps(reduce4(acc[0], acc[1], acc[2], acc[3]), _mm_set1_ps(scale)));
@@ -420,30 +432,38 @@ inline void unrotate(float* out, int64_t G, int64_t hd) {
 // With stats, the slots are one chunk of a longer row (split-K, combine_chunks below): out gets
 // the unnormalized sums sum_t exp(s_t - max) V_t (in a rotated V cache's space: unrotate the
 // combined result), and stats[2h], stats[2h + 1] head h's max score and sum of exp.
+// q_sink, n_sink (attention sinks, paged_attention.h): the first n_sink slots are scored with the G
+// heads at q_sink instead (the query rotated to its position inside a windowed cache).
 template <typename TK, typename TV, typename Spans>
 inline void attend_group(const float* q, int64_t G, int64_t hd, int64_t n, float scale, Spans spans, float* s,
-                         float* out, float* stats = nullptr) {
+                         float* out, float* stats = nullptr, const float* q_sink = nullptr, int64_t n_sink = 0) {
   thread_local std::vector<float> local;  // a dequantized row, and the rotated queries
   if constexpr (KV<TK>::quantized || KV<TV>::quantized) {
-    if (local.size() < static_cast<size_t>((G + 1) * hd)) local.resize((G + 1) * hd);
+    if (local.size() < static_cast<size_t>((2 * G + 1) * hd)) local.resize((2 * G + 1) * hd);
   }
   float* buf = local.data();
   if constexpr (KV<TK>::rotated) {
     std::copy(q, q + G * hd, buf + hd);
     for (int64_t h = 0; h < G; ++h) hadamard(buf + hd + h * hd, hd);
     q = buf + hd;
+    if (n_sink) {
+      std::copy(q_sink, q_sink + G * hd, buf + (G + 1) * hd);
+      for (int64_t h = 0; h < G; ++h) hadamard(buf + (G + 1 + h) * hd, hd);
+      q_sink = buf + (G + 1) * hd;
+    }
   }
   const int64_t stride = KV<TK>::stride(hd);
   int64_t t = 0;
 #if defined(__AVX512F__)
   if (KV<TK>::quantized && hd % 16 == 0 && hd <= 512) {
-    quantized_scores<TK, TV>(q, G, hd, n, scale, spans, s);
+    quantized_scores<TK, TV>(q, G, hd, n, scale, spans, s, q_sink, n_sink);
   } else
 #endif
   spans([&](const TK* k, const TV*, int64_t len) {
     for (int64_t j = 0; j < len; ++j, ++t) {
       const auto* row = KV<TK>::view(k + j * stride, hd, buf);
-      for (int64_t h = 0; h < G; ++h) s[h * n + t] = dot(q + h * hd, row, hd) * scale;
+      const float* qt = t < n_sink ? q_sink : q;
+      for (int64_t h = 0; h < G; ++h) s[h * n + t] = dot(qt + h * hd, row, hd) * scale;
     }
   });
   float* inv = s + G * n;

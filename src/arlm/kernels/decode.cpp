@@ -515,7 +515,8 @@ void decode_llama(const at::Tensor& x, at::TensorList weights, const at::Tensor&
 void forward_llama_paged(const at::Tensor& x, at::TensorList weights, const at::Tensor& k_pool,
                          const at::Tensor& v_pool, const at::Tensor& block_table, const at::Tensor& seq_index,
                          const at::Tensor& pos, const at::Tensor& cos, const at::Tensor& sin, int64_t n_head,
-                         int64_t n_kv_heads, double eps, bool a8, int64_t residual, int64_t kv_format) {
+                         int64_t n_kv_heads, double eps, bool a8, int64_t residual, int64_t kv_format,
+                         int64_t window, int64_t sinks) {
   TORCH_CHECK(k_pool.dim() == 5 && v_pool.dim() == 5 && cos.dim() == 2 &&
               k_pool.sizes().slice(0, 4) == v_pool.sizes().slice(0, 4),
               "forward_llama_paged: pools [L, n_blocks, H_kv, block_size, row], cos [max_T, hd]");
@@ -538,6 +539,8 @@ void forward_llama_paged(const at::Tensor& x, at::TensorList weights, const at::
   const int64_t qkv_dim = s.qkv_dim, group = H / Hkv;
   const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
   Buffers buf(s, arlm_kernels::paged_scratch(pp, N, H, Hkv));
+  TORCH_CHECK(window >= 0 && sinks >= 0, "forward_llama_paged: window and sinks must be >= 0");
+  const arlm_kernels::Window win{window, sinks, cp, sp};  // (window 0: every slot; paged_attention.h)
   // straight from the q/k/v rows; the pools hold the cache's format (attention.h)
   auto attend_in = [&](auto* k_base, auto* v_base, int64_t l, float* qkv, const arlm_kernels::Act8* xq) {
     auto *kp = k_base + l * k_layer, *vp = v_base + l * v_layer;
@@ -552,7 +555,7 @@ void forward_llama_paged(const at::Tensor& x, at::TensorList weights, const at::
     arlm_kernels::paged_attend(qkv, qkv_dim, kp, vp, table, M, seq, pp, N, H, Hkv, hd, BS, scale, buf.attn,
                                buf.scores, [&](const float* o, int64_t at) {
                                  if (fused) arlm_kernels::quantize_span(o, group * hd, *xq, at);
-                               });
+                               }, win);
     if (xq && !fused)
       at::parallel_for(0, N, 1, [&](int64_t i0, int64_t i1) {
         for (int64_t i = i0; i < i1; ++i) arlm_kernels::quantize_span(buf.attn + i * H * hd, H * hd, *xq, i * H * hd);
@@ -654,7 +657,7 @@ TORCH_LIBRARY_FRAGMENT(arlm, m) {
         "int kv_format=0) -> ()");
   m.def("forward_llama_paged(Tensor(c!) x, Tensor[] weights, Tensor(a!) k_pool, Tensor(b!) v_pool, "
         "Tensor block_table, Tensor seq_index, Tensor pos, Tensor cos, Tensor sin, int n_head, int n_kv_heads, "
-        "float eps, bool a8, int residual=0, int kv_format=0) -> ()");
+        "float eps, bool a8, int residual=0, int kv_format=0, int window=0, int sinks=0) -> ()");
   m.def("llama_head(Tensor x, Tensor norm, Tensor[] head, float eps, bool a8, bool residual, Tensor(a!) out) -> ()");
   m.def("decode_profile(bool on) -> Tensor", &decode_profile);
 }

@@ -141,14 +141,15 @@ class NativeLlama:
                                     self.n_head, self.n_kv_heads, self.eps, self.a8, self.residual, kv_format)
 
     def forward(self, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_table: torch.Tensor,
-                seq_index: torch.Tensor, pos: torch.Tensor, kv_format: int = 0) -> None:
+                seq_index: torch.Tensor, pos: torch.Tensor, kv_format: int = 0, window: int = 0,
+                sinks: int = 0) -> None:
         """A flattened batch in place on x [N, d]: token i of sequence seq_index[i] (a row of
         block_table [S, M]) at position pos[i], K/V in the pools k, v [L, n_blocks, H_kv, bs, row]
-        (kv_format: `KVCache.format`)."""
+        (kv_format: `KVCache.format`; window, sinks: `KVCache.set_window`)."""
         m = self.model
         torch.ops.arlm.forward_llama_paged(x, self.weights, k, v, block_table, seq_index, pos, m.rope_cos,
                                            m.rope_sin, self.n_head, self.n_kv_heads, self.eps, self.a8,
-                                           self.residual, kv_format)
+                                           self.residual, kv_format, window, sinks)
 
     def head(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Final norm + LM head: hidden states [N, d] -> float32 logits [N, vocab] (into `out`).

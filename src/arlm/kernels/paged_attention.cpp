@@ -3,6 +3,8 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <optional>
+
 #include "paged_attention.h"
 
 // q [N, H, D]; k, v [N, Hkv, D] float32; k_pool, v_pool [n_blocks, Hkv, BS, row] (written in
@@ -10,7 +12,8 @@
 // uint8 rows); block_table [S, M], seq, pos [N]: int64. Returns [N, H, D].
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor k_pool,
                            at::Tensor v_pool, const at::Tensor& block_table, const at::Tensor& seq,
-                           const at::Tensor& pos, double scale, int64_t kv_format) {
+                           const at::Tensor& pos, double scale, int64_t kv_format, int64_t window, int64_t sinks,
+                           const std::optional<at::Tensor>& cos, const std::optional<at::Tensor>& sin) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && k_pool.dim() == 4 && v_pool.dim() == 4,
               "paged_attention: q [N,H,D], k/v [N,Hkv,D], pools [n_blocks,Hkv,BS,row]");
   for (const at::Tensor& t : {q, k, v}) {
@@ -28,18 +31,28 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   const int64_t* sp = seq.data_ptr<int64_t>();
   const int64_t* pp = pos.data_ptr<int64_t>();
   arlm_kernels::check_block_table("paged_attention", bt, block_table.size(0), M, sp, pp, N, BS, n_blocks);
+  arlm_kernels::Window win;
+  if (window > 0) {  // sliding window + sinks: the RoPE tables rotate the sink queries (paged_attention.h)
+    TORCH_CHECK(sinks >= 0 && cos && sin && cos->dim() == 2 && cos->size(1) == D && sin->sizes() == cos->sizes() &&
+                cos->scalar_type() == at::kFloat && sin->scalar_type() == at::kFloat && cos->is_contiguous() &&
+                sin->is_contiguous(), "paged_attention: a window needs sinks >= 0 and cos/sin [max_T, D] float32");
+    for (int64_t i = 0; i < N; ++i)
+      TORCH_CHECK(pp[i] < cos->size(0), "paged_attention: position past the RoPE table");
+    win = {window, sinks, cos->data_ptr<float>(), sin->data_ptr<float>()};
+  }
   at::Tensor out = at::empty({N, H, D}, q.options());
   arlm_kernels::with_kv("paged_attention", k_pool, v_pool, kv_format, D, [&](auto* kp, auto* vp) {
     arlm_kernels::paged_attention(q.data_ptr<float>(), H * D, k.data_ptr<float>(), v.data_ptr<float>(), Hkv * D, kp,
                                   vp, bt, M, sp, pp, N, H, Hkv, D, BS, static_cast<float>(scale),
-                                  out.data_ptr<float>());
+                                  out.data_ptr<float>(), win);
   });
   return out;
 }
 
 TORCH_LIBRARY_FRAGMENT(arlm, m) {
   m.def("paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor block_table, "
-        "Tensor seq, Tensor pos, float scale, int kv_format=0) -> Tensor");
+        "Tensor seq, Tensor pos, float scale, int kv_format=0, int window=0, int sinks=0, Tensor? cos=None, "
+        "Tensor? sin=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(arlm, CPU, m) {
