@@ -3,7 +3,8 @@
 The native kernels and the torch mirror must write the same bytes; the native step must read them
 as the modules do (float tolerance: only the attention's arithmetic differs); a row's logits must
 not depend on its batch or on the cache's layout (paged or contiguous: bit for bit, the kernels
-compute each row alone); and the rounding must cost what the docs say, measured on SmolLM2.
+compute each row alone); and the rounding must cost what the docs say, measured on SmolLM2. Last,
+the sliding window with attention sinks (`KVCache.set_window`) against its definition.
 """
 
 from __future__ import annotations
@@ -193,6 +194,7 @@ def test_speculative_decoding_over_a_quantized_cache_keeps_greedy_tokens():
         assert spec == plain and engine.stats.spec_proposed > 0
 
 
+@pytest.mark.slow
 def test_smollm2_perplexity_cost_of_each_format(smollm2, val_tokens):
     """On SmolLM2 (float32 weights) over 1,024 tokens of held-out Shakespeare,
     scored through the paged engine: int8 within 0.5% of the float32 cache's perplexity, int4
