@@ -118,6 +118,17 @@ def test_generate_json_matches_api(smollm2):
 
 
 @pytest.mark.slow
+def test_generate_with_a_kv_window():
+    r = arlm("generate", "The history of Rome", "--temperature", "0", "--max-new-tokens", "40", "--kv-window", "16",
+             "--kv-sinks", "4", "--kv-dtype", "int8", "--json")
+    assert r.returncode == 0, r.stderr
+    assert len(json.loads(r.stdout)["completion_token_ids"]) == 40
+    r = arlm("generate", "hi", "--kv-window", "16", "--speculative", "ngram")
+    assert r.returncode != 0 and "--kv-window" in r.stderr and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.slow
 def test_generate_with_a_quantized_kv_cache_reports_it():
     r = arlm("generate", "The capital of France is", "--temperature", "0", "--max-new-tokens", "8",
              "--kv-dtype", "int8", "--json")

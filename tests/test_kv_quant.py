@@ -297,3 +297,45 @@ def test_a_window_wider_than_the_sequence_changes_nothing(fmt):
     narrow, *_ = _window_case(fmt, None, W=8, S=2)
     assert torch.equal(plain, wide)
     assert torch.equal(plain[:10], narrow[:10]) and not torch.equal(plain, narrow)
+
+
+@pytest.mark.parametrize("fmt", ("float32", "int8"))
+def test_engine_generates_past_the_context_with_a_window_in_bounded_blocks(fmt):
+    """A windowed engine (EngineConfig.kv_window): a request runs to 3.5x the model's context
+    (128 positions) holding at most the sinks' and the window's blocks; with a window wider than
+    the whole request, the same tokens as without one, bit for bit."""
+    model = _model(seed=17)
+    W, S, bs, step = 24, 4, 8, 16
+    prompt = [(5 * i + 3) % 190 + 2 for i in range(40)]
+
+    def engine(window):
+        return Engine(ModelRunner(model), (), EngineConfig(kv_dtype=fmt, block_size=bs, kv_cache_tokens=256,
+                                                           max_num_batched_tokens=step, kv_window=window,
+                                                           kv_sinks=S))
+
+    e = engine(W)
+    req = e.add_request(prompt, SamplingParams(max_new_tokens=400, temperature=0, ignore_eos=True))
+    peak = 0
+    while e.has_unfinished():
+        e.step()
+        peak = max(peak, e.scheduler.pool.num_used)
+    assert req.num_output_tokens == 400 and req.num_tokens > 3 * 128
+    assert peak <= -(-S // bs) + -(-(W + step) // bs) + 1
+    assert e.scheduler.pool.num_used == 0  # all given back at the end
+    params = SamplingParams(max_new_tokens=60, temperature=0, ignore_eos=True)
+    plain = Engine(ModelRunner(model), (), EngineConfig(kv_dtype=fmt, block_size=bs, kv_cache_tokens=256,
+                                                        max_num_batched_tokens=step)).generate([prompt], params)
+    assert engine(120).generate([prompt], params) == plain
+    assert engine(W).generate([prompt], params) != plain
+
+
+def test_a_window_is_refused_where_it_cannot_run():
+    model = _model(seed=17)
+    with pytest.raises(ValueError, match="needs"):
+        Engine(ModelRunner(model), (), EngineConfig(block_size=8, kv_cache_tokens=32, kv_window=24))
+    from arlm.engine.speculative import NgramDrafter, SpeculativeConfig
+
+    e = Engine(ModelRunner(model), (), EngineConfig(block_size=8, kv_cache_tokens=256, kv_window=24,
+                                                    max_num_batched_tokens=16))
+    with pytest.raises(ValueError, match="speculative"):
+        e.add_request([3, 4, 5], SamplingParams(max_new_tokens=4), drafter=NgramDrafter(SpeculativeConfig()))

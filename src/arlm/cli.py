@@ -13,8 +13,8 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-from .cli_common import (Parser, UsageError, add_model_args, add_sampling_args, add_speculative_args, load_llm,
-                         positive_int,
+from .cli_common import (Parser, UsageError, add_model_args, add_sampling_args, add_speculative_args, add_window_args,
+                         load_llm, positive_int,
                          sampling_params, stats_line)
 from .serve.cli import add_serve
 from .train.cli import add_prepare, add_train
@@ -60,6 +60,7 @@ def add_generate(sub) -> None:
     add_model_args(p)
     add_sampling_args(p, max_new_tokens=128)
     add_speculative_args(p)
+    add_window_args(p)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     p.add_argument("--context-shift", action="store_true",

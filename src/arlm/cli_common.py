@@ -68,6 +68,15 @@ def add_model_args(p: argparse.ArgumentParser, compile: bool = True) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: all cores)")
 
 
+def add_window_args(p: argparse.ArgumentParser) -> None:
+    """--kv-window and --kv-sinks (a sliding window with attention sinks: EngineConfig.kv_window)."""
+    p.add_argument("--kv-window", type=positive_int, default=0, metavar="W",
+                   help="attend to the last W tokens (and the --kv-sinks first): generation runs past the "
+                        "model's context with a bounded KV cache (StreamingLLM; default: off)")
+    p.add_argument("--kv-sinks", type=int, default=4, metavar="S",
+                   help="with --kv-window, the first S tokens every token attends to (default: 4)")
+
+
 def add_speculative_args(p: argparse.ArgumentParser) -> None:
     """--speculative and its settings (arlm.engine.speculative)."""
     p.add_argument("--speculative", default=None, metavar="METHOD",
@@ -156,9 +165,14 @@ def load_llm(args: argparse.Namespace):
         torch.set_num_threads(args.threads)
     quantize = None if args.quantize == "none" else args.quantize
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if args.device.startswith("cuda") else "float32")
+    if getattr(args, "kv_window", 0) and getattr(args, "speculative", None) not in (None, "off"):
+        raise UsageError("arlm: error: --speculative does not run with --kv-window yet")
+    if getattr(args, "kv_sinks", 0) < 0:
+        raise UsageError("arlm: error: --kv-sinks must be >= 0")
     llm = LLM.load(args.model, device=args.device, dtype=_torch_dtype(dtype), quantize=quantize,
                    compile=getattr(args, "compile", False), prefill_dtype=args.prefill_dtype,
-                   kv_dtype=args.kv_dtype, activations=args.activations)
+                   kv_dtype=args.kv_dtype, activations=args.activations,
+                   kv_window=getattr(args, "kv_window", 0), kv_sinks=getattr(args, "kv_sinks", 4))
     spec = speculative_config(args)
     if spec is not None:
         try:

@@ -207,6 +207,7 @@ class LLM:
         self.kv_dtype: KVDtype = next(self.model.parameters()).dtype  # the KV caches' dtype (configure)
         self._mailbox: dict[str, list[RequestOutput]] = {}
         self.speculative: SpeculativeConfig | None = None  # the default of generate/stream (configure)
+        self.kv_window, self.kv_sinks = 0, 4  # a sliding window with attention sinks (configure)
         self._drafters: dict[tuple, Drafter] = {}
         self._start(ModelRunner(self.model))
 
@@ -216,15 +217,22 @@ class LLM:
         `max_num_seqs`), then decoded by rows."""
         self.runner = runner
         self._drafters = {}  # bound to the old weights
-        self.engine = Engine(runner, self.tokenizer.eos_ids,
-                             EngineConfig(block_size=None, max_num_seqs=1024, max_num_batched_tokens=1 << 20,
-                                          kv_dtype=self.kv_dtype))
+        if self.kv_window:  # a window runs on a paged pool: a few sequences' sinks + window + one step each
+            bs, step, seqs = 16, 512, 8
+            live = -(-self.kv_sinks // bs) + -(-(self.kv_window + step) // bs) + 1
+            config = EngineConfig(block_size=bs, kv_cache_tokens=(seqs * live + 1) * bs, max_num_seqs=seqs,
+                                  max_num_batched_tokens=step, kv_dtype=self.kv_dtype, kv_window=self.kv_window,
+                                  kv_sinks=self.kv_sinks)
+        else:
+            config = EngineConfig(block_size=None, max_num_seqs=1024, max_num_batched_tokens=1 << 20,
+                                  kv_dtype=self.kv_dtype)
+        self.engine = Engine(runner, self.tokenizer.eos_ids, config)
 
     @classmethod
     def load(cls, spec: str = "smollm2", device: str = "cpu", dtype: torch.dtype = torch.float32,
              quantize: str | None = "auto", compile: bool = False, prefill_dtype: str = "auto",
              kv_dtype: str = "auto", activations: str = "int8x2",
-             speculative: str | SpeculativeConfig | None = None) -> "LLM":
+             speculative: str | SpeculativeConfig | None = None, kv_window: int = 0, kv_sinks: int = 4) -> "LLM":
         """Load a model by name or path; `quantize`, `compile`, `prefill_dtype`, `kv_dtype` and
         `activations` pick the decode and prefill paths (see `configure`); `speculative` the
         default speculative decoding of `generate` and `stream` (see `drafter`)."""
@@ -235,7 +243,7 @@ class LLM:
         direct = quantize == "auto" and device == "cpu" and dtype == torch.float32 and kernels.native_available()
         llm = cls(load_model(spec, device=device, dtype=dtype, quantized=direct))
         llm.configure(quantize=quantize, compile=compile, prefill_dtype=prefill_dtype, kv_dtype=kv_dtype,
-                      activations=activations)
+                      activations=activations, kv_window=kv_window, kv_sinks=kv_sinks)
         if speculative is not None:
             llm.speculative = llm.speculative_config(speculative)
             llm.drafter(llm.speculative)  # load a draft model now, and fail now if it cannot be
@@ -288,7 +296,7 @@ class LLM:
         return drafter
 
     def configure(self, quantize: str | None = None, compile: bool = False, prefill_dtype: str = "auto",
-                  kv_dtype: str = "auto", activations: str = "int8x2") -> None:
+                  kv_dtype: str = "auto", activations: str = "int8x2", kv_window: int = 0, kv_sinks: int = 4) -> None:
         """Pick the decode path: weight quantization and (optionally) a compiled decode step.
 
         quantize: None/"none", "int8", "q4", or "auto": on CPU with the native kernels, 4-bit for
@@ -307,6 +315,10 @@ class LLM:
         8-bit activations'), else the model's dtype. int8 and int4 quantize K and V as they are
         written (arlm.kv_cache: 0.53x and 0.34x float16's bytes; docs/benchmarks.md for what they
         cost in perplexity and gain in speed).
+        kv_window, kv_sinks: a sliding window with attention sinks (StreamingLLM: each token attends
+        to the first kv_sinks tokens and the last kv_window; generation runs past the model's
+        context in bounded memory; `EngineConfig.kv_window`); 0: off. generate/stream then run on a
+        paged pool of a few sequences.
         """
         from . import kernels
         from .engine import decode_step
@@ -357,6 +369,7 @@ class LLM:
             self.kv_dtype = torch.float16 if native else next(self.model.parameters()).dtype
         else:
             self.kv_dtype = kv
+        self.kv_window, self.kv_sinks = kv_window, kv_sinks
         self._start(runner)
 
     @property

@@ -33,6 +33,9 @@ from .speculative import Drafter, SpecRates, SpecState, StepCost, verify
 
 log = logging.getLogger(__name__)
 
+# A windowed engine's max_model_len: requests are not bounded by the model's context.
+WINDOWED_MAX_LEN = 1 << 31
+
 
 @dataclass
 class EngineConfig:
@@ -47,6 +50,11 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     # None: the model's; float16 halves a step's K/V reads, "int8" / "int4" quantize them (kv_cache.py)
     kv_dtype: KVDtype | None = None
+    # A sliding window with attention sinks (StreamingLLM; KVCache.set_window): each token attends to
+    # the first kv_sinks tokens and the last kv_window, and requests run past the model's context
+    # with a bounded number of blocks each. 0: off. Paged pool only; no prefix caching, no drafts.
+    kv_window: int = 0
+    kv_sinks: int = 4
 
     @property
     def contiguous(self) -> bool:
@@ -132,11 +140,43 @@ class Engine:
             raise ValueError(f"the KV cache budget holds {n_blocks} block(s) of {bs} tokens; it needs at least 2 "
                              f"({2 * block_bytes} bytes, {2 * bs} tokens)")
         check_pool_fits(n_blocks * block_bytes, self.device)
+        window = self._window_blocks(n_blocks) if config.kv_window else None
         self.cache = KVCache.pool(cfg, n_blocks, bs, self.kv_dtype, self.device)
         # One block in reserve: copy-on-write takes a block before it gives one back.
-        self.max_model_len = min(cfg.max_seq_len, (n_blocks - 1) * bs)
+        self.max_model_len = min(cfg.max_seq_len, (n_blocks - 1) * bs) if window is None else WINDOWED_MAX_LEN
         self.scheduler = Scheduler(n_blocks, bs, self.max_model_len, config.max_num_seqs,
-                                   config.max_num_batched_tokens, config.enable_prefix_caching)
+                                   config.max_num_batched_tokens, config.enable_prefix_caching and window is None)
+        if window is not None:
+            self.scheduler.window = window
+            self.cache.set_window(config.kv_window, config.kv_sinks, (self.model.rope_cos, self.model.rope_sin))
+
+    def _window_blocks(self, n_blocks: int) -> tuple[int, int]:
+        """Check a windowed pool (config.kv_window) and return (window, sinks)."""
+        c, cfg = self.config, self.model.config
+        if c.kv_window < 1 or c.kv_sinks < 0:
+            raise ValueError(f"a KV window needs kv_window >= 1 and kv_sinks >= 0, got {c.kv_window}, {c.kv_sinks}")
+        if cfg.pos_embedding != "rope":
+            raise ValueError("a KV window needs a RoPE model (learned positions end at the context length)")
+        bs = c.block_size
+        live = -(-c.kv_sinks // bs) + -(-(c.kv_window + c.max_num_batched_tokens) // bs) + 1
+        if n_blocks - 1 < live:
+            raise ValueError(f"a window of {c.kv_window} tokens with {c.kv_sinks} sinks needs {live + 1} blocks of "
+                             f"{bs} tokens for one sequence (steps of up to {c.max_num_batched_tokens} tokens); "
+                             f"the pool has {n_blocks}")
+        return c.kv_window, c.kv_sinks
+
+    def _fit_rope(self, positions: int) -> None:
+        """RoPE tables for positions 0 .. positions - 1 (a windowed request runs past the model's
+        context): the model's own, grown (doubled) on demand; their first rows stay as they were."""
+        from ..model import rope_table
+
+        m = self.model
+        if positions <= m.rope_cos.shape[0]:
+            return
+        n = max(positions, 2 * m.rope_cos.shape[0])
+        cos, sin = rope_table(m.config.head_dim, n, m.config.rope_theta)
+        m.rope_cos, m.rope_sin = cos.to(m.rope_cos.device), sin.to(m.rope_sin.device)
+        self.cache.set_window(self.cache.window, self.cache.sinks, (m.rope_cos, m.rope_sin))
 
     # -- requests ---------------------------------------------------------------------------------
 
@@ -175,6 +215,8 @@ class Engine:
         if arrival_time is not None:
             req.arrival_time = arrival_time
         if drafter is not None:
+            if self.config.kv_window:
+                raise ValueError("speculative decoding does not run with a KV window (kv_window) yet")
             req.drafter, req.spec = drafter, SpecState()
         self.requests[request_id] = req
         self.scheduler.add(req)
@@ -216,6 +258,8 @@ class Engine:
         batch = self.scheduler.schedule()
         if not batch:
             return []
+        if self.config.kv_window:
+            self._fit_rope(max(s.num_computed + n for s, n in zip(batch.seqs, batch.num_tokens)))
         with torch.inference_mode():
             logits, rows = self.runner.execute(self.cache, batch, by_rows=self.config.contiguous)
             sampled, failed = self._sample(logits, rows, batch)

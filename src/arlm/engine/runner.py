@@ -181,6 +181,8 @@ class ModelRunner:
         flat positions out_index (at least one row). dense: through the dense weights."""
         dev = self.device
         width = max(len(t) for t in tables)
+        if cache.window:  # entries behind a window (scheduler.FREED) are never read: any block will do
+            tables = [[max(b, 0) for b in t] for t in tables]
         table = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=dev)
         tokens_t, pos_t = torch.tensor(tokens, device=dev), torch.tensor(positions, device=dev)
         seq_t, out_t = torch.tensor(seq_index, device=dev), torch.tensor(out_index or [0], device=dev)

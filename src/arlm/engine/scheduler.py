@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from .block_pool import BlockPool, block_hash
 from .request import FinishReason, Request, RequestStatus
 
+FREED = -1  # a block-table entry behind a windowed request's window: its block went back to the pool
+
 WAITING, RUNNING, FINISHED = RequestStatus.WAITING, RequestStatus.RUNNING, RequestStatus.FINISHED
 
 
@@ -95,6 +97,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last is preempted first
         self.stats = SchedulerStats()
+        # (window, sinks) of a windowed engine (EngineConfig.kv_window): blocks no query reads again
+        # go back to the pool as the window moves, their places in `blocks` left as FREED
+        self.window: tuple[int, int] | None = None
 
     def resize(self, n_blocks: int, block_size: int) -> None:
         """A new pool (nothing may be running): a contiguous cache re-sized for the next batch."""
@@ -123,7 +128,8 @@ class Scheduler:
 
     def _free(self, seq: Request) -> None:
         for b in reversed(seq.blocks):  # the tail first: a prefix's last blocks are evicted first
-            self.pool.release(b)
+            if b != FREED:
+                self.pool.release(b)
         seq.blocks = []
         seq.num_computed = seq.num_registered = 0
 
@@ -283,6 +289,8 @@ class Scheduler:
             keep = -(-seq.num_computed // bs)
             while len(seq.blocks) > keep:  # blocks that held only rejected draft tokens
                 self.pool.release(seq.blocks.pop())
+            if self.window is not None:
+                self._drop_behind_window(seq)
             full = min(seq.num_computed // bs, len(seq.blocks))
             while self.pool.enable_prefix_caching and seq.num_registered < full:
                 self.pool.register(seq.blocks[seq.num_registered], self._hash(seq, seq.num_registered))
@@ -295,6 +303,17 @@ class Scheduler:
                 self.finish(seq, reason)
             out.append((seq, tokens))
         return out
+
+    def _drop_behind_window(self, seq: Request) -> None:
+        """Give back the blocks no query of `seq` reads again: the next one, at position
+        num_computed, reads the sink slots and positions num_computed - window + 1 on."""
+        window, sinks = self.window
+        bs = self.block_size
+        dead = min(max(0, seq.num_computed - window + 1) // bs, len(seq.blocks))  # blocks wholly before it
+        for b in range(-(-sinks // bs), dead):
+            if seq.blocks[b] != FREED:
+                self.pool.release(seq.blocks[b])
+                seq.blocks[b] = FREED
 
     def _ends(self, seq: Request, tok: int, nth: int) -> FinishReason | str | None:
         """Whether appending `tok` as the nth new token of this step ends the request (a reason),
