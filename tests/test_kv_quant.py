@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -339,3 +340,27 @@ def test_a_window_is_refused_where_it_cannot_run():
                                                     max_num_batched_tokens=16))
     with pytest.raises(ValueError, match="speculative"):
         e.add_request([3, 4, 5], SamplingParams(max_new_tokens=4), drafter=NgramDrafter(SpeculativeConfig()))
+
+
+def test_stream_perplexity_through_a_window():
+    """`perplexity.stream_nll`: a window wider than the text scores every token as full attention
+    does (the prompt-logits path); a narrow one runs a text 3x the model's context in chunks."""
+    from types import SimpleNamespace
+
+    from arlm.perplexity import stream_nll, token_nll
+
+    model = _model(seed=19)
+    llm = SimpleNamespace(runner=ModelRunner(model), tokenizer=SimpleNamespace(eos_ids=()), kv_dtype=torch.float32)
+    text = [(11 * i + 7) % 190 + 2 for i in range(100)]
+    engine = Engine(llm.runner, (), EngineConfig(enable_prefix_caching=False, max_num_batched_tokens=16))
+    req = engine.add_request(text, SamplingParams(max_new_tokens=1, temperature=0), prompt_logits=True)
+    while engine.has_unfinished():
+        engine.step()
+    full = token_nll(req.prompt_logits[:-1], torch.tensor(text[1:]))
+    assert np.array_equal(stream_nll(llm, text, window=120, sinks=4, chunk=16), full)
+    long = [(11 * i + 7) % 190 + 2 for i in range(400)]  # the model's context is 128
+    nll = stream_nll(llm, long, window=32, sinks=4, chunk=16)
+    assert nll.shape == (399,) and np.isfinite(nll).all() and (nll > 0).all()
+    # a prefix of the stream in the same chunks of 16 (float32 matrices sum by the chunk's rows):
+    # the same numbers, bit for bit, whatever follows
+    assert np.array_equal(nll[:47], stream_nll(llm, long[:48], window=32, sinks=4, chunk=16))

@@ -274,6 +274,36 @@ def token_nll(logits: torch.Tensor, targets: torch.Tensor, chunk: int = 128) -> 
     return torch.cat(out).cpu().numpy()
 
 
+def stream_nll(llm, token_ids: list[int], window: int, sinks: int = 4, chunk: int = 512) -> np.ndarray:
+    """The text as one stream through a windowed cache (`EngineConfig.kv_window`: each token sees
+    the first `sinks` tokens and the last `window`), `chunk` tokens per forward pass: the NLL
+    [len - 1] (float64) of every token but the first, each predicted from what the window shows
+    of the tokens before it. Runs past the model's context in a fixed number of blocks; the
+    logits are consumed chunk by chunk (`Request.logits_sink`), never held for the whole text."""
+    bs = _BLOCK_SIZE
+    blocks = -(-sinks // bs) + -(-(window + chunk) // bs) + 2
+    engine = Engine(llm.runner, llm.tokenizer.eos_ids,
+                    EngineConfig(block_size=bs, kv_cache_tokens=blocks * bs, max_num_seqs=1,
+                                 max_num_batched_tokens=chunk, enable_prefix_caching=False, kv_dtype=llm.kv_dtype,
+                                 kv_window=window, kv_sinks=sinks))
+    targets = torch.tensor(token_ids)
+    nll = np.zeros(len(token_ids) - 1)
+
+    def sink(start: int, logits: torch.Tensor) -> None:  # row j predicts token start + j + 1
+        n = min(logits.shape[0], len(token_ids) - 1 - start)
+        if n > 0:
+            nll[start:start + n] = token_nll(logits[:n], targets[start + 1:start + 1 + n])
+
+    req = engine.add_request(token_ids, SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True),
+                             prompt_logits=True)
+    req.logits_sink = sink
+    while not req.finished:
+        for out in engine.step():
+            if out.error is not None:
+                raise RuntimeError(f"request {out.request_id}: {out.error}")
+    return nll
+
+
 @dataclass
 class PerplexityResult:
     nll: np.ndarray  # [n_scored] float64: -log p of each scored token, nats, in text order

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -68,6 +68,9 @@ class Request:
     num_dropped: int = 0  # tokens before the window (context shift)
     keep_prompt_logits: bool = False
     prompt_logits: torch.Tensor | None = None  # [P, vocab] float32 (keep_prompt_logits)
+    # Instead of prompt_logits: called with (start, logits [n, vocab]) for each computed chunk of
+    # prompt positions start .. start + n - 1 (a stream too long to hold its logits: perplexity)
+    logits_sink: Callable[[int, torch.Tensor], None] | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     # Speculative decoding (engine/speculative.py): who drafts for it, this step's draft (tokens
@@ -131,6 +134,9 @@ class Request:
         whole prompt in one pass is kept as it is (a view of the step's logits); chunks are
         copied into place (a recomputed chunk, after a preemption, overwrites its rows)."""
         n = logits.shape[0]
+        if self.logits_sink is not None:
+            self.logits_sink(start, logits)
+            return
         if start == 0 and n == self.num_prompt_tokens:
             self.prompt_logits = logits
             return
