@@ -12,7 +12,7 @@ the stream and over each quarter of it, and the wall time of each run (all on th
 threads; (a) and (b) run the stream in chunks of 512 tokens, (c) recomputes every token about
 twice).
 
-Still to add (issue 15, item 3): time per token in generation for each, and the plot in docs/.
+Not measured here yet: time per token in generation for each method, and a plot.
 """
 
 from __future__ import annotations

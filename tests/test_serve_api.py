@@ -335,7 +335,7 @@ def test_metrics_page(server):
         assert f"\n{name}" in text
     m = server.metrics()
     assert m["arlm_generation_tokens_total"] > 0 and m["arlm_time_to_first_token_seconds_count"] > 0
-    # the pool's element type, its bytes per token and in total (issue 15)
+    # the pool's element type, its bytes per token and in total
     per_token = {k: v for k, v in m.items() if k.startswith("arlm_kv_cache_bytes_per_token{dtype=")}
     assert len(per_token) == 1 and list(per_token.values())[0] > 0
     allocated = [v for k, v in m.items() if k.startswith("arlm_kv_cache_bytes{") and 'state="allocated"' in k]
