@@ -256,6 +256,24 @@ def test_cli_json_and_text(cli, text_file, base_file, ids):
     assert "perplexity:" in out and "no BOS token" in out and "top-1 agreement: 100.00 %" in out
 
 
+def test_cli_kv_window_is_one_stream(cli, text_file, ids):
+    """--kv-window W --kv-sinks S scores the text as one stream (perplexity.stream_nll), every
+    token but the first once; a window wider than the text is full attention over one pass."""
+    from arlm.perplexity import stream_nll
+
+    rc, out, err = cli(text_file, "--quantize", "none", "--kv-window", 24, "--kv-sinks", 2, "--batch-tokens", 16,
+                       "--json")
+    assert rc == 0, err
+    report = json.loads(out)
+    nll = stream_nll(arlm.cli.load_llm(None), ids, 24, 2, chunk=16)
+    assert report["perplexity"] == pytest.approx(math.exp(nll.mean()), rel=1e-12)
+    assert (report["tokens_scored"], report["kv_window"], report["kv_sinks"]) == (len(ids) - 1, 24, 2)
+    rc, out, err = cli(text_file, "--quantize", "none", "--kv-window", 24)
+    assert rc == 0 and "one stream: 4 sink tokens + a window of 24" in out, err
+    rc, out, err = cli(text_file, "--kv-window", 24, "--stride", 8)
+    assert rc == 2 and "--stride does not apply with --kv-window" in err and len(err.strip().splitlines()) == 1
+
+
 @pytest.mark.slow
 def test_cli_end_to_end_quantized_kl(text_file, tmp_path, capsys):
     """Real loads: the float32 run saved, the single 8-bit pass (`--activations int8`) compared

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -146,6 +148,9 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
     from .perplexity import evaluate, read_logits
 
     prog = "arlm perplexity"
+    if args.kv_window:
+        return stream_perplexity(args, prog)
+    args.context = 512 if args.context is None else args.context
     if args.context < 2:
         raise UsageError(f"{prog}: error: --context must be at least 2, got {args.context}")
     stride = args.context // 2 if args.stride is None else args.stride
@@ -205,11 +210,50 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
     return 0
 
 
+def stream_perplexity(args: argparse.Namespace, prog: str) -> int:
+    """`arlm perplexity --kv-window W`: the text as one stream through a window with attention
+    sinks (`perplexity.stream_nll`), every token but the first scored once."""
+    from .perplexity import run_config, stream_nll
+
+    for flag, value in (("--context", args.context), ("--stride", args.stride),
+                        ("--save-logits", args.save_logits), ("--kl-divergence", args.kl_divergence)):
+        if value is not None:
+            raise UsageError(f"{prog}: error: {flag} does not apply with --kv-window (the text is one stream: "
+                             "each token sees the --kv-sinks first tokens and the last --kv-window)")
+    if args.kv_sinks < 0:
+        raise UsageError(f"{prog}: error: --kv-sinks must be >= 0")
+    text = read_texts(args.files, prog)
+    if not text:
+        raise UsageError(f"{prog}: error: the text is empty")
+    llm = load_llm(args)
+    ids = llm.tokenizer.encode(text)[:args.max_tokens]
+    if len(ids) < 2:
+        raise UsageError(f"{prog}: error: the text is {len(ids)} token(s); perplexity needs at least 2")
+    chunk = args.batch_tokens or 512
+    t0 = time.perf_counter()
+    nll = stream_nll(llm, ids, args.kv_window, args.kv_sinks, chunk=chunk)
+    seconds = time.perf_counter() - t0
+    ppl = math.exp(float(nll.mean()))
+    config = run_config(llm)
+    if args.json:
+        print(json.dumps({"perplexity": ppl, "tokens_scored": len(nll), "seconds": round(seconds, 4),
+                          "tokens_per_s": round(len(ids) / seconds, 2), **config, "files": args.files,
+                          "text_tokens": len(ids), "kv_window": args.kv_window, "kv_sinks": args.kv_sinks,
+                          "batch_tokens": chunk}))
+        return 0
+    print(f"perplexity: {ppl:.4f} over {len(nll)} tokens (one stream: {args.kv_sinks} sink tokens + a window of "
+          f"{args.kv_window}, {chunk} tokens per pass)")
+    print(f"model: {config['model']} | quantization: {config['quantization']} | KV dtype: {config['kv_dtype']} | "
+          f"device: {config['device']}")
+    print(f"time: {seconds:.2f} s, {len(ids) / seconds:.1f} tokens/s")
+    return 0
+
+
 def add_perplexity(sub) -> None:
     p = sub.add_parser("perplexity", help="perplexity of a text (sliding windows), KL divergence against a saved run")
     p.add_argument("files", nargs="+", metavar="FILE", help="text files, concatenated (UTF-8)")
     add_model_args(p, compile=False)
-    p.add_argument("--context", type=int, default=512, help="tokens per window (default: 512)")
+    p.add_argument("--context", type=int, default=None, help="tokens per window (default: 512)")
     p.add_argument("--stride", type=int, default=None,
                    help="tokens between window starts (default: context // 2); each token is scored once, "
                         "in the first window that reaches it")
@@ -222,6 +266,7 @@ def add_perplexity(sub) -> None:
     p.add_argument("--kl-divergence", default=None, metavar="BASE",
                    help="compare with a --save-logits file of the same text and windows: KL(base || this run), "
                         "top-1 agreement, both perplexities")
+    add_window_args(p, stream=True)
     p.set_defaults(func=cmd_perplexity)
 
 

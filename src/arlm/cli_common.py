@@ -68,11 +68,14 @@ def add_model_args(p: argparse.ArgumentParser, compile: bool = True) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: all cores)")
 
 
-def add_window_args(p: argparse.ArgumentParser) -> None:
+def add_window_args(p: argparse.ArgumentParser, stream: bool = False) -> None:
     """--kv-window and --kv-sinks (a sliding window with attention sinks: EngineConfig.kv_window)."""
-    p.add_argument("--kv-window", type=positive_int, default=0, metavar="W",
-                   help="attend to the last W tokens (and the --kv-sinks first): generation runs past the "
-                        "model's context with a bounded KV cache (StreamingLLM; default: off)")
+    what = ("score the text as one stream, each token attending to the last W tokens (and the --kv-sinks "
+            "first), past the model's context with a bounded KV cache (StreamingLLM; default: off: windows of "
+            "--context)") if stream else \
+        ("attend to the last W tokens (and the --kv-sinks first): generation runs past the "
+         "model's context with a bounded KV cache (StreamingLLM; default: off)")
+    p.add_argument("--kv-window", type=positive_int, default=0, metavar="W", help=what)
     p.add_argument("--kv-sinks", type=int, default=4, metavar="S",
                    help="with --kv-window, the first S tokens every token attends to (default: 4)")
 
