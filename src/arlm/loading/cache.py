@@ -40,7 +40,7 @@ def cache_root() -> Path:
     return Path(os.environ.get("ARLM_CACHE", Path.home() / ".cache" / "arlm")) / "models"
 
 
-def _write_json_atomic(path: Path, data: dict) -> None:
+def write_json_atomic(path: Path, data: dict) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".")
     with os.fdopen(fd, "w") as f:
         json.dump(data, f)
@@ -62,7 +62,7 @@ def file_hash(path: Path) -> str:
         digest = hashlib.file_digest(f, "sha256").hexdigest()
     try:
         index_path.parent.mkdir(parents=True, exist_ok=True)
-        _write_json_atomic(index_path, {**index, stamp: digest})
+        write_json_atomic(index_path, {**index, stamp: digest})
     except OSError:
         pass  # a read-only cache: hash again next time
     return digest
