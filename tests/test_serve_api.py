@@ -107,7 +107,8 @@ class ServerProcess:
 def servers():
     main = ServerProcess("--api-key", KEY, "--kv-cache-tokens", "8192")
     # 12 blocks of 4 tokens: 12 concurrent requests of 9..20 tokens need ~45.
-    tiny = ServerProcess("--kv-cache-tokens", "48", "--block-size", "4")
+    # (and the live trace on: its outputs are checked against the main server's like the rest)
+    tiny = ServerProcess("--kv-cache-tokens", "48", "--block-size", "4", "--trace")
     try:
         main.wait_ready()
         tiny.wait_ready()
@@ -592,6 +593,52 @@ def test_bad_chat_requests_and_oversize_body(server):
 
 
 @pytest.mark.slow
+def test_live_trace_only_with_the_flag_and_it_follows_the_engine(servers):
+    """`arlm serve --trace`: /trace is a page that follows the engine by server-sent events; in a
+    real browser (Debian's chromium) it updates while requests stream: requests running, their
+    blocks, each step's batch; back to an idle, empty pool after. Without --trace: 404."""
+    from playwright.sync_api import sync_playwright
+
+    from test_trace import chromium
+
+    main, tiny = servers
+    assert httpx.get(f"{main.url}/trace", timeout=10).status_code == 404
+    assert httpx.get(f"{main.url}/trace/events", timeout=10).status_code == 404
+    r = httpx.get(f"{tiny.url}/trace", timeout=10)
+    assert r.status_code == 200 and "text/html" in r.headers["content-type"]
+    tiny.wait_idle()
+    c = client(tiny)
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=chromium(), args=["--no-sandbox"])
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 900})
+            errors = []
+            page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.goto(f"{tiny.url}/trace")
+            page.wait_for_function("window.arlmLive.updates >= 1", timeout=10_000)
+            before = page.evaluate("window.arlmLive.last.steps_total")
+            seen_running, seen_blocks = 0, 0
+            with cf.ThreadPoolExecutor(4) as pool:
+                jobs = [pool.submit(complete, c, p, 24, True) for p in PROMPTS[:4]]
+                while not all(j.done() for j in jobs):
+                    last = page.evaluate("window.arlmLive.last")
+                    seen_running = max(seen_running, len(last["running"]))
+                    seen_blocks = max(seen_blocks, last["pool"]["used"])
+                    time.sleep(0.05)
+                assert all(j.result()[1] == "length" for j in jobs)
+            page.wait_for_function("window.arlmLive.last.running.length === 0 && window.arlmLive.last.pool.used === 0",
+                                   timeout=10_000)
+            last = page.evaluate("window.arlmLive.last")
+            assert seen_running >= 2 and seen_blocks >= 2
+            assert last["steps_total"] >= before + 24 and last["requests_finished"] >= 4
+            assert any(x["phase"] == "decode" for st in last["steps"] for x in st["batch"])
+            assert page.locator("#chart rect").count() > 0 and "idle" in page.inner_text("#reqs")
+            assert errors == []
+        finally:
+            browser.close()
+
+
 def test_serve_cli_rejects_bad_flags():
     # All before the model loads: a pool larger than the machine's memory once got the server
     # OOM-killed without a word (or an allocator's internal error), 0 failed after the load.

@@ -266,14 +266,14 @@ class Engine:
         with torch.inference_mode():
             logits, rows = self.runner.execute(self.cache, batch, by_rows=self.config.contiguous)
             sampled, failed = self._sample(logits, rows, batch)
-        if tracer is not None:
-            with torch.inference_mode():
-                tracer.after(self, traced, batch, logits, rows, sampled, time.perf_counter() - t0)
         for req in drafting:
             req.draft, req.draft_probs = [], None
         prompt_tokens = sum(n for i, n in enumerate(batch.num_tokens) if not batch.decodes(i))
         outputs = self._postprocess(batch, sampled, failed)
         seconds = time.perf_counter() - t0
+        if tracer is not None:
+            with torch.inference_mode():
+                tracer.after(self, traced, batch, logits, rows, sampled, seconds)
         if not prompt_tokens and (drafting or self.step_cost.times):  # where something speculates
             self.step_cost.observe(sum(batch.num_tokens), seconds)
         self.last_step = StepStats(prompt_tokens, len(outputs), seconds)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Literal
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -156,8 +156,9 @@ class Server:
     """The state behind the routes: the loaded model, the engine and the HTTP counters."""
 
     def __init__(self, llm: LLM, engine: AsyncEngine, model_name: str, api_key: str | None = None,
-                 max_body_bytes: int = 2 << 20) -> None:
+                 max_body_bytes: int = 2 << 20, live=None) -> None:
         self.llm, self.engine, self.model_name = llm, engine, model_name
+        self.live = live  # an arlm.trace.live.LiveTrace on the engine (arlm serve --trace), or None
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
         self.created = int(time.time())
@@ -357,6 +358,8 @@ def create_app(server: Server, engine_thread: bool = True) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
+        if server.live is not None:
+            server.live.loop = asyncio.get_running_loop()
         if engine_thread:
             server.engine.start(asyncio.get_running_loop())
         else:
@@ -397,6 +400,18 @@ def create_app(server: Server, engine_thread: bool = True) -> FastAPI:
     async def get_metrics() -> Response:
         return PlainTextResponse(metrics.render(server.engine, server.http_requests, server.time_to_first_token),
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    if server.live is not None:  # arlm serve --trace: the engine followed live
+        from ..trace.live import live_page
+
+        @app.get("/trace")
+        async def trace_page() -> Response:
+            return HTMLResponse(live_page())
+
+        @app.get("/trace/events")
+        async def trace_events() -> Response:
+            return StreamingResponse(server.live.events(), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
@@ -519,7 +534,8 @@ def create_app(server: Server, engine_thread: bool = True) -> FastAPI:
     return app
 
 
-KNOWN_PATHS = {"/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions"}
+KNOWN_PATHS = {"/health", "/metrics", "/trace", "/trace/events", "/v1/models", "/v1/completions",
+               "/v1/chat/completions"}
 
 
 class CountRequests:

@@ -109,7 +109,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 else f"--kv-cache-memory {args.kv_cache_memory}")
         raise UsageError(f"arlm serve: error: {flag}: {e}") from None
     name = args.served_model_name or args.model
-    server = Server(llm, AsyncEngine(engine), name, api_key=api_key, max_body_bytes=args.max_body_bytes)
+    live = None
+    if args.trace:
+        from ..trace.live import LiveTrace
+
+        live = engine.tracer = LiveTrace(engine)
+    server = Server(llm, AsyncEngine(engine), name, api_key=api_key, max_body_bytes=args.max_body_bytes, live=live)
     http = uvicorn.Server(uvicorn.Config(create_app(server, engine_thread=False), log_level=args.log_level,
                                          access_log=args.log_level == "debug", timeout_graceful_shutdown=5))
     # The engine loop keeps the main thread, which loaded the model, and owns the signals; HTTP
@@ -129,7 +134,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
           f"context {engine.max_model_len} tokens, "
           f"paged-attention kernel {'native' if cache.use_kernel else 'PyTorch fallback'}, "
           f"speculative decoding {llm.speculative.method if llm.speculative else 'off'}; "
-          f"listening on {url}" + (" (API key required)" if api_key else ""), file=sys.stderr, flush=True)
+          f"listening on {url}" + (" (API key required)" if api_key else "")
+          + (f"; live trace at {url}/trace" if live is not None else ""), file=sys.stderr, flush=True)
 
     def shutdown(signum, frame) -> None:
         http.should_exit = True
@@ -158,5 +164,8 @@ def add_serve(sub) -> None:
                    help="tokens per forward pass: decodes plus prompt chunks (default: 512)")
     p.add_argument("--no-prefix-caching", action="store_true", help="do not share KV blocks of common prompt prefixes")
     p.add_argument("--max-body-bytes", type=int, default=2 << 20, help="largest request body accepted (default: 2 MiB)")
+    p.add_argument("--trace", action="store_true",
+                   help="follow the engine live at /trace (a page; /trace/events: server-sent events): requests, "
+                        "their KV blocks, prefix-cache hits, each step's batch, tokens/s (default: off)")
     p.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"))
     p.set_defaults(func=cmd_serve)

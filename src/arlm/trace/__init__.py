@@ -180,6 +180,7 @@ class Tracer:
     def before(self, engine, batch) -> list[dict]:
         if self._t0 is None:
             self._t0 = time.perf_counter()
+        self._blocks_used = engine.scheduler.pool.num_used  # (during the step: a finished sequence's go back after)
         pre = []
         for i, seq in enumerate(batch.seqs):
             self.seq_order.setdefault(seq.request_id, len(self.seq_order))
@@ -232,7 +233,6 @@ class Tracer:
         flops = 2 * self.matmul_params * tokens + 2 * cfg.d_model * cfg.vocab_size * heads + attn_flops
         phases = {s["phase"] for s in seqs}
         phase = phases.pop() if len(phases) == 1 else "mixed"
-        pool = engine.scheduler.pool
         step = {"step": len(self.steps), "phase": phase, "seconds": seconds,
                 "t": time.perf_counter() - self._t0 - seconds,
                 "tokens": tokens, "batch_shape": [len(seqs), max(batch.num_tokens)],
@@ -240,7 +240,7 @@ class Tracer:
                 "kv": {"bytes_per_token": per_token, "pool_bytes": pool_bytes,
                        "tokens_cached": sum(s["slots_occupied"] for s in seqs),
                        "blocks_total": cache.n_blocks, "block_size": cache.block_size,
-                       "blocks_used": pool.num_used if not engine.config.contiguous else len(seqs)},
+                       "blocks_used": self._blocks_used if not engine.config.contiguous else len(seqs)},
                 "bytes_weights": weights, "bytes_kv": kv_read, "flops": flops,
                 "bandwidth": (weights + kv_read) / seconds if seconds > 0 else 0.0}
         self.steps.append(step)
