@@ -186,3 +186,35 @@ def test_page_steps_clicks_and_fits_a_phone(page_file, tmp_path):
 def test_trace_json_round_trips(page_file):
     _, trace = page_file
     assert json.loads(json.dumps(trace)) == trace
+
+
+def test_terminal_view_shows_every_step(page_file):
+    from rich.console import Console
+
+    from arlm.trace.tui import print_trace
+
+    _, trace = page_file
+    console = Console(record=True, width=110, force_terminal=False)
+    print_trace(trace, console)
+    text = console.export_text()
+    for s in trace["steps"]:
+        assert f"step {s['step']} · {s['phase']}" in text
+    assert "KV slots" in text and trace["outputs"][0]["text"].strip()[:10] in text
+
+
+def test_machine_ceilings_are_measured_once(tmp_path, monkeypatch):
+    import arlm.trace as tr
+
+    monkeypatch.setenv("ARLM_CACHE", str(tmp_path))
+    calls = []
+    monkeypatch.setattr(tr, "measure_ceilings", lambda: calls.append(1) or {"bandwidth": 2e10, "flops": 1e11})
+    first, again = tr.machine_ceilings(), tr.machine_ceilings()
+    assert calls == [1] and first == again and first["bandwidth"] == 2e10
+    assert json.loads((tmp_path / "machine.json").read_text())
+
+
+def test_the_probe_measures_something_plausible():
+    from arlm.trace import measure_ceilings
+
+    c = measure_ceilings(seconds=0.2)
+    assert 1e9 < c["bandwidth"] < 1e13 and 1e9 < c["flops"] < 1e15
