@@ -172,7 +172,7 @@ def test_page_steps_clicks_and_fits_a_phone(page_file, tmp_path):
                 page.keyboard.press("Home")
                 assert step() == 0
                 assert page.locator("#kv .slot").count() > 0 and page.locator("#dist .row").count() == 10
-                assert page.locator("#chart rect.bar").count() == n
+                assert page.locator("#chart rect.bar").count() == 3 * n  # time; weights + K/V bytes
                 # no horizontal scrolling: the page fits the screen
                 assert page.evaluate("document.documentElement.scrollWidth") <= width
                 page.screenshot(path=str(tmp_path / f"trace-{width}.png"), full_page=True)

@@ -227,6 +227,31 @@
     const tick = Math.max(1, Math.ceil(N / 20));
     for (let i = 0; i < N; i += tick) svg += `<text x="${x(i) + bwid / 2 + 1}" y="${H - BOT + 14}" font-size="10" text-anchor="middle">${i}</text>`;
     svg += `<text x="${L + pw / 2}" y="${H - 4}" font-size="11" text-anchor="middle">step (bars: wall time; black: bytes read \u00F7 memory bandwidth; red dashed: FLOPs \u00F7 matmul peak)</text></svg>`;
+    // Bytes read per step (weights, then cached K/V, stacked) and the bandwidth each step achieved,
+    // against the machine's: decode's serial memory traffic next to prefill's one read for many tokens.
+    const bmax = Math.max(...steps.map((s) => s.bytes_weights + s.bytes_kv)) * 1.08 || 1;
+    const gmax = Math.max(bw, ...steps.map((s) => s.bandwidth)) * 1.1;
+    const yb = (v) => TOP + ph - v / bmax * ph, yg = (v) => TOP + ph - v / gmax * ph;
+    svg += `<svg viewBox="0 0 ${W} ${H}" role="img" aria-label="bytes per step"><rect x="${L}" y="${TOP}" width="${pw}" height="${ph}" fill="#fafafa" stroke="#ccc"/>`;
+    for (let k = 0; k <= 4; k++) {
+      const v = bmax * k / 4;
+      svg += `<line x1="${L}" x2="${L + pw}" y1="${yb(v)}" y2="${yb(v)}" stroke="#eee"/><text x="${L - 5}" y="${yb(v) + 4}" font-size="11" text-anchor="end">${(v / 1e6).toFixed(0)}</text>`;
+      const g = gmax * k / 4;
+      svg += `<text x="${L + pw - 4}" y="${yg(g) + 4}" font-size="10" fill="#c0392b" text-anchor="end">${(g / 1e9).toFixed(0)} GB/s</text>`;
+    }
+    svg += `<text x="12" y="${TOP + ph / 2}" font-size="11" transform="rotate(-90 12 ${TOP + ph / 2})" text-anchor="middle">MB read</text>`;
+    let line = "";
+    steps.forEach((st, i) => {
+      const op = i === cur ? 1 : 0.55;
+      svg += `<rect class="bar" data-step="${i}" x="${x(i) + 1}" y="${yb(st.bytes_weights)}" width="${bwid}" height="${TOP + ph - yb(st.bytes_weights)}" fill="#7f8c8d" opacity="${op}"><title>step ${i}: ${mb(st.bytes_weights)} of weights</title></rect>`;
+      svg += `<rect class="bar" data-step="${i}" x="${x(i) + 1}" y="${yb(st.bytes_weights + st.bytes_kv)}" width="${bwid}" height="${yb(st.bytes_weights) - yb(st.bytes_weights + st.bytes_kv)}" fill="#d9822b" opacity="${op}"><title>step ${i}: ${mb(st.bytes_kv)} of cached K/V</title></rect>`;
+      line += `${i ? "L" : "M"}${x(i) + 1 + bwid / 2},${yg(st.bandwidth)}`;
+    });
+    svg += `<path d="${line}" fill="none" stroke="#c0392b" stroke-width="1.5"/>`;
+    svg += `<line x1="${L}" x2="${L + pw}" y1="${yg(bw)}" y2="${yg(bw)}" stroke="#c0392b" stroke-width="2" stroke-dasharray="6 3"/>`;
+    svg += `<text x="${L + 4}" y="${yg(bw) - 4}" font-size="11" fill="#c0392b">the machine's memory bandwidth, ${(bw / 1e9).toFixed(1)} GB/s</text>`;
+    for (let i = 0; i < N; i += tick) svg += `<text x="${x(i) + bwid / 2 + 1}" y="${H - BOT + 14}" font-size="10" text-anchor="middle">${i}</text>`;
+    svg += `<text x="${L + pw / 2}" y="${H - 4}" font-size="11" text-anchor="middle">step (grey: weights read; orange: cached K/V read; red line: GB/s achieved)</text></svg>`;
     $("chart").innerHTML = svg;
   }
   $("chart").addEventListener("click", (e) => {
