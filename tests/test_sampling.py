@@ -206,3 +206,65 @@ def test_native_argmax_is_torch_argmax():
             x[4, V - 1] = float("nan")
             x[4, 1] = float("nan")
         assert torch.equal(torch.ops.arlm.argmax_rows(x), x.argmax(dim=-1)), V
+
+
+# -- OpenAI's sampling fields: penalties over the output, logit bias, min_tokens, stop_token_ids ----
+
+def test_adjust_logits_is_the_openai_formula():
+    from arlm.sampling import adjust_logits
+
+    g = torch.Generator().manual_seed(11)
+    logits = torch.randn(50, generator=g) * 3
+    counts = torch.randint(0, 4, (50,), generator=g).float()
+    p = SamplingParams(presence_penalty=0.7, frequency_penalty=-0.4, logit_bias={3: 250.0, 7: -2.5}, min_tokens=5)
+    assert p.logit_bias == {3: 100.0, 7: -2.5}  # clamped to [-100, 100]
+    want = logits - (-0.4) * counts - 0.7 * (counts > 0).float()
+    want[3] += 100.0
+    want[7] -= 2.5
+    want[[9, 11]] = float("-inf")
+    got = adjust_logits(logits, p, counts, num_output=4, end_ids={9, 11})
+    assert torch.equal(got, want)
+    assert torch.equal(adjust_logits(logits, p, counts, num_output=5, end_ids={9, 11})[[9, 11]], want.new_tensor(
+        [logits[9] - (-0.4) * counts[9] - 0.7 * (counts[9] > 0).float(),
+         logits[11] - (-0.4) * counts[11] - 0.7 * (counts[11] > 0).float()]))
+    for bad in (dict(presence_penalty=2.5), dict(frequency_penalty=float("nan")), dict(logit_bias={-1: 1.0}),
+                dict(min_tokens=-1), dict(stop_token_ids=[1.5]), dict(logprobs=21)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            SamplingParams(**bad)
+
+
+def test_penalties_bias_and_min_tokens_in_the_engine(smollm2):
+    """Greedy with presence/frequency penalties = a hand-run loop over the model's logits with the
+    formula; the same in a batch beside plain rows; logit_bias, min_tokens, stop_token_ids."""
+    llm = smollm2
+    prompt = llm.tokenizer.encode("The cat sat on the mat. The cat sat on the")
+    params = SamplingParams(max_new_tokens=10, temperature=0.0, presence_penalty=0.8, frequency_penalty=1.2)
+    got = llm.generate([prompt], params)[0].token_ids
+    ids, counts = list(prompt), torch.zeros(llm.model.config.vocab_size)
+    with torch.inference_mode():
+        for _ in range(10):
+            logits = llm.model(torch.tensor([ids]))[0, -1].float()
+            tok = int((logits - 1.2 * counts - 0.8 * (counts > 0).float()).argmax())
+            ids.append(tok)
+            counts[tok] += 1
+    assert got == ids[len(prompt):]
+    assert got != llm.generate([prompt], SamplingParams(max_new_tokens=10, temperature=0.0))[0].token_ids
+    other = llm.tokenizer.encode("Once upon a time")
+    batch = llm.engine.generate([other, prompt, other], [SamplingParams(max_new_tokens=10, temperature=0.0), params,
+                                                         SamplingParams(max_new_tokens=10, temperature=0.0)])
+    assert batch[1] == got
+    first = got[0]
+    assert llm.generate([prompt], dataclass_replace(params, logit_bias={first: -100.0}))[0].token_ids[0] != first
+    short = llm.tokenizer.encode(llm.apply_chat_template([{"role": "user", "content": "Say OK."}]))
+    plain = llm.generate([short], SamplingParams(max_new_tokens=64, temperature=0.0))[0]
+    assert plain.finish_reason == "eos" and len(plain.token_ids) < 30
+    held = llm.generate([short], SamplingParams(max_new_tokens=64, temperature=0.0, min_tokens=30))[0]
+    assert len(held.token_ids) >= 30 and held.token_ids[:len(plain.token_ids) - 1] == plain.token_ids[:-1]
+    stop = llm.generate([prompt], SamplingParams(max_new_tokens=10, temperature=0.0, stop_token_ids=[got[2]]))[0]
+    assert stop.finish_reason == "eos" and stop.token_ids[-1] == got[2] and len(stop.token_ids) <= 3
+
+
+def dataclass_replace(params, **kw):
+    import dataclasses
+
+    return dataclasses.replace(params, **kw)

@@ -121,16 +121,35 @@ def add_sampling_args(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
     p.add_argument("--stop", action="append", default=[], metavar="TEXT",
                    help="stop when this text appears (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-sequence token")
+    p.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="subtract this from the logit of every token already generated, in [-2, 2] (default: 0)")
+    p.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="subtract this times its count from each generated token's logit, in [-2, 2] (default: 0)")
+    p.add_argument("--logit-bias", action="append", default=[], metavar="ID=BIAS",
+                   help="add BIAS (clamped to [-100, 100]) to token ID's logit (repeatable)")
+    p.add_argument("--min-tokens", type=int, default=0, help="no end-of-sequence token before this many (default: 0)")
+    p.add_argument("--stop-token-id", action="append", type=int, default=[], metavar="ID",
+                   help="stop at this token id as at end-of-sequence (repeatable)")
 
 
 def sampling_params(args: argparse.Namespace):
     from .sampling import SamplingParams
 
+    bias = {}
+    for item in args.logit_bias:
+        tid, _, value = item.partition("=")
+        try:
+            bias[int(tid)] = float(value)
+        except ValueError:
+            raise UsageError(f"arlm: error: --logit-bias {item!r}: expected ID=BIAS, e.g. 42=-100") from None
     try:
         return SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                               top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                               repetition_penalty=args.repetition_penalty, seed=args.seed,
-                              stop=list(args.stop), ignore_eos=args.ignore_eos)
+                              stop=list(args.stop), ignore_eos=args.ignore_eos,
+                              presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                              logit_bias=bias or None, min_tokens=args.min_tokens,
+                              stop_token_ids=list(args.stop_token_id))
     except ValueError as e:
         raise UsageError(f"arlm: error: {e}") from None
 

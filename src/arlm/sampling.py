@@ -19,6 +19,20 @@ from . import kernels
 # Temperatures below this are greedy (see SamplingParams.greedy); vLLM uses the same bound.
 GREEDY_BELOW = 1e-5
 
+MAX_LOGPROBS = 20  # the most top log-probabilities a token reports (OpenAI's cap)
+
+
+def top_logprobs(logits: torch.Tensor, tokens: list[int], k: int) -> list[tuple[float, list[tuple[int, float]]]]:
+    """For logits rows [n, vocab] and the token each row chose: (that token's log-probability,
+    the k most likely [(token id, log-probability)], best first), the model's log-softmax in
+    float32."""
+    lp = torch.log_softmax(logits.float(), -1)
+    chosen = lp.gather(1, torch.tensor(tokens, device=lp.device)[:, None])[:, 0].tolist()
+    if k == 0:
+        return [(c, []) for c in chosen]
+    top = torch.topk(lp, k)
+    return [(c, list(zip(ids, vals))) for c, ids, vals in zip(chosen, top.indices.tolist(), top.values.tolist())]
+
 
 @dataclass
 class SamplingParams:
@@ -38,6 +52,20 @@ class SamplingParams:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    # Log-probabilities (the model's log-softmax, before any sampling transform, as vLLM's
+    # default): logprobs=k returns each sampled token's and the top k (0: the sampled token's
+    # alone); prompt_logprobs=k the same for every prompt token but the first. None: off.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    # OpenAI's penalties over the tokens generated so far: logit -= frequency_penalty * count +
+    # presence_penalty * (count > 0). logit_bias: {token id: bias} added to the logits (clamped
+    # to [-100, 100]). min_tokens: no end-of-sequence (or stop_token_ids) token before that many.
+    # stop_token_ids: tokens that end the request as EOS does (even with ignore_eos).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    min_tokens: int = 0
+    stop_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -46,6 +74,10 @@ class SamplingParams:
             self.stop = []
         elif isinstance(self.stop, tuple):
             self.stop = list(self.stop)
+        if isinstance(self.stop_token_ids, tuple):
+            self.stop_token_ids = list(self.stop_token_ids)
+        if self.logit_bias:  # clamped as OpenAI's API documents
+            self.logit_bias = {t: min(100.0, max(-100.0, float(b))) for t, b in self.logit_bias.items()}
         self.validate()
 
     def validate(self) -> None:
@@ -70,12 +102,51 @@ class SamplingParams:
             raise bad("stop", "must be non-empty strings")
         if not isinstance(self.ignore_eos, bool):
             raise bad("ignore_eos", "must be True or False")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not -2.0 <= v <= 2.0:
+                raise bad(name, "must be in [-2, 2] (0 disables it)")
+        if self.logit_bias is not None and (not isinstance(self.logit_bias, dict) or any(
+                not isinstance(t, int) or isinstance(t, bool) or t < 0 or not math.isfinite(b)
+                for t, b in self.logit_bias.items())):
+            raise bad("logit_bias", "must map token ids (integers >= 0) to finite numbers")
+        if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or self.min_tokens < 0:
+            raise bad("min_tokens", "must be an integer >= 0")
+        if not isinstance(self.stop_token_ids, list) or any(
+                not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "must be token ids (integers >= 0)")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_LOGPROBS):
+                raise bad(name, f"must be an integer in [0, {MAX_LOGPROBS}] or None")
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether the engine changes this request's logits before sampling (penalties over its
+        output, a bias, a minimum length): `adjust_logits`."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias or self.min_tokens)
 
     @property
     def greedy(self) -> bool:
         # Below GREEDY_BELOW, logits / temperature overflows float32 (and the draw is the argmax
         # anyway): such temperatures are greedy, as vLLM treats them.
         return self.temperature < GREEDY_BELOW
+
+
+def adjust_logits(logits: torch.Tensor, params: SamplingParams, output_counts: torch.Tensor | None,
+                  num_output: int, end_ids: frozenset[int] | set[int]) -> torch.Tensor:
+    """One row's logits [V] float32 with its OpenAI-style adjustments, in vLLM's order: the
+    penalties over the output so far (output_counts [V]: each token's count), the bias, then
+    min_tokens' ban on the end tokens (end_ids) while fewer than min_tokens are out."""
+    if output_counts is not None and (params.frequency_penalty or params.presence_penalty):
+        logits = logits - params.frequency_penalty * output_counts - params.presence_penalty * (output_counts > 0)
+    if params.logit_bias:
+        ids = torch.tensor(list(params.logit_bias), device=logits.device)
+        logits = logits.index_add(0, ids, torch.tensor(list(params.logit_bias.values()), device=logits.device,
+                                                       dtype=logits.dtype))
+    if num_output < params.min_tokens and end_ids:
+        logits = logits.index_fill(0, torch.tensor(sorted(end_ids), device=logits.device), float("-inf"))
+    return logits
 
 
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float | torch.Tensor) -> torch.Tensor:

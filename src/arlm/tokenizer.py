@@ -6,6 +6,8 @@ valid UTF-8, holding back bytes while a character is split across tokens.
 
 from __future__ import annotations
 
+import functools
+
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -75,6 +77,26 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (a byte-level BPE piece mapped back through GPT-2's
+        byte <-> character table; a piece may be part of a UTF-8 character)."""
+        piece = self.backend.id_to_token(token_id)
+        if piece is None:
+            return b""
+        table = _byte_decoder()
+        if all(ch in table for ch in piece):
+            return bytes(table[ch] for ch in piece)
+        return self.decode([token_id]).encode("utf-8")
+
+    def token_text(self, token_id: int) -> str:
+        """A token as OpenAI's logprobs name it: its text, or "bytes:\\xNN..." for a piece of a
+        UTF-8 character."""
+        b = self.token_bytes(token_id)
+        try:
+            return b.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{c:02x}" for c in b)
+
     # -- construction ---------------------------------------------------------------------------
 
     @classmethod
@@ -137,6 +159,21 @@ class Tokenizer:
         data = json.loads(self.backend.to_str())
         data["arlm_meta"] = {"bos_id": self.bos_id, "eos_ids": self.eos_ids, "add_bos": self.add_bos}
         return json.dumps(data, ensure_ascii=False)
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level table, character -> byte: printable bytes stand for themselves, the
+    others for the characters from U+0100 on, in order."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    chars, n = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + n)] = b
+            n += 1
+    return chars
 
 
 def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:

@@ -25,7 +25,7 @@ import torch
 
 from ..kv_cache import KVCache, KVDtype, check_head_dim, check_pool_fits, parse_kv_dtype
 from ..model import Transformer
-from ..sampling import SamplingParams, sample_rows
+from ..sampling import SamplingParams, adjust_logits, sample_rows, top_logprobs
 from .request import FinishReason, Request, RequestStatus
 from .runner import ModelRunner
 from .scheduler import Scheduler
@@ -70,6 +70,11 @@ class RequestOutput:
     num_output_tokens: int
     finish_reason: FinishReason | None = None
     error: str | None = None  # the request failed (token_id is -1): why
+    # SamplingParams.logprobs: this token's log-probability and the top ones [(id, log-probability)]
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+    # SamplingParams.prompt_logprobs, on a request's first output: prompt tokens 1 .. P-1's
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
 
 @dataclass
@@ -191,6 +196,9 @@ class Engine:
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
             raise ValueError(f"token id out of range for a vocabulary of {vocab}")
         params.validate()  # (a field set after construction is not checked otherwise)
+        for name, ids in (("logit_bias", params.logit_bias or {}), ("stop_token_ids", params.stop_token_ids)):
+            if any(t >= vocab for t in ids):
+                raise ValueError(f"{name}: token id {max(ids)} out of range for a vocabulary of {vocab}")
         if len(prompt_ids) > self.max_model_len:
             raise ValueError(f"prompt of {len(prompt_ids)} tokens exceeds the context window of "
                              f"{self.max_model_len} tokens")
@@ -211,10 +219,20 @@ class Engine:
             request_id = f"request-{self._next_id}"
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id!r}")
+        if params.prompt_logprobs is not None and prompt_logits:
+            raise ValueError("prompt_logprobs and prompt_logits are two uses of the same logits: ask for one")
         req = Request.create(request_id, prompt_ids, params, self.model.config.vocab_size, self.eos_ids,
-                             self.device, context_shift, prompt_logits)
+                             self.device, context_shift, prompt_logits or params.prompt_logprobs is not None)
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs = [None] * (len(prompt_ids) - 1)
+            req.logits_sink = self._prompt_logprobs_sink(req)
         if arrival_time is not None:
             req.arrival_time = arrival_time
+        if drafter is not None and (params.logprobs is not None or params.prompt_logprobs is not None
+                                    or params.adjusts_logits):
+            # a verify pass carries no per-token log-probabilities, and its acceptance test does
+            # not see the per-token adjustments: such requests decode plainly
+            drafter = None
         if drafter is not None:
             if self.config.kv_window:
                 raise ValueError("speculative decoding does not run with a KV window (kv_window) yet")
@@ -224,6 +242,18 @@ class Engine:
         self.stats.requests += 1
         self.stats.prompt_tokens += len(prompt_ids)
         return req
+
+    @staticmethod
+    def _prompt_logprobs_sink(req: Request):
+        """A logits sink (`Request.logits_sink`) that keeps only the log-probabilities of each
+        prompt token after the first, computed chunk by chunk: row j of a chunk at `start`
+        predicts prompt token start + j + 1."""
+        def sink(start: int, logits: torch.Tensor) -> None:
+            n = min(logits.shape[0], req.num_prompt_tokens - 1 - start)
+            if n > 0:
+                req.prompt_logprobs[start:start + n] = top_logprobs(
+                    logits[:n], req.token_ids[start + 1:start + 1 + n], req.params.prompt_logprobs)
+        return sink
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> None:
         """End a request now and free its blocks (unknown or finished ids are ignored)."""
@@ -388,9 +418,16 @@ class Engine:
         if len(at) != logits.shape[0]:
             logits = logits[torch.tensor(at, device=logits.device)]
         reqs = [batch.seqs[i] for i in rows]
+        raw = logits
+        if any(r.params.adjusts_logits for r in reqs):  # (the raw logits still give the logprobs)
+            logits = logits.float().clone()
+            for j, r in enumerate(reqs):
+                if r.params.adjusts_logits:
+                    logits[j] = adjust_logits(logits[j], r.params, r.output_counts, r.num_output_tokens, r.end_ids)
         try:
             next_ids = sample_rows(logits, [r.params for r in reqs], [r.generator for r in reqs],
                                    self._seen(reqs)).tolist()  # the step's one host sync
+            self._keep_logprobs(raw, reqs, next_ids)
             return {i: [t] for i, t in zip(rows, next_ids)}, {}
         except Exception:  # noqa: BLE001 - narrowed down to rows below
             pass
@@ -398,9 +435,22 @@ class Engine:
         for j, (i, r) in enumerate(zip(rows, reqs)):
             try:
                 sampled[i] = [sample_rows(logits[j:j + 1], [r.params], [r.generator], self._seen([r])).item()]
+                self._keep_logprobs(raw[j:j + 1], [r], sampled[i])
             except Exception as e:  # noqa: BLE001 - this request fails, the others go on
                 failed[i] = e
         return sampled, failed
+
+    @staticmethod
+    def _keep_logprobs(logits: torch.Tensor, reqs: list[Request], tokens: list[int]) -> None:
+        """The sampled tokens' log-probabilities for the requests that ask (`params.logprobs`),
+        from the raw logits (before temperature and the filters), appended to `output_logprobs`."""
+        want = [j for j, r in enumerate(reqs) if r.params.logprobs is not None]
+        if not want:
+            return
+        k = max(reqs[j].params.logprobs for j in want)
+        rows = logits[torch.tensor(want, device=logits.device)] if len(want) != len(reqs) else logits
+        for j, (lp, top) in zip(want, top_logprobs(rows, [tokens[j] for j in want], k)):
+            reqs[j].output_logprobs.append((lp, top[:reqs[j].params.logprobs]))
 
     def _seen(self, reqs: list[Request]) -> torch.Tensor | None:
         """[B, V] tokens seen so far, only when some row has a repetition penalty (the others'
@@ -420,7 +470,12 @@ class Engine:
                 self.stats.on_first_token(req.first_token_time - req.arrival_time)
             for j, tok in enumerate(new):
                 last = j == len(new) - 1
-                outputs.append(RequestOutput(req.request_id, tok, count + j + 1, req.finish_reason if last else None))
+                out = RequestOutput(req.request_id, tok, count + j + 1, req.finish_reason if last else None)
+                if req.params.logprobs is not None and count + j < len(req.output_logprobs):
+                    out.logprob, out.top_logprobs = req.output_logprobs[count + j]
+                if count + j == 0 and req.prompt_logprobs is not None:
+                    out.prompt_logprobs = req.prompt_logprobs
+                outputs.append(out)
             if req.status == RequestStatus.FINISHED:
                 del self.requests[req.request_id]
                 self._count_finished(req)

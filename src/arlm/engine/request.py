@@ -60,6 +60,8 @@ class Request:
     finish_reason: FinishReason | None = None
     generator: torch.Generator | None = None  # its own random stream when seeded
     seen: torch.Tensor | None = None  # [vocab] bool: tokens in the prompt or generated (repetition penalty)
+    output_counts: torch.Tensor | None = None  # [vocab] float32: each token's count in the output (presence/frequency)
+    end_ids: frozenset[int] = frozenset()  # what min_tokens holds back: the EOS ids and stop_token_ids
     blocks: list[int] = field(default_factory=list)  # block table: block ids in position order
     block_hashes: list[bytes] = field(default_factory=list)  # content hashes of the window's full blocks
     num_registered: int = 0  # leading blocks known to the prefix cache (hit, or registered once full)
@@ -71,6 +73,10 @@ class Request:
     # Instead of prompt_logits: called with (start, logits [n, vocab]) for each computed chunk of
     # prompt positions start .. start + n - 1 (a stream too long to hold its logits: perplexity)
     logits_sink: Callable[[int, torch.Tensor], None] | None = None
+    # params.logprobs / prompt_logprobs: (log-probability, top [(id, log-probability)]) of each
+    # output token, in order; of prompt tokens 1 .. P-1 (filled as the prompt is computed)
+    output_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     # Speculative decoding (engine/speculative.py): who drafts for it, this step's draft (tokens
@@ -87,9 +93,13 @@ class Request:
                context_shift: bool = False, prompt_logits: bool = False) -> "Request":
         """A new request; seeds its generator (a seeded request samples the same in any batch, as
         vLLM seeds each request) and builds its penalty mask from the prompt when it needs one."""
+        stops = frozenset(params.stop_token_ids)
         req = cls(request_id, list(prompt_ids), len(prompt_ids), params,
-                  frozenset() if params.ignore_eos else frozenset(eos_ids), context_shift,
+                  (frozenset() if params.ignore_eos else frozenset(eos_ids)) | stops, context_shift,
                   keep_prompt_logits=prompt_logits)
+        req.end_ids = frozenset(eos_ids) | stops
+        if params.presence_penalty or params.frequency_penalty:
+            req.output_counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)
         if params.seed is not None:
             req.generator = torch.Generator(device=device).manual_seed(params.seed)
         if params.repetition_penalty != 1.0:
@@ -149,5 +159,7 @@ class Request:
         self.token_ids.append(token)
         if self.seen is not None:
             self.seen[token] = True
+        if self.output_counts is not None:
+            self.output_counts[token] += 1
         if self.first_token_time is None:
             self.first_token_time = time.monotonic()

@@ -30,8 +30,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine import AsyncEngine, EngineDead, FinishReason
 from ..llm import LLM, PromptError
-from ..sampling import SamplingParams
+from ..sampling import MAX_LOGPROBS, SamplingParams
 from ..text import TextStreamer
+from ..tokenizer import IncrementalDetokenizer
 from . import metrics
 
 log = logging.getLogger(__name__)
@@ -51,11 +52,10 @@ PROMPT_TYPES = "a string, a list of strings, a list of token ids (integers) or a
 # OpenAI (and vLLM) fields this server does not implement, with the values that change nothing
 # besides null, 0, false and empty. Any other value gets 400 naming the field: ignoring it would
 # answer a different request than the one sent (no tool call, no JSON schema, no logit bias).
-UNSUPPORTED = {"presence_penalty": (), "frequency_penalty": (), "logit_bias": (), "logprobs": (),
-               "top_logprobs": (), "response_format": ({"type": "text"},), "tools": (), "functions": (),
+UNSUPPORTED = {"response_format": ({"type": "text"},), "tools": (), "functions": (),
                "tool_choice": ("none",), "function_call": ("none",), "guided_json": (), "guided_regex": (),
                "guided_choice": (), "guided_grammar": ()}
-HINTS = {"presence_penalty": " (use repetition_penalty)", "frequency_penalty": " (use repetition_penalty)"}
+HINTS: dict[str, str] = {}
 
 
 class APIError(Exception):
@@ -100,6 +100,9 @@ class _SamplingRequest(_Strict):
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=100.0)
     ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0, le=MAX_COUNT)
+    stop_token_ids: list[int] | None = None
+    logit_bias: dict[str, float] | None = None  # OpenAI's: token id (as a string) -> bias
     # Fields this schema does not name are kept (unvalidated, unused), so that `Server.parse` can
     # refuse the UNSUPPORTED ones by name whatever their type.
     model_config = ConfigDict(extra="allow")
@@ -107,8 +110,9 @@ class _SamplingRequest(_Strict):
 
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(None, ge=0, le=MAX_COUNT)  # 0: with echo, the prompt's log-probabilities alone
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1, le=MAX_COUNT)
 
@@ -128,6 +132,21 @@ class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_COUNT)
     logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+
+class TokenizeRequest(_Strict):  # vLLM's POST /tokenize: a prompt, or chat messages
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]
 
 
 def _schema_fields(schema: type[BaseModel] = _Strict) -> set[str]:
@@ -150,6 +169,10 @@ class Delta:
     text: str
     finish_reason: str | None
     num_tokens: int  # tokens generated so far for this choice (up to a stop string)
+    token_id: int = -1
+    logprob: float | None = None  # SamplingParams.logprobs: this token's, and the top ones
+    top_logprobs: list[tuple[int, float]] | None = None
+    prompt_logprobs: list | None = None  # SamplingParams.prompt_logprobs, on a choice's first delta
 
 
 class Server:
@@ -203,7 +226,7 @@ class Server:
                 # pydantic names the union's last member ("a valid string"), wrong for [1.5]
                 param, msg = "prompt", f"must be {PROMPT_TYPES}"
             raise APIError(400, f"{param or 'body'}: {msg}", param=param, code="invalid_value") from None
-        if req.model != self.model_name:
+        if getattr(req, "model", None) is not None and req.model != self.model_name:
             raise APIError(400, f"the model '{req.model}' does not exist; this server serves '{self.model_name}'",
                            param="model", code="model_not_found")
         for name, no_ops in UNSUPPORTED.items():
@@ -211,7 +234,7 @@ class Server:
             if value and value not in no_ops:
                 raise APIError(400, f"{name} is not supported{HINTS.get(name, '')}", param=name,
                                code="unsupported")
-        if getattr(req, "best_of", None) not in (None, req.n):
+        if getattr(req, "best_of", None) not in (None, getattr(req, "n", 1)):
             raise APIError(400, "best_of is not supported (every choice is returned: leave it out or set it to n)",
                            param="best_of", code="unsupported")
         return req
@@ -240,11 +263,24 @@ class Server:
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         if len(stop) > 16 or any(not s for s in stop):
             raise APIError(400, "stop: up to 16 non-empty strings", param="stop", code="invalid_value")
+        vocab = self.llm.model.config.vocab_size
+        bias = {}
+        for key, value in (req.logit_bias or {}).items():
+            if not key.strip().isdigit() or int(key) >= vocab:
+                raise APIError(400, f"logit_bias: {key!r} is not a token id (0..{vocab - 1})", param="logit_bias",
+                               code="invalid_value")
+            bias[int(key)] = value
+        bad = next((t for t in req.stop_token_ids or [] if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(400, f"stop_token_ids: {bad} is not a token id (0..{vocab - 1})", param="stop_token_ids",
+                           code="invalid_value")
         try:
             return SamplingParams(max_new_tokens=max_tokens, temperature=req.temperature,
                                   top_k=max(req.top_k, 0), top_p=req.top_p, min_p=req.min_p,
                                   repetition_penalty=req.repetition_penalty, seed=req.seed, stop=stop,
-                                  ignore_eos=req.ignore_eos)
+                                  ignore_eos=req.ignore_eos, presence_penalty=req.presence_penalty,
+                                  frequency_penalty=req.frequency_penalty, logit_bias=bias or None,
+                                  min_tokens=req.min_tokens, stop_token_ids=list(req.stop_token_ids or []))
         except ValueError as e:  # SamplingParams.validate: "invalid top_k=...: why"
             name = str(e).removeprefix("invalid ").partition("=")[0]
             param = "max_tokens" if name == "max_new_tokens" else name if name in _SamplingRequest.model_fields else None
@@ -268,12 +304,14 @@ class Server:
         try:
             async for out in tokens:
                 text, hit = streamer.push(out.token_id, final=out.finish_reason is not None)
+                extra = dict(token_id=out.token_id, logprob=out.logprob, top_logprobs=out.top_logprobs,
+                             prompt_logprobs=out.prompt_logprobs)
                 if hit:
                     self.engine.abort(rid, FinishReason.STOP)
-                    yield Delta(index, text, "stop", out.num_output_tokens)
+                    yield Delta(index, text, "stop", out.num_output_tokens, **extra)
                     return
                 reason = out.finish_reason.openai if out.finish_reason is not None else None
-                yield Delta(index, text, reason, out.num_output_tokens)
+                yield Delta(index, text, reason, out.num_output_tokens, **extra)
         finally:
             await tokens.aclose()  # an unfinished request is aborted: its blocks free at once
 
@@ -317,6 +355,44 @@ class Server:
         return [(first + j, prompt_ids,
                  params if params.seed is None or j == 0 else dataclasses.replace(params, seed=(params.seed + j) % 2**64))
                 for j in range(n)]
+
+
+class Logprobs:
+    """OpenAI's logprobs shapes from the engine's (token id, log-probability, top [(id,
+    log-probability)]) entries: the completions API's legacy columns, the chat API's `content`."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tok = tokenizer
+
+    def offsets(self, ids: list[int], start: int = 0) -> list[int]:
+        """Each token's character offset in the text the ids decode to (a token inside a
+        multi-byte character starts where that character does)."""
+        detok = IncrementalDetokenizer(self.tok, skip_special_tokens=False)
+        out, at = [], start
+        for i in ids:
+            out.append(at)
+            at += len(detok.push(i))
+        return out
+
+    def legacy(self, entries: list[tuple[int, float | None, list | None]], offsets: list[int]) -> dict:
+        text = self.tok.token_text
+        out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": offsets}
+        for tid, lp, top in entries:
+            t = text(tid)
+            out["tokens"].append(t)
+            out["token_logprobs"].append(lp)
+            if top is None:
+                out["top_logprobs"].append(None)
+            else:
+                d = {text(i): v for i, v in top}
+                d.setdefault(t, lp)  # the chosen token is always there, as OpenAI's
+                out["top_logprobs"].append(d)
+        return out
+
+    def chat(self, entries: list[tuple[int, float, list]]) -> list[dict]:
+        def one(i: int, v: float) -> dict:
+            return {"token": self.tok.token_text(i), "logprob": v, "bytes": list(self.tok.token_bytes(i))}
+        return [{**one(tid, lp), "top_logprobs": [one(i, v) for i, v in top]} for tid, lp, top in entries]
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -426,12 +502,60 @@ def create_app(server: Server, engine_thread: bool = True) -> FastAPI:
                            param="model", code="model_not_found")
         return JSONResponse(server.model_card())
 
+    # -- the tokenizer, in vLLM's shapes (lm-eval's remote tokenizer, token counting) ----------------
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        req: TokenizeRequest = await server.parse(request, TokenizeRequest)
+        tok = server.llm.tokenizer
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "give either prompt or messages", param="prompt", code="invalid_value")
+        if req.messages is not None:
+            messages = [{"role": "system" if m.role == "developer" else m.role,
+                         "content": m.content if isinstance(m.content, str) else
+                         "".join(p.text for p in m.content or [])} for m in req.messages]
+            try:
+                text = server.llm.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
+            except PromptError as e:
+                raise APIError(400, str(e), param="messages", code="invalid_value") from None
+            ids = tok.encode(text, add_bos=False)  # (the template writes its own special tokens)
+        else:
+            ids = tok.encode(req.prompt, add_bos=None if req.add_special_tokens else False)
+        out = {"count": len(ids), "max_model_len": server.engine.engine.max_model_len, "tokens": ids}
+        if req.return_token_strs:
+            out["token_strs"] = [tok.token_text(i) for i in ids]
+        return JSONResponse(out)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        req: DetokenizeRequest = await server.parse(request, DetokenizeRequest)
+        vocab = server.llm.model.config.vocab_size
+        bad = next((i for i, t in enumerate(req.tokens) if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(400, f"tokens.{bad}: {req.tokens[bad]} is not a token id (0..{vocab - 1})",
+                           param=f"tokens.{bad}", code="invalid_value")
+        return JSONResponse({"prompt": server.llm.tokenizer.decode(req.tokens)})
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(request: Request) -> Response:
+        server.check_auth(request)
+        tok = server.llm.tokenizer
+        name = lambda i: tok.decode([i]) if i is not None else None  # noqa: E731
+        return JSONResponse({"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length":
+                             server.engine.engine.max_model_len, "vocab_size": tok.vocab_size,
+                             "bos_token": name(tok.bos_id), "bos_token_id": tok.bos_id,
+                             "eos_token": name(tok.eos_id), "eos_token_id": tok.eos_id,
+                             "add_bos_token": bool(tok.add_bos and tok.bos_id is not None),
+                             "chat_template": server.llm.chat_template})
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         req: CompletionRequest = await server.parse(request, CompletionRequest)
-        if req.echo or req.suffix:
-            raise APIError(400, "echo and suffix are not supported", param="echo" if req.echo else "suffix",
-                           code="unsupported")
+        if req.suffix:
+            raise APIError(400, "suffix is not supported", param="suffix", code="unsupported")
+        if req.max_tokens == 0 and not req.echo:
+            raise APIError(400, "max_tokens: 0 asks for nothing without echo (then: the prompt's logprobs alone)",
+                           param="max_tokens", code="invalid_value")
         prompt = req.prompt
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
             prompt = [prompt]
@@ -446,11 +570,18 @@ def create_app(server: Server, engine_thread: bool = True) -> FastAPI:
         if any(not p or min(p) < 0 or max(p) >= vocab for p in prompts):
             raise APIError(400, f"prompt: token ids must be in 0..{vocab - 1} and non-empty", param="prompt",
                            code="invalid_value")
-        jobs = []
-        for ids in prompts:
-            params = server.sampling_params(req, req.max_tokens, len(ids), "prompt", default_max_tokens=16)
-            jobs += server.jobs(len(jobs), ids, params, req.n)
-        return await respond(request, req, jobs, sum(map(len, prompts)), chat=False)
+        jobs, echo = [], []
+        for p, ids in zip(prompt, prompts):
+            # max_tokens 0 (with echo): one token is generated, and dropped
+            params = server.sampling_params(req, req.max_tokens or (1 if req.max_tokens == 0 else None), len(ids),
+                                            "prompt", default_max_tokens=16)
+            params = dataclasses.replace(params, logprobs=req.logprobs,
+                                         prompt_logprobs=req.logprobs if req.echo and req.logprobs is not None else None)
+            new = server.jobs(len(jobs), ids, params, req.n)
+            jobs += new
+            echo += [p if isinstance(p, str) else server.llm.tokenizer.decode(ids)] * len(new)
+        return await respond(request, req, jobs, sum(map(len, prompts)), chat=False,
+                             echo=echo if req.echo else None, zero=req.max_tokens == 0)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -467,43 +598,75 @@ def create_app(server: Server, engine_thread: bool = True) -> FastAPI:
         except PromptError as e:
             raise APIError(400, str(e), param="messages", code="invalid_value") from None
         params = server.sampling_params(req, req.max_completion_tokens or req.max_tokens, len(ids), "messages")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
+        if req.logprobs:
+            params = dataclasses.replace(params, logprobs=req.top_logprobs or 0)
         return await respond(request, req, server.jobs(0, ids, params, req.n), len(ids), chat=True)
 
     async def respond(request: Request, req: _SamplingRequest, jobs: list, prompt_tokens: int,
-                      chat: bool) -> Response:
+                      chat: bool, echo: list[str] | None = None, zero: bool = False) -> Response:
         """Run the jobs (one per choice) and answer in OpenAI's format: a completion or a chat
-        completion, streamed as server-sent events or as one JSON body."""
+        completion, streamed as server-sent events or as one JSON body. echo: each choice's
+        prompt text, written before its completion (with its tokens' logprobs where asked);
+        zero: max_tokens 0, the one token generated is dropped."""
         rid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
+        fmt = Logprobs(server.llm.tokenizer)
+        want_logprobs = bool(req.logprobs) if chat else req.logprobs is not None
 
         def body(obj: str, choices: list[dict], usage: dict | None) -> dict:
             return {"id": rid, "object": obj, "created": created, "model": server.model_name,
                     "choices": choices, "usage": usage}
 
+        def prompt_entries(i: int, d: Delta) -> list[tuple]:
+            ids = jobs[i][1]
+            pl = d.prompt_logprobs or []
+            return [(ids[0], None, None)] + [(ids[t + 1], lp, top) for t, (lp, top) in enumerate(pl)]
+
         if req.stream:
             obj = "chat.completion.chunk" if chat else "text_completion"
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
-            def chunk(index: int, text: str | None, finish_reason: str | None, role: bool = False) -> str:
+            def chunk(index: int, text: str | None, finish_reason: str | None, role: bool = False,
+                      logprobs: dict | None = None) -> str:
                 if chat:
                     delta = {"role": "assistant", "content": ""} if role else {"content": text} if text else {}
-                    choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+                    choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
                 else:
-                    choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+                    choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
                 return _sse(body(obj, [choice], None))
 
             async def events() -> AsyncIterator[str]:
                 counts = [0] * len(jobs)
+                offset = [0] * len(jobs)
+                started = [False] * len(jobs)
                 if chat:  # the role comes first, as OpenAI sends it
                     for i in range(len(jobs)):
                         yield chunk(i, None, None, role=True)
                 try:
                     async for d in server.run_all(jobs):
-                        counts[d.index] = d.num_tokens
+                        i = d.index
+                        if echo is not None and not started[i]:  # the prompt first, with its logprobs
+                            entries = prompt_entries(i, d)
+                            lp = fmt.legacy(entries, fmt.offsets(jobs[i][1])) if want_logprobs else None
+                            yield chunk(i, echo[i], None, logprobs=lp)
+                            offset[i] = len(echo[i])
+                        started[i] = True
+                        if zero:
+                            if d.finish_reason:
+                                yield chunk(i, "", "length")
+                            continue
+                        counts[i] = d.num_tokens
+                        lp = None
+                        if want_logprobs and d.logprob is not None:
+                            entry = [(d.token_id, d.logprob, d.top_logprobs)]
+                            lp = {"content": fmt.chat(entry)} if chat else fmt.legacy(entry, [offset[i]])
+                        offset[i] += len(d.text)
                         if chat and d.text and d.finish_reason:  # content, then an empty finishing delta
-                            yield chunk(d.index, d.text, None)
-                            yield chunk(d.index, None, d.finish_reason)
-                        elif d.text or d.finish_reason:
-                            yield chunk(d.index, d.text, d.finish_reason)
+                            yield chunk(i, d.text, None, logprobs=lp)
+                            yield chunk(i, None, d.finish_reason)
+                        elif d.text or d.finish_reason or lp is not None:
+                            yield chunk(i, d.text, d.finish_reason, logprobs=lp)
                     if include_usage:
                         yield _sse(body(obj, [], _usage(prompt_tokens, sum(counts))))
                 except Exception as e:  # noqa: BLE001 - the stream has started: report in-band
@@ -516,16 +679,34 @@ def create_app(server: Server, engine_thread: bool = True) -> FastAPI:
 
         async def collect() -> dict:
             texts, reasons, counts = [""] * len(jobs), [None] * len(jobs), [0] * len(jobs)
+            prompt_lp: list[list] = [[] for _ in jobs]
+            tokens: list[list] = [[] for _ in jobs]
             async for d in server.run_all(jobs):
+                if d.prompt_logprobs is not None or (echo is not None and not prompt_lp[d.index]):
+                    prompt_lp[d.index] = prompt_entries(d.index, d)
                 texts[d.index] += d.text
                 counts[d.index] = d.num_tokens
                 reasons[d.index] = d.finish_reason or reasons[d.index]
+                if d.logprob is not None:
+                    tokens[d.index].append((d.token_id, d.logprob, d.top_logprobs))
+            if zero:
+                texts, counts, tokens = [""] * len(jobs), [0] * len(jobs), [[] for _ in jobs]
+                reasons = ["length"] * len(jobs)
             if chat:
-                choices = [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": None,
+                choices = [{"index": i, "message": {"role": "assistant", "content": t},
+                            "logprobs": {"content": fmt.chat(tokens[i])} if want_logprobs else None,
                             "finish_reason": r} for i, (t, r) in enumerate(zip(texts, reasons))]
             else:
-                choices = [{"index": i, "text": t, "logprobs": None, "finish_reason": r}
-                           for i, (t, r) in enumerate(zip(texts, reasons))]
+                choices = []
+                for i, (t, r) in enumerate(zip(texts, reasons)):
+                    lp = None
+                    if want_logprobs:
+                        head = echo[i] if echo is not None else ""
+                        ids = [e[0] for e in tokens[i]]
+                        offsets = (fmt.offsets(jobs[i][1]) if echo is not None else []) + fmt.offsets(ids, len(head))
+                        lp = fmt.legacy((prompt_lp[i] if echo is not None else []) + tokens[i], offsets)
+                    choices.append({"index": i, "text": (echo[i] if echo is not None else "") + t, "logprobs": lp,
+                                    "finish_reason": r})
             return body("chat.completion" if chat else "text_completion", choices, _usage(prompt_tokens, sum(counts)))
 
         result = await _unless_disconnected(request, collect())
@@ -534,8 +715,8 @@ def create_app(server: Server, engine_thread: bool = True) -> FastAPI:
     return app
 
 
-KNOWN_PATHS = {"/health", "/metrics", "/trace", "/trace/events", "/v1/models", "/v1/completions",
-               "/v1/chat/completions"}
+KNOWN_PATHS = {"/health", "/metrics", "/trace", "/trace/events", "/tokenize", "/detokenize", "/tokenizer_info",
+               "/v1/models", "/v1/completions", "/v1/chat/completions"}
 
 
 class CountRequests:
