@@ -366,7 +366,13 @@ BAD = [
     ("number prompt", {"model": MODEL, "prompt": 5}, "prompt", "invalid_value"),
     ("number stop", {"model": MODEL, "prompt": "Hi", "stop": 5}, "stop", "invalid_value"),
     ("best_of", {"model": MODEL, "prompt": "Hi", "best_of": 2}, "best_of", "unsupported"),
-    ("logit_bias", {"model": MODEL, "prompt": "Hi", "logit_bias": {"1": -100}}, "logit_bias", "unsupported"),
+    ("logit_bias id", {"model": MODEL, "prompt": "Hi", "logit_bias": {"-1": -100}}, "logit_bias", "invalid_value"),
+    ("logit_bias type", {"model": MODEL, "prompt": "Hi", "logit_bias": {"1": "x"}}, "logit_bias", "invalid_value"),
+    ("bad regex", {"model": MODEL, "prompt": "Hi", "guided_regex": "(("}, "guided_regex", "invalid_value"),
+    ("bad schema", {"model": MODEL, "prompt": "Hi", "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "frobnicate"}}}}, "response_format", "invalid_value"),
+    ("two grammars", {"model": MODEL, "prompt": "Hi", "guided_regex": "a", "guided_choice": ["a"]}, "guided_choice",
+     "invalid_value"),
     # counts the engine's int64 tensors cannot hold are refused here, by name, not in its step
     ("huge top_k", {"model": MODEL, "prompt": "Hi", "top_k": 2**63}, "top_k", "invalid_value"),
     ("top_k 2**31", {"model": MODEL, "prompt": "Hi", "top_k": 2**31}, "top_k", "invalid_value"),
@@ -561,7 +567,7 @@ def test_fields_that_change_the_output_are_refused_by_name(server):
     c = client(server)
     chat = dict(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=1)
     tool = {"type": "function", "function": {"name": "weather", "parameters": {"type": "object", "properties": {}}}}
-    for name, value in (("tools", [tool]), ("tool_choice", "auto"), ("response_format", {"type": "json_object"})):
+    for name, value in (("tools", [tool]), ("tool_choice", "auto")):
         with pytest.raises(openai.BadRequestError) as e:
             c.chat.completions.create(**chat, **{name: value})
         assert (e.value.param, e.value.code) == (name, "unsupported") and name in e.value.message
@@ -642,6 +648,43 @@ def test_openai_sampling_fields(server):
         r = httpx.post(f"{server.url}/v1/completions", headers=AUTH, timeout=30,
                        json={"model": MODEL, "prompt": "x", "max_tokens": 1, **body})
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+
+
+def test_structured_outputs_with_the_openai_sdk_and_langchain(server):
+    """chat.completions.parse() with a pydantic model (a strict json_schema response_format),
+    json_object, vLLM's guided_choice / guided_regex; LangChain's with_structured_output with
+    its default method (json_schema, through the SDK's parse)."""
+    from typing import Literal
+
+    from pydantic import BaseModel, Field
+
+    class City(BaseModel):
+        name: str = Field(max_length=40)
+        country: str = Field(max_length=40)
+        population_millions: int = Field(ge=0, le=100)
+        continent: Literal["Europe", "Asia", "Africa", "America", "Oceania"]
+
+    c = client(server)
+    messages = [{"role": "user", "content": "Describe Paris as JSON."}]
+    r = c.chat.completions.parse(model=MODEL, messages=messages, response_format=City, max_tokens=200, temperature=0)
+    assert r.choices[0].finish_reason == "stop"
+    city = r.choices[0].message.parsed
+    assert isinstance(city, City) and city.continent in ("Europe", "Asia", "Africa", "America", "Oceania")
+    r = c.chat.completions.create(model=MODEL, messages=messages, response_format={"type": "json_object"},
+                                  max_tokens=120, temperature=0.7, seed=3)
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(r.choices[0].message.content), dict)
+    text, reason, _ = complete(c, "Is the sky blue? Answer:", 5, guided_choice=["yes", "no"])
+    assert text in ("yes", "no") and reason == "stop"
+    text, reason, _ = complete(c, "A date:", 20, stream=True, guided_regex=r"20[0-9]{2}-[01][0-9]-[0-3][0-9]")
+    assert re.fullmatch(r"20[0-9]{2}-[01][0-9]-[0-3][0-9]", text) and reason == "stop"
+
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(model=MODEL, base_url=f"{server.url}/v1", api_key=KEY, temperature=0, max_tokens=200,
+                     max_retries=0)
+    out = llm.with_structured_output(City).invoke("Describe Rome as JSON.")
+    assert isinstance(out, City) and out.name
 
 
 def test_tokenizer_endpoints(server):

@@ -15,7 +15,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from .cli_common import (Parser, UsageError, add_model_args, add_sampling_args, add_speculative_args, add_window_args,
+from .cli_common import (Parser, UsageError, add_model_args, add_sampling_args, add_speculative_args,
+                         add_structured_args, add_window_args,
                          load_llm, positive_int,
                          sampling_params, stats_line)
 from .serve.cli import add_serve
@@ -32,6 +33,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     args.prompt = valid_text(args.prompt)  # bytes that were not UTF-8 become U+FFFD
     params = sampling_params(args)
     llm = load_llm(args)
+    if params.structured is not None:  # (checked before the prompt is printed)
+        from .structured import GrammarError
+
+        try:
+            llm.grammars.check(params.structured)
+        except GrammarError as e:
+            raise UsageError(f"arlm generate: error: {e}") from None
     if args.chat:
         prompt = llm.apply_chat_template([{"role": "user", "content": args.prompt}])
     else:
@@ -64,6 +72,7 @@ def add_generate(sub) -> None:
     add_sampling_args(p, max_new_tokens=128)
     add_speculative_args(p)
     add_window_args(p)
+    add_structured_args(p)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     p.add_argument("--context-shift", action="store_true",

@@ -5,9 +5,11 @@ import it, it imports none of them."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import sys
+from pathlib import Path
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -132,6 +134,45 @@ def add_sampling_args(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
                    help="stop at this token id as at end-of-sequence (repeatable)")
 
 
+def add_structured_args(p: argparse.ArgumentParser) -> None:
+    """--json-schema / --json-object / --regex / --choice (arlm.structured: enforced token by token)."""
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--json-schema", metavar="SCHEMA", default=None,
+                   help="the output is JSON valid against this schema (a file, or the schema's JSON text)")
+    g.add_argument("--json-object", action="store_true", help="the output is a JSON object")
+    g.add_argument("--regex", metavar="PATTERN", default=None, help="the output matches this regular expression")
+    g.add_argument("--choice", metavar="A,B,...", default=None, help="the output is one of these strings")
+
+
+def structured_output(args: argparse.Namespace):
+    """The StructuredOutput the flags ask for, or None."""
+    from .structured import GrammarError, StructuredOutput
+
+    try:
+        if getattr(args, "json_schema", None):
+            text = args.json_schema
+            if not text.lstrip().startswith("{"):
+                try:
+                    text = Path(text).read_text(encoding="utf-8")
+                except OSError as e:
+                    raise UsageError(f"arlm: error: --json-schema: cannot read {args.json_schema}: "
+                                     f"{e.strerror or e}") from None
+            try:
+                schema = json.loads(text)
+            except ValueError as e:
+                raise UsageError(f"arlm: error: --json-schema: not JSON: {e}") from None
+            return StructuredOutput("json_schema", schema)
+        if getattr(args, "json_object", False):
+            return StructuredOutput("json")
+        if getattr(args, "regex", None):
+            return StructuredOutput("regex", args.regex)
+        if getattr(args, "choice", None):
+            return StructuredOutput("choice", [c for c in args.choice.split(",") if c])
+    except GrammarError as e:
+        raise UsageError(f"arlm: error: {e}") from None
+    return None
+
+
 def sampling_params(args: argparse.Namespace):
     from .sampling import SamplingParams
 
@@ -149,7 +190,7 @@ def sampling_params(args: argparse.Namespace):
                               stop=list(args.stop), ignore_eos=args.ignore_eos,
                               presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
                               logit_bias=bias or None, min_tokens=args.min_tokens,
-                              stop_token_ids=list(args.stop_token_id))
+                              stop_token_ids=list(args.stop_token_id), structured=structured_output(args))
     except ValueError as e:
         raise UsageError(f"arlm: error: {e}") from None
 

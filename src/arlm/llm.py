@@ -209,6 +209,9 @@ class LLM:
         self.speculative: SpeculativeConfig | None = None  # the default of generate/stream (configure)
         self.kv_window, self.kv_sinks = 0, 4  # a sliding window with attention sinks (configure)
         self._drafters: dict[tuple, Drafter] = {}
+        from .structured import Grammars
+
+        self.grammars = Grammars(self.tokenizer, self.model.config.vocab_size)  # (structured outputs)
         self._start(ModelRunner(self.model))
 
     def _start(self, runner: ModelRunner) -> None:
@@ -227,6 +230,7 @@ class LLM:
             config = EngineConfig(block_size=None, max_num_seqs=1024, max_num_batched_tokens=1 << 20,
                                   kv_dtype=self.kv_dtype)
         self.engine = Engine(runner, self.tokenizer.eos_ids, config)
+        self.engine.grammars = self.grammars
 
     @classmethod
     def load(cls, spec: str = "smollm2", device: str = "cpu", dtype: torch.dtype = torch.float32,
@@ -464,6 +468,7 @@ class ChatSession:
         self.engine = Engine(llm.runner, llm.tokenizer.eos_ids,
                              EngineConfig(block_size=bs, kv_cache_tokens=tokens, max_num_seqs=1,
                                           max_num_batched_tokens=self.max_context, kv_dtype=llm.kv_dtype))
+        self.engine.grammars = llm.grammars
         self.last_prefill_tokens = 0  # prompt tokens the last turn computed (the rest came from the cache)
         self.cached_tokens = 0  # prompt tokens the last turn took from the cache
         self.stats = GenerationStats()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -66,6 +67,9 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     min_tokens: int = 0
     stop_token_ids: list[int] = field(default_factory=list)
+    # The output must match this (arlm.structured.StructuredOutput: JSON, a JSON schema, a regex,
+    # a choice, a grammar), enforced token by token; None: free text.
+    structured: Any = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -115,6 +119,11 @@ class SamplingParams:
         if not isinstance(self.stop_token_ids, list) or any(
                 not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be token ids (integers >= 0)")
+        if self.structured is not None:
+            from .structured import StructuredOutput
+
+            if not isinstance(self.structured, StructuredOutput):
+                raise bad("structured", "must be an arlm.structured.StructuredOutput")
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(self, name)
             if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_LOGPROBS):

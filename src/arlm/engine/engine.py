@@ -127,6 +127,9 @@ class Engine:
         self.last_step = StepStats()
         self.step_cost = StepCost()  # what a decode step costs here, by its size (speculation's rule)
         self.tracer = None  # an arlm.trace.Tracer records every step while set (arlm trace, serve --trace)
+        # arlm.structured.Grammars over the tokenizer: set by the front end (the engine speaks
+        # token ids), needed by requests with SamplingParams.structured
+        self.grammars = None
         self._next_id = 0
         if config.contiguous:
             self.cache: KVCache | None = None  # sized for each batch (`_fit_cache`)
@@ -228,8 +231,12 @@ class Engine:
             req.logits_sink = self._prompt_logprobs_sink(req)
         if arrival_time is not None:
             req.arrival_time = arrival_time
+        if params.structured is not None:
+            if self.grammars is None:
+                raise ValueError("structured outputs need the tokenizer's grammar engine (Engine.grammars)")
+            req.matcher = self.grammars.matcher(params.structured)  # (GrammarError: a ValueError)
         if drafter is not None and (params.logprobs is not None or params.prompt_logprobs is not None
-                                    or params.adjusts_logits):
+                                    or params.adjusts_logits or params.structured is not None):
             # a verify pass carries no per-token log-probabilities, and its acceptance test does
             # not see the per-token adjustments: such requests decode plainly
             drafter = None
@@ -419,16 +426,22 @@ class Engine:
             logits = logits[torch.tensor(at, device=logits.device)]
         reqs = [batch.seqs[i] for i in rows]
         raw = logits
-        if any(r.params.adjusts_logits for r in reqs):  # (the raw logits still give the logprobs)
+        guided = [j for j, r in enumerate(reqs) if r.matcher is not None]
+        if guided or any(r.params.adjusts_logits for r in reqs):  # (the raw logits still give the logprobs)
             logits = logits.float().clone()
             for j, r in enumerate(reqs):
                 if r.params.adjusts_logits:
                     logits[j] = adjust_logits(logits[j], r.params, r.output_counts, r.num_output_tokens, r.end_ids)
+            if guided:  # the grammar's mask, for the rows that have one
+                allowed = self.grammars.allowed([reqs[j].matcher for j in guided]).to(logits.device)
+                index = torch.tensor(guided, device=logits.device)
+                logits[index] = logits[index].masked_fill(~allowed[:, :logits.shape[1]], float("-inf"))
         try:
             next_ids = sample_rows(logits, [r.params for r in reqs], [r.generator for r in reqs],
                                    self._seen(reqs)).tolist()  # the step's one host sync
             self._keep_logprobs(raw, reqs, next_ids)
-            return {i: [t] for i, t in zip(rows, next_ids)}, {}
+            failed = self._advance_grammars(reqs, next_ids, rows)
+            return {i: [t] for i, t in zip(rows, next_ids) if i not in failed}, failed
         except Exception:  # noqa: BLE001 - narrowed down to rows below
             pass
         sampled, failed = {}, {}
@@ -436,9 +449,21 @@ class Engine:
             try:
                 sampled[i] = [sample_rows(logits[j:j + 1], [r.params], [r.generator], self._seen([r])).item()]
                 self._keep_logprobs(raw[j:j + 1], [r], sampled[i])
+                if self._advance_grammars([r], sampled[i], [i]):
+                    raise ValueError(f"token {sampled[i][0]} breaks the grammar: {r.matcher.get_error()}")
             except Exception as e:  # noqa: BLE001 - this request fails, the others go on
                 failed[i] = e
         return sampled, failed
+
+    @staticmethod
+    def _advance_grammars(reqs: list[Request], tokens: list[int], rows: list[int]) -> dict[int, Exception]:
+        """Feed each sampled token to its request's grammar matcher; the rows whose token the
+        grammar refused (it cannot happen with the mask applied) as failures."""
+        failed = {}
+        for r, tok, i in zip(reqs, tokens, rows):
+            if r.matcher is not None and tok not in r.eos_ids and not r.matcher.consume_token(tok):
+                failed[i] = RuntimeError(f"token {tok} breaks the grammar: {r.matcher.get_error()}")
+        return failed
 
     @staticmethod
     def _keep_logprobs(logits: torch.Tensor, reqs: list[Request], tokens: list[int]) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import TYPE_CHECKING, Callable
+from typing import Any, TYPE_CHECKING, Callable
 
 import torch
 
@@ -62,6 +62,7 @@ class Request:
     seen: torch.Tensor | None = None  # [vocab] bool: tokens in the prompt or generated (repetition penalty)
     output_counts: torch.Tensor | None = None  # [vocab] float32: each token's count in the output (presence/frequency)
     end_ids: frozenset[int] = frozenset()  # what min_tokens holds back: the EOS ids and stop_token_ids
+    matcher: Any = None  # params.structured's llguidance matcher (arlm.structured), fed each token
     blocks: list[int] = field(default_factory=list)  # block table: block ids in position order
     block_hashes: list[bytes] = field(default_factory=list)  # content hashes of the window's full blocks
     num_registered: int = 0  # leading blocks known to the prefix cache (hit, or registered once full)

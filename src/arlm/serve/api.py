@@ -31,6 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..engine import AsyncEngine, EngineDead, FinishReason
 from ..llm import LLM, PromptError
 from ..sampling import MAX_LOGPROBS, SamplingParams
+from ..structured import GrammarError, StructuredOutput
 from ..text import TextStreamer
 from ..tokenizer import IncrementalDetokenizer
 from . import metrics
@@ -52,9 +53,7 @@ PROMPT_TYPES = "a string, a list of strings, a list of token ids (integers) or a
 # OpenAI (and vLLM) fields this server does not implement, with the values that change nothing
 # besides null, 0, false and empty. Any other value gets 400 naming the field: ignoring it would
 # answer a different request than the one sent (no tool call, no JSON schema, no logit bias).
-UNSUPPORTED = {"response_format": ({"type": "text"},), "tools": (), "functions": (),
-               "tool_choice": ("none",), "function_call": ("none",), "guided_json": (), "guided_regex": (),
-               "guided_choice": (), "guided_grammar": ()}
+UNSUPPORTED = {"tools": (), "functions": (), "tool_choice": ("none",), "function_call": ("none",)}
 HINTS: dict[str, str] = {}
 
 
@@ -102,6 +101,13 @@ class _SamplingRequest(_Strict):
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0, le=MAX_COUNT)
     stop_token_ids: list[int] | None = None
+    # Structured outputs: OpenAI's response_format, and vLLM's guided_* / structured_outputs
+    response_format: dict | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict | None = None
     logit_bias: dict[str, float] | None = None  # OpenAI's: token id (as a string) -> bias
     # Fields this schema does not name are kept (unvalidated, unused), so that `Server.parse` can
     # refuse the UNSUPPORTED ones by name whatever their type.
@@ -263,7 +269,7 @@ class Server:
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         if len(stop) > 16 or any(not s for s in stop):
             raise APIError(400, "stop: up to 16 non-empty strings", param="stop", code="invalid_value")
-        vocab = self.llm.model.config.vocab_size
+        vocab = self.llm.model.config.vocab_size if req.logit_bias or req.stop_token_ids else 0
         bias = {}
         for key, value in (req.logit_bias or {}).items():
             if not key.strip().isdigit() or int(key) >= vocab:
@@ -286,6 +292,62 @@ class Server:
             param = "max_tokens" if name == "max_new_tokens" else name if name in _SamplingRequest.model_fields else None
             raise APIError(400, str(e), param=param, code="invalid_value") from None
 
+    def structured(self, req: _SamplingRequest) -> StructuredOutput | None:
+        """The request's structured output (response_format, guided_*, structured_outputs: at
+        most one), checked by the grammar engine: 400 with its reason if it cannot be enforced."""
+        specs: list[tuple[str, StructuredOutput]] = []
+        try:
+            rf = req.response_format
+            if rf is not None:
+                kind = rf.get("type")
+                if kind == "json_object":
+                    specs.append(("response_format", StructuredOutput("json")))
+                elif kind == "json_schema":
+                    js = rf.get("json_schema")
+                    schema = js.get("schema") if isinstance(js, dict) else None
+                    if not isinstance(schema, dict):
+                        raise APIError(400, "response_format.json_schema.schema: a JSON schema (an object) is needed",
+                                       param="response_format", code="invalid_value")
+                    specs.append(("response_format", StructuredOutput("json_schema", schema)))
+                elif kind != "text":
+                    raise APIError(400, f"response_format.type {kind!r} is not supported (text, json_object, "
+                                        "json_schema)", param="response_format", code="unsupported")
+            guided = {"guided_json": req.guided_json, "guided_regex": req.guided_regex,
+                      "guided_choice": req.guided_choice, "guided_grammar": req.guided_grammar}
+            so = req.structured_outputs or {}
+            if not isinstance(so, dict):
+                raise APIError(400, "structured_outputs: an object", param="structured_outputs", code="invalid_value")
+            for key in ("json", "regex", "choice", "grammar"):
+                if so.get(key) is not None:
+                    guided[f"structured_outputs.{key}"] = so[key]
+            for name, value in guided.items():
+                if value is None:
+                    continue
+                kind = name.rpartition("_")[2].rpartition(".")[2]
+                if kind == "json":
+                    if isinstance(value, str):
+                        try:
+                            value = json.loads(value)
+                        except ValueError:
+                            raise APIError(400, f"{name}: not JSON", param=name, code="invalid_value") from None
+                    specs.append((name, StructuredOutput("json_schema", value) if value else StructuredOutput("json")))
+                else:
+                    specs.append((name, StructuredOutput(kind, value)))
+        except GrammarError as e:
+            raise APIError(400, str(e), param=specs[-1][0] if specs else "response_format", code="invalid_value") \
+                from None
+        if not specs:
+            return None
+        if len(specs) > 1:
+            raise APIError(400, f"one structured output at a time, got {', '.join(n for n, _ in specs)}",
+                           param=specs[1][0], code="invalid_value")
+        name, spec = specs[0]
+        try:
+            self.engine.engine.grammars.check(spec)
+        except GrammarError as e:
+            raise APIError(400, f"{name}: {e}", param=name, code="invalid_value") from None
+        return spec
+
     def encode(self, text: str, param: str) -> list[int]:
         ids = self.llm.tokenizer.encode(text)
         if not ids:
@@ -304,8 +366,9 @@ class Server:
         try:
             async for out in tokens:
                 text, hit = streamer.push(out.token_id, final=out.finish_reason is not None)
-                extra = dict(token_id=out.token_id, logprob=out.logprob, top_logprobs=out.top_logprobs,
-                             prompt_logprobs=out.prompt_logprobs)
+                extra = dict(token_id=out.token_id, logprob=getattr(out, "logprob", None),
+                             top_logprobs=getattr(out, "top_logprobs", None),
+                             prompt_logprobs=getattr(out, "prompt_logprobs", None))
                 if hit:
                     self.engine.abort(rid, FinishReason.STOP)
                     yield Delta(index, text, "stop", out.num_output_tokens, **extra)
@@ -570,12 +633,13 @@ def create_app(server: Server, engine_thread: bool = True) -> FastAPI:
         if any(not p or min(p) < 0 or max(p) >= vocab for p in prompts):
             raise APIError(400, f"prompt: token ids must be in 0..{vocab - 1} and non-empty", param="prompt",
                            code="invalid_value")
+        structured = server.structured(req)
         jobs, echo = [], []
         for p, ids in zip(prompt, prompts):
             # max_tokens 0 (with echo): one token is generated, and dropped
             params = server.sampling_params(req, req.max_tokens or (1 if req.max_tokens == 0 else None), len(ids),
                                             "prompt", default_max_tokens=16)
-            params = dataclasses.replace(params, logprobs=req.logprobs,
+            params = dataclasses.replace(params, logprobs=req.logprobs, structured=structured,
                                          prompt_logprobs=req.logprobs if req.echo and req.logprobs is not None else None)
             new = server.jobs(len(jobs), ids, params, req.n)
             jobs += new
@@ -602,6 +666,7 @@ def create_app(server: Server, engine_thread: bool = True) -> FastAPI:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
         if req.logprobs:
             params = dataclasses.replace(params, logprobs=req.top_logprobs or 0)
+        params = dataclasses.replace(params, structured=server.structured(req))
         return await respond(request, req, server.jobs(0, ids, params, req.n), len(ids), chat=True)
 
     async def respond(request: Request, req: _SamplingRequest, jobs: list, prompt_tokens: int,

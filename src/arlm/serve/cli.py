@@ -104,6 +104,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config.kv_dtype = llm.kv_dtype  # --kv-dtype, resolved as for generate (auto: float16 where the native stack runs)
     try:  # the pool's minimum (two blocks) and whether it fits, now that the model's shapes are known
         engine = Engine(llm.runner, llm.tokenizer.eos_ids, config)
+        engine.grammars = llm.grammars  # (structured outputs: response_format, guided_*)
     except ValueError as e:
         flag = (f"--kv-cache-tokens {args.kv_cache_tokens}" if args.kv_cache_tokens is not None
                 else f"--kv-cache-memory {args.kv_cache_memory}")

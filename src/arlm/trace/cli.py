@@ -65,6 +65,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
         engine = Engine(llm.runner, llm.tokenizer.eos_ids,
                         EngineConfig(block_size=args.block_size, kv_cache_tokens=tokens, max_num_seqs=len(ids),
                                      kv_dtype=llm.kv_dtype))
+        engine.grammars = llm.grammars
     trace = run_trace(llm, ids, params, engine=engine, drafter=llm.drafter(None))
     trace["command"] = "arlm trace " + " ".join(_quote(a) for a in sys.argv[2:]) if sys.argv[1:2] == ["trace"] else ""
     if json_path:
