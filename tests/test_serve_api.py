@@ -567,7 +567,7 @@ def test_fields_that_change_the_output_are_refused_by_name(server):
     c = client(server)
     chat = dict(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=1)
     tool = {"type": "function", "function": {"name": "weather", "parameters": {"type": "object", "properties": {}}}}
-    for name, value in (("tools", [tool]), ("tool_choice", "auto")):
+    for name, value in (("functions", [tool["function"]]), ("function_call", "auto")):
         with pytest.raises(openai.BadRequestError) as e:
             c.chat.completions.create(**chat, **{name: value})
         assert (e.value.param, e.value.code) == (name, "unsupported") and name in e.value.message
@@ -685,6 +685,75 @@ def test_structured_outputs_with_the_openai_sdk_and_langchain(server):
                      max_retries=0)
     out = llm.with_structured_output(City).invoke("Describe Rome as JSON.")
     assert isinstance(out, City) and out.name
+
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
+                                                    "unit": {"enum": ["C", "F"]}}, "required": ["city", "unit"]}}},
+    {"type": "function", "function": {
+        "name": "add", "description": "Add two integers",
+        "parameters": {"type": "object", "properties": {"a": {"type": "integer", "minimum": -999, "maximum": 999},
+                                                        "b": {"type": "integer", "minimum": -999, "maximum": 999}},
+                       "required": ["a", "b"]}}}]
+
+
+def test_tool_calls_with_the_openai_sdk_and_langchain(server):
+    """tools with tool_choice required / a named function / none / auto: OpenAI's tool_calls
+    shape, arguments valid against the function's parameters, finish_reason tool_calls; streamed
+    as deltas; a follow-up turn with the tool's result; LangChain's function_calling method."""
+    import jsonschema
+
+    c = client(server)
+    msgs = [{"role": "user", "content": "What's the weather in Paris, in Celsius?"}]
+    params = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    for choice, names in (("required", set(params)), ({"type": "function", "function": {"name": "add"}}, {"add"}),
+                          ("auto", None)):
+        r = c.chat.completions.create(model=MODEL, messages=msgs, tools=TOOLS, tool_choice=choice, max_tokens=80,
+                                      temperature=0)
+        ch = r.choices[0]
+        if names is None and not ch.message.tool_calls:  # auto: a reply is allowed too
+            assert ch.message.content and ch.finish_reason == "stop"
+            continue
+        assert ch.finish_reason == "tool_calls" and ch.message.content is None
+        (call,) = ch.message.tool_calls
+        assert call.type == "function" and call.id.startswith("call_") and call.function.name in (names or params)
+        args = json.loads(call.function.arguments)
+        jsonschema.validate(args, {**params[call.function.name], "additionalProperties": False})
+    r = c.chat.completions.create(model=MODEL, messages=msgs, tools=TOOLS, tool_choice="none", max_tokens=8)
+    assert r.choices[0].message.tool_calls is None and r.choices[0].message.content
+    stream = c.chat.completions.create(model=MODEL, messages=msgs, tools=TOOLS, tool_choice="required", max_tokens=80,
+                                       temperature=0, stream=True)
+    deltas = [ch.choices[0] for ch in stream if ch.choices]
+    calls = [d.delta.tool_calls[0] for d in deltas if d.delta.tool_calls]
+    assert len(calls) == 1 and calls[0].function.name in params and deltas[-1].finish_reason == "tool_calls"
+    json.loads(calls[0].function.arguments)
+    follow = msgs + [{"role": "assistant", "tool_calls": [{"id": "call_1", "type": "function", "function": {
+        "name": "get_weather", "arguments": '{"city": "Paris", "unit": "C"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees, sunny"}]
+    r = c.chat.completions.create(model=MODEL, messages=follow, tools=TOOLS, max_tokens=60, temperature=0)
+    assert r.choices[0].finish_reason in ("stop", "tool_calls", "length")
+    for kw, param in ((dict(tools=[{"type": "function"}]), "tools.0"),
+                      (dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice"),
+                      (dict(tool_choice="required"), "tool_choice"),
+                      (dict(tools=TOOLS, response_format={"type": "json_object"}), "response_format")):
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4, **kw)
+        assert e.value.param == param, (kw, e.value.message)
+
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel, Field
+
+    class Weather(BaseModel):
+        city: str = Field(max_length=30)
+        unit: str = Field(pattern="^[CF]$")
+
+    llm = ChatOpenAI(model=MODEL, base_url=f"{server.url}/v1", api_key=KEY, temperature=0, max_tokens=80,
+                     max_retries=0)
+    out = llm.with_structured_output(Weather, method="function_calling").invoke("Weather in Rome, Celsius?")
+    assert isinstance(out, Weather) and out.unit in ("C", "F")
+    bound = llm.bind_tools([TOOLS[1]], tool_choice="add").invoke("What is 2 + 3?")
+    assert bound.tool_calls and bound.tool_calls[0]["name"] == "add" and set(bound.tool_calls[0]["args"]) == {"a", "b"}
 
 
 def test_tokenizer_endpoints(server):

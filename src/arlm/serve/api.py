@@ -35,6 +35,7 @@ from ..structured import GrammarError, StructuredOutput
 from ..text import TextStreamer
 from ..tokenizer import IncrementalDetokenizer
 from . import metrics
+from . import tools as tools_mod
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +54,7 @@ PROMPT_TYPES = "a string, a list of strings, a list of token ids (integers) or a
 # OpenAI (and vLLM) fields this server does not implement, with the values that change nothing
 # besides null, 0, false and empty. Any other value gets 400 naming the field: ignoring it would
 # answer a different request than the one sent (no tool call, no JSON schema, no logit bias).
-UNSUPPORTED = {"tools": (), "functions": (), "tool_choice": ("none",), "function_call": ("none",)}
+UNSUPPORTED = {"functions": (), "function_call": ("none",)}
 HINTS: dict[str, str] = {}
 
 
@@ -129,9 +130,11 @@ class TextPart(_Strict):
 
 
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -139,6 +142,9 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_COUNT)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class TokenizeRequest(_Strict):  # vLLM's POST /tokenize: a prompt, or chat messages
@@ -652,11 +658,20 @@ def create_app(server: Server, engine_thread: bool = True) -> FastAPI:
         req: ChatCompletionRequest = await server.parse(request, ChatCompletionRequest)
         messages = []
         for i, m in enumerate(req.messages):
-            if m.content is None and m.role != "assistant":  # (an assistant turn may be only a tool call)
+            if m.content is None and not (m.role == "assistant"):  # (an assistant turn may be only a tool call)
                 raise APIError(400, f"messages.{i}.content: a {m.role} message needs content",
                                param=f"messages.{i}.content", code="invalid_value")
             content = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or [])
+            if m.role == "assistant" and m.tool_calls:
+                content = (content + "\n" if content else "") + tools_mod.assistant_text(m.tool_calls)
             messages.append({"role": "system" if m.role == "developer" else m.role, "content": content})
+        try:
+            functions, choice = tools_mod.check_tools(req.tools, req.tool_choice)
+        except tools_mod.ToolError as e:
+            raise APIError(400, str(e), param=e.param, code="invalid_value") from None
+        use_tools = choice not in (None, "none")
+        if use_tools:
+            messages = tools_mod.with_tools(messages, functions, choice)
         try:
             ids = server.encode(server.llm.apply_chat_template(messages), "messages")
         except PromptError as e:
@@ -666,15 +681,23 @@ def create_app(server: Server, engine_thread: bool = True) -> FastAPI:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
         if req.logprobs:
             params = dataclasses.replace(params, logprobs=req.top_logprobs or 0)
-        params = dataclasses.replace(params, structured=server.structured(req))
-        return await respond(request, req, server.jobs(0, ids, params, req.n), len(ids), chat=True)
+        structured = server.structured(req)
+        if use_tools:
+            if structured is not None:
+                raise APIError(400, "tools and a structured output (response_format, guided_*) at once",
+                               param="response_format", code="invalid_value")
+            structured = StructuredOutput("json_schema", tools_mod.reply_schema(functions, choice))
+        params = dataclasses.replace(params, structured=structured)
+        return await respond(request, req, server.jobs(0, ids, params, req.n), len(ids), chat=True, tools=use_tools)
 
     async def respond(request: Request, req: _SamplingRequest, jobs: list, prompt_tokens: int,
-                      chat: bool, echo: list[str] | None = None, zero: bool = False) -> Response:
+                      chat: bool, echo: list[str] | None = None, zero: bool = False,
+                      tools: bool = False) -> Response:
         """Run the jobs (one per choice) and answer in OpenAI's format: a completion or a chat
         completion, streamed as server-sent events or as one JSON body. echo: each choice's
         prompt text, written before its completion (with its tokens' logprobs where asked);
-        zero: max_tokens 0, the one token generated is dropped."""
+        zero: max_tokens 0, the one token generated is dropped. tools: each chat reply is a
+        constrained tool call or reply (serve/tools.py), answered once whole."""
         rid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
         fmt = Logprobs(server.llm.tokenizer)
         want_logprobs = bool(req.logprobs) if chat else req.logprobs is not None
@@ -700,6 +723,35 @@ def create_app(server: Server, engine_thread: bool = True) -> FastAPI:
                 else:
                     choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
                 return _sse(body(obj, [choice], None))
+
+            async def tool_events() -> AsyncIterator[str]:
+                """With tools, each reply is parsed whole: role, then its content or its tool
+                call (one delta with the id, the name and the arguments), then the finish."""
+                for i in range(len(jobs)):
+                    yield chunk(i, None, None, role=True)
+                try:
+                    texts, reasons, counts = [""] * len(jobs), [None] * len(jobs), [0] * len(jobs)
+                    async for d in server.run_all(jobs):
+                        texts[d.index] += d.text
+                        counts[d.index] = d.num_tokens
+                        reasons[d.index] = d.finish_reason or reasons[d.index]
+                    for i, (text, reason) in enumerate(zip(texts, reasons)):
+                        content, calls = tools_mod.parse_reply(text)
+                        if calls:
+                            delta = {"tool_calls": [{"index": 0, **calls[0]}]}
+                            yield _sse(body(obj, [{"index": i, "delta": delta, "logprobs": None,
+                                                   "finish_reason": None}], None))
+                            reason = "tool_calls"
+                        elif content:
+                            yield chunk(i, content, None)
+                        yield chunk(i, None, reason)
+                    if include_usage:
+                        yield _sse(body(obj, [], _usage(prompt_tokens, sum(counts))))
+                except Exception as e:  # noqa: BLE001 - the stream has started: report in-band
+                    log.warning("stream failed: %s", e)
+                    yield _sse({"error": {"message": str(e), "type": "server_error", "param": None,
+                                          "code": "internal_error"}})
+                yield "data: [DONE]\n\n"
 
             async def events() -> AsyncIterator[str]:
                 counts = [0] * len(jobs)
@@ -740,7 +792,7 @@ def create_app(server: Server, engine_thread: bool = True) -> FastAPI:
                                           "code": "internal_error"}})
                 yield "data: [DONE]\n\n"
 
-            return StreamingResponse(events(), media_type="text/event-stream")
+            return StreamingResponse(tool_events() if tools else events(), media_type="text/event-stream")
 
         async def collect() -> dict:
             texts, reasons, counts = [""] * len(jobs), [None] * len(jobs), [0] * len(jobs)
@@ -758,9 +810,17 @@ def create_app(server: Server, engine_thread: bool = True) -> FastAPI:
                 texts, counts, tokens = [""] * len(jobs), [0] * len(jobs), [[] for _ in jobs]
                 reasons = ["length"] * len(jobs)
             if chat:
-                choices = [{"index": i, "message": {"role": "assistant", "content": t},
-                            "logprobs": {"content": fmt.chat(tokens[i])} if want_logprobs else None,
-                            "finish_reason": r} for i, (t, r) in enumerate(zip(texts, reasons))]
+                choices = []
+                for i, (t, r) in enumerate(zip(texts, reasons)):
+                    message: dict = {"role": "assistant", "content": t}
+                    if tools:
+                        content, calls = tools_mod.parse_reply(t)
+                        message["content"] = content
+                        if calls:
+                            message["tool_calls"], r = calls, "tool_calls"
+                    choices.append({"index": i, "message": message,
+                                    "logprobs": {"content": fmt.chat(tokens[i])} if want_logprobs else None,
+                                    "finish_reason": r})
             else:
                 choices = []
                 for i, (t, r) in enumerate(zip(texts, reasons)):
