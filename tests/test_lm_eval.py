@@ -18,36 +18,30 @@ from test_serve_api import ServerProcess
 
 DATA = Path(__file__).parent / "data" / "lm_eval"
 
-MC_TASK = """task: arlm_mc
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data}/mc.jsonl
-test_split: test
-output_type: multiple_choice
-doc_to_text: "{{{{question}}}}"
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: "{{{{answer}}}}"
+def task_yaml(name: str, data: str, body: str) -> str:
+    """An lm-eval task over a JSONL file of tests/data/lm_eval."""
+    return (f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {DATA / data}\n"
+            f"test_split: test\n{body}")
+
+
+MC_TASK = task_yaml("arlm_mc", "mc.jsonl", """output_type: multiple_choice
+doc_to_text: "{{question}}"
+doc_to_choice: "{{choices}}"
+doc_to_target: "{{answer}}"
 metric_list:
   - metric: acc
-"""
+""")
 
-GEN_TASK = """task: arlm_gen
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data}/gen.jsonl
-test_split: test
-output_type: generate_until
-doc_to_text: "Q: {{{{question}}}}\\nA:"
-doc_to_target: "{{{{answer}}}}"
+GEN_TASK = task_yaml("arlm_gen", "gen.jsonl", """output_type: generate_until
+doc_to_text: "Q: {{question}}\\nA:"
+doc_to_target: "{{answer}}"
 generation_kwargs:
   until: ["\\n"]
   max_gen_toks: 8
   do_sample: false
 metric_list:
   - metric: exact_match
-"""
+""")
 
 
 @pytest.fixture(scope="module")
@@ -59,8 +53,8 @@ def setup(tmp_path_factory, smollm2_path):
     root = tmp_path_factory.mktemp("lm_eval")
     tasks = root / "tasks"
     tasks.mkdir()
-    (tasks / "arlm_mc.yaml").write_text(MC_TASK.format(data=DATA))
-    (tasks / "arlm_gen.yaml").write_text(GEN_TASK.format(data=DATA))
+    (tasks / "arlm_mc.yaml").write_text(MC_TASK)
+    (tasks / "arlm_gen.yaml").write_text(GEN_TASK)
     tok = root / "tokenizer"
     tok.mkdir()
     t = LLM.load(str(smollm2_path), quantize=None).tokenizer
