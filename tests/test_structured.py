@@ -4,7 +4,9 @@ Every output that ends with EOS parses and validates against its schema (a batte
 objects, arrays, enums, bounded numbers, strings with patterns, booleans and nulls), sampled at
 temperature 1 with several seeds so that the grammar, not the model's habits, keeps it valid;
 a regex and a choice match in full; a row with a grammar leaves the other rows of its batch as
-they are alone; a spec the engine cannot enforce is a clear error.
+they are alone; a spec the engine cannot enforce is a clear error. Under speculative decoding the
+drafts are cut to what the grammar takes and each verified position is masked: greedy output and
+its logprobs are plain decoding's, and sampled output still validates.
 """
 
 from __future__ import annotations
@@ -92,6 +94,53 @@ def test_other_rows_of_the_batch_are_untouched(llm):
     guided_alone = llm.engine.generate([b], guided)[0]
     together = llm.engine.generate([a, b, a], [plain, guided, plain])
     assert together == [alone, guided_alone, alone]
+
+
+COPY_SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 60}, "tags": {"type": "array", "items": {"type": "string", "maxLength": 20},
+                                                          "maxItems": 6}, "year": {"type": "integer"}},
+    "required": ["name", "tags", "year"], "additionalProperties": False}
+COPY_JSON = '{"name": "The Old Library of Trinity College", "tags": ["books", "history", "Dublin"], "year": 1592}'
+
+
+def _run(engine, prompts, params, drafter=None):
+    """Each request's (tokens, logprobs) from the engine's outputs, and the engine's stats."""
+    reqs = [engine.add_request(p, params, drafter=drafter) for p in prompts]
+    got = {r.request_id: ([], []) for r in reqs}
+    while engine.has_unfinished():
+        for out in engine.step():
+            assert out.error is None, out.error
+            got[out.request_id][0].append(out.token_id)
+            got[out.request_id][1].append((out.logprob, out.top_logprobs))
+    return [got[r.request_id] for r in reqs]
+
+
+def test_speculative_drafts_follow_the_grammar(llm):
+    """Prompt lookup drafts inside a JSON schema: drafts the grammar refuses are cut before the
+    verify pass, every verified position is masked by the grammar's state after the draft tokens
+    before it, and the matcher rolls back to the tokens kept: greedy tokens and their logprobs
+    are plain decoding's, and drafts were accepted (the copy task is made for prompt lookup)."""
+    spec = StructuredOutput("json_schema", COPY_SCHEMA)
+    prompts = [_chat(llm, "Copy this JSON exactly: " + COPY_JSON), _chat(llm, "Give me a book as JSON.")]
+    drafter = llm.drafter("ngram")
+    for logprobs in (None, 3):
+        params = SamplingParams(max_new_tokens=60, temperature=0.0, logprobs=logprobs, structured=spec)
+        accepted = llm.engine.stats.spec_accepted
+        plain = _run(llm.engine, prompts, params)
+        fast = _run(llm.engine, prompts, params, drafter)
+        assert llm.engine.stats.spec_accepted - accepted > 10
+        for (tokens, lps), (tokens2, lps2) in zip(plain, fast):
+            assert tokens == tokens2
+            if logprobs:
+                for (lp, top), (lp2, top2) in zip(lps, lps2):
+                    assert abs(lp - lp2) < 1e-4 and [t for t, _ in top] == [t for t, _ in top2]
+        text = llm.tokenizer.decode(plain[0][0][:-1])
+        assert json.loads(text) == json.loads(COPY_JSON), text
+    for seed in range(2):  # sampled: drafts accepted or not, the output follows the schema
+        params = SamplingParams(max_new_tokens=80, temperature=1.0, seed=seed, structured=spec)
+        c = llm.generate([prompts[0]], params, speculative="ngram")[0]
+        assert c.finish_reason == "eos", c.text
+        jsonschema.validate(json.loads(c.text), COPY_SCHEMA)
 
 
 def test_specs_the_engine_cannot_enforce_are_errors(llm):

@@ -235,10 +235,10 @@ class Engine:
             if self.grammars is None:
                 raise ValueError("structured outputs need the tokenizer's grammar engine (Engine.grammars)")
             req.matcher = self.grammars.matcher(params.structured)  # (GrammarError: a ValueError)
-        if drafter is not None and (params.logprobs is not None or params.prompt_logprobs is not None
-                                    or params.adjusts_logits or params.structured is not None):
-            # a verify pass carries no per-token log-probabilities, and its acceptance test does
-            # not see the per-token adjustments: such requests decode plainly
+        if drafter is not None and (params.prompt_logprobs is not None or params.adjusts_logits):
+            # the acceptance test does not see the per-token adjustments (penalties, bias,
+            # min_tokens), and prompt logprobs keep the prompt's logits: such requests decode
+            # plainly. A grammar masks each verified position; logprobs come from its logits.
             drafter = None
         if drafter is not None:
             if self.config.kv_window:
@@ -369,6 +369,8 @@ class Engine:
         for drafter, reqs, ks in by_drafter.values():
             for r, k, draft in zip(reqs, ks, drafter.propose_batch(reqs, ks)):
                 r.draft = list(draft[:k])
+                if r.matcher is not None:  # only what the grammar can take (it would reject the rest)
+                    r.draft = r.draft[:self.grammars.valid_prefix(r.matcher, r.draft, r.eos_ids)]
                 if r.draft_probs is not None:
                     r.draft_probs = r.draft_probs[:len(r.draft)]
                 if r.draft:
@@ -393,7 +395,23 @@ class Engine:
         sampled, failed = self._sample_plain(logits, [rows[j] for j in plain], batch, plain)
         if verifying:
             vrows = list(dict.fromkeys(rows[j] for j in verifying))  # each verifying row once, in order
-            vlogits = logits[torch.tensor(verifying, device=logits.device)]
+            raw = vlogits = logits[torch.tensor(verifying, device=logits.device)]
+            guided, start = [], 0
+            for i in vrows:
+                if batch.seqs[i].matcher is not None:
+                    guided.append((start, i))
+                start += len(batch.drafts[i]) + 1
+            if guided:  # each position's grammar mask: the matcher's, then after each draft token
+                vlogits = vlogits.float().clone()
+                for start, i in guided:
+                    try:
+                        allowed = self.grammars.allowed_along(batch.seqs[i].matcher, batch.drafts[i])
+                    except Exception as e:  # noqa: BLE001 - this request fails, the others go on
+                        failed[i] = e
+                        continue
+                    rows_i = slice(start, start + allowed.shape[0])
+                    vlogits[rows_i] = vlogits[rows_i].masked_fill(~allowed.to(vlogits.device)[:, :vlogits.shape[1]],
+                                                                  float("-inf"))
             try:
                 kept = verify(vlogits, [batch.seqs[i] for i in vrows], [batch.drafts[i] for i in vrows])
             except Exception:  # noqa: BLE001 - narrowed down to rows below
@@ -402,9 +420,16 @@ class Engine:
             for n, i in enumerate(vrows):
                 k = len(batch.drafts[i])
                 seq = batch.seqs[i]
+                if i in failed:
+                    start += k + 1
+                    continue
                 try:
                     toks = kept[n] if kept is not None else \
                         verify(vlogits[start:start + k + 1], [seq], [batch.drafts[i]])[0]
+                    self._keep_logprobs(raw[start:start + len(toks)], [seq] * len(toks), toks)
+                    bad = self._advance_grammars([seq] * len(toks), toks, [i] * len(toks))
+                    if bad:
+                        raise bad[i]
                 except Exception as e:  # noqa: BLE001 - this request fails, the others go on
                     failed[i] = e
                     start += k + 1
