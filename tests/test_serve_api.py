@@ -756,6 +756,49 @@ def test_tool_calls_with_the_openai_sdk_and_langchain(server):
     assert bound.tool_calls and bound.tool_calls[0]["name"] == "add" and set(bound.tool_calls[0]["args"]) == {"a", "b"}
 
 
+@pytest.mark.slow
+def test_litellm_with_the_openai_prefix(server, monkeypatch):
+    """litellm (the `openai/` provider prefix, any OpenAI-compatible base URL): chat, streaming,
+    chat logprobs, tools, a pydantic response_format, text completion with echo and logprobs,
+    and a 400 that reaches the caller as litellm's BadRequestError naming the field."""
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # (no fetch of its price list: no network)
+    import litellm
+    from pydantic import BaseModel
+
+    kw = dict(model=f"openai/{MODEL}", api_base=f"{server.url}/v1", api_key=KEY, temperature=0)
+    c = client(server)
+    msgs = [{"role": "user", "content": "Say hi"}]
+    r = litellm.completion(messages=msgs, max_tokens=10, **kw)
+    ref = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=10, temperature=0)
+    assert r.choices[0].message.content == ref.choices[0].message.content and r.usage.completion_tokens == 10
+    stream = litellm.completion(messages=msgs, max_tokens=10, stream=True, **kw)
+    assert "".join(ch.choices[0].delta.content or "" for ch in stream) == ref.choices[0].message.content
+    r = litellm.completion(messages=msgs, max_tokens=4, logprobs=True, top_logprobs=2, **kw)
+    content = r.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(x.top_logprobs) == 2 and x.top_logprobs[0].logprob == x.logprob
+                                     for x in content)  # greedy: the chosen token is the most likely
+    r = litellm.completion(messages=[{"role": "user", "content": "What is 2 + 3?"}], tools=[TOOLS[1]],
+                           tool_choice="required", max_tokens=40, **kw)
+    (call,) = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "add"
+    assert set(json.loads(call.function.arguments)) == {"a", "b"}
+
+    class Book(BaseModel):
+        title: str
+        year: int
+
+    r = litellm.completion(messages=[{"role": "user", "content": "A book as JSON"}], response_format=Book,
+                           max_tokens=60, **kw)
+    assert r.choices[0].finish_reason == "stop"
+    Book.model_validate_json(r.choices[0].message.content)
+    r = litellm.text_completion(prompt="The cat sat on the", max_tokens=3, logprobs=1, echo=True, **kw)
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text.startswith("The cat sat on the") and lp.token_logprobs[0] is None
+    assert len(lp.tokens) == 5 + 3 and "".join(lp.tokens) == r.choices[0].text
+    with pytest.raises(litellm.BadRequestError, match="top_logprobs"):
+        litellm.completion(messages=msgs, max_tokens=2, logprobs=True, top_logprobs=50, **kw)
+
+
 def test_tokenizer_endpoints(server):
     post = lambda path, body: httpx.post(f"{server.url}{path}", json=body, headers=AUTH, timeout=30)  # noqa: E731
     r = post("/tokenize", {"model": MODEL, "prompt": "Hello world", "return_token_strs": True}).json()
