@@ -733,6 +733,12 @@ def test_tool_calls_with_the_openai_sdk_and_langchain(server):
         {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees, sunny"}]
     r = c.chat.completions.create(model=MODEL, messages=follow, tools=TOOLS, max_tokens=60, temperature=0)
     assert r.choices[0].finish_reason in ("stop", "tool_calls", "length")
+    r = c.chat.completions.create(model=MODEL, messages=msgs, tools=TOOLS, tool_choice="required", max_tokens=120,
+                                  parallel_tool_calls=True, temperature=0)
+    calls = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls" and len(calls) >= 1 and len({x.id for x in calls}) == len(calls)
+    for call in calls:
+        jsonschema.validate(json.loads(call.function.arguments), params[call.function.name])
     for kw, param in ((dict(tools=[{"type": "function"}]), "tools.0"),
                       (dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice"),
                       (dict(tool_choice="required"), "tool_choice"),
@@ -797,6 +803,59 @@ def test_litellm_with_the_openai_prefix(server, monkeypatch):
     assert len(lp.tokens) == 5 + 3 and "".join(lp.tokens) == r.choices[0].text
     with pytest.raises(litellm.BadRequestError, match="top_logprobs"):
         litellm.completion(messages=msgs, max_tokens=2, logprobs=True, top_logprobs=50, **kw)
+
+
+@pytest.mark.slow
+def test_a_templates_own_tool_format():
+    """`--chat-template` with a tools section in Hermes's format (tests/data): the template renders
+    the tools, calls come as <tool_call> blocks under the grammar, parallel_tool_calls gives
+    several (two cities asked: two calls, streamed as two deltas), earlier calls and results
+    render in the template's own way, and a follow-up turn runs."""
+    import jsonschema
+
+    hermes = os.path.join(os.path.dirname(__file__), "data", "hermes_chat_template.jinja")
+    srv = ServerProcess("--chat-template", hermes)
+    try:
+        srv.wait_ready()
+        c = client(srv)
+        msgs = [{"role": "user", "content": "What's the weather in Paris and in Rome, in Celsius?"}]
+        params = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+        r = c.chat.completions.create(model=MODEL, messages=msgs, tools=TOOLS, tool_choice="required",
+                                      parallel_tool_calls=True, max_tokens=120, temperature=0)
+        calls = r.choices[0].message.tool_calls
+        assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content is None
+        assert [x.function.name for x in calls] == ["get_weather", "get_weather"]
+        assert {json.loads(x.function.arguments)["city"] for x in calls} == {"Paris", "Rome"}
+        for x in calls:
+            jsonschema.validate(json.loads(x.function.arguments), {**params[x.function.name],
+                                                                  "additionalProperties": False})
+        stream = c.chat.completions.create(model=MODEL, messages=msgs, tools=TOOLS, tool_choice="required",
+                                           parallel_tool_calls=True, max_tokens=120, temperature=0, stream=True)
+        deltas = [ch.choices[0] for ch in stream if ch.choices]
+        streamed = [d.delta.tool_calls[0] for d in deltas if d.delta.tool_calls]
+        assert [(x.index, x.function.name, x.function.arguments) for x in streamed] == \
+            [(i, x.function.name, x.function.arguments) for i, x in enumerate(calls)]
+        assert deltas[-1].finish_reason == "tool_calls"
+        r = c.chat.completions.create(model=MODEL, messages=msgs, tools=TOOLS, tool_choice="required",
+                                      max_tokens=120, temperature=0)
+        assert len(r.choices[0].message.tool_calls) == 1  # parallel_tool_calls off (the default): one call
+        r = c.chat.completions.create(model=MODEL, messages=msgs, tools=TOOLS, max_tokens=120, temperature=0,
+                                      tool_choice={"type": "function", "function": {"name": "add"}})
+        (call,) = r.choices[0].message.tool_calls
+        assert call.function.name == "add" and set(json.loads(call.function.arguments)) == {"a", "b"}
+        follow = msgs + [{"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                              "arguments": '{"city": "Paris", "unit": "C"}'}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees, sunny"}]
+        r = c.chat.completions.create(model=MODEL, messages=follow, tools=TOOLS, max_tokens=40, temperature=0)
+        assert r.choices[0].finish_reason in ("stop", "tool_calls", "length")
+        with pytest.raises(openai.BadRequestError) as e:  # a parameter schema the grammar engine cannot take
+            c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4, tool_choice="required", tools=[
+                {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+                    "x": {"type": "frobnicate"}}}}}])
+        assert e.value.param == "tools"
+    finally:
+        srv.stop()
 
 
 def test_tokenizer_endpoints(server):
@@ -891,6 +950,14 @@ def test_serve_cli_rejects_bad_flags():
                            capture_output=True, text=True, timeout=60)
         assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
         assert "--kv-cache-memory" in r.stderr and says in r.stderr, r.stderr
+    with tempfile.NamedTemporaryFile("w", suffix=".jinja") as bad:
+        bad.write("{% for m in messages %}{{ m.content }")
+        bad.flush()
+        for value, says in (("/no/such/template.jinja", "no such file"), (bad.name, "line 1")):
+            r = subprocess.run([sys.executable, "-m", "arlm", "serve", "--chat-template", value],
+                               capture_output=True, text=True, timeout=60)
+            assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+            assert "--chat-template" in r.stderr and says in r.stderr, r.stderr
 
 
 @pytest.mark.slow

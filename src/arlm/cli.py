@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from .cli_common import (Parser, UsageError, add_model_args, add_sampling_args, add_speculative_args,
+from .cli_common import (Parser, UsageError, add_chat_template_arg, add_model_args, add_sampling_args, add_speculative_args,
                          add_structured_args, add_window_args,
                          load_llm, positive_int,
                          sampling_params, stats_line)
@@ -69,6 +69,7 @@ def add_generate(sub) -> None:
     p = sub.add_parser("generate", help="generate text from a prompt (streamed)")
     p.add_argument("prompt", help="the prompt text")
     add_model_args(p)
+    add_chat_template_arg(p)
     add_sampling_args(p, max_new_tokens=128)
     add_speculative_args(p)
     add_window_args(p)
@@ -131,6 +132,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 def add_chat(sub) -> None:
     p = sub.add_parser("chat", help="interactive chat; the KV cache persists between turns")
     add_model_args(p)
+    add_chat_template_arg(p)
     add_sampling_args(p, max_new_tokens=256)
     add_speculative_args(p)
     p.add_argument("--system", default=None, help="system message")

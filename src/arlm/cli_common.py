@@ -70,6 +70,35 @@ def add_model_args(p: argparse.ArgumentParser, compile: bool = True) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: all cores)")
 
 
+def add_chat_template_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
+                   help="a Jinja2 chat template (a file, or the template itself) instead of the model's own; "
+                        "one that renders `tools` with <tool_call> blocks makes `arlm serve` use that format")
+
+
+def read_chat_template(value: str) -> str:
+    """--chat-template's template: a file's text, or the value itself where it is Jinja; its
+    syntax checked (UsageError in one line otherwise)."""
+    from jinja2 import TemplateSyntaxError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    if os.path.isfile(value):
+        try:
+            with open(value, encoding="utf-8") as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise UsageError(f"arlm: error: --chat-template {value}: cannot read it: {e}") from None
+    elif "{{" in value or "{%" in value:
+        text = value
+    else:
+        raise UsageError(f"arlm: error: --chat-template {value}: no such file (nor a Jinja2 template)")
+    try:
+        ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).parse(text)
+    except TemplateSyntaxError as e:
+        raise UsageError(f"arlm: error: --chat-template: line {e.lineno}: {e.message}") from None
+    return text
+
+
 def add_window_args(p: argparse.ArgumentParser, stream: bool = False) -> None:
     """--kv-window and --kv-sinks (a sliding window with attention sinks: EngineConfig.kv_window)."""
     what = ("score the text as one stream, each token attending to the last W tokens (and the --kv-sinks "
@@ -232,10 +261,15 @@ def load_llm(args: argparse.Namespace):
         raise UsageError("arlm: error: --speculative does not run with --kv-window yet")
     if getattr(args, "kv_sinks", 0) < 0:
         raise UsageError("arlm: error: --kv-sinks must be >= 0")
+    template = read_chat_template(args.chat_template) if getattr(args, "chat_template", None) else None
+    if template is not None and getattr(args, "chat", None) is False:
+        raise UsageError("arlm: error: --chat-template applies with --chat (the prompt is used as it is otherwise)")
     llm = LLM.load(args.model, device=args.device, dtype=_torch_dtype(dtype), quantize=quantize,
                    compile=getattr(args, "compile", False), prefill_dtype=args.prefill_dtype,
                    kv_dtype=args.kv_dtype, activations=args.activations,
                    kv_window=getattr(args, "kv_window", 0), kv_sinks=getattr(args, "kv_sinks", 4))
+    if template is not None:
+        llm.chat_template = template
     spec = speculative_config(args)
     if spec is not None:
         try:

@@ -9,6 +9,7 @@ own whose prefix cache holds the earlier turns, so each turn prefills only what 
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -37,8 +38,14 @@ def render_chat(template: str, messages: list[dict], add_generation_prompt: bool
     def raise_exception(message: str) -> None:
         raise TemplateError(message)
 
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        # HF's filter: plain JSON (Jinja2's own escapes <, > and & for HTML, which templates that
+        # list tools would pass on to the model)
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = raise_exception
+    env.filters["tojson"] = tojson
     try:
         return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
                                                 **extra)
@@ -395,13 +402,15 @@ class LLM:
             raise PromptError(f"the prompt is {len(ids)} tokens; the context window is {self.context_length}")
         return ids
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **extra: object) -> str:
+        """The conversation as the chat template renders it; `extra`: more template variables
+        (e.g. `tools`, HF's convention)."""
         if not self.chat_template:
             raise PromptError(f"model {self.loaded.name} has no chat template")
         tok = self.tokenizer
         special = {"bos_token": tok.decode([tok.bos_id]) if tok.bos_id is not None else "",
                    "eos_token": tok.decode([tok.eos_id]) if tok.eos_id is not None else ""}
-        return render_chat(self.chat_template, messages, add_generation_prompt, **special)
+        return render_chat(self.chat_template, messages, add_generation_prompt, **special, **extra)
 
     def prompt_ids(self, prompts: str | list[str] | list[list[int]]) -> list[list[int]]:
         """Token ids of each prompt: a str (one prompt), or a list of prompts, each a str or a list

@@ -354,6 +354,25 @@ class Server:
             raise APIError(400, f"{name}: {e}", param=name, code="invalid_value") from None
         return spec
 
+    @property
+    def tool_format(self) -> tools_mod.GenericFormat | tools_mod.HermesFormat:
+        """How tools are shown and called: the chat template's own format, else the generic one."""
+        return tools_mod.tool_format(self.llm.chat_template)
+
+    def chat_messages(self, messages: list[ChatMessage]) -> list[dict]:
+        """The request's messages as the chat template takes them (text content; an assistant's
+        earlier tool calls in the tool format's way)."""
+        out = []
+        for m in messages:
+            content = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or [])
+            msg = {"role": "system" if m.role == "developer" else m.role, "content": content}
+            if m.role == "tool" and m.tool_call_id is not None:
+                msg["tool_call_id"] = m.tool_call_id
+            if m.name is not None:
+                msg["name"] = m.name
+            out.append(self.tool_format.history(msg, m.tool_calls) if m.role == "assistant" else msg)
+        return out
+
     def encode(self, text: str, param: str) -> list[int]:
         ids = self.llm.tokenizer.encode(text)
         if not ids:
@@ -580,9 +599,7 @@ def create_app(server: Server, engine_thread: bool = True) -> FastAPI:
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give either prompt or messages", param="prompt", code="invalid_value")
         if req.messages is not None:
-            messages = [{"role": "system" if m.role == "developer" else m.role,
-                         "content": m.content if isinstance(m.content, str) else
-                         "".join(p.text for p in m.content or [])} for m in req.messages]
+            messages = server.chat_messages(req.messages)
             try:
                 text = server.llm.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
             except PromptError as e:
@@ -656,24 +673,22 @@ def create_app(server: Server, engine_thread: bool = True) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         req: ChatCompletionRequest = await server.parse(request, ChatCompletionRequest)
-        messages = []
         for i, m in enumerate(req.messages):
             if m.content is None and not (m.role == "assistant"):  # (an assistant turn may be only a tool call)
                 raise APIError(400, f"messages.{i}.content: a {m.role} message needs content",
                                param=f"messages.{i}.content", code="invalid_value")
-            content = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or [])
-            if m.role == "assistant" and m.tool_calls:
-                content = (content + "\n" if content else "") + tools_mod.assistant_text(m.tool_calls)
-            messages.append({"role": "system" if m.role == "developer" else m.role, "content": content})
+        messages = server.chat_messages(req.messages)
         try:
             functions, choice = tools_mod.check_tools(req.tools, req.tool_choice)
         except tools_mod.ToolError as e:
             raise APIError(400, str(e), param=e.param, code="invalid_value") from None
         use_tools = choice not in (None, "none")
+        parallel = bool(req.parallel_tool_calls)
+        extra = {}
         if use_tools:
-            messages = tools_mod.with_tools(messages, functions, choice)
+            messages, extra = server.tool_format.prompt(messages, functions, choice, parallel)
         try:
-            ids = server.encode(server.llm.apply_chat_template(messages), "messages")
+            ids = server.encode(server.llm.apply_chat_template(messages, **extra), "messages")
         except PromptError as e:
             raise APIError(400, str(e), param="messages", code="invalid_value") from None
         params = server.sampling_params(req, req.max_completion_tokens or req.max_tokens, len(ids), "messages")
@@ -686,18 +701,23 @@ def create_app(server: Server, engine_thread: bool = True) -> FastAPI:
             if structured is not None:
                 raise APIError(400, "tools and a structured output (response_format, guided_*) at once",
                                param="response_format", code="invalid_value")
-            structured = StructuredOutput("json_schema", tools_mod.reply_schema(functions, choice))
+            structured = server.tool_format.constraint(functions, choice, parallel)
+            try:
+                server.engine.engine.grammars.check(structured)
+            except GrammarError as e:
+                raise APIError(400, f"tools: {e}", param="tools", code="invalid_value") from None
         params = dataclasses.replace(params, structured=structured)
-        return await respond(request, req, server.jobs(0, ids, params, req.n), len(ids), chat=True, tools=use_tools)
+        return await respond(request, req, server.jobs(0, ids, params, req.n), len(ids), chat=True,
+                             tools=server.tool_format if use_tools else None)
 
     async def respond(request: Request, req: _SamplingRequest, jobs: list, prompt_tokens: int,
                       chat: bool, echo: list[str] | None = None, zero: bool = False,
-                      tools: bool = False) -> Response:
+                      tools: tools_mod.GenericFormat | tools_mod.HermesFormat | None = None) -> Response:
         """Run the jobs (one per choice) and answer in OpenAI's format: a completion or a chat
         completion, streamed as server-sent events or as one JSON body. echo: each choice's
         prompt text, written before its completion (with its tokens' logprobs where asked);
-        zero: max_tokens 0, the one token generated is dropped. tools: each chat reply is a
-        constrained tool call or reply (serve/tools.py), answered once whole."""
+        zero: max_tokens 0, the one token generated is dropped. tools: the tool format whose
+        constrained calls or reply each chat reply is (serve/tools.py), answered once whole."""
         rid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
         fmt = Logprobs(server.llm.tokenizer)
         want_logprobs = bool(req.logprobs) if chat else req.logprobs is not None
@@ -736,14 +756,14 @@ def create_app(server: Server, engine_thread: bool = True) -> FastAPI:
                         counts[d.index] = d.num_tokens
                         reasons[d.index] = d.finish_reason or reasons[d.index]
                     for i, (text, reason) in enumerate(zip(texts, reasons)):
-                        content, calls = tools_mod.parse_reply(text)
-                        if calls:
-                            delta = {"tool_calls": [{"index": 0, **calls[0]}]}
+                        content, calls = tools.parse(text)
+                        if content:
+                            yield chunk(i, content, None)
+                        for k, call in enumerate(calls or []):
+                            delta = {"tool_calls": [{"index": k, **call}]}
                             yield _sse(body(obj, [{"index": i, "delta": delta, "logprobs": None,
                                                    "finish_reason": None}], None))
                             reason = "tool_calls"
-                        elif content:
-                            yield chunk(i, content, None)
                         yield chunk(i, None, reason)
                     if include_usage:
                         yield _sse(body(obj, [], _usage(prompt_tokens, sum(counts))))
@@ -814,7 +834,7 @@ def create_app(server: Server, engine_thread: bool = True) -> FastAPI:
                 for i, (t, r) in enumerate(zip(texts, reasons)):
                     message: dict = {"role": "assistant", "content": t}
                     if tools:
-                        content, calls = tools_mod.parse_reply(t)
+                        content, calls = tools.parse(t)
                         message["content"] = content
                         if calls:
                             message["tool_calls"], r = calls, "tool_calls"

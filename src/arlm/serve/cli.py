@@ -11,7 +11,8 @@ import threading
 import time
 from pathlib import Path
 
-from ..cli_common import UsageError, add_model_args, add_speculative_args, check_device, load_llm, parse_size
+from ..cli_common import (UsageError, add_chat_template_arg, add_model_args, add_speculative_args, check_device,
+                          load_llm, parse_size)
 
 # The smallest --kv-cache-memory taken before the model loads: two blocks of a small model. The
 # model's own minimum (two blocks of its K and V) is checked once its shapes are known.
@@ -152,6 +153,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def add_serve(sub) -> None:
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API (continuous batching)")
     add_model_args(p, compile=False)  # for serving, --quantize and --prefill-dtype auto are decided in cmd_serve
+    add_chat_template_arg(p)
     add_speculative_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
     p.add_argument("--port", type=int, default=8000)

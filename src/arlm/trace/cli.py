@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from ..cli_common import (UsageError, add_model_args, add_sampling_args, add_speculative_args, load_llm,
+from ..cli_common import (UsageError, add_chat_template_arg, add_model_args, add_sampling_args, add_speculative_args, load_llm,
                           positive_int, sampling_params)
 
 
@@ -94,6 +94,7 @@ def add_trace(sub) -> None:
     p = sub.add_parser("trace", help="generate with every engine step recorded: an HTML page, JSON, or the terminal")
     p.add_argument("prompt", nargs="?", default="The cat sat on the", help="the prompt (default: The cat sat on the)")
     add_model_args(p, compile=False)
+    add_chat_template_arg(p)
     add_sampling_args(p, max_new_tokens=16)
     add_speculative_args(p)
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
