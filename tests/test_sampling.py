@@ -167,6 +167,62 @@ def test_draws_follow_the_filtered_distribution():
     assert (freq[:3] - probs[:3] / probs[:3].sum()).abs().max() < 0.015, freq
 
 
+def test_draw_over_blocks_never_takes_a_zero_weight_and_is_batch_independent():
+    """The two-level inverse CDF (blocks of 256): weights spread over several blocks, with zeros
+    between and at the ends, a width that is not a multiple of the block, unnormalised weights;
+    frequencies within 4 standard deviations, zero weights never drawn, and a seeded row draws
+    the same token alone or in a batch."""
+    from arlm.sampling import DRAW_BLOCK, draw
+
+    V = 3 * DRAW_BLOCK + 77
+    w = torch.zeros(V)
+    hot = {0: 1.0, 255: 2.0, 256: 0.5, 700: 3.0, V - 1: 1.5, 300: 0.02}
+    for t, x in hot.items():
+        w[t] = x
+    n = 40000
+    g = torch.Generator().manual_seed(5)
+    got = torch.bincount(draw(w.expand(n, -1).contiguous(), [g] * n), minlength=V).double()
+    p = w.double() / w.sum()
+    assert got[p == 0].sum() == 0
+    sd = (n * p * (1 - p)).sqrt()
+    assert ((got - n * p).abs() <= 4 * sd + 1).all(), {t: (got[t].item(), n * p[t].item()) for t in hot}
+    logits = torch.randn(6, V, generator=g).softmax(-1)
+    together = draw(logits, [torch.Generator().manual_seed(i) for i in range(6)])
+    alone = [draw(logits[i:i + 1], [torch.Generator().manual_seed(i)]).item() for i in range(6)]
+    assert together.tolist() == alone
+
+
+def test_token_bitmask_native_and_fallback_agree_with_the_bits():
+    """kernels.mask_rows (structured outputs): -inf exactly where a row's bit is 0 and past the
+    mask's words, other rows untouched; the native kernel and the torch fallback alike."""
+    from arlm import kernels
+
+    assert kernels.native_available()
+    g = torch.Generator().manual_seed(4)
+    for V, words in ((49152, 1536), (1000, 31), (37, 2), (77, 3)):  # (31 words: a mask short of the vocab)
+        logits = torch.randn(5, V, generator=g)
+        bits = torch.randint(-2**31, 2**31 - 1, (3, words), generator=g, dtype=torch.int32)
+        bits[0, :words // 2] = -1  # all allowed
+        bits[1, :words // 2] = 0  # none
+        rows = torch.tensor([4, 0, 2])
+        ref = logits.clone()
+        for i, r in enumerate(rows.tolist()):
+            for t in range(V):
+                if t // 32 >= words or not (int(bits[i, t // 32]) >> (t % 32)) & 1:
+                    ref[r, t] = float("-inf")
+        native = logits.clone()
+        kernels.mask_rows(native, rows, bits)
+        assert torch.equal(native, ref), V
+        fallback = logits.clone()
+        real = kernels.native_available
+        kernels.native_available = lambda: False
+        try:
+            kernels.mask_rows(fallback, rows, bits)
+        finally:
+            kernels.native_available = real
+        assert torch.equal(fallback, ref), V
+
+
 def test_greedy_is_argmax_and_seed_reproduces():
     g = torch.Generator().manual_seed(10)
     logits = torch.randn(16, 300, generator=g)

@@ -1,7 +1,7 @@
 """Next-token sampling: repetition penalty, temperature, top-k, top-p, min-p, seeded draws.
 
 Everything works on a whole batch of logits `[B, vocab]` with tensor ops: no Python loop over
-rows or tokens, no host sync (the draw is an exponential race, not `torch.multinomial`).
+rows or tokens, no host sync (the draw is an inverse CDF in tensor ops, not `torch.multinomial`).
 `sample` takes one `SamplingParams` for the batch; `sample_rows` one per row, for a server's
 batch of unrelated requests (each filter takes a per-row `[B, 1]` tensor as well as a number).
 """
@@ -247,10 +247,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     if params.greedy:
         return kernels.argmax_rows(logits)
     probs = filtered_logits(logits, params).softmax(dim=-1)
-    # Exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) is a draw from p, without the host
-    # sync of torch.multinomial; the generator makes it reproducible.
-    race = torch.empty_like(probs).exponential_(1.0, generator=generator).clamp_min_(1e-20)
-    return kernels.argmax_rows(probs / race)
+    return draw(probs, [generator] * probs.shape[0])
 
 
 def penalized(logits: torch.Tensor, params: list[SamplingParams], seen: torch.Tensor | None = None) -> torch.Tensor:
@@ -281,13 +278,36 @@ def warped_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Te
     return x.softmax(dim=-1)
 
 
+DRAW_BLOCK = 256
+
+
 def draw(probs: torch.Tensor, generators: list[torch.Generator | None] | None = None) -> torch.Tensor:
-    """One token per row of probs [B, V] (any non-negative weights), row b from its own
-    generator: an exponential race, argmax(p_i / E_i) with E_i ~ Exp(1). Returns [B] int64."""
-    race = torch.empty_like(probs)
-    for i in range(probs.shape[0]):  # per-request streams: a seeded row is reproducible in any batch
-        race[i].exponential_(1.0, generator=generators[i] if generators else None)
-    return kernels.argmax_rows(probs / race.clamp_min_(1e-20))
+    """One token per row of probs [B, V] (any non-negative weights, a positive sum), row b from
+    its own generator: one uniform u per row, and the token where the row's cumulative weight
+    first exceeds u times its total (the inverse CDF). Returns [B] int64.
+
+    In two levels, so that float32 rounding never biases a small probability: the weights summed
+    in float64 per block of DRAW_BLOCK tokens, the block found on the cumulative block sums, then
+    the token on the cumulative sum (float64) inside that block. Each row's arithmetic is its
+    own: a seeded row draws the same token in any batch. (An exponential race, argmax(p_i / E_i),
+    was the draw before: V exponentials a row cost ~0.7 ms, 22 ms a step at batch 32.)"""
+    B, V = probs.shape
+    dev = probs.device
+    u = torch.cat([torch.rand(1, generator=generators[i] if generators else None, dtype=torch.float64,
+                              device=dev) for i in range(B)])  # per-request streams
+    pad = -V % DRAW_BLOCK
+    p = torch.nn.functional.pad(probs.float(), (0, pad)) if pad else probs.float()
+    blocks = p.view(B, -1, DRAW_BLOCK)
+    cum = blocks.sum(-1, dtype=torch.float64).cumsum(-1)  # [B, V / DRAW_BLOCK]
+    target = (u * cum[:, -1])[:, None]
+    j = torch.searchsorted(cum, target, right=True).clamp_(max=cum.shape[1] - 1)  # [B, 1]
+    before = torch.where(j > 0, cum.gather(1, (j - 1).clamp_(min=0)), torch.zeros_like(target))
+    inside = blocks.gather(1, j[:, :, None].expand(B, 1, DRAW_BLOCK))[:, 0]  # [B, DRAW_BLOCK]
+    k = torch.searchsorted(inside.double().cumsum(-1) + before, target, right=True)
+    # (the block's sum and its running sum may differ in the last bit: never past its last
+    # token with a weight)
+    last = (torch.arange(DRAW_BLOCK, device=dev) * (inside > 0)).amax(-1, keepdim=True)
+    return (j * DRAW_BLOCK + torch.minimum(k, last))[:, 0]
 
 
 def sample_rows(logits: torch.Tensor, params: list[SamplingParams],

@@ -124,24 +124,31 @@ class Grammars:
             raise GrammarError(f"unsupported {spec.kind.replace('_', ' ')}: {_one_line(m.get_error())}")
         return m
 
-    def allowed(self, matchers: list) -> torch.Tensor:
-        """[len(matchers), vocab] bool: the tokens each matcher allows next."""
-        bits = np.empty((len(matchers), self.words), dtype=np.int32)
+    def bitmask(self, matchers: list) -> torch.Tensor:
+        """[len(matchers), words] int32: the tokens each matcher allows next, one bit a token
+        (bit t % 32 of word t / 32), for `kernels.mask_rows`."""
+        bits = torch.empty((len(matchers), self.words), dtype=torch.int32)
         for i, m in enumerate(matchers):  # (llguidance's LLExecutor in parallel was slower here: docs/benchmarks.md)
-            m.unsafe_compute_mask_ptr(bits[i].ctypes.data, self.words * 4)
-        return self._unpack(bits)
+            m.unsafe_compute_mask_ptr(bits[i].data_ptr(), self.words * 4)
+        return bits
 
-    def allowed_along(self, matcher, draft: list[int]) -> torch.Tensor:
-        """[len(draft) + 1, vocab] bool: the tokens the matcher allows next, then after each
+    def bitmask_along(self, matcher, draft: list[int]) -> torch.Tensor:
+        """[len(draft) + 1, words] int32: the tokens the matcher allows next, then after each
         token of `draft` in turn (speculative decoding: the masks of a verify pass's positions).
         The draft must be valid (`valid_prefix`); the matcher is left where it was."""
-        bits = np.empty((len(draft) + 1, self.words), dtype=np.int32)
+        bits = torch.empty((len(draft) + 1, self.words), dtype=torch.int32)
         for j in range(len(draft) + 1):
-            matcher.unsafe_compute_mask_ptr(bits[j].ctypes.data, self.words * 4)
+            matcher.unsafe_compute_mask_ptr(bits[j].data_ptr(), self.words * 4)
             if j < len(draft) and not matcher.consume_token(draft[j]):
                 raise RuntimeError(f"draft token {draft[j]} breaks the grammar: {matcher.get_error()}")
         matcher.rollback(len(draft))
-        return self._unpack(bits)
+        return bits
+
+    def allowed(self, matchers: list) -> torch.Tensor:
+        """[len(matchers), vocab] bool: the tokens each matcher allows next."""
+        bits = self.bitmask(matchers).numpy()
+        mask = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")[:, :self.vocab_size]
+        return torch.from_numpy(mask.astype(bool))
 
     @staticmethod
     def valid_prefix(matcher, draft: list[int], eos_ids) -> int:
@@ -149,7 +156,3 @@ class Grammars:
         rest are dropped before the verify pass: it would reject them); a draft stops at EOS."""
         cut = next((j for j, t in enumerate(draft) if t in eos_ids), len(draft))
         return matcher.validate_tokens(draft[:cut]) if cut else 0
-
-    def _unpack(self, bits: np.ndarray) -> torch.Tensor:
-        mask = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")[:, :self.vocab_size]
-        return torch.from_numpy(mask.astype(bool))

@@ -23,6 +23,7 @@ from typing import Callable
 
 import torch
 
+from .. import kernels
 from ..kv_cache import KVCache, KVDtype, check_head_dim, check_pool_fits, parse_kv_dtype
 from ..model import Transformer
 from ..sampling import SamplingParams, adjust_logits, sample_rows, top_logprobs
@@ -405,13 +406,11 @@ class Engine:
                 vlogits = vlogits.float().clone()
                 for start, i in guided:
                     try:
-                        allowed = self.grammars.allowed_along(batch.seqs[i].matcher, batch.drafts[i])
+                        bits = self.grammars.bitmask_along(batch.seqs[i].matcher, batch.drafts[i])
                     except Exception as e:  # noqa: BLE001 - this request fails, the others go on
                         failed[i] = e
                         continue
-                    rows_i = slice(start, start + allowed.shape[0])
-                    vlogits[rows_i] = vlogits[rows_i].masked_fill(~allowed.to(vlogits.device)[:, :vlogits.shape[1]],
-                                                                  float("-inf"))
+                    kernels.mask_rows(vlogits, torch.arange(start, start + bits.shape[0]), bits)
             try:
                 kept = verify(vlogits, [batch.seqs[i] for i in vrows], [batch.drafts[i] for i in vrows])
             except Exception:  # noqa: BLE001 - narrowed down to rows below
@@ -452,15 +451,17 @@ class Engine:
         reqs = [batch.seqs[i] for i in rows]
         raw = logits
         guided = [j for j, r in enumerate(reqs) if r.matcher is not None]
-        if guided or any(r.params.adjusts_logits for r in reqs):  # (the raw logits still give the logprobs)
-            logits = logits.float().clone()
+        if guided or any(r.params.adjusts_logits for r in reqs):
+            # changed in place; a copy where the raw logits are still read (logprobs, the tracer)
+            logits = logits.float()
+            if logits is raw and (self.tracer is not None or any(r.params.logprobs is not None for r in reqs)):
+                logits = logits.clone()
             for j, r in enumerate(reqs):
                 if r.params.adjusts_logits:
                     logits[j] = adjust_logits(logits[j], r.params, r.output_counts, r.num_output_tokens, r.end_ids)
             if guided:  # the grammar's mask, for the rows that have one
-                allowed = self.grammars.allowed([reqs[j].matcher for j in guided]).to(logits.device)
-                index = torch.tensor(guided, device=logits.device)
-                logits[index] = logits[index].masked_fill(~allowed[:, :logits.shape[1]], float("-inf"))
+                bits = self.grammars.bitmask([reqs[j].matcher for j in guided])
+                kernels.mask_rows(logits, torch.tensor(guided), bits)
         try:
             next_ids = sample_rows(logits, [r.params for r in reqs], [r.generator for r in reqs],
                                    self._seen(reqs)).tolist()  # the step's one host sync

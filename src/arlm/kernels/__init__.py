@@ -235,6 +235,23 @@ def linear_a8p_residual(x: torch.Tensor, wp: torch.Tensor, scale: torch.Tensor,
     return torch.ops.arlm.linear_a8p_residual(x.contiguous(), wp, scale, torch.empty(0) if mins is None else mins)
 
 
+def mask_rows(logits: torch.Tensor, rows: torch.Tensor, bits: torch.Tensor) -> None:
+    """In place: logits[rows[i], t] = -inf wherever bit t of bits[i] is 0 (llguidance's token
+    bitmask, [n, ceil(V / 32)] int32: bit t % 32 of word t / 32), and past the mask's words. On
+    CPU a native kernel that skips the all-allowed words (no [n, V] bool mask is built)."""
+    if (logits.device.type == "cpu" and logits.dim() == 2 and logits.dtype == torch.float32
+            and logits.is_contiguous() and native_available()):
+        torch.ops.arlm.mask_rows(logits, rows.long().contiguous(), bits.int().contiguous())
+        return
+    V = logits.shape[1]
+    shifts = torch.arange(32, dtype=torch.int32, device=bits.device)
+    allowed = ((bits.to(logits.device)[:, :, None] >> shifts) & 1).flatten(1).bool()[:, :V]
+    if allowed.shape[1] < V:
+        allowed = torch.nn.functional.pad(allowed, (0, V - allowed.shape[1]), value=False)
+    index = rows.to(logits.device)
+    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+
+
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """x.argmax(dim=-1) for [B, V] logits (the same index: first maximum, or first NaN); on CPU a
     native kernel (torch's index reductions are slow there: 1.3 ms for [32, 49152])."""

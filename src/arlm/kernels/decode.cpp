@@ -650,8 +650,51 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   return out;
 }
 
+// Structured outputs: logits[rows[i], t] = -inf for every token t whose bit is 0 in bits[i]
+// (llguidance's mask: bit t % 32 of 32-bit word t / 32). Words with every bit set (all allowed)
+// are skipped; tokens past the mask's words are masked too.
+void mask_rows(at::Tensor& logits, const at::Tensor& rows, const at::Tensor& bits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.is_contiguous(),
+              "mask_rows: logits [B, V] contiguous float32");
+  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong && bits.dim() == 2 &&
+              bits.scalar_type() == at::kInt && bits.is_contiguous() && bits.size(0) == rows.size(0),
+              "mask_rows: rows [n] int64, bits [n, words] contiguous int32");
+  const int64_t V = logits.size(1), n = rows.size(0), W = bits.size(1);
+  const int64_t* rp = rows.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(rp[i] >= 0 && rp[i] < logits.size(0), "mask_rows: row out of range");
+  float* lp = logits.data_ptr<float>();
+  const uint32_t* bp = reinterpret_cast<const uint32_t*>(bits.data_ptr<int32_t>());
+  at::parallel_for(0, n, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      float* r = lp + rp[i] * V;
+      const uint32_t* w = bp + i * W;
+      int64_t k = 0;
+#if defined(__AVX512F__)
+      const __m512 ninf = _mm512_set1_ps(-INFINITY);
+      for (; k < W && 32 * k + 32 <= V; ++k) {  // two masked stores a word
+        const uint32_t off = ~w[k];
+        if (!off) continue;
+        _mm512_mask_storeu_ps(r + 32 * k, static_cast<__mmask16>(off & 0xFFFF), ninf);
+        _mm512_mask_storeu_ps(r + 32 * k + 16, static_cast<__mmask16>(off >> 16), ninf);
+      }
+#endif
+      for (; k < W && 32 * k < V; ++k) {
+        uint32_t off = ~w[k];
+        while (off) {
+          const int64_t t = 32 * k + __builtin_ctz(off);
+          if (t < V) r[t] = -INFINITY;
+          off &= off - 1;
+        }
+      }
+      for (int64_t t = 32 * W; t < V; ++t) r[t] = -INFINITY;
+    }
+  });
+}
+
 TORCH_LIBRARY_FRAGMENT(arlm, m) {
   m.def("argmax_rows(Tensor x) -> Tensor");
+  m.def("mask_rows(Tensor(a!) logits, Tensor rows, Tensor bits) -> ()");
   m.def("decode_llama(Tensor(c!) x, Tensor[] weights, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor pos, "
         "Tensor cos, Tensor sin, int kv_len, int n_head, int n_kv_heads, float eps, bool a8, int residual=0, "
         "int kv_format=0) -> ()");
@@ -667,4 +710,5 @@ TORCH_LIBRARY_IMPL(arlm, CPU, m) {
   m.impl("forward_llama_paged", &forward_llama_paged);
   m.impl("llama_head", &llama_head);
   m.impl("argmax_rows", &argmax_rows);
+  m.impl("mask_rows", &mask_rows);
 }
