@@ -11,11 +11,13 @@ its logprobs are plain decoding's, and sampled output still validates.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
 import jsonschema
 import pytest
+import torch
 
 from arlm.sampling import SamplingParams
 from arlm.structured import GrammarError, StructuredOutput
@@ -145,6 +147,75 @@ def test_speculative_drafts_follow_the_grammar(llm):
         c = llm.generate([prompts[0]], params, speculative=drafter.config)[0]
         assert c.finish_reason == "eos", c.text
         jsonschema.validate(json.loads(c.text), COPY_SCHEMA)
+
+
+def test_takes_agrees_with_the_mask(llm):
+    """Grammars.takes (the lazy check) allows exactly the tokens the mask allows, along a path
+    through a schema, end-of-sequence included."""
+    g = llm.grammars
+    m = g.matcher(StructuredOutput("json_schema", SCHEMAS["array"]))
+    path = llm.tokenizer.encode('{"tags":["red","blue"]}', add_bos=False)
+    probe = torch.randint(0, llm.model.config.vocab_size, (300,), generator=torch.Generator().manual_seed(1)).tolist()
+    for tok in path + [None]:
+        allowed = g.allowed([m])[0]
+        for t in probe + path + list(llm.tokenizer.eos_ids):
+            assert g.takes(m, t) == bool(allowed[t]), (t, tok)
+        if tok is not None:
+            assert m.consume_token(tok)
+
+
+def test_lazy_mask_draws_the_masked_distribution(llm):
+    """Rows without top-k/p, min-p draw first and compute the mask only when the grammar refuses
+    the token: greedy rows get the masked argmax, sampled rows the masked distribution p / p(A)
+    (3000 draws from logits that put most of the mass outside the grammar, frequencies within 4
+    standard deviations), and the filtered (eager) path draws the same distribution."""
+    from types import SimpleNamespace
+
+    from arlm.engine.request import Request
+
+    engine, V = llm.engine, llm.model.config.vocab_size
+    spec = StructuredOutput("regex", "[a-e]")
+    letters = [llm.tokenizer.encode(c, add_bos=False)[0] for c in "abcde"]
+    base = torch.randn(V, generator=torch.Generator().manual_seed(2))
+    base[letters] = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0]) + base.max()  # ~1/4 of the mass allowed
+    base[torch.topk(base, 20).indices[5:]] += 3.0  # (most of it on 15 tokens the grammar refuses)
+    p = base.softmax(-1)
+    target = p[letters] / p[letters].sum()
+    calls = {"takes": 0, "refused": 0}
+    takes = llm.grammars.takes
+
+    def counting(m, t):
+        calls["takes"] += 1
+        ok = takes(m, t)
+        calls["refused"] += not ok
+        return ok
+
+    llm.grammars.takes = counting
+    try:
+        for params in (SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_k=V)):
+            counts = torch.zeros(5)
+            for rnd in range(15):
+                n = 200
+                reqs = [Request.create(f"r{i}", [1], dataclasses.replace(params, seed=1000 * rnd + i), V,
+                                       llm.tokenizer.eos_ids, "cpu") for i in range(n)]
+                for r in reqs:
+                    r.matcher = llm.grammars.matcher(spec)
+                got, failed = engine._sample_plain(base.expand(n, -1).contiguous(), list(range(n)),
+                                                   SimpleNamespace(seqs=reqs), list(range(n)))
+                assert not failed
+                for (t,) in got.values():
+                    counts[letters.index(t)] += 1
+            n = counts.sum()
+            sd = (n * target * (1 - target)).sqrt()
+            assert ((counts - n * target).abs() <= 4 * sd + 1).all(), (params, counts / n, target)
+        assert calls["refused"] > 1000  # the lazy path drew, was refused and drew again
+        greedy = SamplingParams(temperature=0.0)
+        r = Request.create("g", [1], greedy, V, llm.tokenizer.eos_ids, "cpu")
+        r.matcher = llm.grammars.matcher(spec)
+        got, _ = engine._sample_plain(base[None].clone(), [0], SimpleNamespace(seqs=[r]), [0])
+        assert got[0] == [letters[0]]  # the masked argmax
+    finally:
+        llm.grammars.takes = takes
 
 
 def test_specs_the_engine_cannot_enforce_are_errors(llm):

@@ -136,6 +136,11 @@ class SamplingParams:
         return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias or self.min_tokens)
 
     @property
+    def unfiltered(self) -> bool:
+        """No top-k, top-p or min-p filter: the draw is from the (tempered) distribution itself."""
+        return self.top_k == 0 and self.top_p == 1.0 and self.min_p == 0.0
+
+    @property
     def greedy(self) -> bool:
         # Below GREEDY_BELOW, logits / temperature overflows float32 (and the draw is the argmax
         # anyway): such temperatures are greedy, as vLLM treats them.

@@ -150,6 +150,14 @@ class Grammars:
         mask = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")[:, :self.vocab_size]
         return torch.from_numpy(mask.astype(bool))
 
+    def takes(self, matcher, token: int) -> bool:
+        """Whether the matcher's mask allows `token` next, without computing the mask (a few
+        microseconds against ~0.05-0.15 ms): end-of-sequence where the grammar may end, any
+        other token where the grammar can go on with it."""
+        if token in self.tokenizer.eos_ids:
+            return matcher.is_accepting()
+        return matcher.validate_tokens([token]) == 1
+
     @staticmethod
     def valid_prefix(matcher, draft: list[int], eos_ids) -> int:
         """How many of the draft's first tokens the grammar takes from the matcher's state (the

@@ -451,6 +451,14 @@ class Engine:
         reqs = [batch.seqs[i] for i in rows]
         raw = logits
         guided = [j for j, r in enumerate(reqs) if r.matcher is not None]
+        # Rows whose draw commutes with the mask (greedy, or temperature alone: no top-k/p, min-p
+        # filter, which would see the unmasked distribution) draw first and compute the mask
+        # only if the grammar refuses the token, then draw again from the masked row: the
+        # argmax, or the masked distribution exactly (rejection sampling: P(t) = p(t) / p(A)).
+        # llama.cpp's sampler does the same; most tokens of a model that follows its format
+        # then cost a validation (~microseconds) instead of a mask (~0.1 ms a row).
+        lazy = [j for j in guided if reqs[j].params.greedy or reqs[j].params.unfiltered]
+        eager = [j for j in guided if j not in lazy]
         if guided or any(r.params.adjusts_logits for r in reqs):
             # changed in place; a copy where the raw logits are still read (logprobs, the tracer)
             logits = logits.float()
@@ -459,12 +467,13 @@ class Engine:
             for j, r in enumerate(reqs):
                 if r.params.adjusts_logits:
                     logits[j] = adjust_logits(logits[j], r.params, r.output_counts, r.num_output_tokens, r.end_ids)
-            if guided:  # the grammar's mask, for the rows that have one
-                bits = self.grammars.bitmask([reqs[j].matcher for j in guided])
-                kernels.mask_rows(logits, torch.tensor(guided), bits)
+            if eager:  # the grammar's mask, for the rows that have one
+                self._mask(logits, [reqs[j] for j in eager], eager)
         try:
             next_ids = sample_rows(logits, [r.params for r in reqs], [r.generator for r in reqs],
                                    self._seen(reqs)).tolist()  # the step's one host sync
+            if lazy:
+                self._redraw_refused(logits, reqs, lazy, next_ids)
             self._keep_logprobs(raw, reqs, next_ids)
             failed = self._advance_grammars(reqs, next_ids, rows)
             return {i: [t] for i, t in zip(rows, next_ids) if i not in failed}, failed
@@ -473,6 +482,8 @@ class Engine:
         sampled, failed = {}, {}
         for j, (i, r) in enumerate(zip(rows, reqs)):
             try:
+                if j in lazy:
+                    self._mask(logits, [r], [j])
                 sampled[i] = [sample_rows(logits[j:j + 1], [r.params], [r.generator], self._seen([r])).item()]
                 self._keep_logprobs(raw[j:j + 1], [r], sampled[i])
                 if self._advance_grammars([r], sampled[i], [i]):
@@ -480,6 +491,21 @@ class Engine:
             except Exception as e:  # noqa: BLE001 - this request fails, the others go on
                 failed[i] = e
         return sampled, failed
+
+    def _redraw_refused(self, logits: torch.Tensor, reqs: list[Request], lazy: list[int], tokens: list[int]) -> None:
+        """The lazy rows whose token their grammar refuses: masked, and drawn again (in place in
+        `tokens`)."""
+        redo = [j for j in lazy if not self.grammars.takes(reqs[j].matcher, tokens[j])]
+        if redo:
+            self._mask(logits, [reqs[j] for j in redo], redo)
+            again = sample_rows(logits[torch.tensor(redo, device=logits.device)], [reqs[j].params for j in redo],
+                                [reqs[j].generator for j in redo], self._seen([reqs[j] for j in redo])).tolist()
+            for j, t in zip(redo, again):
+                tokens[j] = t
+
+    def _mask(self, logits: torch.Tensor, reqs: list[Request], at: list[int]) -> None:
+        """In place: -inf in logits rows `at` for the tokens each request's grammar refuses next."""
+        kernels.mask_rows(logits, torch.tensor(at), self.grammars.bitmask([r.matcher for r in reqs]))
 
     @staticmethod
     def _advance_grammars(reqs: list[Request], tokens: list[int], rows: list[int]) -> dict[int, Exception]:
