@@ -38,6 +38,9 @@ CASES = [
     ("serve.py", ["--clients", "1,,8"]),
     ("serve.py", ["--max-tokens", "0"]),
     ("serve.py", ["--max-tokens", "9000"]),
+    ("shared.py", ["--rounds", "0"]),
+    ("shared.py", ["--busy", "1,-1"]),
+    ("shared.py", ["--busy", "x"]),
     ("serve.py", ["--context", "0"]),
     ("serve.py", ["--context", "8190"]),  # + the engine step's 40 tokens overflow the window
     ("train_shakespeare_char.py", ["--threads", "0"]),

@@ -340,6 +340,9 @@ def test_metrics_page(server):
     m = server.metrics()
     assert m["arlm_generation_tokens_total"] > 0 and m["arlm_time_to_first_token_seconds_count"] > 0
     # the pool's element type, its bytes per token and in total
+    # one thread a server (OMP_NUM_THREADS=1: nothing to narrow), not pinned by --threads
+    assert m['arlm_threads{state="in_use"}'] == m['arlm_threads{state="max"}'] == 1 and m["arlm_threads_pinned"] == 0
+    assert "arlm_thread_width_changes_total" in m
     per_token = {k: v for k, v in m.items() if k.startswith("arlm_kv_cache_bytes_per_token{dtype=")}
     assert len(per_token) == 1 and list(per_token.values())[0] > 0
     allocated = [v for k, v in m.items() if k.startswith("arlm_kv_cache_bytes{") and 'state="allocated"' in k]

@@ -3,9 +3,9 @@
 # OpenMP's wait policy is left to the user. The native decode step runs ~200 short parallel
 # regions a step; with libgomp's default (threads spin briefly before they sleep) SmolLM2 decodes
 # at ~150 tokens/s on 2 cores, with OMP_WAIT_POLICY=PASSIVE (sleep at once) at ~67
-# (benchmarks/run.py, docs/benchmarks.md). Where other processes want the same cores, spinning
-# turns against you: set OMP_WAIT_POLICY=PASSIVE there (`make test` does, since its servers and
-# clients share the cores).
+# (benchmarks/run.py, docs/benchmarks.md). Spinning threads lose whole time slices when another
+# process takes their core: the engine watches for that and narrows its threads while others
+# keep cores busy, widening again when they go (engine/threads.py; `--threads N` pins them).
 
 from .config import ModelConfig
 from .engine import Engine, EngineConfig, FinishReason, decode_step, prefill

@@ -67,7 +67,9 @@ def add_model_args(p: argparse.ArgumentParser, compile: bool = True) -> None:
                         "Hadamard-rotated 4-bit V and 5-bit K, 0.34x")
     if compile:
         p.add_argument("--compile", action="store_true", help="torch.compile the decode step")
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: all cores)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="pin the threads of every step at N (default: all cores while the machine is quiet, "
+                        "fewer while other processes keep cores busy, watched every few steps)")
 
 
 def add_chat_template_arg(p: argparse.ArgumentParser) -> None:
@@ -252,9 +254,9 @@ def load_llm(args: argparse.Namespace):
         if args.threads > (os.cpu_count() or 1):
             print(f"arlm: warning: --threads {args.threads} is more than this machine's {os.cpu_count()} cores: "
                   "the threads will take turns, and decode gets much slower", file=sys.stderr)
-        import torch
+        from .engine import threads
 
-        torch.set_num_threads(args.threads)
+        threads.pin(args.threads)  # (fixed: no narrowing beside busy neighbours)
     quantize = None if args.quantize == "none" else args.quantize
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if args.device.startswith("cuda") else "float32")
     if getattr(args, "kv_window", 0) and getattr(args, "speculative", None) not in (None, "off"):
@@ -287,7 +289,17 @@ def stats_line(stats, prefix: str = "") -> str:
     return (f"{prefix}prefill: {stats.prompt_tokens} tokens, {stats.prefill_tokens_per_s:.1f} tokens/s | "
             f"decode: {stats.decode_tokens} tokens, {stats.decode_tokens_per_s:.1f} tokens/s | "
             f"KV cache: {stats.kv_dtype or '-'}, {stats.kv_bytes_per_token} bytes/token, "
-            f"{stats.kv_cache_bytes / 2**20:.2f} MiB ({stats.kv_cache_bytes} bytes)" + spec)
+            f"{stats.kv_cache_bytes / 2**20:.2f} MiB ({stats.kv_cache_bytes} bytes) | threads: "
+            + _threads_text(stats) + spec)
+
+
+def _threads_text(stats) -> str:
+    if stats.threads_pinned:
+        return f"{stats.threads} (pinned)"
+    text = f"{stats.threads} of {stats.threads_widest}"
+    if stats.threads_narrowest < stats.threads_widest:
+        text += f", {stats.threads_narrowest} at the narrowest ({stats.thread_changes} changes: others busy)"
+    return text
 
 
 

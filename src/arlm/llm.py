@@ -17,6 +17,7 @@ from typing import Iterator
 import torch
 
 from .engine import Engine, EngineConfig, FinishReason, ModelRunner, Request, RequestOutput
+from .engine import threads
 from .engine.speculative import Drafter, SpecRates, SpeculativeConfig
 from .loading import LoadedModel
 from .kv_cache import KVDtype, check_head_dim, kv_dtype_name, parse_kv_dtype
@@ -72,6 +73,13 @@ class GenerationStats(SpecRates):
     kv_cache_bytes: int = 0  # bytes allocated for the cache
     kv_dtype: str = ""  # its element type ("float16", "int8", ...)
     kv_bytes_per_token: int = 0  # bytes one cached token takes: K and V, every layer, scales included
+    # the steps' threads (engine/threads.py): the width at the last step, the narrowest any step
+    # had, the widest allowed, whether --threads pinned it, and width changes during the stream
+    threads: int = 0
+    threads_narrowest: int = 0
+    threads_widest: int = 0
+    threads_pinned: bool = False
+    thread_changes: int = 0
     # speculative decoding (the stream's requests): draft tokens verified, accepted, and target
     # passes that verified a draft (per request)
     spec_proposed: int = 0
@@ -94,6 +102,9 @@ class GenerationStats(SpecRates):
                 "kv_cache_bytes": self.kv_cache_bytes,
                 "kv_cache": {"dtype": self.kv_dtype, "bytes_per_token": self.kv_bytes_per_token,
                              "bytes": self.kv_cache_bytes},
+                "threads": {"width": self.threads, "narrowest": self.threads_narrowest,
+                            "widest": self.threads_widest, "pinned": self.threads_pinned,
+                            "changes": self.thread_changes},
                 "speculative": {"proposed": self.spec_proposed, "accepted": self.spec_accepted,
                                 "passes": self.spec_passes,
                                 "acceptance_rate": round(self.spec_acceptance_rate, 4),
@@ -136,7 +147,13 @@ class TextStream:
                 yield from self.mailbox.pop(rid, [])
             if all(r.finished for r in self.requests):
                 return
+            gov = threads.governor()
+            changes = gov.changes
             outputs = self.engine.step()
+            st = self.stats
+            st.threads, st.threads_widest, st.threads_pinned = gov.width, gov.widest, gov.pinned is not None
+            st.threads_narrowest = min(st.threads_narrowest or gov.width, gov.width)
+            st.thread_changes += gov.changes - changes
             step = self.engine.last_step
             if step.prompt_tokens:
                 self.stats.prompt_tokens += step.prompt_tokens

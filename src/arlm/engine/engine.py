@@ -30,6 +30,7 @@ from ..sampling import SamplingParams, adjust_logits, sample_rows, top_logprobs
 from .request import FinishReason, Request, RequestStatus
 from .runner import ModelRunner
 from .scheduler import Scheduler
+from . import threads
 from .speculative import Drafter, SpecRates, SpecState, StepCost, verify
 
 log = logging.getLogger(__name__)
@@ -291,6 +292,7 @@ class Engine:
         """Schedule, forward, sample, postprocess: one new token for every request that reached
         the end of its window this step."""
         t0 = time.perf_counter()
+        threads.governor().before_step()  # the width of this step's threads
         if self.config.contiguous and not self.scheduler.running and self.scheduler.waiting:
             self._fit_cache()
         drafting = self._propose()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ..engine import AsyncEngine
+from ..engine import threads
 from ..kv_cache import kv_dtype_name
 
 # Prometheus' histogram buckets for the time to first token, in seconds.
@@ -82,6 +83,14 @@ def render(engine: AsyncEngine, http_requests: dict[tuple[str, int], int], time_
             [(sched.stats.prefix_hits, None)])
     _metric(out, "arlm_num_preemptions_total", "counter", "Sequences preempted (freed, to be recomputed).",
             [(sched.stats.preemptions, None)])
+    gov = threads.governor()
+    _metric(out, "arlm_threads", "gauge", "Threads of the engine's steps: in use now, and the most it may use "
+            "(fewer while other processes keep cores busy, unless --threads pinned them).",
+            [(gov.width, {"state": "in_use"}), (gov.widest, {"state": "max"})])
+    _metric(out, "arlm_threads_pinned", "gauge", "1 if --threads fixed the width, else 0.",
+            [(int(gov.pinned is not None), None)])
+    _metric(out, "arlm_thread_width_changes_total", "counter", "Times the steps' thread width changed.",
+            [(gov.changes, None)])
     _metric(out, "arlm_engine_steps_total", "counter", "Forward passes run by the engine.", [(stats.steps, None)])
     _metric(out, "arlm_engine_step_seconds_total", "counter", "Time spent in engine steps.",
             [(round(stats.step_seconds, 6), None)])

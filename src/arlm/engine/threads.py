@@ -1,0 +1,150 @@
+"""How many threads a step gets: all the cores while the machine is quiet, fewer while other
+processes want them (issue: fast on a shared machine).
+
+OpenMP threads meet at a barrier a few hundred times a decode step; when the OS takes a core
+from one of them for a neighbour, every barrier waits out the neighbour's time slice, and a
+2-thread decode beside one busy process runs 5-20x slower than alone, where one thread would
+have kept about half its speed (decode is bandwidth-bound). No fixed setting serves both cases
+(docs/benchmarks.md), so the engine watches: every few steps it counts the runnable tasks of
+the machine that are not its own (`/proc/stat`'s procs_running less this process's threads in
+state R), and runs the next steps on the cores the others leave free, at least one and at most
+the width it started with. Narrowing and widening need no restart: `torch.set_num_threads`
+between steps, which the native kernels (`at::parallel_for`) and torch's own ops follow. Every
+kernel gives the same result at any width (rows and split-K chunks never depend on the thread
+count), so outputs do not change with the width.
+
+One governor per process (`governor()`), as torch's thread pool is one per process: every
+engine's step asks it first. `--threads N` (`pin`) fixes the width (no watching); the widest is
+torch's width when the governor is made (`OMP_NUM_THREADS`, else the cores). The width in effect
+is in the generation stats (`--json`, the stats line) and `/metrics`.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from collections import deque
+
+import torch
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _runnable_machine() -> int | None:
+    """Runnable tasks on the machine now (procs_running), or None where /proc/stat is missing."""
+    try:
+        with open("/proc/stat", "rb") as f:
+            for line in f:
+                if line.startswith(b"procs_running"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def _runnable_here() -> int:
+    """This process's threads in state R (running or runnable), this one included."""
+    n = 0
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return 1
+    for t in tasks:
+        try:
+            with open(f"/proc/self/task/{t}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:  # (a thread that just ended)
+            continue
+        if stat[stat.rfind(b")") + 2:stat.rfind(b")") + 3] == b"R":
+            n += 1
+    return max(n, 1)
+
+
+def others_runnable() -> int | None:
+    """Runnable tasks on the machine that are not this process's threads, or None (no /proc)."""
+    machine = _runnable_machine()
+    if machine is None:
+        return None
+    return max(0, machine - _runnable_here())
+
+
+class ThreadGovernor:
+    """The thread width of the engine's steps. pinned: a fixed width (--threads), never changed;
+    else up to `widest` (torch's width when made), narrowed to the cores the machine's other
+    runnable tasks leave free: a sample every `every` steps, the median of the last `window`."""
+
+    def __init__(self, pinned: int | None = None, widest: int | None = None, every: int = 8,
+                 window: int = 5, probe=others_runnable) -> None:
+        if pinned is not None and pinned < 1:
+            raise ValueError("threads must be >= 1")
+        self.pinned = pinned
+        self.widest = pinned or widest or torch.get_num_threads()
+        self.cores = _cores()
+        self.every, self.samples = every, deque(maxlen=window)
+        self.probe = probe
+        self.width = self.widest
+        self.changes = 0  # widths set since the start (narrowed or widened)
+        self._steps = 0
+        self.watching = pinned is None and self.widest > 1 and (probe is not others_runnable
+                                                                 or _runnable_machine() is not None)
+        if pinned is not None:
+            self._apply(pinned)
+
+    def before_step(self) -> None:
+        """Called before each engine step: every `every` steps a sample, and the width for it."""
+        if not self.watching:
+            return
+        self._steps += 1
+        if self._steps % self.every:
+            return
+        others = self.probe()
+        if others is None:
+            return
+        self.samples.append(others)
+        busy = statistics.median_low(self.samples)
+        self.set(max(1, min(self.widest, self.cores - busy)))
+
+    def set(self, width: int) -> None:
+        """Run the next steps on `width` threads (a test forces widths through this)."""
+        if width != self.width:
+            self.width = width
+            self.changes += 1
+            self._apply(width)
+
+    @staticmethod
+    def _apply(width: int) -> None:
+        if torch.get_num_threads() != width:
+            torch.set_num_threads(width)
+
+    def describe(self) -> str:
+        """For the stats line: "2 threads" / "1 of 2 threads (busy machine)" / "2 threads (pinned)"."""
+        if self.pinned is not None:
+            return f"{self.width} thread{'s' if self.width > 1 else ''} (pinned)"
+        if self.width < self.widest:
+            return f"{self.width} of {self.widest} threads (others busy)"
+        return f"{self.width} thread{'s' if self.width > 1 else ''}"
+
+
+_governor: ThreadGovernor | None = None
+
+
+def governor() -> ThreadGovernor:
+    """The process's governor (made on first use, at torch's width then)."""
+    global _governor
+    if _governor is None:
+        _governor = ThreadGovernor()
+    return _governor
+
+
+def pin(threads: int | None) -> ThreadGovernor:
+    """Fix the width of every step at `threads` (None: follow the machine again, up to the
+    width torch had when the governor was made)."""
+    global _governor
+    widest = _governor.widest if _governor is not None and _governor.pinned is None else None
+    _governor = ThreadGovernor(pinned=threads, widest=widest)
+    return _governor

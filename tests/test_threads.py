@@ -1,0 +1,124 @@
+"""The steps' thread width (arlm/engine/threads.py): it follows the cores other processes leave
+free, returns to full width when they go, stays put when pinned, shows in the stats, /metrics
+and the stats line; and outputs never depend on it (widths forced to change every step).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from arlm.engine import threads
+from arlm.engine.threads import ThreadGovernor, others_runnable
+from arlm.sampling import SamplingParams
+
+
+@pytest.fixture
+def restore_threads():
+    width, gov = torch.get_num_threads(), threads._governor
+    yield
+    threads._governor = gov
+    torch.set_num_threads(width)
+
+
+def test_width_is_the_cores_the_others_leave(restore_threads):
+    seen = iter([0, 1, 1, 1, 3, 0, 0, 0, 0])
+    g = ThreadGovernor(widest=2, every=1, window=3, probe=lambda: next(seen))
+    g.cores = 4
+    widths = []
+    for _ in range(9):
+        g.before_step()
+        widths.append(g.width)
+    # median of the last 3 samples: 0, 0, 1, 1, 1, 1(1,1,3), 3->1(1,3,0), 0, 0 -> cores 4 - busy, at most 2
+    assert widths == [2, 2, 2, 2, 2, 2, 2, 2, 2]
+    g.cores = 2
+    seen = iter([1, 1, 1, 0, 0, 0])
+    g.probe = lambda: next(seen)
+    g.samples.clear()
+    widths = []
+    for _ in range(6):
+        g.before_step()
+        widths.append(g.width)
+    assert widths == [1, 1, 1, 1, 2, 2] and torch.get_num_threads() == 2  # narrowed, then widened again
+    pinned = ThreadGovernor(pinned=1, probe=lambda: 5)
+    for _ in range(20):
+        pinned.before_step()
+    assert pinned.width == 1 and not pinned.watching and torch.get_num_threads() == 1
+    with pytest.raises(ValueError):
+        ThreadGovernor(pinned=0)
+
+
+def test_busy_neighbours_narrow_it_and_it_widens_when_they_go(restore_threads):
+    """Real neighbours (spin loops): as many as the cores, and the width drops to 1 within a few
+    samples; killed, it returns to the widest."""
+    if others_runnable() is None:
+        pytest.skip("no /proc/stat on this system: the width cannot follow the machine")
+    torch.set_num_threads(2)
+    g = ThreadGovernor(every=1, window=3)
+    g.cores = 2  # (the test's own view: two cores, two neighbours)
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        time.sleep(0.3)
+        for _ in range(30):
+            g.before_step()
+            time.sleep(0.02)
+            if g.width == 1:
+                break
+        assert g.width == 1, list(g.samples)
+    finally:
+        for p in busy:
+            p.kill()
+            p.wait()
+    for _ in range(60):
+        g.before_step()
+        time.sleep(0.02)
+        if g.width == 2:
+            break
+    assert g.width == 2 and g.changes >= 2, list(g.samples)
+
+
+def test_outputs_do_not_depend_on_the_width(smollm2_path, restore_threads):
+    """SmolLM2 on its default path, a ragged batch greedy and seeded-sampled, the contiguous
+    cache and the paged pool: the width forced to change at every step (1, 2, 1, ...) gives the
+    tokens a pinned width gives."""
+    from arlm.engine import Engine, EngineConfig
+    from arlm.llm import LLM
+
+    llm = LLM.load(str(smollm2_path))
+    texts = ["The cat sat on the", "Once upon a time, in a land far", "def fib(n):"]
+    prompts = [llm.tokenizer.encode(t) for t in texts]
+    params = [SamplingParams(max_new_tokens=24, temperature=0), SamplingParams(max_new_tokens=16, temperature=0.9, seed=3),
+              SamplingParams(max_new_tokens=30, temperature=0)]
+    paged = Engine(llm.runner, llm.tokenizer.eos_ids, EngineConfig(block_size=16, kv_cache_tokens=1024))
+    results = {}
+    for mode in ("pinned 2", "pinned 1", "changing"):
+        if mode == "changing":
+            cycle = iter(range(10**6))
+            g = threads.pin(None)
+            g.watching, g.every, g.widest, g.cores = True, 1, 2, 2
+            g.probe = lambda: next(cycle) % 2  # busy, quiet, busy, ...: width 1, 2, 1, ...
+            g.samples = type(g.samples)(maxlen=1)
+        else:
+            threads.pin(int(mode[-1]))
+        got = [llm.engine.generate(prompts, params), paged.generate(prompts, params)]
+        results[mode] = got
+        if mode == "changing":
+            assert threads.governor().changes > 20
+    assert results["changing"] == results["pinned 2"] == results["pinned 1"]
+
+
+def test_stats_and_metrics_name_the_width(restore_threads):
+    r = subprocess.run([sys.executable, "-m", "arlm", "generate", "Hi", "--max-new-tokens", "4", "--threads", "1",
+                        "--json"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    t = json.loads(r.stdout)["stats"]["threads"]
+    assert t["width"] == 1 and t["pinned"] is True and t["changes"] == 0
+    r = subprocess.run([sys.executable, "-m", "arlm", "generate", "Hi", "--max-new-tokens", "4"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "threads: " in r.stderr, r.stderr
