@@ -164,7 +164,11 @@ def main() -> int:
                 line += f"; arlm adaptive / llama.cpp {results[b]['arlm adaptive'] / results[b]['llama.cpp']:.2f}x"
             print(f"{b} busy: {line}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"cpu": cpu_line(), "results": results}, indent=1))
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(json.dumps({"cpu": cpu_line(), "results": results}, indent=1))
+        tmp.replace(path)  # (atomic)
     return 0
 
 

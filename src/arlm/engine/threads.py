@@ -66,11 +66,17 @@ def _runnable_here() -> int:
 
 
 def others_runnable() -> int | None:
-    """Runnable tasks on the machine that are not this process's threads, or None (no /proc)."""
+    """Runnable tasks on the machine that are not this process's threads, or None (no /proc).
+
+    This process's threads are counted first: between steps its OpenMP workers only go from
+    running (spinning after the last parallel region) to sleeping, never back, so the count
+    taken first is at least what the machine's count then includes; the other order would
+    count a worker that fell asleep between the two reads as a neighbour."""
+    here = _runnable_here()
     machine = _runnable_machine()
     if machine is None:
         return None
-    return max(0, machine - _runnable_here())
+    return max(0, machine - here)
 
 
 class ThreadGovernor:
