@@ -28,24 +28,25 @@ def restore_threads():
 
 
 def test_width_is_the_cores_the_others_leave(restore_threads):
-    seen = iter([0, 1, 1, 1, 3, 0, 0, 0, 0])
-    g = ThreadGovernor(widest=2, every=1, window=3, probe=lambda: next(seen))
+    """Neighbours runnable at every one of the last `window` samples narrow the width (to the
+    cores they leave, at least 1, at most the widest); one now and then does not; a sample
+    without them widens it again at once."""
+    seen = iter([1, 1, 1, 0, 1, 1, 1, 1, 3, 3, 3, 0, 2, 2, 2])
+    g = ThreadGovernor(widest=4, every=1, window=3, probe=lambda: next(seen))
     g.cores = 4
     widths = []
-    for _ in range(9):
+    for _ in range(15):
         g.before_step()
         widths.append(g.width)
-    # median of the last 3 samples: 0, 0, 1, 1, 1, 1(1,1,3), 3->1(1,3,0), 0, 0 -> cores 4 - busy, at most 2
-    assert widths == [2, 2, 2, 2, 2, 2, 2, 2, 2]
+    assert widths == [4, 4, 3, 4, 4, 4, 3, 3, 3, 3, 1, 4, 4, 4, 2]
+    assert torch.get_num_threads() == 2 and g.changes == 6
+    g = ThreadGovernor(widest=2, every=4, window=2, probe=lambda: 1)
     g.cores = 2
-    seen = iter([1, 1, 1, 0, 0, 0])
-    g.probe = lambda: next(seen)
-    g.samples.clear()
     widths = []
-    for _ in range(6):
+    for _ in range(8):
         g.before_step()
         widths.append(g.width)
-    assert widths == [1, 1, 1, 1, 2, 2] and torch.get_num_threads() == 2  # narrowed, then widened again
+    assert widths == [2, 2, 2, 2, 2, 2, 2, 1]  # a sample every 4 steps, two of them
     pinned = ThreadGovernor(pinned=1, probe=lambda: 5)
     for _ in range(20):
         pinned.before_step()

@@ -7,8 +7,8 @@ from one of them for a neighbour, every barrier waits out the neighbour's time s
 have kept about half its speed (decode is bandwidth-bound). No fixed setting serves both cases
 (docs/benchmarks.md), so the engine watches: every few steps it counts the runnable tasks of
 the machine that are not its own (`/proc/stat`'s procs_running less this process's threads in
-state R), and runs the next steps on the cores the others leave free, at least one and at most
-the width it started with. Narrowing and widening need no restart: `torch.set_num_threads`
+state R), and runs the next steps on the cores that the tasks runnable at each of its last few
+samples leave free, at least one and at most the width it started with. Narrowing and widening need no restart: `torch.set_num_threads`
 between steps, which the native kernels (`at::parallel_for`) and torch's own ops follow. Every
 kernel gives the same result at any width (rows and split-K chunks never depend on the thread
 count), so outputs do not change with the width.
@@ -22,7 +22,6 @@ is in the generation stats (`--json`, the stats line) and `/metrics`.
 from __future__ import annotations
 
 import os
-import statistics
 from collections import deque
 
 import torch
@@ -81,8 +80,9 @@ def others_runnable() -> int | None:
 
 class ThreadGovernor:
     """The thread width of the engine's steps. pinned: a fixed width (--threads), never changed;
-    else up to `widest` (torch's width when made), narrowed to the cores the machine's other
-    runnable tasks leave free: a sample every `every` steps, the median of the last `window`."""
+    else up to `widest` (torch's width when made), narrowed to the cores left free by the
+    machine's other tasks that were runnable at each of the last `window` samples (one every
+    `every` steps)."""
 
     def __init__(self, pinned: int | None = None, widest: int | None = None, every: int = 8,
                  window: int = 5, probe=others_runnable) -> None:
@@ -112,7 +112,11 @@ class ThreadGovernor:
         if others is None:
             return
         self.samples.append(others)
-        busy = statistics.median_low(self.samples)
+        # Neighbours runnable at every one of the last `window` samples: a spin loop, a build, a
+        # second server. One that is runnable now and then (a client reading the server's
+        # streams) costs this process less than a narrower step would (measured:
+        # docs/benchmarks.md), so it does not count; and one sample without it widens at once.
+        busy = min(self.samples) if len(self.samples) == self.samples.maxlen else 0
         self.set(max(1, min(self.widest, self.cores - busy)))
 
     def set(self, width: int) -> None:
