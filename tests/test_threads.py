@@ -46,7 +46,7 @@ def test_width_is_the_cores_the_others_leave(restore_threads):
     for _ in range(8):
         g.before_step()
         widths.append(g.width)
-    assert widths == [2, 2, 2, 2, 2, 2, 2, 1]  # a sample every 4 steps, two of them
+    assert widths == [2, 1, 1, 1, 1, 1, 1, 1]  # the first window filled at once, then a sample every 4 steps
     pinned = ThreadGovernor(pinned=1, probe=lambda: 5)
     for _ in range(20):
         pinned.before_step()

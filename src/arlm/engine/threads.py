@@ -5,7 +5,7 @@ OpenMP threads meet at a barrier a few hundred times a decode step; when the OS 
 from one of them for a neighbour, every barrier waits out the neighbour's time slice, and a
 2-thread decode beside one busy process runs 5-20x slower than alone, where one thread would
 have kept about half its speed (decode is bandwidth-bound). No fixed setting serves both cases
-(docs/benchmarks.md), so the engine watches: every few steps it counts the runnable tasks of
+(docs/benchmarks.md), so the engine watches: every 4 steps (~0.1 ms a sample) it counts the runnable tasks of
 the machine that are not its own (`/proc/stat`'s procs_running less this process's threads in
 state R), and runs the next steps on the cores that the tasks runnable at each of its last few
 samples leave free, at least one and at most the width it started with. Narrowing and widening need no restart: `torch.set_num_threads`
@@ -84,7 +84,7 @@ class ThreadGovernor:
     machine's other tasks that were runnable at each of the last `window` samples (one every
     `every` steps)."""
 
-    def __init__(self, pinned: int | None = None, widest: int | None = None, every: int = 8,
+    def __init__(self, pinned: int | None = None, widest: int | None = None, every: int = 4,
                  window: int = 5, probe=others_runnable) -> None:
         if pinned is not None and pinned < 1:
             raise ValueError("threads must be >= 1")
@@ -106,8 +106,9 @@ class ThreadGovernor:
         if not self.watching:
             return
         self._steps += 1
-        if self._steps % self.every:
-            return
+        if self._steps % self.every and len(self.samples) == self.samples.maxlen:
+            return  # (until the first window is full, a sample every step: a neighbour there from
+            # the start narrows the width within `window` steps)
         others = self.probe()
         if others is None:
             return
