@@ -81,8 +81,9 @@ def llama_decode(binary: str, gguf: str, max_new_tokens: int, threads: int) -> f
     return float(json.loads(r.stdout)[0]["avg_ts"])
 
 
-def serve_throughput(threads: int | None, clients: int = 8, max_tokens: int = 64) -> float:
-    """Aggregate tokens/s of `clients` concurrent streams against a fresh `arlm serve`."""
+def serve_throughput(threads: int | None, clients: int = 8, max_tokens: int = 64) -> tuple[float, int]:
+    """(aggregate tokens/s of `clients` concurrent streams against a fresh `arlm serve`, the
+    times its thread width changed)."""
     from serve import free_port, load, run_server, stop
 
     port = free_port()
@@ -92,7 +93,13 @@ def serve_throughput(threads: int | None, clients: int = 8, max_tokens: int = 64
     try:
         prompts = [f"{PROMPT} {i}" for i in range(clients)]
         asyncio.run(load(url, "smollm2", prompts[:1], 4, concurrent=True))  # warm up
-        return asyncio.run(load(url, "smollm2", prompts, max_tokens, concurrent=True))["tokens_per_s"]
+        tps = asyncio.run(load(url, "smollm2", prompts, max_tokens, concurrent=True))["tokens_per_s"]
+        import httpx
+
+        metrics = httpx.get(f"{url}/metrics", timeout=30).text
+        changes = int(float(next(ln.split()[1] for ln in metrics.splitlines()
+                                 if ln.startswith("arlm_thread_width_changes_total"))))
+        return tps, changes
     finally:
         stop(proc)
 
@@ -150,9 +157,12 @@ def main() -> int:
                 for name, threads in (("serve 8 clients adaptive", None), ("serve 8 clients pinned", cores)):
                     procs = neighbours(b)
                     try:
-                        runs.setdefault(name, []).append(serve_throughput(threads))
+                        tps, changes = serve_throughput(threads)
                     finally:
                         stop_all(procs)
+                    runs.setdefault(name, []).append(tps)
+                    if threads is None:
+                        widths.append(f"serve: {changes} width changes")
         results[b] = {k: statistics.median(v) for k, v in runs.items()}
         print(f"{b} busy: " + ", ".join(f"{k} {v:.1f} tok/s" for k, v in results[b].items())
               + f"; adaptive widths {widths}", flush=True)

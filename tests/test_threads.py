@@ -36,7 +36,7 @@ def test_width_is_the_cores_the_others_leave(restore_threads):
     g.cores = 4
     widths = []
     for _ in range(15):
-        g.before_step()
+        g.observe()
         widths.append(g.width)
     assert widths == [4, 4, 3, 4, 4, 4, 3, 3, 3, 3, 1, 4, 4, 4, 2]
     assert torch.get_num_threads() == 2 and g.changes == 6
@@ -44,12 +44,12 @@ def test_width_is_the_cores_the_others_leave(restore_threads):
     g.cores = 2
     widths = []
     for _ in range(8):
-        g.before_step()
+        g.observe()
         widths.append(g.width)
     assert widths == [2, 1, 1, 1, 1, 1, 1, 1]  # the first window filled at once, then a sample every 4 steps
     pinned = ThreadGovernor(pinned=1, probe=lambda: 5)
     for _ in range(20):
-        pinned.before_step()
+        pinned.observe()
     assert pinned.width == 1 and not pinned.watching and torch.get_num_threads() == 1
     with pytest.raises(ValueError):
         ThreadGovernor(pinned=0)
@@ -67,7 +67,7 @@ def test_busy_neighbours_narrow_it_and_it_widens_when_they_go(restore_threads):
     try:
         time.sleep(0.3)
         for _ in range(30):
-            g.before_step()
+            g.observe()
             time.sleep(0.02)
             if g.width == 1:
                 break
@@ -77,7 +77,7 @@ def test_busy_neighbours_narrow_it_and_it_widens_when_they_go(restore_threads):
             p.kill()
             p.wait()
     for _ in range(60):
-        g.before_step()
+        g.observe()
         time.sleep(0.02)
         if g.width == 2:
             break

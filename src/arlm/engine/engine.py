@@ -292,7 +292,6 @@ class Engine:
         """Schedule, forward, sample, postprocess: one new token for every request that reached
         the end of its window this step."""
         t0 = time.perf_counter()
-        threads.governor().before_step()  # the width of this step's threads
         if self.config.contiguous and not self.scheduler.running and self.scheduler.waiting:
             self._fit_cache()
         drafting = self._propose()
@@ -305,6 +304,7 @@ class Engine:
         traced = tracer.before(self, batch) if tracer is not None else None
         with torch.inference_mode():
             logits, rows = self.runner.execute(self.cache, batch, by_rows=self.config.contiguous)
+            threads.governor().observe()  # (the width of the steps that follow)
             sampled, failed = self._sample(logits, rows, batch)
         for req in drafting:
             req.draft, req.draft_probs = [], None

@@ -101,8 +101,11 @@ class ThreadGovernor:
         if pinned is not None:
             self._apply(pinned)
 
-    def before_step(self) -> None:
-        """Called before each engine step: every `every` steps a sample, and the width for it."""
+    def observe(self) -> None:
+        """Called once a step, after its forward pass: every `every` steps a sample, and the
+        width of the steps that follow. (Then, not between steps: a client of the server is
+        runnable right after a step, reading the tokens it sent, and asleep by the end of the
+        next forward pass; a busy neighbour is runnable at any time.)"""
         if not self.watching:
             return
         self._steps += 1
