@@ -38,6 +38,7 @@ CASES = [
     ("serve.py", ["--clients", "1,,8"]),
     ("serve.py", ["--max-tokens", "0"]),
     ("serve.py", ["--max-tokens", "9000"]),
+    ("sampling_ops.py", ["--batch", "0"]),
     ("shared.py", ["--rounds", "0"]),
     ("shared.py", ["--busy", "1,-1"]),
     ("shared.py", ["--busy", "x"]),

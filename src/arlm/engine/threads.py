@@ -3,8 +3,8 @@ processes want them (issue: fast on a shared machine).
 
 OpenMP threads meet at a barrier a few hundred times a decode step; when the OS takes a core
 from one of them for a neighbour, every barrier waits out the neighbour's time slice, and a
-2-thread decode beside one busy process runs 5-20x slower than alone, where one thread would
-have kept about half its speed (decode is bandwidth-bound). No fixed setting serves both cases
+2-thread decode beside one busy process kept ~0.3 of its quiet speed, where one thread keeps
+~0.8 (decode is bandwidth-bound; benchmarks/shared.py). No fixed setting serves both cases
 (docs/benchmarks.md), so the engine watches: every 4 steps (~0.1 ms a sample) it counts the runnable tasks of
 the machine that are not its own (`/proc/stat`'s procs_running less this process's threads in
 state R), and runs the next steps on the cores that the tasks runnable at each of its last few

@@ -102,6 +102,13 @@ def _arguments(args) -> object:
     return args
 
 
+def _earlier_calls(tool_calls: list) -> list[tuple[object, object, object]]:
+    """An earlier assistant turn's calls (OpenAI's shape) as (id, name, arguments as an object)."""
+    return [(c.get("id"), (c.get("function") or {}).get("name"),
+             _arguments((c.get("function") or {}).get("arguments", "{}")))
+            for c in tool_calls if isinstance(c, dict)]
+
+
 def _openai_call(name, arguments) -> dict:
     if not isinstance(arguments, str):
         arguments = json.dumps(arguments if arguments is not None else {}, ensure_ascii=False)
@@ -118,9 +125,7 @@ class GenericFormat:
         """An earlier turn for the template: an assistant's calls written as the reply format."""
         if not tool_calls:
             return message
-        calls = [{"name": (c.get("function") or {}).get("name"),
-                  "arguments": _arguments((c.get("function") or {}).get("arguments", "{}"))}
-                 for c in tool_calls if isinstance(c, dict)]
+        calls = [{"name": name, "arguments": args} for _, name, args in _earlier_calls(tool_calls)]
         text = json.dumps({"tool_call": calls[0]} if len(calls) == 1 else {"tool_calls": calls}, ensure_ascii=False)
         return {**message, "content": (message["content"] + "\n" if message["content"] else "") + text}
 
@@ -180,10 +185,8 @@ class HermesFormat:
     def history(self, message: dict, tool_calls: list | None) -> dict:
         if not tool_calls:
             return message
-        calls = [{"type": "function", "id": c.get("id"),
-                  "function": {"name": (c.get("function") or {}).get("name"),
-                               "arguments": _arguments((c.get("function") or {}).get("arguments", "{}"))}}
-                 for c in tool_calls if isinstance(c, dict)]
+        calls = [{"type": "function", "id": cid, "function": {"name": name, "arguments": args}}
+                 for cid, name, args in _earlier_calls(tool_calls)]
         return {**message, "tool_calls": calls}
 
     def prompt(self, messages: list[dict], functions: list[dict], choice: str,
