@@ -50,7 +50,7 @@ CONFIGS = {
     "default (int8x2)": dict(),
     "int8": dict(activations="int8"),
     "int8, KV float32": dict(activations="int8", kv_dtype="float32"),
-    "int8, prefill float32": dict(activations="int8", prefill_dtype="float32"),
+    "int8, prefill float32": dict(activations="int8", matmul_path="float32"),
 }
 
 def texts(max_tokens: int | None) -> dict[str, str]:

@@ -111,7 +111,7 @@ def bench_engine(threads: int, context: int, quantize: str, kv_dtype: str = "aut
     if quantize == "auto":  # what `arlm serve --quantize auto` picks on CPU (serve/cli.py)
         quantize = "auto" if kernels.packed_available() else "int8"
     # prefill through the quantized kernels, as `arlm serve` runs it (serve/cli.py)
-    llm = LLM.load("smollm2", quantize=quantize, kv_dtype=kv_dtype, prefill_dtype="quantized")
+    llm = LLM.load("smollm2", quantize=quantize, kv_dtype=kv_dtype, matmul_path="vnni")
     cfg = llm.model.config
     out: dict = {"quantization": llm.quantization, "context": context, "decode": {}}
     print(f"\n== engine alone: decode step at {context} tokens of context, {threads} thread(s), "

@@ -18,6 +18,8 @@ PACKED_FLAGS = ("avx512f", "avx512bw", "avx512_vnni", "avx512dq", "avx2", "fma")
 PACKED_MACROS = ("__AVX512F__", "__AVX512BW__", "__AVX512VNNI__", "__AVX512DQ__", "__AVX2__", "__FMA__")
 # Native bf16 matmuls, read at run time (not built in): AVX512-BF16 or AMX.
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+# The AMX tiles oneDNN multiplies bf16 on (Sapphire Rapids and later Xeons).
+AMX_FLAGS = ("amx_tile", "amx_bf16")
 
 
 @functools.cache
@@ -78,8 +80,14 @@ def native_bf16_expected() -> bool:
     return flags is not None and any(f in flags for f in BF16_FLAGS)
 
 
-def prefill_dtype_expected() -> str:
-    """LLM.configure's prefill_dtype="auto" on CPU, for a quantized model (src/arlm/llm.py): the
-    quantized kernels where the packed ones are built, else bf16 copies where bf16 is native,
-    else float32 copies."""
-    return "quantized" if packed_expected() else "bfloat16" if native_bf16_expected() else "float32"
+def amx_expected() -> bool:
+    """Whether the CPU has the AMX tiles with bf16 (amx_tile and amx_bf16)."""
+    flags = cpu_flags()
+    return flags is not None and all(f in flags for f in AMX_FLAGS)
+
+
+def matmul_path_expected() -> str:
+    """LLM.configure's matmul_path="auto" on CPU, for a quantized model (src/arlm/llm.py): the
+    packed integer kernels where they are built, else bf16 copies where bf16 is native, else
+    float32 copies."""
+    return "vnni" if packed_expected() else "bf16" if native_bf16_expected() else "float32"

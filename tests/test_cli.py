@@ -115,6 +115,7 @@ def test_generate_json_matches_api(smollm2):
     assert out["stats"]["prompt_tokens"] == len(ref.prompt_ids)
     kv = out["stats"]["kv_cache"]  # float32 weights: a float32 cache, 2 x 30 x 3 x 64 x 4 bytes a token
     assert kv["dtype"] == "float32" and kv["bytes_per_token"] == 46080 and kv["bytes"] == out["stats"]["kv_cache_bytes"]
+    assert out["stats"]["matmul"]["path"] == "float32"  # unquantized: its own weights' dtype
 
 
 @pytest.mark.slow
@@ -136,6 +137,13 @@ def test_generate_with_a_quantized_kv_cache_reports_it():
     out = json.loads(r.stdout)
     kv = out["stats"]["kv_cache"]
     assert kv["dtype"] == "int8" and kv["bytes_per_token"] == 12240 and "Paris" in out["text"]
+    from cpu_flags import matmul_path_expected  # the matrix path auto chose, named with its instructions
+
+    assert out["stats"]["matmul"]["path"] == matmul_path_expected() and out["stats"]["matmul"]["isa"]
+    r = arlm("generate", "Hi", "--max-new-tokens", "2", "--matmul-path", "avx2")  # forced, in the stats line
+    assert r.returncode == 0 and "matmul: avx2 (AVX2)" in r.stderr, r.stderr
+    r = arlm("generate", "Hi", "--matmul-path", "avx2", "--activations", "float32")  # one line, no traceback
+    assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1 and "matmul path avx2" in r.stderr
 
 
 @pytest.mark.slow

@@ -7,6 +7,9 @@ perplexity on tiny Shakespeare's validation text for quality.
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,7 +21,8 @@ from arlm.kv_cache import KVCache
 from arlm.llm import LLM, ChatSession
 from arlm.quant import Int8Linear, Q4Linear, Q8Linear, QuantizedLinear, quantize, quantize_int8, weight_bytes
 from arlm.sampling import SamplingParams
-from cpu_flags import native_bf16_expected, native_kernels_expected, packed_expected, prefill_dtype_expected
+from cpu_flags import (amx_expected, cpu_flags, matmul_path_expected, native_bf16_expected, native_kernels_expected,
+                       packed_expected)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -409,28 +413,88 @@ def test_bf16_prefill_quality(smollm2, val_ids, fp32_perplexity):
     assert agree >= 0.95, agree
 
 
-@pytest.mark.slow
-def test_prefill_dtype_choices(smollm2):
-    # "quantized" prefills through the decode kernels (no dense copies kept); the dense choices
-    # keep one per layer; "auto" picks quantized where the packed kernels are built, else bf16
-    # copies where the CPU multiplies bf16 natively, else float32 copies.
-    def configured(choice):
-        llm = LLM(smollm2.loaded)
-        llm.model = copy.deepcopy(smollm2.model)
-        llm.configure(quantize="auto", prefill_dtype=choice)
-        return llm, [m for m in llm.model.modules() if isinstance(m, QuantizedLinear)]
+def _configured(smollm2, **kwargs):
+    llm = LLM(smollm2.loaded)
+    llm.model = copy.deepcopy(smollm2.model)
+    llm.configure(quantize="auto", **kwargs)
+    return llm, [m for m in llm.model.modules() if isinstance(m, QuantizedLinear)]
 
-    llm, layers = configured("quantized")
-    assert llm.prefill_dtype == "quantized" and all(m.dense_weight is None for m in layers)
-    llm, layers = configured("bfloat16")
-    assert all(m.dense_weight.dtype == torch.bfloat16 for m in layers)
-    llm, layers = configured("auto")
-    expected = prefill_dtype_expected()
-    assert llm.prefill_dtype == expected
-    assert all(m.dense_weight is None if expected == "quantized" else m.dense_weight.dtype == getattr(torch, expected)
-               for m in layers)
-    with pytest.raises(ValueError, match="prefill dtype"):
-        configured("int4")
+
+@pytest.mark.slow
+def test_matmul_path_choices(smollm2):
+    # "auto" is read from the CPU's flags (tests/cpu_flags.py, not the predicates the code
+    # branches on); each path, forced, is the one that runs: the packed integer layout (vnni),
+    # the row layout (avx2, even on an AVX-512 CPU), or dense bf16 / float32 copies for the
+    # prompt beside the integer kernels for decode. A path the CPU lacks is one clear error.
+    llm, layers = _configured(smollm2)
+    assert llm.matmul_path == matmul_path_expected()
+    if packed_expected():
+        llm, layers = _configured(smollm2, matmul_path="vnni")
+        assert llm.matmul_isa == "AVX512-VNNI" and llm.runner.dense_prefill is False
+        assert all(m.packed and m.dense_weight is None for m in layers if m.can_pack())
+    else:
+        with pytest.raises(ValueError, match="matmul path vnni needs the packed kernels"):
+            _configured(smollm2, matmul_path="vnni")
+    llm, layers = _configured(smollm2, matmul_path="avx2")
+    assert llm.matmul_isa == "AVX2" and not any(m.packed or m.dense_weight is not None for m in layers)
+    for path, dtype in (("bf16", torch.bfloat16), ("float32", torch.float32)):
+        llm, layers = _configured(smollm2, matmul_path=path)
+        assert llm.runner.dense_prefill and all(m.dense_weight.dtype == dtype for m in layers)
+        assert all(m.packed for m in layers if m.can_pack())  # decode keeps the integer kernels' layout
+    llm, _ = _configured(smollm2, prefill_dtype="bfloat16")  # the older name
+    assert llm.matmul_path == "bf16" and llm.prefill_dtype == "bfloat16"
+    with pytest.raises(ValueError, match="unknown matmul path"):
+        _configured(smollm2, matmul_path="int4")
+    with pytest.raises(ValueError, match="not both"):
+        _configured(smollm2, matmul_path="bf16", prefill_dtype="float32")
+    with pytest.raises(ValueError, match="8-bit activations"):
+        _configured(smollm2, matmul_path="avx2", activations="float32")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", ["vnni", "avx2"])
+def test_integer_paths_keep_batch_equal_alone(smollm2, path):
+    # Forced on any CPU that has it: a prompt's greedy tokens alone == in a batch of prompts of
+    # other lengths, and == the float32 model's for the first tokens of a plain prompt.
+    if path == "vnni" and not packed_expected():
+        pytest.skip("this CPU has no AVX-512 VNNI (avx512_vnni not in /proc/cpuinfo flags): the vnni path cannot run")
+    llm, _ = _configured(smollm2, matmul_path=path)
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far"]
+    params = SamplingParams(max_new_tokens=10, temperature=0, ignore_eos=True)
+    alone = [llm.generate([p], params)[0].token_ids for p in prompts]
+    assert [c.token_ids for c in llm.generate(prompts, params)] == alone
+    assert alone[0] == smollm2.generate([prompts[0]], params)[0].token_ids
+
+
+def _onednn_matmul_isa(code: str) -> set[str]:
+    """The implementations oneDNN ran for the matmuls of `code` (ONEDNN_VERBOSE), in a subprocess."""
+    r = subprocess.run([sys.executable, "-c", code], env={**os.environ, "ONEDNN_VERBOSE": "1"},
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return {line.split(",")[6] for line in r.stdout.splitlines()  # implementation, of the bf16 ones
+            if line.startswith("onednn_verbose,") and ",exec,cpu,matmul," in line and ",src:bf16" in line}
+
+
+_BF16_PROMPT = """
+from arlm.llm import LLM
+from arlm.sampling import SamplingParams
+llm = LLM.load("smollm2", matmul_path="bf16")
+llm.generate(["The capital of France is a city"], SamplingParams(max_new_tokens=2, temperature=0))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("isa", ["amx", "avx512_bf16"])
+def test_bf16_path_runs_on_the_cpus_bf16_units(isa):
+    # The bf16 path's prompt GEMMs, as oneDNN reports running them: on the AMX tiles where the
+    # CPU has them, else on AVX512-BF16. Each case runs only where the CPU has that unit.
+    flags = cpu_flags() or frozenset()
+    if isa == "amx" and not amx_expected():
+        pytest.skip("this CPU has no AMX (amx_tile, amx_bf16 not in /proc/cpuinfo flags): checked on AMX Xeons")
+    if isa == "avx512_bf16" and ("avx512_bf16" not in flags or amx_expected()):
+        pytest.skip("this CPU has no AVX512-BF16, or has AMX (oneDNN then takes the tiles: the amx case)")
+    impls = _onednn_matmul_isa(_BF16_PROMPT)
+    assert impls and all(("amx" in i) if isa == "amx" else ("avx512_core_bf16" in i) for i in impls), impls
 
 
 @pytest.mark.slow

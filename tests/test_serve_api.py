@@ -345,6 +345,11 @@ def test_metrics_page(server):
     assert "arlm_thread_width_changes_total" in m
     per_token = {k: v for k, v in m.items() if k.startswith("arlm_kv_cache_bytes_per_token{dtype=")}
     assert len(per_token) == 1 and list(per_token.values())[0] > 0
+    # every token through the integer kernels (the server's auto: vnni with AVX-512 VNNI, else avx2)
+    from cpu_flags import packed_expected
+
+    path = [k for k in m if k.startswith("arlm_matmul_path{")]
+    assert len(path) == 1 and f'path="{"vnni" if packed_expected() else "avx2"}"' in path[0], path
     allocated = [v for k, v in m.items() if k.startswith("arlm_kv_cache_bytes{") and 'state="allocated"' in k]
     assert len(allocated) == 1 and allocated[0] > 0
 

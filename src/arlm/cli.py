@@ -201,7 +201,8 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
           f"{len(r.windows)} windows)")
     print(f"text: {len(args.files)} file(s), {len(ids)} tokens, "
           + ("a BOS token first (the tokenizer adds one)" if bos else "no BOS token (the tokenizer adds none)"))
-    print(f"model: {c['model']} | quantization: {c['quantization']} | prefill dtype: {c['prefill_dtype']} | "
+    print(f"model: {c['model']} | quantization: {c['quantization']} | matmul: {c['matmul_path']} "
+          f"({c['matmul_isa']}) | "
           f"activations: {c.get('activations', '-')} | "
           f"KV dtype: {c['kv_dtype']} | device: {c['device']}")
     if c.get("requantized"):
@@ -213,7 +214,7 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
     if r.kl is not None:
         kl, bc = r.kl, base[0]["config"]
         print(f"KL divergence from {args.kl_divergence} (model {bc['model']}, quantization {bc['quantization']}, "
-              f"prefill dtype {bc['prefill_dtype']}, KV dtype {bc['kv_dtype']}):")
+              f"matmul {bc.get('matmul_path', bc.get('prefill_dtype'))}, KV dtype {bc['kv_dtype']}):")
         print(f"  KL: mean {kl['mean_kl']:.6f}, median {kl['median_kl']:.6f}, 99% {kl['p99_kl']:.6f}, "
               f"max {kl['max_kl']:.6f}")
         print(f"  top-1 agreement: {kl['top1_agreement']:.2f} % | mean |Δ log p| of the text's token: "

@@ -52,10 +52,15 @@ def add_model_args(p: argparse.ArgumentParser, compile: bool = True) -> None:
     p.add_argument("--quantize", default="auto", choices=("auto", "none", "int8", "q4"),
                    help="weight quantization (auto, on CPU: a GGUF's Q4_1 and Q8_0 blocks as stored, int8 per "
                         "row for other types or a float model's matrices; none on GPU)")
-    p.add_argument("--prefill-dtype", default="auto", choices=("auto", "quantized", "float32", "bfloat16"),
-                   help="how a quantized model prefills: through the decode kernels (quantized) or a dense "
-                        "copy of the weights (auto: quantized on AVX-512 VNNI CPUs, else bfloat16 with "
-                        "AVX512-BF16 or AMX, else float32)")
+    p.add_argument("--matmul-path", default="auto", choices=("auto", "vnni", "avx2", "bf16", "float32"),
+                   help="how a quantized model's prompt tokens multiply: the integer kernels, packed "
+                        "(vnni: AVX-512 VNNI) or in rows (avx2), or a dense bf16 / float32 copy of the "
+                        "weights through torch's GEMMs (oneDNN; AMX tiles where the CPU has them); decode "
+                        "stays on the integer kernels. auto: chosen from the CPU's flags - vnni where it "
+                        "has AVX-512 VNNI, else bf16 with AVX512-BF16 or AMX, else float32. The stats say "
+                        "which ran")
+    p.add_argument("--prefill-dtype", default=None, choices=("auto", "quantized", "float32", "bfloat16"),
+                   help=argparse.SUPPRESS)  # the older name of --matmul-path
     p.add_argument("--activations", default="int8x2", choices=("int8x2", "int8", "float32"),
                    help="a quantized model's activation precision: int8x2 (default: 8 bits taken twice, "
                         "~15 bits, float32's answers), int8 (one 8-bit pass, as llama.cpp: batched decode "
@@ -267,7 +272,8 @@ def load_llm(args: argparse.Namespace):
     if template is not None and getattr(args, "chat", None) is False:
         raise UsageError("arlm: error: --chat-template applies with --chat (the prompt is used as it is otherwise)")
     llm = LLM.load(args.model, device=args.device, dtype=_torch_dtype(dtype), quantize=quantize,
-                   compile=getattr(args, "compile", False), prefill_dtype=args.prefill_dtype,
+                   compile=getattr(args, "compile", False), matmul_path=args.matmul_path,
+                   prefill_dtype=args.prefill_dtype,
                    kv_dtype=args.kv_dtype, activations=args.activations,
                    kv_window=getattr(args, "kv_window", 0), kv_sinks=getattr(args, "kv_sinks", 4))
     if template is not None:
@@ -289,7 +295,8 @@ def stats_line(stats, prefix: str = "") -> str:
     return (f"{prefix}prefill: {stats.prompt_tokens} tokens, {stats.prefill_tokens_per_s:.1f} tokens/s | "
             f"decode: {stats.decode_tokens} tokens, {stats.decode_tokens_per_s:.1f} tokens/s | "
             f"KV cache: {stats.kv_dtype or '-'}, {stats.kv_bytes_per_token} bytes/token, "
-            f"{stats.kv_cache_bytes / 2**20:.2f} MiB ({stats.kv_cache_bytes} bytes) | threads: "
+            f"{stats.kv_cache_bytes / 2**20:.2f} MiB ({stats.kv_cache_bytes} bytes) | "
+            f"matmul: {stats.matmul_path or '-'} ({stats.matmul_isa or '-'}) | threads: "
             + _threads_text(stats) + spec)
 
 

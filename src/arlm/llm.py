@@ -73,6 +73,8 @@ class GenerationStats(SpecRates):
     kv_cache_bytes: int = 0  # bytes allocated for the cache
     kv_dtype: str = ""  # its element type ("float16", "int8", ...)
     kv_bytes_per_token: int = 0  # bytes one cached token takes: K and V, every layer, scales included
+    matmul_path: str = ""  # how the prompt's matrices multiply (LLM.configure): vnni, avx2, bf16, float32
+    matmul_isa: str = ""  # with which instructions: "AVX512-VNNI", "AMX", "AVX512-BF16", ...
     # the steps' threads (engine/threads.py): the width at the last step, the narrowest any step
     # had, the widest allowed, whether --threads pinned it, and width changes during the stream
     threads: int = 0
@@ -102,6 +104,7 @@ class GenerationStats(SpecRates):
                 "kv_cache_bytes": self.kv_cache_bytes,
                 "kv_cache": {"dtype": self.kv_dtype, "bytes_per_token": self.kv_bytes_per_token,
                              "bytes": self.kv_cache_bytes},
+                "matmul": {"path": self.matmul_path, "isa": self.matmul_isa},
                 "threads": {"width": self.threads, "narrowest": self.threads_narrowest,
                             "widest": self.threads_widest, "pinned": self.threads_pinned,
                             "changes": self.thread_changes},
@@ -154,6 +157,7 @@ class TextStream:
             st.threads, st.threads_widest, st.threads_pinned = gov.width, gov.widest, gov.pinned is not None
             st.threads_narrowest = min(st.threads_narrowest or gov.width, gov.width)
             st.thread_changes += gov.changes - changes
+            st.matmul_path, st.matmul_isa = self.engine.runner.matmul_path, self.engine.runner.matmul_isa
             step = self.engine.last_step
             if step.prompt_tokens:
                 self.stats.prompt_tokens += step.prompt_tokens
@@ -215,6 +219,11 @@ class TextStream:
                 for r, t in zip(self.requests, texts)]
 
 
+# --prefill-dtype, the older name of --matmul-path: quantized is the integer kernels (vnni or avx2)
+PREFILL_DTYPES = {"quantized": None, "bfloat16": "bf16", "float32": "float32"}
+FLOAT_PATHS = {torch.float32: "float32", torch.bfloat16: "bf16", torch.float16: "float16"}  # unquantized models
+
+
 class LLM:
     """A loaded model ready to generate text. `LLM.load("smollm2")` is the usual start."""
 
@@ -226,7 +235,8 @@ class LLM:
         self.tokenizer: Tokenizer = loaded.tokenizer
         self.chat_template = loaded.chat_template
         self.quantization: str | None = None
-        self.prefill_dtype = "float32"  # how a quantized model prefills: "quantized" or a dense copy's dtype (configure)
+        self.matmul_path = "float32"  # the compute-bound passes' matrix path (configure; kernels.MATMUL_PATHS)
+        self.matmul_isa = "default"  # the instructions it runs on ("AVX512-VNNI", "AMX", ...)
         self.activations = "float32"  # a quantized model's activation precision (configure)
         self.kv_dtype: KVDtype = next(self.model.parameters()).dtype  # the KV caches' dtype (configure)
         self._mailbox: dict[str, list[RequestOutput]] = {}
@@ -258,10 +268,11 @@ class LLM:
 
     @classmethod
     def load(cls, spec: str = "smollm2", device: str = "cpu", dtype: torch.dtype = torch.float32,
-             quantize: str | None = "auto", compile: bool = False, prefill_dtype: str = "auto",
+             quantize: str | None = "auto", compile: bool = False, matmul_path: str = "auto",
              kv_dtype: str = "auto", activations: str = "int8x2",
-             speculative: str | SpeculativeConfig | None = None, kv_window: int = 0, kv_sinks: int = 4) -> "LLM":
-        """Load a model by name or path; `quantize`, `compile`, `prefill_dtype`, `kv_dtype` and
+             speculative: str | SpeculativeConfig | None = None, kv_window: int = 0, kv_sinks: int = 4,
+             prefill_dtype: str | None = None) -> "LLM":
+        """Load a model by name or path; `quantize`, `compile`, `matmul_path`, `kv_dtype` and
         `activations` pick the decode and prefill paths (see `configure`); `speculative` the
         default speculative decoding of `generate` and `stream` (see `drafter`)."""
         from . import kernels
@@ -270,8 +281,8 @@ class LLM:
         # "auto" on CPU: the file's quantized blocks as they are, straight into the kernels' layout
         direct = quantize == "auto" and device == "cpu" and dtype == torch.float32 and kernels.native_available()
         llm = cls(load_model(spec, device=device, dtype=dtype, quantized=direct))
-        llm.configure(quantize=quantize, compile=compile, prefill_dtype=prefill_dtype, kv_dtype=kv_dtype,
-                      activations=activations, kv_window=kv_window, kv_sinks=kv_sinks)
+        llm.configure(quantize=quantize, compile=compile, matmul_path=matmul_path, kv_dtype=kv_dtype,
+                      activations=activations, kv_window=kv_window, kv_sinks=kv_sinks, prefill_dtype=prefill_dtype)
         if speculative is not None:
             llm.speculative = llm.speculative_config(speculative)
             llm.drafter(llm.speculative)  # load a draft model now, and fail now if it cannot be
@@ -323,17 +334,25 @@ class LLM:
         self._drafters[key] = drafter
         return drafter
 
-    def configure(self, quantize: str | None = None, compile: bool = False, prefill_dtype: str = "auto",
-                  kv_dtype: str = "auto", activations: str = "int8x2", kv_window: int = 0, kv_sinks: int = 4) -> None:
+    def configure(self, quantize: str | None = None, compile: bool = False, matmul_path: str = "auto",
+                  kv_dtype: str = "auto", activations: str = "int8x2", kv_window: int = 0, kv_sinks: int = 4,
+                  prefill_dtype: str | None = None) -> None:
         """Pick the decode path: weight quantization and (optionally) a compiled decode step.
 
         quantize: None/"none", "int8", "q4", or "auto": on CPU with the native kernels, 4-bit for
         the matrices it holds exactly (a Q4_1 GGUF's) and int8 for the rest; elsewhere none.
-        prefill_dtype (quantized models): "quantized" runs prefill through the same integer-dot
-        kernels as decode (no second copy of the weights); "float32" / "bfloat16" keep a dense copy
-        of each weight for prefill's GEMMs; "auto": quantized where the packed kernels are built
-        (AVX-512 VNNI: faster than bf16 GEMMs there, docs/benchmarks.md), else bfloat16 on CPUs with
-        native bf16 matmuls (AVX512-BF16 or AMX), else float32.
+        matmul_path (quantized models; kernels.MATMUL_PATHS): how the compute-bound passes - prompt
+        tokens - multiply. "vnni": the integer kernels in their packed layout (AVX-512 VNNI), the
+        same as decode (no second copy of the weights); "avx2": the integer kernels in the row
+        layout, prompt and decode (AVX2; forced on an AVX-512 CPU it leaves the weights unpacked);
+        "bf16" / "float32": a dense copy of each weight for the prompt's GEMMs through torch
+        (oneDNN: AMX tiles where the CPU has them), decode staying on the integer kernels. "auto":
+        chosen once here from the CPU's flags (`kernels.auto_matmul_path`): vnni where the packed
+        kernels are built (faster than bf16 GEMMs on a Zen 4 and float32's answers, which bf16's
+        are not: docs/benchmarks.md), else bf16 where the CPU multiplies bf16 natively, else
+        float32. A path this machine cannot run is a ValueError saying why. `llm.matmul_path` and
+        `matmul_isa` say what was chosen (and generate's stats). prefill_dtype: the older name
+        ("quantized" = vnni or avx2, "bfloat16", "float32").
         activations (quantized models): "int8x2" (8-bit twice, ~15 bits: float32's answers),
         "int8" (one 8-bit pass but the head's: faster, less faithful) or "float32" (slow); see
         `arlm.quant.prepare` and docs/benchmarks.md for what each costs and buys.
@@ -363,35 +382,55 @@ class LLM:
 
         if activations not in ACTIVATIONS:
             raise ValueError(f"unknown activation precision {activations!r} (expected {', '.join(ACTIVATIONS)})")
-        if prefill_dtype not in ("auto", "quantized", "float32", "bfloat16"):
-            raise ValueError(f"unknown prefill dtype {prefill_dtype!r} (expected auto, quantized, float32 or bfloat16)")
-        if prefill_dtype == "auto":
-            cpu = device.type == "cpu"
-            prefill_dtype = ("quantized" if cpu and kernels.packed_available() else
-                             "bfloat16" if cpu and kernels.cpu_has_native_bf16() else "float32")
+        if prefill_dtype not in (None, "auto"):
+            if prefill_dtype not in PREFILL_DTYPES:
+                raise ValueError(f"unknown prefill dtype {prefill_dtype!r} (expected auto, quantized, float32 or "
+                                 f"bfloat16; or a matmul path)")
+            if matmul_path != "auto":
+                raise ValueError("give matmul_path or the older prefill_dtype, not both")
+            matmul_path = PREFILL_DTYPES[prefill_dtype] or ("vnni" if kernels.packed_available() else "avx2")
         from .quant import QuantizedLinear, prepare
         from .quant import quantize as quantize_model
 
-        dense = dict(keep_dense=prefill_dtype != "quantized", activations=activations,
-                     prefill_dtype=torch.bfloat16 if prefill_dtype == "bfloat16" else None)
-        if any(isinstance(m, QuantizedLinear) for m in self.model.modules()):  # loaded quantized (LLM.load)
-            if quantize != "auto":
-                raise ValueError(f"{self.loaded.name} was loaded with its file's quantized weights; load it "
-                                 f"again with quantize={quantize!r} for another precision")
-            prepare(self.model, **dense)
-            self.prefill_dtype, self.activations = prefill_dtype, activations
-        elif quantize in ("auto", "int8", "q4"):
-            quantize_model(self.model, quantize, **dense)
-            self.prefill_dtype, self.activations = prefill_dtype, activations
+        loaded_quantized = any(isinstance(m, QuantizedLinear) for m in self.model.modules())  # (LLM.load)
+        if loaded_quantized and quantize != "auto":
+            raise ValueError(f"{self.loaded.name} was loaded with its file's quantized weights; load it "
+                             f"again with quantize={quantize!r} for another precision")
+        cpu = device.type == "cpu"
+        if loaded_quantized or quantize in ("auto", "int8", "q4"):
+            if matmul_path == "auto":
+                matmul_path = "float32" if not cpu or activations == "float32" else kernels.auto_matmul_path()
+            elif (why := kernels.matmul_path_error(matmul_path)) is not None:
+                raise ValueError(why)
+            if activations == "float32" and matmul_path in ("vnni", "avx2"):
+                raise ValueError(f"matmul path {matmul_path} multiplies 8-bit activations; with float32 "
+                                 f"activations take bf16 or float32")
+            dense = dict(keep_dense=matmul_path in ("bf16", "float32"), activations=activations,
+                         prefill_dtype=torch.bfloat16 if matmul_path == "bf16" else None,
+                         packed=matmul_path != "avx2")
+            if loaded_quantized:
+                prepare(self.model, **dense)
+            else:
+                quantize_model(self.model, quantize, **dense)
+            self.activations = activations
+        else:  # a float model multiplies in its own dtype
+            own = FLOAT_PATHS.get(next(self.model.parameters()).dtype, "float32")
+            if matmul_path not in ("auto", own):
+                raise ValueError(f"matmul path {matmul_path} applies to quantized models; this one multiplies "
+                                 f"its {own} weights as they are")
+            matmul_path = own
+        self.matmul_path = matmul_path
+        self.matmul_isa = kernels.matmul_isa(matmul_path) if cpu else device.type
         self.quantization = quantize if quantize != "none" else None
         decode_fn = None  # the native step where it applies, else decode_step
         if compile and device.type == "cuda":  # CUDA graphs: one launch per decode step
             decode_fn = torch.compile(decode_step, mode="reduce-overhead", fullgraph=True)
         elif compile:
             decode_fn = torch.compile(decode_step, dynamic=True)
-        dense_prefill = self.quantization is not None and self.prefill_dtype in ("float32", "bfloat16")
+        dense_prefill = self.quantization is not None and self.matmul_path in ("float32", "bf16")
         runner = ModelRunner(self.model, decode_fn, static_kv_len=compile and device.type == "cuda",
                              dense_prefill=dense_prefill)
+        runner.matmul_path, runner.matmul_isa = self.matmul_path, self.matmul_isa
         if kv_dtype == "auto":  # float16 where the native step reads it; the module path would widen it every step
             native = self.quantization is not None and decode_fn is None and runner.native is not None
             self.kv_dtype = torch.float16 if native else next(self.model.parameters()).dtype
@@ -399,6 +438,11 @@ class LLM:
             self.kv_dtype = kv
         self.kv_window, self.kv_sinks = kv_window, kv_sinks
         self._start(runner)
+
+    @property
+    def prefill_dtype(self) -> str:
+        """The older name of the matrix path: "quantized" (the integer kernels), "bfloat16", "float32"."""
+        return {"vnni": "quantized", "avx2": "quantized", "bf16": "bfloat16"}.get(self.matmul_path, self.matmul_path)
 
     @property
     def decode_fn(self):

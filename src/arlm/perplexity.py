@@ -332,7 +332,7 @@ def run_config(llm) -> dict:
     """What decides the numbers: the model and how it runs."""
     dtype = str(next(llm.model.parameters()).dtype).removeprefix("torch.")
     return {"model": llm.loaded.name, "quantization": llm.quantization or "none",
-            "prefill_dtype": llm.prefill_dtype if llm.quantization else dtype,
+            "matmul_path": llm.matmul_path, "matmul_isa": llm.matmul_isa,
             "activations": llm.activations if llm.quantization else dtype,
             "requantized": list(getattr(llm.loaded, "requantized", [])),
             "kv_dtype": str(llm.kv_dtype).removeprefix("torch."),

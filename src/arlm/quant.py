@@ -81,6 +81,7 @@ class QuantizedLinear(nn.Module, ABC):
         # With 8-bit activations: take them twice, x ~ q1 d1 + q2 d2 (the second the first's rounding
         # error), ~15 bits for ~2x the integer products and one pass over the weights (prepare).
         self.residual_activations = False
+        self.allow_packed = True  # False: the row layout even where the packed kernels are built (prepare)
 
     @property
     def int8_activations(self) -> bool:
@@ -91,7 +92,7 @@ class QuantizedLinear(nn.Module, ABC):
     @int8_activations.setter
     def int8_activations(self, on: bool) -> None:
         self._a8 = bool(on)
-        if self._a8:
+        if self._a8 and self.can_pack():
             self.pack()
         else:
             self.unpack()
@@ -101,8 +102,8 @@ class QuantizedLinear(nn.Module, ABC):
         return self.weight.dim() == 3
 
     def can_pack(self) -> bool:
-        return (self.out_features % 16 == 0 and self.in_features % 32 == 0 and self.weight.device.type == "cpu"
-                and kernels.packed_available())
+        return (self.allow_packed and self.out_features % 16 == 0 and self.in_features % 32 == 0
+                and self.weight.device.type == "cpu" and kernels.packed_available())
 
     def pack(self) -> None:
         """To the packed kernels' layout, where they are built and the shape allows
@@ -282,7 +283,8 @@ class Q4Linear(QuantizedLinear):
     FIELDS = ("weight", "scale", "mins")
 
     def can_pack(self) -> bool:
-        return self.out_features % 16 == 0 and self.weight.device.type == "cpu" and kernels.packed_available()
+        return (self.allow_packed and self.out_features % 16 == 0 and self.weight.device.type == "cpu"
+                and kernels.packed_available())
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> "Q4Linear":
@@ -349,7 +351,7 @@ ACTIVATIONS = ("int8x2", "int8", "float32")
 
 
 def prepare(model: Transformer, activations: str = "int8x2", keep_dense: bool = False,
-            prefill_dtype: torch.dtype | None = None) -> Transformer:
+            prefill_dtype: torch.dtype | None = None, packed: bool = True) -> Transformer:
     """Set every quantized layer's activation precision and layout, and its dense copy for prefill.
 
     activations, the measured choice per layer type (docs/benchmarks.md, "Fidelity"):
@@ -360,7 +362,8 @@ def prepare(model: Transformer, activations: str = "int8x2", keep_dense: bool = 
     - "int8": one 8-bit pass (llama.cpp's choice), except the LM head, which takes two: it
       removes ~30% of the single pass's KL divergence for no measurable time;
     - "float32": weight-only quantization, float activations (the row-layout kernels: slow).
-    The integer paths use the packed layout where it is built. keep_dense: a float copy of each
+    The integer paths use the packed layout where it is built (and `packed`; False: the row
+    layout, the AVX2 kernels, on every CPU: `--matmul-path avx2`). keep_dense: a float copy of each
     weight for prefill's GEMMs (`dense_weights`), in prefill_dtype (default float32) - made from
     the quantized values, or shared with a float original the caller set as `dense_weight`.
     """
@@ -370,6 +373,7 @@ def prepare(model: Transformer, activations: str = "int8x2", keep_dense: bool = 
     for layer in model.modules():
         if not isinstance(layer, QuantizedLinear):
             continue
+        layer.allow_packed = packed
         layer.int8_activations = activations != "float32"  # and the layout with it
         layer.residual_activations = activations == "int8x2" or (activations == "int8" and layer is head)
         if not keep_dense:
@@ -382,7 +386,8 @@ def prepare(model: Transformer, activations: str = "int8x2", keep_dense: bool = 
 
 
 def quantize(model: Transformer, mode: str = "auto", keep_dense: bool = True,
-             activations: str = "int8x2", prefill_dtype: torch.dtype | None = None) -> Transformer:
+             activations: str = "int8x2", prefill_dtype: torch.dtype | None = None,
+             packed: bool = True) -> Transformer:
     """Replace every nn.Linear of a float model (attention, MLP, LM head) with a quantized layer,
     in place.
 
@@ -416,7 +421,7 @@ def quantize(model: Transformer, mode: str = "auto", keep_dense: bool = True,
             if keep_dense:
                 layer.dense_weight = child.weight.detach()  # shared with the float model, no copy
             setattr(module, name, layer)
-    return prepare(model, activations, keep_dense, prefill_dtype)
+    return prepare(model, activations, keep_dense, prefill_dtype, packed)
 
 
 def quantize_int8(model: Transformer) -> Transformer:

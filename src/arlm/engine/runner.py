@@ -69,6 +69,8 @@ class ModelRunner:
         self.decode_fn = decode_fn
         self.static_kv_len = static_kv_len
         self.dense_prefill = dense_prefill
+        # the prompt's matrix path and its instructions, for stats (LLM.configure sets them)
+        self.matmul_path, self.matmul_isa = "float32", "default"
         self.native = NativeLlama.bind(model)
         self.device = next(model.parameters()).device
         # How many tokens a step may hold for each row's result not to depend on the others

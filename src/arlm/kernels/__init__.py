@@ -80,6 +80,44 @@ def cpu_has_native_bf16() -> bool:
     return bool(caps.get("avx512_bf16") or caps.get("amx_bf16"))
 
 
+# The matrix paths of a quantized model's compute-bound passes (prompt tokens): the integer
+# kernels in the packed layout (AVX-512 VNNI) or the row layout (AVX2), or a dense bf16 / float32
+# copy of each weight through torch's GEMMs (oneDNN: AMX tiles where the CPU has them).
+MATMUL_PATHS = ("vnni", "avx2", "bf16", "float32")
+
+
+def matmul_path_error(path: str) -> str | None:
+    """Why this machine cannot run `path` (one line), or None where it can."""
+    if path not in MATMUL_PATHS:
+        return f"unknown matmul path {path!r} (expected auto, {', '.join(MATMUL_PATHS)})"
+    if path == "vnni" and not packed_available():
+        return ("matmul path vnni needs the packed kernels: a CPU with AVX-512 VNNI (avx512f, avx512bw, "
+                "avx512dq, avx512_vnni) and the native kernels built for it; try avx2, bf16 or float32")
+    if path == "avx2" and not native_available():
+        return "matmul path avx2 needs the native kernels, which are not built here; try bf16 or float32"
+    return None
+
+
+def auto_matmul_path() -> str:
+    """The path `--matmul-path auto` takes on this CPU, from its flags (read once at load): the
+    packed integer kernels where they are built (AVX-512 VNNI: faster than bf16 GEMMs there and
+    float32's answers, docs/benchmarks.md), else bf16 copies where the CPU multiplies bf16 natively
+    (AVX512-BF16 or AMX), else float32 copies."""
+    return "vnni" if packed_available() else "bf16" if cpu_has_native_bf16() else "float32"
+
+
+def matmul_isa(path: str) -> str:
+    """The instructions `path` multiplies with on this CPU, for stats: e.g. "AVX512-VNNI", "AMX"."""
+    if path == "vnni":
+        return "AVX512-VNNI"
+    if path == "avx2":
+        return "AVX2"
+    caps = getattr(torch.cpu, "get_capabilities", dict)()
+    if path == "bf16":  # oneDNN takes AMX tiles, else AVX512-BF16, else converts to float32
+        return "AMX" if caps.get("amx_bf16") else "AVX512-BF16" if caps.get("avx512_bf16") else "emulated"
+    return {"AVX512": "AVX512", "AVX2": "AVX2"}.get(torch.backends.cpu.get_cpu_capability(), "default")
+
+
 def native_available() -> bool:
     """The native kernels (linears, the layer stack, paged attention) are built and loaded."""
     if "native" not in _state:

@@ -84,12 +84,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         args.quantize = ("none" if args.device != "cpu" or not kernels.native_available() else
                          "auto" if kernels.packed_available() else "int8")
-    if args.prefill_dtype == "auto":
-        # Every token, prompt or generated, through the quantized kernels: then a request's tokens
+    if args.matmul_path == "auto" and args.prefill_dtype in (None, "auto") and args.quantize != "none":
+        # Every token, prompt or generated, through the integer kernels: then a request's tokens
         # do not depend on how its prompt was chunked or batched, or on a preemption (which
-        # recomputes generated tokens as a prompt). An explicit float32 / bfloat16 prefill is
-        # honoured (faster prompts on CPUs without VNNI) and gives that up.
-        args.prefill_dtype = "quantized"
+        # recomputes generated tokens as a prompt). An explicit bf16 / float32 path is honoured
+        # (faster prompts on CPUs without VNNI, AMX tiles on those with them) and gives that up.
+        from .. import kernels
+
+        args.matmul_path = "vnni" if kernels.packed_available() else "avx2" if kernels.native_available() else "auto"
     api_key = args.api_key or os.environ.get("ARLM_API_KEY") or None
     config = EngineConfig(block_size=args.block_size, kv_cache_memory=memory, kv_cache_tokens=args.kv_cache_tokens,
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -135,6 +137,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
           f"{cache.bytes_per_token} bytes/token), "
           f"context {engine.max_model_len} tokens, "
           f"paged-attention kernel {'native' if cache.use_kernel else 'PyTorch fallback'}, "
+          f"matmul path {llm.matmul_path} ({llm.matmul_isa}), "
           f"speculative decoding {llm.speculative.method if llm.speculative else 'off'}; "
           f"listening on {url}" + (" (API key required)" if api_key else "")
           + (f"; live trace at {url}/trace" if live is not None else ""), file=sys.stderr, flush=True)

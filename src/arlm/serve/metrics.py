@@ -68,6 +68,8 @@ def render(engine: AsyncEngine, http_requests: dict[tuple[str, int], int], time_
     _metric(out, "arlm_kv_cache_blocks", "gauge", "KV blocks in the pool, by state.",
             [(pool.num_used, {"state": "used"}), (pool.num_free, {"state": "free"})])
     _metric(out, "arlm_kv_cache_block_size", "gauge", "Token slots per KV block.", [(sched.block_size, None)])
+    _metric(out, "arlm_matmul_path", "gauge", "1 for the matrix path prompt tokens take, and its instructions.",
+            [(1, {"path": e.runner.matmul_path, "isa": e.runner.matmul_isa})])
     cache = e.cache
     if cache is not None:  # (a contiguous engine has none until its first batch; arlm serve's is paged)
         dtype = {"dtype": kv_dtype_name(cache.dtype)}
