@@ -464,8 +464,9 @@ int64_t arlm_kernels::packed_out_features(const char* op, int64_t K, const at::T
 }
 
 void arlm_kernels::linear_a8p(const Act8& a, int64_t M, int64_t K, const at::Tensor& wp, const at::Tensor& scale,
-                              const at::Tensor& mins, float* y, int64_t ldy, bool accumulate) {
+                              const at::Tensor& mins, float* y, int64_t ldy, bool accumulate, bool pairs) {
 #ifdef ARLM_AVX512
+  TORCH_CHECK(!pairs || M % 2 == 0, "linear_a8p: rows in pairs, an even number");
   const int64_t G = K / kGroup, NB = wp.size(0);
   const bool q4 = wp.size(1) == K / 8, q8 = !q4 && scale.dim() == 3;  // else int8 with a scale per row
   const int64_t block = q4 ? K / 2 * kLanes : K * kLanes;  // bytes of one block of 16 channels
@@ -493,11 +494,14 @@ void arlm_kernels::linear_a8p(const Act8& a, int64_t M, int64_t K, const at::Ten
           if (nb == 2) i8p_block<MB, 2>(q, dx, a.sum + m * G, K, wt, pf, out, dw);
           else i8p_block<MB, 1>(q, dx, a.sum + m * G, K, wt, pf, out, dw);
         }
-        for (int i = 0; i < MB; ++i)
-          for (int64_t b = 0; b < nb; ++b) {  // 16 channels: (times the int8 scale) into y, or added to it
-            float* yr = y + (m + i) * ldy + (b0 + b) * kLanes;
-            __m512 v = _mm512_loadu_ps(out + (i * nb + b) * kLanes);
-            if (sp) v = _mm512_mul_ps(v, _mm512_loadu_ps(sp + (b0 + b) * kLanes));
+        auto row = [&](int i, int64_t b) {  // 16 channels of row i of the block, times the int8 scale
+          __m512 v = _mm512_loadu_ps(out + (i * nb + b) * kLanes);
+          return sp ? _mm512_mul_ps(v, _mm512_loadu_ps(sp + (b0 + b) * kLanes)) : v;
+        };
+        for (int i = 0; i < MB; i += pairs ? 2 : 1)
+          for (int64_t b = 0; b < nb; ++b) {  // into y, or added to it; a pair of rows summed first
+            float* yr = y + (pairs ? (m + i) / 2 : m + i) * ldy + (b0 + b) * kLanes;
+            const __m512 v = pairs ? _mm512_add_ps(row(i, b), row(i + 1, b)) : row(i, b);
             _mm512_storeu_ps(yr, accumulate ? _mm512_add_ps(_mm512_loadu_ps(yr), v) : v);
           }
       });
@@ -525,7 +529,7 @@ void arlm_kernels::linear_a8p_residual(const float* x, int64_t M, int64_t K, con
   // Rows 2m and 2m + 1: x_m quantized, then what that rounding lost, quantized again. Scratch
   // kept per calling thread and grown as needed: a decode step allocates nothing here.
   thread_local std::vector<int8_t> q;
-  thread_local std::vector<float> d, s, pairs;
+  thread_local std::vector<float> d, s;
   thread_local std::vector<int32_t> sum;
   q.resize(std::max<size_t>(q.size(), 2 * M * K));
   for (auto* v : {&d, &s}) v->resize(std::max<size_t>(v->size(), 2 * M * G));
@@ -545,17 +549,9 @@ void arlm_kernels::linear_a8p_residual(const float* x, int64_t M, int64_t K, con
       quantize_group(r, qp + (2 * m + 1) * K + g * kGroup, dp + res, sp + res, up + res);
     }
   });
-  const int64_t N = wp.size(0) * kLanes;
-  pairs.resize(std::max<size_t>(pairs.size(), 2 * M * N));
-  const float* pp = pairs.data();
-  linear_a8p({qp, dp, sp, up}, 2 * M, K, wp, scale, mins, pairs.data(), N, false);
-  at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m)
-      for (int64_t n = 0; n < N; ++n) {
-        const float v = pp[2 * m * N + n] + pp[(2 * m + 1) * N + n];
-        y[m * ldy + n] = accumulate ? y[m * ldy + n] + v : v;
-      }
-  });
+  // Both rows of each pair in one block of the kernel (blocks of 4 and 2 rows start at even
+  // rows), summed as they are stored: y = (hi + lo), or y + (hi + lo).
+  linear_a8p({qp, dp, sp, up}, 2 * M, K, wp, scale, mins, y, ldy, accumulate, true);
 }
 
 // The packed twins of int8_linear_a8 / q4_linear_a8 (layouts above; AVX-512 VNNI only).

@@ -76,9 +76,10 @@ int64_t packed_out_features(const char* op, int64_t K, const at::Tensor& wp, con
                             const at::Tensor& mins);
 
 // y[m, n] (row stride ldy) = sum_k x[m, k] w[n, k] for M rows of quantized x, or y += that when
-// accumulate (a residual add). Over the thread pool; AVX-512 VNNI builds only.
+// accumulate (a residual add). Over the thread pool; AVX-512 VNNI builds only. pairs (M even):
+// rows 2m and 2m + 1 of x are one row of y, their products summed, (2m) + (2m + 1), before the add.
 void linear_a8p(const Act8& x, int64_t M, int64_t K, const at::Tensor& wp, const at::Tensor& scale,
-                const at::Tensor& mins, float* y, int64_t ldy, bool accumulate);
+                const at::Tensor& mins, float* y, int64_t ldy, bool accumulate, bool pairs = false);
 
 // The same product with 8-bit activations taken twice: x ~ q1 d1 + q2 d2, q2 d2 the 8-bit
 // rounding of x's own rounding error (x - q1 d1). ~15 bits of activation, close to float32's
