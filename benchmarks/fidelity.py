@@ -51,6 +51,10 @@ CONFIGS = {
     "int8": dict(activations="int8"),
     "int8, KV float32": dict(activations="int8", kv_dtype="float32"),
     "int8, prefill float32": dict(activations="int8", matmul_path="float32"),
+    # the matrix paths of the prompt's passes (issue 21); the default is vnni on AVX-512 VNNI CPUs
+    "matmul avx2": dict(matmul_path="avx2"),
+    "matmul bf16": dict(matmul_path="bf16"),
+    "matmul float32": dict(matmul_path="float32"),
 }
 
 def texts(max_tokens: int | None) -> dict[str, str]:

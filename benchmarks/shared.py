@@ -45,7 +45,8 @@ def cpu_line() -> str:
                 flags = set(line.split(":", 1)[1].split())
     except OSError:
         pass
-    isa = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile") if f in flags]
+    isa = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
+           if f in flags]
     return f"{name}, {os.cpu_count()} cores, {' '.join(isa)}"
 
 

@@ -17,9 +17,11 @@ import torch
 
 from arlm import kernels
 from arlm.engine import Engine, EngineConfig, ModelRunner, decode_step, prefill
+from arlm.kernels.llama import LayerWeight
 from arlm.kv_cache import KVCache
 from arlm.llm import LLM, ChatSession
-from arlm.quant import Int8Linear, Q4Linear, Q8Linear, QuantizedLinear, quantize, quantize_int8, weight_bytes
+from arlm.quant import (Int8Linear, Q4Linear, Q8Linear, QuantizedLinear, dense_weights, quantize, quantize_int8,
+                        weight_bytes)
 from arlm.sampling import SamplingParams
 from cpu_flags import (amx_expected, cpu_flags, matmul_path_expected, native_bf16_expected, native_kernels_expected,
                        packed_expected)
@@ -398,8 +400,6 @@ def test_bf16_prefill_quality(smollm2, val_ids, fp32_perplexity):
     # of the weights (float32 accumulation). Held to the same 1% perplexity bound as the
     # quantized decode path, over the prefill path itself (dense_weights), and the prompts'
     # next tokens must agree with the float32 model's.
-    from arlm.quant import dense_weights
-
     model = quantize(copy.deepcopy(smollm2.model), "auto", prefill_dtype=torch.bfloat16)
     layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
     assert all(m.dense_weight.dtype == torch.bfloat16 for m in layers)
@@ -520,3 +520,32 @@ def test_kv_dtype_choices(smollm2):
     assert configured(quantize="auto", kv_dtype="int8").kv_dtype == "int8"
     with pytest.raises(ValueError, match="KV cache dtype"):
         configured(kv_dtype="int3")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", ["bf16", "float32"])
+def test_dense_prompt_runs_natively_as_the_modules_do(smollm2, path):
+    # --matmul-path bf16 / float32: prompt tokens take the dense copies inside the native layer
+    # stack (torch's GEMMs for the linears, the native attention), decode tokens the integer
+    # kernels. The prompt's logits match the module path over the same dense copies (the
+    # reference: Transformer.forward inside quant.dense_weights) to float32 summation order.
+    llm, _ = _configured(smollm2, matmul_path=path)
+    runner = llm.runner
+    assert runner.dense_prefill and runner.native is not None and runner.native.dense_weights is not None
+    assert all(w.dtype == (torch.bfloat16 if path == "bf16" else torch.float32)
+               for w in runner.native.dense_weights[LayerWeight.WQKV::LayerWeight.COUNT])
+    ids = smollm2.tokenizer.encode("The quick brown fox jumps over the lazy dog, and then it runs into the woods.")
+    n = len(ids)
+    with torch.inference_mode():
+        cache = KVCache.pool(llm.model.config, 4, 16, torch.float32)
+        native = runner.forward_flat(cache, ids, list(range(n)), [0] * n, [[0, 1, 2, 3]], list(range(n)), dense=True)
+        cache = KVCache.pool(llm.model.config, 4, 16, torch.float32)
+        cache.set_batch(torch.tensor([[0, 1, 2, 3]]), torch.zeros(n, dtype=torch.long))
+        with dense_weights():
+            ref = llm.model(torch.tensor([ids]), torch.arange(n)[None], kv_cache=cache,
+                            output_index=torch.arange(n))
+        cache.set_batch(None, None)
+    # the head: the native pass reads the quantized head (8-bit twice), the modules its dense copy
+    tol = (2e-2 if path == "bf16" else 5e-3) * ref.abs().max().item()
+    assert (native - ref).abs().max().item() <= tol
+    assert (native.argmax(-1) == ref.argmax(-1)).float().mean().item() >= 0.9

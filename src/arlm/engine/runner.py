@@ -13,8 +13,10 @@ It prepares the step's tensors from the requests and picks how the forward pass 
 - **block table** (everything else: prompts, chunks, the paged pool): the step's tokens
   flattened `[1, N]`, each request's blocks in a table. Natively `NativeLlama.forward`; else the
   modules over `KVCache.attend`. Prompt tokens of a quantized model with a dense copy of its
-  weights (`dense_prefill`) run through the dense weights (`quant.dense_weights`), in a pass of
-  their own, so decode tokens in the same step still take the quantized kernels.
+  weights (`dense_prefill`: `--matmul-path bf16|float32`) run through the dense weights, in a pass
+  of their own, so decode tokens in the same step still take the quantized kernels: natively
+  (`NativeLlama.dense_weights`: torch's GEMMs inside the native stack), else the modules inside
+  `quant.dense_weights`.
 
 A request that keeps its prompt's logits (`Request.keep_prompt_logits`, for perplexity) runs on
 the block-table path, where every token of its chunk reaches the LM head, not just the last; the
@@ -97,7 +99,7 @@ class ModelRunner:
         if by_rows and all(batch.decodes(i) and not batch.drafts[i] for i in range(len(batch.seqs))) and (
                 len(batch.seqs) == cache.n_blocks or not self._native_table(cache)):
             return self._decode_rows(cache, batch), list(range(len(batch.seqs)))
-        if by_rows and (self.native is None or self.dense_prefill) and all(
+        if by_rows and (self.native is None or self.dense_prefill and self.native.dense_weights is None) and all(
                 s.blocks[0] == i and s.num_computed == 0 and batch.samples(i) and not s.wants_logits
                 for i, s in enumerate(batch.seqs)):
             return self._prefill_rows(cache, batch), list(range(len(batch.seqs)))
@@ -188,9 +190,10 @@ class ModelRunner:
         table = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=dev)
         tokens_t, pos_t = torch.tensor(tokens, device=dev), torch.tensor(positions, device=dev)
         seq_t, out_t = torch.tensor(seq_index, device=dev), torch.tensor(out_index or [0], device=dev)
-        if self.native is not None and not dense and cache.use_kernel:
+        if self.native is not None and (not dense or self.native.dense_weights is not None) and cache.use_kernel:
             x = self.native.embed(tokens_t)
-            self.native.forward(x, cache.k, cache.v, table, seq_t, pos_t, cache.format, cache.window, cache.sinks)
+            self.native.forward(x, cache.k, cache.v, table, seq_t, pos_t, cache.format, cache.window, cache.sinks,
+                                dense=dense)
             return self.native.head(x[out_t])
         cache.set_batch(table, seq_t)
         try:

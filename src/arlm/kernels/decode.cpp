@@ -168,6 +168,15 @@ void linear_into(const float* x, const arlm_kernels::Act8* xq, int64_t M, int64_
   }
   const at::Tensor &w = p[0], &scale = p[1], &mins = p[2];
   if (w.scalar_type() == at::kFloat) return f32_linear_into(x, M, K, w, y, ldy, accumulate);
+  if (w.scalar_type() == at::kBFloat16) {  // a dense bf16 copy (prompt tokens): torch's GEMM, AMX tiles
+    // where the CPU has them (oneDNN), else AVX512-BF16; its bf16 result widened into y
+    const at::Tensor xt = at::from_blob(const_cast<float*>(x), {M, K}, at::TensorOptions().dtype(at::kFloat));
+    at::Tensor yt = at::from_blob(y, {M, w.size(0)}, {ldy, 1}, at::TensorOptions().dtype(at::kFloat));
+    const at::Tensor r = at::mm(xt.to(at::kBFloat16), w.t());
+    if (accumulate) yt.add_(r);
+    else yt.copy_(r);
+    return;
+  }
   const at::Tensor xt = at::from_blob(const_cast<float*>(x), {M, K}, at::TensorOptions().dtype(at::kFloat));
   at::Tensor r;
   if (w.scalar_type() == at::kByte) r = a8 ? q4_linear_a8(xt, w, scale, mins) : q4_linear(xt, w, scale, mins);

@@ -49,12 +49,18 @@ def applies(model: Transformer) -> bool:
                 or not native_available())
 
 
-def linear_weights(layer: torch.nn.Module) -> tuple[list[torch.Tensor], bool] | None:
+def linear_weights(layer: torch.nn.Module, dense: bool = False) -> tuple[list[torch.Tensor], bool] | None:
     """A linear layer as the kernels take it, [w, scale, mins], and whether it wants 8-bit
-    activations; None for a layer they cannot run (biases, other dtypes)."""
+    activations; None for a layer they cannot run (biases, other dtypes). dense: a quantized
+    layer's dense copy for the prompt (`QuantizedLinear.dense_weight`, float32 or bfloat16)."""
     from ..quant import QuantizedLinear
 
     none = torch.empty(0)
+    if dense:
+        w = getattr(layer, "dense_weight", None)
+        if w is None or layer.bias is not None or w.dtype not in (torch.float32, torch.bfloat16):
+            return None
+        return [w.contiguous(), none, none], False
     if isinstance(layer, QuantizedLinear) and layer.bias is None:  # in its layout, packed or rows (quant.py)
         w = list(layer.tensors())
         return w + [none] * (3 - len(w)), layer.int8_activations
@@ -63,11 +69,12 @@ def linear_weights(layer: torch.nn.Module) -> tuple[list[torch.Tensor], bool] | 
     return None
 
 
-def layer_weights(model: Transformer) -> tuple[list[torch.Tensor], bool, int] | None:
+def layer_weights(model: Transformer, dense: bool = False) -> tuple[list[torch.Tensor], bool, int] | None:
     """Every layer's weights laid out as `LayerWeight` says, whether the stack runs with 8-bit
     activations, and the residual mask: bit 1 << slot for each linear whose 8-bit activations are
     taken twice (`QuantizedLinear.residual_activations`); None where the kernels cannot take them
-    (float32 norms, one activation mode, one residual choice per linear across the layers)."""
+    (float32 norms, one activation mode, one residual choice per linear across the layers).
+    dense: the quantized layers' dense copies instead (`linear_weights`), float activations."""
     weights: list[torch.Tensor] = []
     a8: set[bool] = set()
     masks: set[int] = set()
@@ -80,13 +87,13 @@ def layer_weights(model: Transformer) -> tuple[list[torch.Tensor], bool, int] | 
         layer[LayerWeight.ATTN_NORM], layer[LayerWeight.MLP_NORM] = norms[0].detach(), norms[1].detach()
         for slot, linear in ((LayerWeight.WQKV, block.attn.wqkv), (LayerWeight.WO, block.attn.wo),
                              (LayerWeight.GATE_UP, block.mlp.gate_up), (LayerWeight.DOWN, block.mlp.down)):
-            native = linear_weights(linear)
+            native = linear_weights(linear, dense)
             if native is None:
                 return None
             layer[slot:slot + 3] = native[0]
             if native[0][1].numel():  # float32 layers run in either mode
                 a8.add(native[1])
-            if getattr(linear, "residual_activations", False):
+            if getattr(linear, "residual_activations", False) and not dense:
                 mask |= 1 << slot
         masks.add(mask)
         weights.extend(layer)  # type: ignore[arg-type]
@@ -107,6 +114,8 @@ class NativeLlama:
         self.emb = emb.detach() if isinstance(emb, torch.Tensor) else None
         self._head = head
         self._norm = model.norm.weight.detach()
+        # the layers' dense copies (float32 or bf16, `--matmul-path bf16|float32`) for prompt tokens
+        self.dense_weights: list[torch.Tensor] | None = None
 
     @classmethod
     def bind(cls, model: Transformer) -> "NativeLlama | None":
@@ -120,7 +129,11 @@ class NativeLlama:
         head = linear_weights(model.lm_head)
         if model.norm.weight.dtype != torch.float32:
             head = None
-        return cls(model, layers[0], layers[1], head, layers[2])
+        native = cls(model, layers[0], layers[1], head, layers[2])
+        dense = layer_weights(model, dense=True)
+        if dense is not None and dense[0] is not None:
+            native.dense_weights = dense[0]
+        return native
 
     def embed(self, tokens: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Token embeddings [N, d] float32 for ids [N] (a fresh tensor, or `out`): the stacks run
@@ -142,14 +155,16 @@ class NativeLlama:
 
     def forward(self, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_table: torch.Tensor,
                 seq_index: torch.Tensor, pos: torch.Tensor, kv_format: int = 0, window: int = 0,
-                sinks: int = 0) -> None:
+                sinks: int = 0, dense: bool = False) -> None:
         """A flattened batch in place on x [N, d]: token i of sequence seq_index[i] (a row of
         block_table [S, M]) at position pos[i], K/V in the pools k, v [L, n_blocks, H_kv, bs, row]
-        (kv_format: `KVCache.format`; window, sinks: `KVCache.set_window`)."""
+        (kv_format: `KVCache.format`; window, sinks: `KVCache.set_window`). dense: through the
+        layers' dense copies (`dense_weights`, float activations; torch's GEMMs)."""
         m = self.model
-        torch.ops.arlm.forward_llama_paged(x, self.weights, k, v, block_table, seq_index, pos, m.rope_cos,
-                                           m.rope_sin, self.n_head, self.n_kv_heads, self.eps, self.a8,
-                                           self.residual, kv_format, window, sinks)
+        weights, a8, residual = (self.dense_weights, False, 0) if dense else (self.weights, self.a8, self.residual)
+        torch.ops.arlm.forward_llama_paged(x, weights, k, v, block_table, seq_index, pos, m.rope_cos,
+                                           m.rope_sin, self.n_head, self.n_kv_heads, self.eps, a8,
+                                           residual, kv_format, window, sinks)
 
     def head(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Final norm + LM head: hidden states [N, d] -> float32 logits [N, vocab] (into `out`).
