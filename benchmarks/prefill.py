@@ -8,7 +8,9 @@ Each measurement is a fresh process, and the rounds alternate between the conten
 machine drifts between runs: medians of the rounds are the figures):
 
 - arlm, for each matrix path this CPU runs (`--matmul-path vnni|avx2|bf16|float32`): a prefill of
-  --prompt random token ids (the same ids everywhere), the median of 3 after a warm-up;
+  --prompt random token ids (the same ids everywhere), the median of 3 after a warm-up; the
+  integer paths with each of --activations (int8x2, the default: float32's answers; int8: one
+  8-bit pass, as llama.cpp and CTranslate2 take their activations);
 - llama.cpp: `llama-bench -p PROMPT -n 0 -r 3` on the same GGUF (`make bench-peers` builds it;
   llama.cpp 0.3.36's AMX kernels crash on some Xeons: build it without them there, issue 21);
 - CTranslate2 int8 (`ctranslate2`, a model directory converted from the same weights by
@@ -67,14 +69,14 @@ def layer_shapes(cfg) -> list[tuple[int, int]]:
 
 # -- workers: each runs in its own process and prints one JSON line ---------------------------------
 
-def worker_arlm(path: str, prompt: int, threads: int) -> dict:
+def worker_arlm(path: str, activations: str, prompt: int, threads: int) -> dict:
     sys.path.insert(0, str(ROOT / "src"))
     from arlm.engine import threads as governor
     from arlm.llm import LLM
     from arlm.sampling import SamplingParams
 
     governor.pin(threads)
-    llm = LLM.load("smollm2", matmul_path=path)
+    llm = LLM.load("smollm2", matmul_path=path, activations=activations)
     ids = prompt_ids(prompt, 0)
     one = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
     llm.generate([ids], one)  # warm-up
@@ -228,6 +230,7 @@ def main() -> int:
     ap.add_argument("--threads", type=positive_int, default=os.cpu_count() or 1)
     ap.add_argument("--prompt", type=positive_int, default=512, help="prefill length (tokens)")
     ap.add_argument("--paths", default="all", help="arlm matrix paths, comma-separated (default: all it runs here)")
+    ap.add_argument("--activations", default="int8x2,int8", help="the integer paths' activation modes")
     ap.add_argument("--batch", type=int, default=32, help="the large-batch case's rows (0: skip)")
     ap.add_argument("--ttft", type=int, default=0, help="time to first token of a prompt this long via serve (0: skip)")
     ap.add_argument("--llama-bench", default=None, help="llama-bench binary (default: build/llama.cpp/bin)")
@@ -264,15 +267,18 @@ def main() -> int:
     cpu = cpu_line()
     print(f"CPU: {cpu}; {args.threads} threads; prompt {args.prompt} tokens; {args.rounds} rounds")
 
-    results: dict[str, list] = {f"arlm-{p}": [] for p in runnable}
+    contenders = [(p, a) for p in runnable for a in (args.activations.split(",") if p in ("vnni", "avx2")
+                                                      else ["int8x2"])]
+    name = {c: f"arlm-{c[0]}" + ("" if c[1] == "int8x2" else f"-{c[1]}") for c in contenders}
+    results: dict[str, list] = {name[c]: [] for c in contenders}
     results.update({"llama.cpp": [], "ctranslate2-int8": [], "batch": [], "peaks": []})
     info: dict[str, dict] = {}
     for rnd in range(args.rounds):
-        for p in runnable:
-            r = run_worker("arlm", p, str(args.prompt), str(args.threads))
+        for c in contenders:
+            r = run_worker("arlm", c[0], c[1], str(args.prompt), str(args.threads))
             if r:
-                results[f"arlm-{p}"].append(r["tokens_per_s"])
-                info[p] = r
+                results[name[c]].append(r["tokens_per_s"])
+                info[name[c]] = r
         if bench:
             results["llama.cpp"].append(llama_bench(bench, args.prompt, args.threads))
         if ct2:
@@ -295,14 +301,15 @@ def main() -> int:
         print("torch's own peak on the same shapes, GFLOP/s: " + ", ".join(f"{k} {v:.0f}" for k, v in peaks.items()))
     summary: dict = {"cpu": cpu, "threads": args.threads, "prompt": args.prompt, "rounds": args.rounds,
                      "peaks_gflops": peaks, "llama.cpp": llama, "ctranslate2-int8": ct, "arlm": {}}
-    for p in runnable:
-        tps = median_or_none(results[f"arlm-{p}"])
+    for c in contenders:
+        key, p = name[c], c[0]
+        tps = median_or_none(results[key])
         if tps is None:
             continue
-        macs = info[p]["macs_per_token"]
+        macs = info[key]["macs_per_token"]
         eff = 2 * macs * tps / 1e9
         peak = peaks.get(PRECISION[p])
-        line = f"  arlm {p:8s} ({info[p]['isa']}): {tps:7.0f}  = {eff:.0f} GFLOP/s effective"
+        line = f"  {key:17s} ({info[key]['isa']}): {tps:7.0f}  = {eff:.0f} GFLOP/s effective"
         if peak:
             line += f", {eff / peak:.0%} of torch's {PRECISION[p]} peak"
         if llama:
@@ -310,9 +317,8 @@ def main() -> int:
         if ct:
             line += f" | {tps / ct:.2f}x CTranslate2 int8"
         print(line)
-        summary["arlm"][p] = {"tokens_per_s": tps, "isa": info[p]["isa"], "effective_gflops": eff,
-                              "fraction_of_peak": eff / peak if peak else None,
-                              "runs": results[f"arlm-{p}"]}
+        summary["arlm"][key] = {"tokens_per_s": tps, "isa": info[key]["isa"], "effective_gflops": eff,
+                                "fraction_of_peak": eff / peak if peak else None, "runs": results[key]}
     if llama:
         print(f"  llama.cpp llama-bench -p {args.prompt}: {llama:7.0f}  (runs {results['llama.cpp']})")
     if ct:

@@ -486,66 +486,38 @@ llm.generate(["The capital of France is a city"], SamplingParams(max_new_tokens=
 @pytest.mark.slow
 @pytest.mark.parametrize("isa", ["amx", "avx512_bf16"])
 def test_bf16_path_runs_on_the_cpus_bf16_units(isa):
-    # The bf16 path's prompt GEMMs, as oneDNN reports running them: on the AMX tiles where the
-    # CPU has them, else on AVX512-BF16. Each case runs only where the CPU has that unit.
+    # The bf16 path's prompt GEMMs: on the AMX tiles where the CPU has them (torch's bf16 GEMM,
+    # as oneDNN reports running it), else through bf16_linear.cpp's AVX512-BF16 kernel (float32
+    # results; no oneDNN bf16 matmul at all). Each case runs only where the CPU has that unit.
     flags = cpu_flags() or frozenset()
     if isa == "amx" and not amx_expected():
         pytest.skip("this CPU has no AMX (amx_tile, amx_bf16 not in /proc/cpuinfo flags): checked on AMX Xeons")
     if isa == "avx512_bf16" and ("avx512_bf16" not in flags or amx_expected()):
-        pytest.skip("this CPU has no AVX512-BF16, or has AMX (oneDNN then takes the tiles: the amx case)")
+        pytest.skip("this CPU has no AVX512-BF16, or has AMX (the amx case)")
     impls = _onednn_matmul_isa(_BF16_PROMPT)
-    assert impls and all(("amx" in i) if isa == "amx" else ("avx512_core_bf16" in i) for i in impls), impls
+    if isa == "amx":
+        assert impls and all("amx" in i for i in impls), impls
+    else:
+        assert not impls and torch.ops.arlm.bf16_kernel_available() and kernels.bf16_kernel_wanted(), impls
+        llm = LLM.load("smollm2", matmul_path="bf16")
+        assert llm.matmul_isa == "AVX512-BF16"
+        assert all(kernels.unpack_bf16(m.dense_weight).shape == (m.out_features, m.in_features)
+                   for m in llm.model.modules() if isinstance(m, QuantizedLinear))
 
 
-@pytest.mark.slow
-def test_kv_dtype_choices(smollm2):
-    # "auto": a float16 cache where a quantized model decodes through the native step on CPU, the
-    # model's dtype otherwise; the generation and chat caches take it.
-    def configured(**kw):
-        llm = LLM(smollm2.loaded)
-        llm.model = copy.deepcopy(smollm2.model)
-        llm.configure(**kw)
-        return llm
-
-    llm = configured(quantize="auto", kv_dtype="auto")
-    assert llm.kv_dtype == (torch.float16 if native_kernels_expected() else torch.float32)
-    llm.generate(["Hello"], SamplingParams(max_new_tokens=2, temperature=0))
-    assert llm.engine.cache.k.dtype == llm.kv_dtype
-    chat = ChatSession(llm, SamplingParams(max_new_tokens=2))
-    assert chat.engine.cache.k.dtype == llm.kv_dtype
-    assert configured(quantize=None, kv_dtype="auto").kv_dtype == torch.float32
-    # a compiled step runs the modules, which would widen a float16 cache at every step
-    assert configured(quantize="auto", kv_dtype="auto", compile=True).kv_dtype == torch.float32
-    assert configured(quantize="auto", kv_dtype="float32").kv_dtype == torch.float32
-    assert configured(quantize="auto", kv_dtype="int8").kv_dtype == "int8"
-    with pytest.raises(ValueError, match="KV cache dtype"):
-        configured(kv_dtype="int3")
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("path", ["bf16", "float32"])
-def test_dense_prompt_runs_natively_as_the_modules_do(smollm2, path):
-    # --matmul-path bf16 / float32: prompt tokens take the dense copies inside the native layer
-    # stack (torch's GEMMs for the linears, the native attention), decode tokens the integer
-    # kernels. The prompt's logits match the module path over the same dense copies (the
-    # reference: Transformer.forward inside quant.dense_weights) to float32 summation order.
-    llm, _ = _configured(smollm2, matmul_path=path)
-    runner = llm.runner
-    assert runner.dense_prefill and runner.native is not None and runner.native.dense_weights is not None
-    assert all(w.dtype == (torch.bfloat16 if path == "bf16" else torch.float32)
-               for w in runner.native.dense_weights[LayerWeight.WQKV::LayerWeight.COUNT])
-    ids = smollm2.tokenizer.encode("The quick brown fox jumps over the lazy dog, and then it runs into the woods.")
-    n = len(ids)
-    with torch.inference_mode():
-        cache = KVCache.pool(llm.model.config, 4, 16, torch.float32)
-        native = runner.forward_flat(cache, ids, list(range(n)), [0] * n, [[0, 1, 2, 3]], list(range(n)), dense=True)
-        cache = KVCache.pool(llm.model.config, 4, 16, torch.float32)
-        cache.set_batch(torch.tensor([[0, 1, 2, 3]]), torch.zeros(n, dtype=torch.long))
-        with dense_weights():
-            ref = llm.model(torch.tensor([ids]), torch.arange(n)[None], kv_cache=cache,
-                            output_index=torch.arange(n))
-        cache.set_batch(None, None)
-    # the head: the native pass reads the quantized head (8-bit twice), the modules its dense copy
-    tol = (2e-2 if path == "bf16" else 5e-3) * ref.abs().max().item()
-    assert (native - ref).abs().max().item() <= tol
-    assert (native.argmax(-1) == ref.argmax(-1)).float().mean().item() >= 0.9
+@pytest.mark.parametrize("M,K,N", [(1, 64, 16), (7, 576, 960), (66, 1536, 48), (5, 34, 32)])
+def test_bf16_kernel_matches_float64_and_keeps_rows_independent(M, K, N):
+    # bf16_linear.cpp (the bf16 path's GEMMs where AVX512-BF16 is built): x rounded to bf16, each
+    # product exact, float32 sums and result; a row's result whatever the rows beside it.
+    if not torch.ops.arlm.bf16_kernel_available():
+        assert "avx512_bf16" not in (cpu_flags() or ()) or os.environ.get("ARLM_MARCH", "native") != "native"
+        pytest.skip("built without AVX512-BF16 (this CPU or ARLM_MARCH lacks it): torch's bf16 GEMM serves")
+    g = torch.Generator().manual_seed(M * 1000 + K)
+    x, w = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g).bfloat16()
+    wp = kernels.pack_bf16(w)
+    assert torch.equal(kernels.unpack_bf16(wp), w)
+    y = kernels.bf16_linear(x, wp)
+    ref = x.bfloat16().double() @ w.double().t()
+    assert (y.double() - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+    for m in (0, M - 1):
+        assert torch.equal(kernels.bf16_linear(x[m:m + 1], wp)[0], y[m])

@@ -57,7 +57,10 @@ def dense_weights():
 def _dense_forward(layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     if getattr(_mode, "dense", False) and layer.dense_weight is not None:
         w = layer.dense_weight  # float32, or a bfloat16 copy where bf16 GEMMs are faster (quantize)
-        y = F.linear(x.to(w.dtype), w).to(x.dtype)
+        if w.dim() == 3:  # bf16_linear's layout: float32 results
+            y = kernels.bf16_linear(x.reshape(-1, x.shape[-1]).float(), w).view(*x.shape[:-1], -1).to(x.dtype)
+        else:
+            y = F.linear(x.to(w.dtype), w).to(x.dtype)
         return y if layer.bias is None else y + layer.bias
     return None
 
@@ -381,7 +384,13 @@ def prepare(model: Transformer, activations: str = "int8x2", keep_dense: bool = 
             continue
         dtype = prefill_dtype or torch.float32
         dense = layer.dense_weight if layer.dense_weight is not None else layer.dequantize()
-        layer.dense_weight = dense if dense.dtype == dtype else dense.to(dtype)
+        if dense.dim() == 3:  # bf16_linear's layout, from an earlier prepare
+            dense = kernels.unpack_bf16(dense)
+        dense = dense if dense.dtype == dtype else dense.to(dtype)
+        if dtype == torch.bfloat16 and dense.shape[0] % 16 == 0 and dense.shape[1] % 2 == 0 \
+                and dense.device.type == "cpu" and kernels.bf16_kernel_wanted():
+            dense = kernels.pack_bf16(dense)  # float32 results (bf16_linear.cpp)
+        layer.dense_weight = dense
     return model
 
 

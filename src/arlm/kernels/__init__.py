@@ -25,7 +25,7 @@ import torch
 
 log = logging.getLogger(__name__)
 _SOURCES = [Path(__file__).with_name(name) for name in ("int8_linear.cpp", "q4_linear.cpp", "a8_linear.cpp",
-                                                         "decode.cpp", "paged_attention.cpp")]
+                                                         "bf16_linear.cpp", "decode.cpp", "paged_attention.cpp")]
 _state: dict[str, bool] = {}
 
 
@@ -98,6 +98,32 @@ def matmul_path_error(path: str) -> str | None:
     return None
 
 
+def bf16_kernel_wanted() -> bool:
+    """The bf16 path's GEMMs through bf16_linear.cpp (float32 results): where it is built
+    (AVX512-BF16) and the CPU has no AMX (there torch's bf16 GEMM takes the tiles, results rounded
+    to bf16: faster, less faithful)."""
+    caps = getattr(torch.cpu, "get_capabilities", dict)()
+    return native_available() and torch.ops.arlm.bf16_kernel_available() and not caps.get("amx_bf16")
+
+
+def pack_bf16(w: torch.Tensor) -> torch.Tensor:
+    """bf16 w [N, K] (N a multiple of 16, K even) -> [N/16, K/2, 32]: for each block of 16 output
+    channels and each pair of K-values, the 16 channels' pairs side by side (`bf16_linear`)."""
+    N, K = w.shape
+    return w.contiguous().view(N // 16, 16, K // 2, 2).permute(0, 2, 1, 3).contiguous().view(N // 16, K // 2, 32)
+
+
+def unpack_bf16(wp: torch.Tensor) -> torch.Tensor:
+    """`pack_bf16`'s inverse."""
+    NB, P, _ = wp.shape
+    return wp.view(NB, P, 16, 2).permute(0, 2, 1, 3).reshape(NB * 16, 2 * P)
+
+
+def bf16_linear(x: torch.Tensor, wp: torch.Tensor) -> torch.Tensor:
+    """x [M, K] float32 times `pack_bf16`'s weights: x rounded to bf16, float32 sums and result."""
+    return torch.ops.arlm.bf16_linear(x.contiguous(), wp)
+
+
 def auto_matmul_path() -> str:
     """The path `--matmul-path auto` takes on this CPU, from its flags (read once at load): the
     packed integer kernels where they are built (AVX-512 VNNI: faster than bf16 GEMMs there and
@@ -113,7 +139,7 @@ def matmul_isa(path: str) -> str:
     if path == "avx2":
         return "AVX2"
     caps = getattr(torch.cpu, "get_capabilities", dict)()
-    if path == "bf16":  # oneDNN takes AMX tiles, else AVX512-BF16, else converts to float32
+    if path == "bf16":  # torch's GEMM on the AMX tiles, else bf16_linear.cpp, else torch's GEMM emulating bf16
         return "AMX" if caps.get("amx_bf16") else "AVX512-BF16" if caps.get("avx512_bf16") else "emulated"
     return {"AVX512": "AVX512", "AVX2": "AVX2"}.get(torch.backends.cpu.get_cpu_capability(), "default")
 

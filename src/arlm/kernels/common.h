@@ -92,6 +92,12 @@ void activation_residual(const float* x, int64_t n, float* r);
 void linear_a8p_residual(const float* x, int64_t M, int64_t K, const at::Tensor& wp, const at::Tensor& scale,
                          const at::Tensor& mins, float* y, int64_t ldy, bool accumulate);
 
+// bf16_linear.cpp: y[m, n] (row stride ldy) = x[m, :] . w[n, :] (or y += that) with x rounded to
+// bf16, float32 sums; wp in the packed bf16 layout [N/16, K/2, 32] (bf16_packed). AVX512-BF16 builds.
+bool bf16_packed(const at::Tensor& w);
+void bf16_linear_into(const float* x, int64_t M, int64_t K, const at::Tensor& wp, float* y, int64_t ldy,
+                      bool accumulate);
+
 }  // namespace arlm_kernels
 
 #if defined(__AVX2__) && defined(__FMA__)

@@ -125,12 +125,16 @@ void f32_linear_into(const float* xp, int64_t M, int64_t K, const at::Tensor& w,
 // One linear layer given as (w, scale, mins): 4-bit (w uint8), int8 (w int8, mins undefined),
 // float32 (w float, scale and mins undefined), or either quantized kind in the packed layout
 // (w 3-D, a8_linear.cpp; a8 only): int8 with scale [N] float32, 4-bit with scale [N/16, G, 16].
-inline bool packed(const at::Tensor* p) { return p[0].dim() == 3; }
+inline bool packed(const at::Tensor* p) { return p[0].dim() == 3 && !arlm_kernels::bf16_packed(p[0]); }
 
 // The layer's output width for inputs of width K (and its layout checked against K).
 int64_t out_features(const char* op, const at::Tensor* p, int64_t K) {
   const at::Tensor& w = p[0];
   if (packed(p)) return arlm_kernels::packed_out_features(op, K, w, p[1], p[2]);
+  if (arlm_kernels::bf16_packed(w)) {
+    TORCH_CHECK(w.size(1) == K / 2 && w.size(2) == 32, op, ": a bf16 weight does not match its input width");
+    return w.size(0) * 16;
+  }
   TORCH_CHECK(w.dim() == 2 && w.size(1) == (w.scalar_type() == at::kByte ? K / 2 : K),
               op, ": a weight does not match its input width");
   return w.size(0);
@@ -168,8 +172,9 @@ void linear_into(const float* x, const arlm_kernels::Act8* xq, int64_t M, int64_
   }
   const at::Tensor &w = p[0], &scale = p[1], &mins = p[2];
   if (w.scalar_type() == at::kFloat) return f32_linear_into(x, M, K, w, y, ldy, accumulate);
-  if (w.scalar_type() == at::kBFloat16) {  // a dense bf16 copy (prompt tokens): torch's GEMM, AMX tiles
-    // where the CPU has them (oneDNN), else AVX512-BF16; its bf16 result widened into y
+  if (arlm_kernels::bf16_packed(w)) return arlm_kernels::bf16_linear_into(x, M, K, w, y, ldy, accumulate);
+  if (w.scalar_type() == at::kBFloat16) {  // a dense bf16 copy [N, K] (prompt tokens, AMX CPUs): torch's
+    // GEMM, oneDNN on the AMX tiles; its result (rounded to bf16) widened into y
     const at::Tensor xt = at::from_blob(const_cast<float*>(x), {M, K}, at::TensorOptions().dtype(at::kFloat));
     at::Tensor yt = at::from_blob(y, {M, w.size(0)}, {ldy, 1}, at::TensorOptions().dtype(at::kFloat));
     const at::Tensor r = at::mm(xt.to(at::kBFloat16), w.t());
