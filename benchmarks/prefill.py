@@ -186,7 +186,7 @@ def ttft(url: str, n: int, seeds: range, model: str) -> float:
     """Median seconds to the first streamed token of an n-token prompt (token ids), fresh each time."""
     import httpx
 
-    times = []
+    times: list[float] = []
     for seed in seeds:
         body = {"model": model, "prompt": prompt_ids(n, seed), "max_tokens": 1, "temperature": 0, "stream": True}
         t0 = time.perf_counter()
@@ -196,10 +196,13 @@ def ttft(url: str, n: int, seeds: range, model: str) -> float:
                 if line.startswith("data: ") and line != "data: [DONE]":
                     times.append(time.perf_counter() - t0)
                     break
+    if not times:
+        raise RuntimeError(f"{url} streamed no token")
     return statistics.median(times)
 
 
 def serve_ttft(cmd: list[str], port: int, n: int, rounds: int, model: str) -> float | None:
+    import httpx
     from serve import wait_healthy
 
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -210,8 +213,12 @@ def serve_ttft(cmd: list[str], port: int, n: int, rounds: int, model: str) -> fl
         except RuntimeError as e:
             print(f"  ({Path(cmd[0]).name} {cmd[1:3]}: {e})")
             return None
-        ttft(url, 64, range(900, 901), model)  # warm-up
-        return ttft(url, n, range(1000, 1000 + rounds), model)
+        try:
+            ttft(url, 64, range(900, 901), model)  # warm-up
+            return ttft(url, n, range(1000, 1000 + rounds), model)
+        except (httpx.HTTPError, RuntimeError) as e:
+            print(f"  ({Path(cmd[0]).name}: {e})")
+            return None
     finally:
         proc.kill()
         proc.wait()

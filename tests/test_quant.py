@@ -447,8 +447,12 @@ def test_matmul_path_choices(smollm2):
         _configured(smollm2, matmul_path="int4")
     with pytest.raises(ValueError, match="not both"):
         _configured(smollm2, matmul_path="bf16", prefill_dtype="float32")
-    with pytest.raises(ValueError, match="8-bit activations"):
-        _configured(smollm2, matmul_path="avx2", activations="float32")
+    if packed_expected():  # float activations: the row kernels (avx2), never the packed ones
+        with pytest.raises(ValueError, match="8-bit activations"):
+            _configured(smollm2, matmul_path="vnni", activations="float32")
+        assert _configured(smollm2, activations="float32")[0].matmul_path == "avx2"
+    llm, layers = _configured(smollm2, matmul_path="avx2", activations="float32")
+    assert not any(m.packed or m.int8_activations for m in layers)
 
 
 @pytest.mark.slow
@@ -521,3 +525,57 @@ def test_bf16_kernel_matches_float64_and_keeps_rows_independent(M, K, N):
     assert (y.double() - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
     for m in (0, M - 1):
         assert torch.equal(kernels.bf16_linear(x[m:m + 1], wp)[0], y[m])
+
+
+@pytest.mark.slow
+def test_kv_dtype_choices(smollm2):
+    # "auto": a float16 cache where a quantized model decodes through the native step on CPU, the
+    # model's dtype otherwise; the generation and chat caches take it.
+    def configured(**kw):
+        llm = LLM(smollm2.loaded)
+        llm.model = copy.deepcopy(smollm2.model)
+        llm.configure(**kw)
+        return llm
+
+    llm = configured(quantize="auto", kv_dtype="auto")
+    assert llm.kv_dtype == (torch.float16 if native_kernels_expected() else torch.float32)
+    llm.generate(["Hello"], SamplingParams(max_new_tokens=2, temperature=0))
+    assert llm.engine.cache.k.dtype == llm.kv_dtype
+    chat = ChatSession(llm, SamplingParams(max_new_tokens=2))
+    assert chat.engine.cache.k.dtype == llm.kv_dtype
+    assert configured(quantize=None, kv_dtype="auto").kv_dtype == torch.float32
+    # a compiled step runs the modules, which would widen a float16 cache at every step
+    assert configured(quantize="auto", kv_dtype="auto", compile=True).kv_dtype == torch.float32
+    assert configured(quantize="auto", kv_dtype="float32").kv_dtype == torch.float32
+    assert configured(quantize="auto", kv_dtype="int8").kv_dtype == "int8"
+    with pytest.raises(ValueError, match="KV cache dtype"):
+        configured(kv_dtype="int3")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", ["bf16", "float32"])
+def test_dense_prompt_runs_natively_as_the_modules_do(smollm2, path):
+    # --matmul-path bf16 / float32: prompt tokens take the dense copies inside the native layer
+    # stack (torch's GEMMs for the linears, the native attention), decode tokens the integer
+    # kernels. The prompt's logits match the module path over the same dense copies (the
+    # reference: Transformer.forward inside quant.dense_weights) to float32 summation order.
+    llm, _ = _configured(smollm2, matmul_path=path)
+    runner = llm.runner
+    assert runner.dense_prefill and runner.native is not None and runner.native.dense_weights is not None
+    assert all(w.dtype == (torch.bfloat16 if path == "bf16" else torch.float32)
+               for w in runner.native.dense_weights[LayerWeight.WQKV::LayerWeight.COUNT])
+    ids = smollm2.tokenizer.encode("The quick brown fox jumps over the lazy dog, and then it runs into the woods.")
+    n = len(ids)
+    with torch.inference_mode():
+        cache = KVCache.pool(llm.model.config, 4, 16, torch.float32)
+        native = runner.forward_flat(cache, ids, list(range(n)), [0] * n, [[0, 1, 2, 3]], list(range(n)), dense=True)
+        cache = KVCache.pool(llm.model.config, 4, 16, torch.float32)
+        cache.set_batch(torch.tensor([[0, 1, 2, 3]]), torch.zeros(n, dtype=torch.long))
+        with dense_weights():
+            ref = llm.model(torch.tensor([ids]), torch.arange(n)[None], kv_cache=cache,
+                            output_index=torch.arange(n))
+        cache.set_batch(None, None)
+    # the head: the native pass reads the quantized head (8-bit twice), the modules its dense copy
+    tol = (2e-2 if path == "bf16" else 5e-3) * ref.abs().max().item()
+    assert (native - ref).abs().max().item() <= tol
+    assert (native.argmax(-1) == ref.argmax(-1)).float().mean().item() >= 0.9

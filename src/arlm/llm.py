@@ -382,7 +382,8 @@ class LLM:
 
         if activations not in ACTIVATIONS:
             raise ValueError(f"unknown activation precision {activations!r} (expected {', '.join(ACTIVATIONS)})")
-        if prefill_dtype not in (None, "auto"):
+        legacy = prefill_dtype not in (None, "auto")  # (ignored by float models, as it always was)
+        if legacy:
             if prefill_dtype not in PREFILL_DTYPES:
                 raise ValueError(f"unknown prefill dtype {prefill_dtype!r} (expected auto, quantized, float32 or "
                                  f"bfloat16; or a matmul path)")
@@ -399,12 +400,17 @@ class LLM:
         cpu = device.type == "cpu"
         if loaded_quantized or quantize in ("auto", "int8", "q4"):
             if matmul_path == "auto":
-                matmul_path = "float32" if not cpu or activations == "float32" else kernels.auto_matmul_path()
+                matmul_path = "float32" if not cpu else kernels.auto_matmul_path()
+                if matmul_path == "vnni" and activations == "float32":  # (the row kernels, float inputs)
+                    matmul_path = "avx2"
+            elif not cpu and matmul_path in ("vnni", "avx2"):
+                raise ValueError(f"matmul path {matmul_path} runs the CPU's integer kernels; on {device.type} "
+                                 f"take bf16 or float32")
             elif (why := kernels.matmul_path_error(matmul_path)) is not None:
                 raise ValueError(why)
-            if activations == "float32" and matmul_path in ("vnni", "avx2"):
-                raise ValueError(f"matmul path {matmul_path} multiplies 8-bit activations; with float32 "
-                                 f"activations take bf16 or float32")
+            if activations == "float32" and matmul_path == "vnni":
+                raise ValueError("matmul path vnni multiplies 8-bit activations; with float32 activations "
+                                 "take avx2 (the row kernels), bf16 or float32")
             dense = dict(keep_dense=matmul_path in ("bf16", "float32"), activations=activations,
                          prefill_dtype=torch.bfloat16 if matmul_path == "bf16" else None,
                          packed=matmul_path != "avx2")
@@ -415,7 +421,7 @@ class LLM:
             self.activations = activations
         else:  # a float model multiplies in its own dtype
             own = FLOAT_PATHS.get(next(self.model.parameters()).dtype, "float32")
-            if matmul_path not in ("auto", own):
+            if matmul_path not in ("auto", own) and not legacy:
                 raise ValueError(f"matmul path {matmul_path} applies to quantized models; this one multiplies "
                                  f"its {own} weights as they are")
             matmul_path = own

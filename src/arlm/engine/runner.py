@@ -99,7 +99,8 @@ class ModelRunner:
         if by_rows and all(batch.decodes(i) and not batch.drafts[i] for i in range(len(batch.seqs))) and (
                 len(batch.seqs) == cache.n_blocks or not self._native_table(cache)):
             return self._decode_rows(cache, batch), list(range(len(batch.seqs)))
-        if by_rows and (self.native is None or self.dense_prefill and self.native.dense_weights is None) and all(
+        dense_natively = self.native is not None and self.native.dense_weights is not None and cache.use_kernel
+        if by_rows and (self.native is None or self.dense_prefill and not dense_natively) and all(
                 s.blocks[0] == i and s.num_computed == 0 and batch.samples(i) and not s.wants_logits
                 for i, s in enumerate(batch.seqs)):
             return self._prefill_rows(cache, batch), list(range(len(batch.seqs)))
@@ -194,7 +195,7 @@ class ModelRunner:
             x = self.native.embed(tokens_t)
             self.native.forward(x, cache.k, cache.v, table, seq_t, pos_t, cache.format, cache.window, cache.sinks,
                                 dense=dense)
-            return self.native.head(x[out_t])
+            return self.native.head(x[out_t])  # (the quantized head: 8 bits twice, the more faithful)
         cache.set_batch(table, seq_t)
         try:
             with dense_weights() if dense else contextlib.nullcontext():

@@ -26,7 +26,7 @@ namespace {
 
 constexpr int64_t kLanes = 16;  // output channels per block
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512VL__)
 #define ARLM_BF16 1
 
 // Rows of x (float32 [M, K]) rounded to bf16, as 32-bit pairs: xb[m * K/2 + p] = (x[2p], x[2p+1]).

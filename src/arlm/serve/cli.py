@@ -84,14 +84,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         args.quantize = ("none" if args.device != "cpu" or not kernels.native_available() else
                          "auto" if kernels.packed_available() else "int8")
-    if args.matmul_path == "auto" and args.prefill_dtype in (None, "auto") and args.quantize != "none":
+    if args.matmul_path == "auto" and args.prefill_dtype in (None, "auto") and args.quantize != "none" \
+            and args.device == "cpu":
         # Every token, prompt or generated, through the integer kernels: then a request's tokens
         # do not depend on how its prompt was chunked or batched, or on a preemption (which
         # recomputes generated tokens as a prompt). An explicit bf16 / float32 path is honoured
         # (faster prompts on CPUs without VNNI, AMX tiles on those with them) and gives that up.
         from .. import kernels
 
-        args.matmul_path = "vnni" if kernels.packed_available() else "avx2" if kernels.native_available() else "auto"
+        vnni = kernels.packed_available() and args.activations != "float32"
+        args.matmul_path = "vnni" if vnni else "avx2" if kernels.native_available() else "auto"
     api_key = args.api_key or os.environ.get("ARLM_API_KEY") or None
     config = EngineConfig(block_size=args.block_size, kv_cache_memory=memory, kv_cache_tokens=args.kv_cache_tokens,
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -155,7 +157,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def add_serve(sub) -> None:
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API (continuous batching)")
-    add_model_args(p, compile=False)  # for serving, --quantize and --prefill-dtype auto are decided in cmd_serve
+    add_model_args(p, compile=False)  # for serving, --quantize and --matmul-path auto are decided in cmd_serve
     add_chat_template_arg(p)
     add_speculative_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
