@@ -2,7 +2,8 @@
 llama.cpp and CTranslate2 on the same weights, and torch's own matmul peak on the same shapes.
 
     .venv/bin/python benchmarks/prefill.py [--rounds 5] [--threads 2] [--prompt 512] [--paths all]
-        [--batch 32] [--ttft 2000] [--llama-bench PATH] [--llama-server PATH] [--ct2 DIR] [--json F]
+        [--batch 32] [--ttft 2000] [--ttft-paths auto,bf16] [--llama-bench PATH] [--llama-server PATH]
+        [--ct2 DIR] [--json F]
 
 Each measurement is a fresh process, and the rounds alternate between the contenders (a noisy
 machine drifts between runs: medians of the rounds are the figures):
@@ -18,9 +19,9 @@ machine drifts between runs: medians of the rounds are the figures):
   `generate_batch(max_length=1)` - the prompt's forward pass and one decode step;
 - arlm's default path at batch --batch: that many prompts of 32-64 tokens, 64 new tokens each,
   aggregate tokens/s over the wall clock (prefill included);
-- with --ttft N: time to first token of an N-token prompt (token ids) through `arlm serve`,
-  streamed, a fresh prompt each time (no prefix cache hit), beside llama.cpp's `llama-server`
-  where its binary is found.
+- with --ttft N: time to first token of an N-token prompt (token ids) through `arlm serve` (with
+  each --matmul-path of --ttft-paths), streamed, a fresh prompt each time (no prefix cache hit),
+  beside llama.cpp's `llama-server` where its binary is found.
 
 Then torch's own peak on the model's prefill shapes (M = --prompt rows against each linear's
 weights: q/k/v, output, gate/up, down): float32 and bfloat16 `torch.mm` and int8
@@ -240,6 +241,7 @@ def main() -> int:
     ap.add_argument("--activations", default="int8x2,int8", help="the integer paths' activation modes")
     ap.add_argument("--batch", type=int, default=32, help="the large-batch case's rows (0: skip)")
     ap.add_argument("--ttft", type=int, default=0, help="time to first token of a prompt this long via serve (0: skip)")
+    ap.add_argument("--ttft-paths", default="auto", help="arlm serve's --matmul-path for --ttft, comma-separated")
     ap.add_argument("--llama-bench", default=None, help="llama-bench binary (default: build/llama.cpp/bin)")
     ap.add_argument("--llama-server", default=None, help="llama-server binary (default: build/llama.cpp/bin)")
     ap.add_argument("--ct2", default=str(CT2_DIR), help="CTranslate2 int8 model directory")
@@ -335,9 +337,12 @@ def main() -> int:
         print(f"batch {args.batch} x 64 new tokens, arlm default path: {batch:.0f} tokens/s aggregate")
         summary["batch"] = {"rows": args.batch, "tokens_per_s": batch}
     if args.ttft:
-        port = free_port()
-        arlm_cmd = [sys.executable, "-m", "arlm", "serve", "--port", str(port), "--threads", str(args.threads)]
-        t_arlm = serve_ttft(arlm_cmd, port, args.ttft, 3, "smollm2")
+        t_paths = {}
+        for path in args.ttft_paths.split(","):
+            port = free_port()
+            t_paths[path] = serve_ttft([sys.executable, "-m", "arlm", "serve", "--port", str(port), "--threads",
+                                        str(args.threads), "--matmul-path", path], port, args.ttft, 3, "smollm2")
+        t_arlm = t_paths[args.ttft_paths.split(",")[0]]
         server = args.llama_server or shutil.which("llama-server") or str(ROOT / "build/llama.cpp/bin/llama-server")
         t_llama = None
         if Path(server).exists():
@@ -346,11 +351,12 @@ def main() -> int:
                                   "-c", str(max(4096, 2 * args.ttft)), "--no-webui"], port, args.ttft, 3, "smollm2")
         else:
             print("llama-server: skipped (no binary; `make bench-peers` builds it)")
-        print(f"time to first token, {args.ttft}-token prompt via the server: arlm serve "
-              f"{t_arlm * 1e3 if t_arlm else float('nan'):.0f} ms"
-              + (f", llama-server {t_llama * 1e3:.0f} ms ({t_llama / t_arlm:.2f}x arlm's)" if t_llama and t_arlm
+        print(f"time to first token, {args.ttft}-token prompt via the server: "
+              + ", ".join(f"arlm serve --matmul-path {p} {t * 1e3 if t else float('nan'):.0f} ms"
+                          for p, t in t_paths.items())
+              + (f", llama-server {t_llama * 1e3:.0f} ms ({t_llama / t_arlm:.2f}x arlm's first)" if t_llama and t_arlm
                  else ""))
-        summary["ttft"] = {"prompt": args.ttft, "arlm_s": t_arlm, "llama_server_s": t_llama}
+        summary["ttft"] = {"prompt": args.ttft, "arlm_s": t_paths, "llama_server_s": t_llama}
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         tmp = args.json.with_suffix(args.json.suffix + ".tmp")
