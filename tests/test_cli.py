@@ -64,6 +64,11 @@ def bad_runs(tmp_path_factory, smollm2_path):
     """Start every bad-input command at once and collect (returncode, stdout, stderr)."""
     cases = bad_inputs(tmp_path_factory.mktemp("cli"), smollm2_path)
     assert sorted(cases) == sorted(BAD_INPUTS)
+    # The kernels built first, here: on a fresh machine (an empty ~/.cache/arlm) each command would
+    # build them itself, all at once into one directory, each saying so on stderr (one line more).
+    from arlm import kernels
+
+    kernels.native_available()
     procs = {name: subprocess.Popen([sys.executable, "-m", "arlm", *args], stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, env=ENV)
              for name, (args, _) in cases.items()}

@@ -456,12 +456,15 @@ def test_matmul_path_choices(smollm2):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("path", ["vnni", "avx2"])
-def test_integer_paths_keep_batch_equal_alone(smollm2, path):
+@pytest.mark.parametrize("path", ["vnni", "avx2", "bf16"])
+def test_paths_keep_batch_equal_alone(smollm2, path):
     # Forced on any CPU that has it: a prompt's greedy tokens alone == in a batch of prompts of
-    # other lengths, and == the float32 model's for the first tokens of a plain prompt.
+    # other lengths (every kernel of these paths computes a row whatever the rows beside it), and
+    # == the float32 model's for the first tokens of a plain prompt.
     if path == "vnni" and not packed_expected():
         pytest.skip("this CPU has no AVX-512 VNNI (avx512_vnni not in /proc/cpuinfo flags): the vnni path cannot run")
+    if path == "bf16" and not kernels.bf16_kernel_wanted():
+        pytest.skip("no bf16_linear.cpp here (no AVX512-BF16, or AMX: torch's GEMM, whose rows depend on the batch)")
     llm, _ = _configured(smollm2, matmul_path=path)
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far"]
     params = SamplingParams(max_new_tokens=10, temperature=0, ignore_eos=True)
