@@ -42,8 +42,9 @@ def _torch_dtype(name: str):
 
 
 def add_model_args(p: argparse.ArgumentParser, compile: bool = True) -> None:
-    """--model, --device, --dtype, --quantize, --prefill-dtype, --activations, --kv-dtype, --threads, and
-    --compile where the command honours it (`arlm serve` does not: its steps run natively)."""
+    """--model, --device, --dtype, --quantize, --matmul-path (and its older name --prefill-dtype),
+    --activations, --kv-dtype, --threads, and --compile where the command honours it (`arlm serve`
+    does not: its steps run natively)."""
     p.add_argument("--model", default="smollm2",
                    help="known name (smollm2), a .gguf file, an HF model directory or an arlm checkpoint")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
