@@ -123,7 +123,16 @@ def test_native_step_reads_a_quantized_cache_as_the_modules_do(fmt):
     assert native is not None
     prompts = [[3, 5, 7, 9, 11], [2, 4], [8, 8, 8, 1, 2, 3, 4, 5, 6]]
     ref, got = _step_logits(model, prompts, 20, decode_step, fmt), _step_logits(model, prompts, 20, native, fmt)
-    assert (got - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
+    err = (got - ref).abs().amax(-1) / ref.abs().max()  # [steps, rows]
+    if fmt == "int8":
+        # An int8 cache's queries are quantized too (kv_cache.quantize_query, the kernels' integer
+        # scores). The two paths' queries differ in their last bits (their own RoPE and matmuls),
+        # so now and then a value on a rounding boundary takes the other code: that step off by
+        # ~5e-4, and the later steps of its row a little (their keys were written from it).
+        # Unquantized queries on the torch side put every step ~1e-3 off.
+        assert err.median().item() <= 1e-5 and err.max().item() <= 2e-3
+    else:
+        assert err.max().item() <= 1e-4
     full = _step_logits(model, prompts, 20, decode_step)  # the rounding shows, and stays small
     assert 0 < (ref - full).abs().max().item() <= (0.05 if fmt == "int8" else 0.3) * full.abs().max().item()
 
@@ -237,12 +246,12 @@ def _rope(x, pos, cos, sin):
     return apply_rope(x.transpose(-2, -3), cos[pos][:, None, :], sin[pos][:, None, :]).transpose(-2, -3)
 
 
-def _window_case(fmt, use_kernel, W=8, S=2, n=40, seed=3):
+def _window_case(fmt, use_kernel, W=8, S=2, n=40, seed=3, D=64):
     """One sequence of n tokens through a cache with a window of W (0: none) and S sinks, in
     chunks; (outputs [n, H, d], the cache, raw q and k [H, n, d] before RoPE, v, (cos, sin))."""
     from arlm.model import rope_table
 
-    H, Hkv, D, BS = 4, 2, 64, 16
+    H, Hkv, BS = 4, 2, 16
     cos, sin = rope_table(D, 128, 10000.0)
     g = torch.Generator().manual_seed(seed)
     q_raw, k_raw = torch.randn(H, n, D, generator=g), torch.randn(Hkv, n, D, generator=g) * 2
@@ -252,7 +261,7 @@ def _window_case(fmt, use_kernel, W=8, S=2, n=40, seed=3):
     cache = KVCache(1, 8, BS, Hkv, D, fmt, use_kernel=use_kernel)
     if W:
         cache.set_window(W, S, (cos, sin))
-    table = torch.tensor([[0, 1, 2, 3]])
+    table = torch.tensor([list(range(8))])
     outs = []
     for a, b in ((0, 9), (9, 10), (10, 27), (27, n)):  # prompt chunks and single decode tokens
         cache.set_batch(table, torch.zeros(b - a, dtype=torch.long))
@@ -267,6 +276,19 @@ def test_windowed_kernel_matches_its_definition(fmt):
     assert kernels.native_available()
     native, cache_n, *_ = _window_case(fmt, True)
     torch_, cache_t, *_ = _window_case(fmt, False)
+    assert torch.equal(cache_n.k, cache_t.k) and torch.equal(cache_n.v, cache_t.v)
+    assert (native - torch_).abs().max() <= 1e-5 * torch_.abs().max()
+
+
+@pytest.mark.parametrize("D", (64, 128))
+@pytest.mark.parametrize("W", (0, 21))
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_quantized_kernel_matches_the_torch_reference(fmt, W, D):
+    """Head sizes of one and two 64-byte pieces, 75 keys (16-key batches and a partial one), a
+    window whose 3 sinks sit inside the first batch: the kernels' integer scores (int8, VNNI
+    where built) and the torch path's dequantized arithmetic agree to float rounding."""
+    native, cache_n, *_ = _window_case(fmt, True, W=W, S=3, n=75, D=D)
+    torch_, cache_t, *_ = _window_case(fmt, False, W=W, S=3, n=75, D=D)
     assert torch.equal(cache_n.k, cache_t.k) and torch.equal(cache_n.v, cache_t.v)
     assert (native - torch_).abs().max() <= 1e-5 * torch_.abs().max()
 

@@ -165,6 +165,20 @@ def dequantize_rows(rows: torch.Tensor, dtype: str, head_dim: int, value: bool =
     return (q * d[..., None]).reshape(*lead, head_dim)
 
 
+def quantize_query(q: torch.Tensor) -> torch.Tensor:
+    """Query heads q [..., d_head] as an int8 cache's attention reads them (kernels/attention.h
+    `quantize_query`, the native kernels' arithmetic mirrored): each group of 32 values quantized to
+    int8 codes with the scale amax / 127, as llama.cpp quantizes the activations it dots with a
+    q8_0 cache, so the scores are integer dot products per group; returned as their float values
+    (codes times scale) in q's dtype."""
+    *lead, hd = q.shape
+    g = q.float().reshape(*lead, hd // 32, 32)
+    amax = g.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    codes = torch.round(g * inv).clamp(-127, 127)
+    return (codes * (amax / 127.0)).reshape(q.shape).to(q.dtype)
+
+
 # The share of the memory available that a KV pool may take: the rest is for the step's
 # activations, the HTTP side and whatever else runs on the machine.
 POOL_MEMORY_FRACTION = 0.9
@@ -324,6 +338,11 @@ class KVCache:
                     dequantize_rows(v, self.kv_dtype, self.head_dim, value=True).to(dtype))
         return k.to(dtype), v.to(dtype)
 
+    def query(self, q: torch.Tensor) -> torch.Tensor:
+        """Query heads [..., d_head] as attention over this cache reads them: an int8 cache's
+        quantized (`quantize_query`, the kernels' integer scores), any other's as they are."""
+        return quantize_query(q) if self.kv_dtype == "int8" else q
+
     def update(self, layer: int, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Write `k`, `v` ([B, H_kv, T, d_head]) at `input_pos` ([B, T]) of rows 0 .. B-1, in place.
@@ -395,6 +414,7 @@ class KVCache:
         keys, values = self._load(keys, values, q.dtype)
         if self.window:
             return self._attend_window(pos, q, keys, values)
+        q = self.query(q)
         mask = (torch.arange(n * bs, device=pos.device)[None, :] <= pos[:, None])[:, None, None, :]
         y = F.scaled_dot_product_attention(q[:, :, None, :], keys, values, attn_mask=mask,
                                            enable_gqa=q.shape[1] != H_kv)
@@ -413,6 +433,7 @@ class KVCache:
         a, b = q.chunk(2, dim=-1)
         # rotated back by `back` positions: (a cos + b sin, b cos - a sin)
         q_sink = torch.cat([a * c[..., : d // 2] + b * s_[..., : d // 2], b * c[..., d // 2:] - a * s_[..., d // 2:]], -1)
+        q, q_sink = self.query(q), self.query(q_sink)  # (each quantized as the kernels do, for an int8 cache)
         rep = H // keys.shape[1]
         k, v = keys.repeat_interleave(rep, 1), values.repeat_interleave(rep, 1)  # [N, H, slots, d]
         scores = torch.einsum("nhd,nhtd->nht", q, k)

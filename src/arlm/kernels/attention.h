@@ -28,6 +28,10 @@
 
 #include "common.h"
 
+#ifndef ARLM_PREFETCH
+#define ARLM_PREFETCH 2048
+#endif
+
 #include <type_traits>
 #include <vector>
 
@@ -313,6 +317,11 @@ inline void with_kv(const char* op, const at::Tensor& k, const at::Tensor& v, in
 }
 
 #if defined(__AVX512F__)
+// How far ahead (bytes) the streaming loops below ask for the cache rows they will read: a long
+// row's keys and values come from DRAM, and the loops do too little work per row for the
+// hardware's own prefetcher to keep up. (A prefetch never faults, past the end included.)
+constexpr int64_t kPrefetch = ARLM_PREFETCH;
+
 // out[h] = inv[h] * sum_t s[h * n + t] V[t] for HB heads at once, V rows of C * 16 values: each V
 // row is loaded (a quantized row dequantized in registers: KV<T>::chunk16) once for all HB heads; every head's
 // sum is in registers, in slot order.
@@ -326,6 +335,8 @@ inline void weighted_heads(const float* s, int64_t n, Spans spans, const float* 
   spans([&](const TK*, const TV* v, int64_t len) {
     for (int64_t j = 0; j < len; ++j, ++t) {
       const TV* row = v + j * stride;
+      _mm_prefetch(reinterpret_cast<const char*>(row) + kPrefetch, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(row) + kPrefetch + 64, _MM_HINT_T0);
       for (int c = 0; c < C; ++c) {
         const __m512 vc = KV<TV>::chunk16(row, hd, c);
         for (int h = 0; h < HB; ++h) acc[h][c] = _mm512_fmadd_ps(_mm512_set1_ps(s[h * n + t]), vc, acc[h][c]);
@@ -405,9 +416,112 @@ inline void quantized_scores(const float* q, int64_t G, int64_t hd, int64_t n, f
   };
   spans([&](const TK* k, const TV*, int64_t len) {
     for (int64_t j = 0; j < len; ++j) {
+      _mm_prefetch(reinterpret_cast<const char*>(k + j * stride) + kPrefetch, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(k + j * stride) + kPrefetch + 64, _MM_HINT_T0);
       for (int64_t c = 0; c < C; ++c) _mm512_store_ps(kb + held * hd + 16 * c, KV<TK>::chunk16(k + j * stride, hd, c));
       ++t;
       if (++held == 4) flush();
+    }
+  });
+  if (held) flush();
+}
+#endif
+
+// --kv-dtype int8's queries, as llama.cpp's dot products read its q8_0 cache: each head's values
+// quantized to int8 per group of 32 (code = round(x * 127 / amax), clamped to +-127; scale
+// amax / 127), so q . k is per group an exact sum of integer products times the two scales.
+// kv_cache.py's quantize_query mirrors it. q8: G * hd codes, d: G * hd / 32 scales, sum: each
+// group's codes summed.
+inline void quantize_query(const float* q, int64_t G, int64_t hd, int8_t* q8, float* d, int32_t* sum) {
+  for (int64_t g = 0; g < G * hd / 32; ++g) {
+    const float* x = q + 32 * g;
+    float amax = 0.f;
+    for (int e = 0; e < 32; ++e) amax = std::max(amax, std::fabs(x[e]));
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    d[g] = amax / 127.f;
+    int32_t total = 0;
+    for (int e = 0; e < 32; ++e) {
+      const int c = static_cast<int>(std::min(127.f, std::max(-127.f, std::nearbyint(x[e] * inv))));
+      q8[32 * g + e] = static_cast<int8_t>(c);
+      total += c;
+    }
+    sum[g] = total;
+  }
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+// The int32 sums of lanes 0-7 (lo) and of lanes 8-15 (hi) of 16 vectors a[r], row r's in lane r:
+// pairs of lanes, then pairs of pairs, then 128-bit lanes. Integer adds: exact in any order.
+inline void reduce16_halves(const __m512i* a, __m512i& lo, __m512i& hi) {
+  __m512i b[8], c[4];
+  for (int i = 0; i < 8; ++i)
+    b[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(a[2 * i], a[2 * i + 1]),
+                            _mm512_unpackhi_epi32(a[2 * i], a[2 * i + 1]));
+  for (int j = 0; j < 4; ++j)  // 128-bit lane k of c[j]: rows 4j .. 4j + 3, each its lanes 4k .. 4k + 3
+    c[j] = _mm512_add_epi32(_mm512_unpacklo_epi64(b[2 * j], b[2 * j + 1]),
+                            _mm512_unpackhi_epi64(b[2 * j], b[2 * j + 1]));
+  // lanes 0-7 are 128-bit lanes 0 and 1; 8-15 are 2 and 3
+  const __m512i e01 = _mm512_add_epi32(_mm512_shuffle_i32x4(c[0], c[1], 0x88), _mm512_shuffle_i32x4(c[0], c[1], 0xDD));
+  const __m512i e23 = _mm512_add_epi32(_mm512_shuffle_i32x4(c[2], c[3], 0x88), _mm512_shuffle_i32x4(c[2], c[3], 0xDD));
+  lo = _mm512_shuffle_i32x4(e01, e23, 0x88);
+  hi = _mm512_shuffle_i32x4(e01, e23, 0xDD);
+}
+
+// An int8 key cache's scores by integer dot products (VNNI), s[h * n + t] = (q_h . K_t) * scale
+// with q_h quantized (quantize_query: codes q8, scales qd, code sums qsum): sixteen keys at a
+// time, each 64-byte piece of a key (codes + 128, unsigned) times the query's codes by vpdpbusd,
+// the 16 keys' lanes summed per group of 32 (reduce16_halves), the +128 taken back exactly
+// (128 * the query group's code sum), then per group in order acc += S_g * (qd_g * kd_g). A key's
+// score depends on its own row alone. hd a multiple of 64, at most 512. Slots t < n_sink are
+// scored with the sink query's codes (q8s, qds, qsums) instead (attend_group).
+template <typename Spans>
+inline void q8_scores(const int8_t* q8, const float* qd, const int32_t* qsum, int64_t G, int64_t hd, int64_t n,
+                      float scale, Spans spans, float* s, const int8_t* q8s = nullptr, const float* qds = nullptr,
+                      const int32_t* qsums = nullptr, int64_t n_sink = 0) {
+  alignas(64) uint8_t kb[16 * 512] = {};  // 16 keys' codes + 128
+  alignas(64) uint16_t kd[16 * 16] = {};  // [group][key]: the keys' scales (float16 bits)
+  const int64_t stride = KV<Q8>::stride(hd), C = hd / 64, NG = hd / 32;
+  const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
+  int64_t t = 0, held = 0;
+  auto flush = [&] {
+    const int64_t t0 = t - held;
+    auto score = [&](const int8_t* qh, const float* dh, const int32_t* sh) {
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t c = 0; c < C; ++c) {
+        const __m512i qv = _mm512_loadu_si512(qh + 64 * c);
+        __m512i a[16];
+        for (int r = 0; r < 16; ++r)
+          a[r] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_load_si512(kb + r * hd + 64 * c), qv);
+        __m512i sums[2];
+        reduce16_halves(a, sums[0], sums[1]);
+        for (int half = 0; half < 2; ++half) {
+          const int64_t g = 2 * c + half;
+          const __m512i S = _mm512_sub_epi32(sums[half], _mm512_set1_epi32(128 * sh[g]));
+          const __m512 w = _mm512_mul_ps(_mm512_set1_ps(dh[g]),
+                                         _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(kd + 16 * g))));
+          acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(S), w, acc);
+        }
+      }
+      return _mm512_mul_ps(acc, _mm512_set1_ps(scale));
+    };
+    for (int64_t h = 0; h < G; ++h) {
+      __m512 v = score(q8 + h * hd, qd + h * NG, qsum + h * NG);
+      if (t0 < n_sink)  // keys before n_sink: the sink query's scores
+        v = _mm512_mask_blend_ps(tail_mask(n_sink - t0), v, score(q8s + h * hd, qds + h * NG, qsums + h * NG));
+      _mm512_mask_storeu_ps(s + h * n + t0, tail_mask(held), v);
+    }
+    held = 0;
+  };
+  spans([&](const Q8* k, const auto*, int64_t len) {
+    for (int64_t j = 0; j < len; ++j) {
+      const auto* row = reinterpret_cast<const uint8_t*>(k + j * stride);
+      _mm_prefetch(reinterpret_cast<const char*>(row) + kPrefetch, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(row) + kPrefetch + 64, _MM_HINT_T0);
+      for (int64_t c = 0; c < C; ++c)
+        _mm512_store_si512(kb + held * hd + 64 * c, _mm512_xor_si512(_mm512_loadu_si512(row + 64 * c), bias));
+      for (int64_t g = 0; g < NG; ++g) std::memcpy(kd + 16 * g + held, row + hd + 2 * g, 2);
+      ++t;
+      if (++held == 16) flush();
     }
   });
   if (held) flush();
@@ -454,18 +568,47 @@ inline void attend_group(const float* q, int64_t G, int64_t hd, int64_t n, float
   }
   const int64_t stride = KV<TK>::stride(hd);
   int64_t t = 0;
-#if defined(__AVX512F__)
-  if (KV<TK>::quantized && hd % 16 == 0 && hd <= 512) {
-    quantized_scores<TK, TV>(q, G, hd, n, scale, spans, s, q_sink, n_sink);
-  } else
-#endif
-  spans([&](const TK* k, const TV*, int64_t len) {
-    for (int64_t j = 0; j < len; ++j, ++t) {
-      const auto* row = KV<TK>::view(k + j * stride, hd, buf);
-      const float* qt = t < n_sink ? q_sink : q;
-      for (int64_t h = 0; h < G; ++h) s[h * n + t] = dot(qt + h * hd, row, hd) * scale;
+  bool scored = false;
+  if constexpr (std::is_same_v<TK, Q8>) {  // int8 keys: the queries quantized too (quantize_query)
+    thread_local std::vector<int8_t> codes;
+    thread_local std::vector<float> qd;
+    thread_local std::vector<int32_t> qsum;
+    const int64_t NG = G * hd / 32;
+    if (codes.size() < static_cast<size_t>(2 * G * hd)) codes.resize(2 * G * hd), qd.resize(2 * NG), qsum.resize(2 * NG);
+    quantize_query(q, G, hd, codes.data(), qd.data(), qsum.data());
+    if (n_sink) quantize_query(q_sink, G, hd, codes.data() + G * hd, qd.data() + NG, qsum.data() + NG);
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+    if (hd % 64 == 0 && hd <= 512) {
+      q8_scores(codes.data(), qd.data(), qsum.data(), G, hd, n, scale, spans, s, codes.data() + G * hd,
+                qd.data() + NG, qsum.data() + NG, n_sink);
+      scored = true;
     }
-  });
+#endif
+    if (!scored) {  // the float path below, on the quantized queries' values
+      for (int64_t i = 0; i < (n_sink ? 2 : 1) * G * hd; ++i)
+        buf[hd + i] = static_cast<float>(codes[i]) * qd[i / 32];
+      q = buf + hd;
+      if (n_sink) q_sink = buf + (G + 1) * hd;
+    }
+  }
+  if (!scored) {
+#if defined(__AVX512F__)
+    if (KV<TK>::quantized && hd % 16 == 0 && hd <= 512) {
+      quantized_scores<TK, TV>(q, G, hd, n, scale, spans, s, q_sink, n_sink);
+    } else
+#endif
+    spans([&](const TK* k, const TV*, int64_t len) {
+      for (int64_t j = 0; j < len; ++j, ++t) {
+#if defined(__AVX512F__)
+        _mm_prefetch(reinterpret_cast<const char*>(k + j * stride) + kPrefetch, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(k + j * stride) + kPrefetch + 64, _MM_HINT_T0);
+#endif
+        const auto* row = KV<TK>::view(k + j * stride, hd, buf);
+        const float* qt = t < n_sink ? q_sink : q;
+        for (int64_t h = 0; h < G; ++h) s[h * n + t] = dot(qt + h * hd, row, hd) * scale;
+      }
+    });
+  }
   float* inv = s + G * n;
   for (int64_t h = 0; h < G; ++h) {
     if (!stats) {
