@@ -339,9 +339,14 @@ class KVCache:
         return k.to(dtype), v.to(dtype)
 
     def query(self, q: torch.Tensor) -> torch.Tensor:
-        """Query heads [..., d_head] as attention over this cache reads them: an int8 cache's
-        quantized (`quantize_query`, the kernels' integer scores), any other's as they are."""
-        return quantize_query(q) if self.kv_dtype == "int8" else q
+        """Query heads [..., d_head] as attention over this cache reads them: a quantized cache's
+        quantized too (`quantize_query`, the kernels' integer scores; int4's in the rotated space
+        its keys are stored in, then rotated back), a float cache's as they are."""
+        if self.kv_dtype == "int8":
+            return quantize_query(q)
+        if self.kv_dtype == "int4":
+            return hadamard(quantize_query(hadamard(q.float()))).to(q.dtype)
+        return q
 
     def update(self, layer: int, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:

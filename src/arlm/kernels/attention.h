@@ -223,7 +223,7 @@ struct KV<QR<B, G>> {
     }
   }
 #if defined(__AVX512F__)
-  static __m512 chunk16(const QR<B, G>* row, int64_t hd, int64_t c) {
+  __attribute__((always_inline)) static __m512 chunk16(const QR<B, G>* row, int64_t hd, int64_t c) {
 #if !(defined(__AVX512BW__) && defined(__AVX512VL__))
     alignas(64) float buf[512];
     return _mm512_loadu_ps(view(row, hd, buf) + 16 * c);
@@ -435,6 +435,24 @@ inline void quantized_scores(const float* q, int64_t G, int64_t hd, int64_t n, f
 inline void quantize_query(const float* q, int64_t G, int64_t hd, int8_t* q8, float* d, int32_t* sum) {
   for (int64_t g = 0; g < G * hd / 32; ++g) {
     const float* x = q + 32 * g;
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+    {  // the same operations on 16 lanes (max is exact in any order; round to nearest even)
+      const __m512 x0 = _mm512_loadu_ps(x), x1 = _mm512_loadu_ps(x + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+      const float inv = amax > 0.f ? 127.f / amax : 0.f;
+      d[g] = amax / 127.f;
+      const __m512 lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f), vi = _mm512_set1_ps(inv);
+      auto codes = [&](__m512 v) {
+        const __m512 r = _mm512_roundscale_ps(_mm512_mul_ps(v, vi), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        return _mm512_cvtps_epi32(_mm512_min_ps(hi, _mm512_max_ps(lo, r)));
+      };
+      const __m512i c0 = codes(x0), c1 = codes(x1);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q8 + 32 * g), _mm512_cvtepi32_epi8(c0));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q8 + 32 * g + 16), _mm512_cvtepi32_epi8(c1));
+      sum[g] = _mm512_reduce_add_epi32(_mm512_add_epi32(c0, c1));
+      continue;
+    }
+#endif
     float amax = 0.f;
     for (int e = 0; e < 32; ++e) amax = std::max(amax, std::fabs(x[e]));
     const float inv = amax > 0.f ? 127.f / amax : 0.f;
@@ -449,10 +467,60 @@ inline void quantize_query(const float* q, int64_t G, int64_t hd, int8_t* q8, fl
   }
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-// The int32 sums of lanes 0-7 (lo) and of lanes 8-15 (hi) of 16 vectors a[r], row r's in lane r:
-// pairs of lanes, then pairs of pairs, then 128-bit lanes. Integer adds: exact in any order.
-inline void reduce16_halves(const __m512i* a, __m512i& lo, __m512i& hi) {
+// How the integer scores below read a quantized key format (IntKeys<T>::integer: they can).
+template <typename T>
+struct IntKeys {
+  static constexpr bool integer = false;
+};
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__BMI2__)
+#define ARLM_INT_SCORES 1
+// int8 keys: each 64-byte piece of codes + 128 (vpdpbusd takes unsigned bytes), in element
+// order; a float16 scale per group of 32.
+template <>
+struct IntKeys<Q8> {
+  static constexpr bool integer = true, interleaved = false, has_min = false;
+  static constexpr int32_t bias = 128;
+  static void stage(const uint8_t* row, int64_t hd, uint8_t* codes, uint16_t* d, uint16_t*, int64_t slot) {
+    for (int64_t c = 0; c < hd / 64; ++c)
+      _mm512_store_si512(codes + 64 * c, _mm512_xor_si512(_mm512_loadu_si512(row + 64 * c),
+                                                         _mm512_set1_epi8(static_cast<char>(0x80))));
+    for (int64_t g = 0; g < hd / 32; ++g) std::memcpy(d + 16 * g + slot, row + hd + 2 * g, 2);
+  }
+};
+// int4's 5-bit keys (rotated: the query is too): each piece of 64 codes as stored, the low
+// nibbles (even elements) first and then the high ones (odd elements), the fifth bits put in by a
+// mask (pext splits the row's bits into evens and odds); a float16 scale and minimum per group.
+template <>
+struct IntKeys<Q4K> {
+  static constexpr bool integer = true, interleaved = true, has_min = true;
+  static constexpr int32_t bias = 0;
+  static void stage(const uint8_t* row, int64_t hd, uint8_t* codes, uint16_t* d, uint16_t* m, int64_t slot) {
+    const uint8_t *high = row + hd / 2, *params = high + hd / 8;
+    const __m256i nib = _mm256_set1_epi8(0x0F);
+    for (int64_t c = 0; c < hd / 64; ++c) {
+      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32 * c));
+      __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(b, nib)),
+                                     _mm256_and_si256(_mm256_srli_epi16(b, 4), nib), 1);
+      uint64_t bits;
+      std::memcpy(&bits, high + 8 * c, 8);
+      const uint64_t fifth = _pext_u64(bits, 0x5555555555555555ull) | _pext_u64(bits, 0xAAAAAAAAAAAAAAAAull) << 32;
+      v = _mm512_or_si512(v, _mm512_maskz_set1_epi8(fifth, 0x10));
+      _mm512_store_si512(codes + 64 * c, v);
+    }
+    for (int64_t g = 0; g < hd / 32; ++g) {
+      std::memcpy(d + 16 * g + slot, params + 4 * g, 2);
+      std::memcpy(m + 16 * g + slot, params + 4 * g + 2, 2);
+    }
+  }
+};
+
+// The int32 sums of each vector's two groups of 32 bytes (lo, hi), 16 vectors a[r] of vpdpbusd
+// lanes, row r's in lane r: pairs of lanes, then pairs of pairs (each 128-bit lane's sum), then
+// the 128-bit lanes of a group: 0 and 1 (lo), 2 and 3 (hi); interleaved, 0 and 2 (lo), 1 and 3.
+// Integer adds: exact in any order.
+template <bool interleaved>
+inline void reduce16_groups(const __m512i* a, __m512i& lo, __m512i& hi) {
   __m512i b[8], c[4];
   for (int i = 0; i < 8; ++i)
     b[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(a[2 * i], a[2 * i + 1]),
@@ -460,28 +528,29 @@ inline void reduce16_halves(const __m512i* a, __m512i& lo, __m512i& hi) {
   for (int j = 0; j < 4; ++j)  // 128-bit lane k of c[j]: rows 4j .. 4j + 3, each its lanes 4k .. 4k + 3
     c[j] = _mm512_add_epi32(_mm512_unpacklo_epi64(b[2 * j], b[2 * j + 1]),
                             _mm512_unpackhi_epi64(b[2 * j], b[2 * j + 1]));
-  // lanes 0-7 are 128-bit lanes 0 and 1; 8-15 are 2 and 3
-  const __m512i e01 = _mm512_add_epi32(_mm512_shuffle_i32x4(c[0], c[1], 0x88), _mm512_shuffle_i32x4(c[0], c[1], 0xDD));
-  const __m512i e23 = _mm512_add_epi32(_mm512_shuffle_i32x4(c[2], c[3], 0x88), _mm512_shuffle_i32x4(c[2], c[3], 0xDD));
+  constexpr int x = interleaved ? 0x44 : 0x88, y = interleaved ? 0xEE : 0xDD;
+  const __m512i e01 = _mm512_add_epi32(_mm512_shuffle_i32x4(c[0], c[1], x), _mm512_shuffle_i32x4(c[0], c[1], y));
+  const __m512i e23 = _mm512_add_epi32(_mm512_shuffle_i32x4(c[2], c[3], x), _mm512_shuffle_i32x4(c[2], c[3], y));
   lo = _mm512_shuffle_i32x4(e01, e23, 0x88);
   hi = _mm512_shuffle_i32x4(e01, e23, 0xDD);
 }
 
-// An int8 key cache's scores by integer dot products (VNNI), s[h * n + t] = (q_h . K_t) * scale
-// with q_h quantized (quantize_query: codes q8, scales qd, code sums qsum): sixteen keys at a
-// time, each 64-byte piece of a key (codes + 128, unsigned) times the query's codes by vpdpbusd,
-// the 16 keys' lanes summed per group of 32 (reduce16_halves), the +128 taken back exactly
-// (128 * the query group's code sum), then per group in order acc += S_g * (qd_g * kd_g). A key's
-// score depends on its own row alone. hd a multiple of 64, at most 512. Slots t < n_sink are
-// scored with the sink query's codes (q8s, qds, qsums) instead (attend_group).
-template <typename Spans>
-inline void q8_scores(const int8_t* q8, const float* qd, const int32_t* qsum, int64_t G, int64_t hd, int64_t n,
-                      float scale, Spans spans, float* s, const int8_t* q8s = nullptr, const float* qds = nullptr,
-                      const int32_t* qsums = nullptr, int64_t n_sink = 0) {
-  alignas(64) uint8_t kb[16 * 512] = {};  // 16 keys' codes + 128
-  alignas(64) uint16_t kd[16 * 16] = {};  // [group][key]: the keys' scales (float16 bits)
-  const int64_t stride = KV<Q8>::stride(hd), C = hd / 64, NG = hd / 32;
-  const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
+// A quantized key cache's scores by integer dot products (VNNI), s[h * n + t] = (q_h . K_t) *
+// scale, q_h quantized (quantize_query: codes q8 in the key's piece order, scales qd, code sums
+// qsum): sixteen keys at a time (IntKeys<TK>::stage), each 64-byte piece times the query's codes
+// by vpdpbusd, the keys' lanes summed per group of 32 (reduce16_groups), then per group in order
+//   int8:  acc += (S_g - 128 qsum_g) * (qd_g * kd_g)      (the +128 of the codes taken back)
+//   int4:  acc += qd_g * (S_g * kd_g + km_g * qsum_g)     (value = code * kd + km)
+// A key's score depends on its own row alone. hd a multiple of 64, at most 512. Slots t < n_sink
+// are scored with the sink query's codes (q8s, qds, qsums) instead (attend_group).
+template <typename TK, typename Spans>
+inline void integer_scores(const int8_t* q8, const float* qd, const int32_t* qsum, int64_t G, int64_t hd,
+                           int64_t n, float scale, Spans spans, float* s, const int8_t* q8s = nullptr,
+                           const float* qds = nullptr, const int32_t* qsums = nullptr, int64_t n_sink = 0) {
+  using K = IntKeys<TK>;
+  alignas(64) uint8_t kb[16 * 512] = {};  // 16 keys' codes
+  alignas(64) uint16_t kd[16 * 16] = {}, km[16 * 16] = {};  // [group][key]: scales, minimums (float16)
+  const int64_t stride = KV<TK>::stride(hd), C = hd / 64, NG = hd / 32;
   int64_t t = 0, held = 0;
   auto flush = [&] {
     const int64_t t0 = t - held;
@@ -493,13 +562,19 @@ inline void q8_scores(const int8_t* q8, const float* qd, const int32_t* qsum, in
         for (int r = 0; r < 16; ++r)
           a[r] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_load_si512(kb + r * hd + 64 * c), qv);
         __m512i sums[2];
-        reduce16_halves(a, sums[0], sums[1]);
+        reduce16_groups<K::interleaved>(a, sums[0], sums[1]);
         for (int half = 0; half < 2; ++half) {
           const int64_t g = 2 * c + half;
-          const __m512i S = _mm512_sub_epi32(sums[half], _mm512_set1_epi32(128 * sh[g]));
-          const __m512 w = _mm512_mul_ps(_mm512_set1_ps(dh[g]),
-                                         _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(kd + 16 * g))));
-          acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(S), w, acc);
+          const __m512 d = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(kd + 16 * g)));
+          if constexpr (K::has_min) {
+            const __m512 m = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(km + 16 * g)));
+            const __m512 dot = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[half]), d,
+                                               _mm512_mul_ps(m, _mm512_set1_ps(static_cast<float>(sh[g]))));
+            acc = _mm512_fmadd_ps(dot, _mm512_set1_ps(dh[g]), acc);
+          } else {
+            const __m512i S = _mm512_sub_epi32(sums[half], _mm512_set1_epi32(K::bias * sh[g]));
+            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(S), _mm512_mul_ps(_mm512_set1_ps(dh[g]), d), acc);
+          }
         }
       }
       return _mm512_mul_ps(acc, _mm512_set1_ps(scale));
@@ -512,14 +587,12 @@ inline void q8_scores(const int8_t* q8, const float* qd, const int32_t* qsum, in
     }
     held = 0;
   };
-  spans([&](const Q8* k, const auto*, int64_t len) {
+  spans([&](const TK* k, const auto*, int64_t len) {
     for (int64_t j = 0; j < len; ++j) {
       const auto* row = reinterpret_cast<const uint8_t*>(k + j * stride);
       _mm_prefetch(reinterpret_cast<const char*>(row) + kPrefetch, _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(row) + kPrefetch + 64, _MM_HINT_T0);
-      for (int64_t c = 0; c < C; ++c)
-        _mm512_store_si512(kb + held * hd + 64 * c, _mm512_xor_si512(_mm512_loadu_si512(row + 64 * c), bias));
-      for (int64_t g = 0; g < NG; ++g) std::memcpy(kd + 16 * g + held, row + hd + 2 * g, 2);
+      K::stage(row, hd, kb + held * hd, kd, km, held);
       ++t;
       if (++held == 16) flush();
     }
@@ -527,6 +600,21 @@ inline void q8_scores(const int8_t* q8, const float* qd, const int32_t* qsum, in
   if (held) flush();
 }
 #endif
+
+// The query codes in the order IntKeys<TK> stages a key's (interleaved: each piece of 64, its
+// even elements first, then its odd ones), in place.
+template <typename TK>
+inline void order_query_codes(int8_t* q8, int64_t n) {
+#if defined(ARLM_INT_SCORES)
+  if constexpr (IntKeys<TK>::integer && IntKeys<TK>::interleaved) {
+    int8_t piece[64];
+    for (int64_t c = 0; c < n; c += 64) {
+      for (int p = 0; p < 32; ++p) piece[p] = q8[c + 2 * p], piece[32 + p] = q8[c + 2 * p + 1];
+      std::memcpy(q8 + c, piece, 64);
+    }
+  }
+#endif
+}
 
 // Back from a rotated V cache's space (see the top): out <- H out for each of the G heads. Call
 // it on the final output (after combine_chunks where a row was split).
@@ -569,7 +657,7 @@ inline void attend_group(const float* q, int64_t G, int64_t hd, int64_t n, float
   const int64_t stride = KV<TK>::stride(hd);
   int64_t t = 0;
   bool scored = false;
-  if constexpr (std::is_same_v<TK, Q8>) {  // int8 keys: the queries quantized too (quantize_query)
+  if constexpr (KV<TK>::quantized) {  // quantized keys: the queries quantized too (quantize_query)
     thread_local std::vector<int8_t> codes;
     thread_local std::vector<float> qd;
     thread_local std::vector<int32_t> qsum;
@@ -577,10 +665,11 @@ inline void attend_group(const float* q, int64_t G, int64_t hd, int64_t n, float
     if (codes.size() < static_cast<size_t>(2 * G * hd)) codes.resize(2 * G * hd), qd.resize(2 * NG), qsum.resize(2 * NG);
     quantize_query(q, G, hd, codes.data(), qd.data(), qsum.data());
     if (n_sink) quantize_query(q_sink, G, hd, codes.data() + G * hd, qd.data() + NG, qsum.data() + NG);
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-    if (hd % 64 == 0 && hd <= 512) {
-      q8_scores(codes.data(), qd.data(), qsum.data(), G, hd, n, scale, spans, s, codes.data() + G * hd,
-                qd.data() + NG, qsum.data() + NG, n_sink);
+#if defined(ARLM_INT_SCORES)
+    if (IntKeys<TK>::integer && hd % 64 == 0 && hd <= 512) {
+      order_query_codes<TK>(codes.data(), (n_sink ? 2 : 1) * G * hd);
+      integer_scores<TK>(codes.data(), qd.data(), qsum.data(), G, hd, n, scale, spans, s, codes.data() + G * hd,
+                         qd.data() + NG, qsum.data() + NG, n_sink);
       scored = true;
     }
 #endif
