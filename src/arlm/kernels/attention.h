@@ -475,27 +475,40 @@ struct IntKeys {
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__BMI2__)
 #define ARLM_INT_SCORES 1
-// int8 keys: each 64-byte piece of codes + 128 (vpdpbusd takes unsigned bytes), in element
-// order; a float16 scale per group of 32.
+// Sixteen keys' codes as integer_scores multiplies them: 16-byte chunks, so that one vpdpbusd
+// takes the same chunk of four keys against the query's chunk broadcast to the four 128-bit
+// lanes. Chunk j (0..3) of piece c (64 codes) of key 4m + k goes to 128-bit lane m of vector
+// (c, j, k): then lane m of a vector's sums is key 4m + k's, and reduce_quartets puts the keys in
+// order. (Sixteen keys side by side in the 32-bit lanes would take a 16 x 16 transpose: 64
+// shuffles; one key per vector takes 30 per head to reduce.)
+inline void stage_chunk(uint8_t* kb, int64_t c, int j, int64_t slot, __m128i chunk) {
+  _mm_store_si128(reinterpret_cast<__m128i*>(kb + 1024 * c + 256 * j + 64 * (slot % 4) + 16 * (slot / 4)), chunk);
+}
+
+// int8 keys: codes + 128 (vpdpbusd takes unsigned bytes), in element order (a group of 32 is
+// chunks 0, 1 or 2, 3 of its piece); a float16 scale per group of 32.
 template <>
 struct IntKeys<Q8> {
   static constexpr bool integer = true, interleaved = false, has_min = false;
   static constexpr int32_t bias = 128;
-  static void stage(const uint8_t* row, int64_t hd, uint8_t* codes, uint16_t* d, uint16_t*, int64_t slot) {
+  static void stage(const uint8_t* row, int64_t hd, uint8_t* kb, uint16_t* d, uint16_t*, int64_t slot) {
+    const __m128i flip = _mm_set1_epi8(static_cast<char>(0x80));
     for (int64_t c = 0; c < hd / 64; ++c)
-      _mm512_store_si512(codes + 64 * c, _mm512_xor_si512(_mm512_loadu_si512(row + 64 * c),
-                                                         _mm512_set1_epi8(static_cast<char>(0x80))));
+      for (int j = 0; j < 4; ++j)
+        stage_chunk(kb, c, j, slot, _mm_xor_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 64 * c + 16 * j)),
+                                                  flip));
     for (int64_t g = 0; g < hd / 32; ++g) std::memcpy(d + 16 * g + slot, row + hd + 2 * g, 2);
   }
 };
 // int4's 5-bit keys (rotated: the query is too): each piece of 64 codes as stored, the low
-// nibbles (even elements) first and then the high ones (odd elements), the fifth bits put in by a
-// mask (pext splits the row's bits into evens and odds); a float16 scale and minimum per group.
+// nibbles (even elements) first and then the high ones (odd elements), so a group of 32 is chunks
+// 0, 2 or 1, 3 of its piece; the fifth bits put in by a mask (pext splits the row's bits into
+// evens and odds); a float16 scale and minimum per group.
 template <>
 struct IntKeys<Q4K> {
   static constexpr bool integer = true, interleaved = true, has_min = true;
   static constexpr int32_t bias = 0;
-  static void stage(const uint8_t* row, int64_t hd, uint8_t* codes, uint16_t* d, uint16_t* m, int64_t slot) {
+  static void stage(const uint8_t* row, int64_t hd, uint8_t* kb, uint16_t* d, uint16_t* m, int64_t slot) {
     const uint8_t *high = row + hd / 2, *params = high + hd / 8;
     const __m256i nib = _mm256_set1_epi8(0x0F);
     for (int64_t c = 0; c < hd / 64; ++c) {
@@ -506,7 +519,10 @@ struct IntKeys<Q4K> {
       std::memcpy(&bits, high + 8 * c, 8);
       const uint64_t fifth = _pext_u64(bits, 0x5555555555555555ull) | _pext_u64(bits, 0xAAAAAAAAAAAAAAAAull) << 32;
       v = _mm512_or_si512(v, _mm512_maskz_set1_epi8(fifth, 0x10));
-      _mm512_store_si512(codes + 64 * c, v);
+      stage_chunk(kb, c, 0, slot, _mm512_castsi512_si128(v));
+      stage_chunk(kb, c, 1, slot, _mm512_extracti32x4_epi32(v, 1));
+      stage_chunk(kb, c, 2, slot, _mm512_extracti32x4_epi32(v, 2));
+      stage_chunk(kb, c, 3, slot, _mm512_extracti32x4_epi32(v, 3));
     }
     for (int64_t g = 0; g < hd / 32; ++g) {
       std::memcpy(d + 16 * g + slot, params + 4 * g, 2);
@@ -515,30 +531,20 @@ struct IntKeys<Q4K> {
   }
 };
 
-// The int32 sums of each vector's two groups of 32 bytes (lo, hi), 16 vectors a[r] of vpdpbusd
-// lanes, row r's in lane r: pairs of lanes, then pairs of pairs (each 128-bit lane's sum), then
-// the 128-bit lanes of a group: 0 and 1 (lo), 2 and 3 (hi); interleaved, 0 and 2 (lo), 1 and 3.
-// Integer adds: exact in any order.
-template <bool interleaved>
-inline void reduce16_groups(const __m512i* a, __m512i& lo, __m512i& hi) {
-  __m512i b[8], c[4];
-  for (int i = 0; i < 8; ++i)
-    b[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(a[2 * i], a[2 * i + 1]),
-                            _mm512_unpackhi_epi32(a[2 * i], a[2 * i + 1]));
-  for (int j = 0; j < 4; ++j)  // 128-bit lane k of c[j]: rows 4j .. 4j + 3, each its lanes 4k .. 4k + 3
-    c[j] = _mm512_add_epi32(_mm512_unpacklo_epi64(b[2 * j], b[2 * j + 1]),
-                            _mm512_unpackhi_epi64(b[2 * j], b[2 * j + 1]));
-  constexpr int x = interleaved ? 0x44 : 0x88, y = interleaved ? 0xEE : 0xDD;
-  const __m512i e01 = _mm512_add_epi32(_mm512_shuffle_i32x4(c[0], c[1], x), _mm512_shuffle_i32x4(c[0], c[1], y));
-  const __m512i e23 = _mm512_add_epi32(_mm512_shuffle_i32x4(c[2], c[3], x), _mm512_shuffle_i32x4(c[2], c[3], y));
-  lo = _mm512_shuffle_i32x4(e01, e23, 0x88);
-  hi = _mm512_shuffle_i32x4(e01, e23, 0xDD);
+// Sixteen keys' int32 sums from the four vectors of one group (a[k]: lane m's four partial sums
+// are key 4m + k's, stage_chunk), in key order: pairs of partials, then pairs of pairs. Integer
+// adds: exact in any order.
+inline __m512i reduce_quartets(const __m512i* a) {
+  const __m512i b01 = _mm512_add_epi32(_mm512_unpacklo_epi32(a[0], a[1]), _mm512_unpackhi_epi32(a[0], a[1]));
+  const __m512i b23 = _mm512_add_epi32(_mm512_unpacklo_epi32(a[2], a[3]), _mm512_unpackhi_epi32(a[2], a[3]));
+  return _mm512_add_epi32(_mm512_unpacklo_epi64(b01, b23), _mm512_unpackhi_epi64(b01, b23));
 }
 
 // A quantized key cache's scores by integer dot products (VNNI), s[h * n + t] = (q_h . K_t) *
 // scale, q_h quantized (quantize_query: codes q8 in the key's piece order, scales qd, code sums
-// qsum): sixteen keys at a time (IntKeys<TK>::stage), each 64-byte piece times the query's codes
-// by vpdpbusd, the keys' lanes summed per group of 32 (reduce16_groups), then per group in order
+// qsum): sixteen keys at a time (IntKeys<TK>::stage, stage_chunk), each chunk of four keys times
+// the query's chunk by vpdpbusd, the sums per group of 32 (reduce_quartets), then per group in
+// order
 //   int8:  acc += (S_g - 128 qsum_g) * (qd_g * kd_g)      (the +128 of the codes taken back)
 //   int4:  acc += qd_g * (S_g * kd_g + km_g * qsum_g)     (value = code * kd + km)
 // A key's score depends on its own row alone. hd a multiple of 64, at most 512. Slots t < n_sink
@@ -548,8 +554,10 @@ inline void integer_scores(const int8_t* q8, const float* qd, const int32_t* qsu
                            int64_t n, float scale, Spans spans, float* s, const int8_t* q8s = nullptr,
                            const float* qds = nullptr, const int32_t* qsums = nullptr, int64_t n_sink = 0) {
   using K = IntKeys<TK>;
-  alignas(64) uint8_t kb[16 * 512] = {};  // 16 keys' codes
-  alignas(64) uint16_t kd[16 * 16] = {}, km[16 * 16] = {};  // [group][key]: scales, minimums (float16)
+  // 16 keys' codes (stage_chunk; slots past a last, partial batch hold anything: their lanes are
+  // never stored), and their float16 scales and minimums [group][key]
+  alignas(64) uint8_t kb[16 * 512];
+  alignas(64) uint16_t kd[16 * 16] = {}, km[16 * 16] = {};
   const int64_t stride = KV<TK>::stride(hd), C = hd / 64, NG = hd / 32;
   int64_t t = 0, held = 0;
   auto flush = [&] {
@@ -557,12 +565,20 @@ inline void integer_scores(const int8_t* q8, const float* qd, const int32_t* qsu
     auto score = [&](const int8_t* qh, const float* dh, const int32_t* sh) {
       __m512 acc = _mm512_setzero_ps();
       for (int64_t c = 0; c < C; ++c) {
-        const __m512i qv = _mm512_loadu_si512(qh + 64 * c);
-        __m512i a[16];
-        for (int r = 0; r < 16; ++r)
-          a[r] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_load_si512(kb + r * hd + 64 * c), qv);
+        __m512i qv[4];
+        for (int j = 0; j < 4; ++j)
+          qv[j] = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qh + 64 * c + 16 * j)));
+        const uint8_t* kc = kb + 1024 * c;
         __m512i sums[2];
-        reduce16_groups<K::interleaved>(a, sums[0], sums[1]);
+        for (int half = 0; half < 2; ++half) {  // group 2c + half: chunks j0, j1 of the piece
+          const int j0 = K::interleaved ? half : 2 * half, j1 = j0 + (K::interleaved ? 2 : 1);
+          __m512i a[4];
+          for (int k = 0; k < 4; ++k) {
+            a[k] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_load_si512(kc + 256 * j0 + 64 * k), qv[j0]);
+            a[k] = _mm512_dpbusd_epi32(a[k], _mm512_load_si512(kc + 256 * j1 + 64 * k), qv[j1]);
+          }
+          sums[half] = reduce_quartets(a);
+        }
         for (int half = 0; half < 2; ++half) {
           const int64_t g = 2 * c + half;
           const __m512 d = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(kd + 16 * g)));
@@ -592,7 +608,7 @@ inline void integer_scores(const int8_t* q8, const float* qd, const int32_t* qsu
       const auto* row = reinterpret_cast<const uint8_t*>(k + j * stride);
       _mm_prefetch(reinterpret_cast<const char*>(row) + kPrefetch, _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(row) + kPrefetch + 64, _MM_HINT_T0);
-      K::stage(row, hd, kb + held * hd, kd, km, held);
+      K::stage(row, hd, kb, kd, km, held);
       ++t;
       if (++held == 16) flush();
     }
