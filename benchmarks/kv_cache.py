@@ -2,7 +2,8 @@
 
     LLAMA_CPP_LIB_PATH=$PWD/build/llama.cpp/bin .venv/bin/python benchmarks/kv_cache.py \
         [--contexts 512,2048,8000] [--batch 8] [--batch-context 2048] [--new-tokens 32] [--repeat 3]
-        [--formats float32,float16,int8,int4] [--skip-llama-cpp] [--json out.json]
+        [--formats float32,float16,int8,int4] [--skip-llama-cpp | --llama-cpp-caches f16,q8_0,q4_0]
+        [--json out.json]
 
 SmolLM2-135M-Instruct on its default path (the GGUF's quantized weights, 8-bit activations taken
 twice). A decode step streams every weight and the row's whole cache once, so past a few thousand
@@ -71,13 +72,14 @@ def arlm_round(llm: LLM, cache: KVCache, context: int, new_tokens: int, first: i
     return rows * new_tokens / (time.perf_counter() - t0)
 
 
-def llama_cpp_engines(gguf: Path, prompt: list[int], threads: int, n_ctx: int) -> dict:
+def llama_cpp_engines(gguf: Path, prompt: list[int], threads: int, n_ctx: int, types: list[str]) -> dict:
     try:
         from llama_cpp import Llama
     except (ImportError, OSError):
         return {}
     engines = {}
-    for name, t in LLAMA_TYPES.items():
+    for name in types:
+        t = LLAMA_TYPES[name]
         llm = Llama(model_path=str(gguf), n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx, n_batch=512,
                     flash_attn=True, type_k=t, type_v=t, verbose=False)
         t0 = time.perf_counter()
@@ -108,11 +110,16 @@ def main() -> int:
     p.add_argument("--formats", default="float32,float16,int8,int4")
     p.add_argument("--threads", type=positive_int, default=2)
     p.add_argument("--skip-llama-cpp", action="store_true")
+    p.add_argument("--llama-cpp-caches", default=",".join(LLAMA_TYPES),
+                   help="llama.cpp's cache types to run (its q4_0 prefill of 8,000 tokens takes ~5 min)")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     contexts = sorted({int(c) for c in args.contexts.split(",")}, reverse=True)
     formats = [parse_kv_dtype(f) for f in args.formats.split(",")]
+    llama_types = [t for t in args.llama_cpp_caches.split(",") if t]
+    if unknown := [t for t in llama_types if t not in LLAMA_TYPES]:
+        p.error(f"--llama-cpp-caches: unknown {', '.join(unknown)} (expected some of {', '.join(LLAMA_TYPES)})")
     longest = max(contexts + [args.batch_context])
     res: dict = {"machine": machine(), "cpu_flags": cpu_flags(), "new_tokens": args.new_tokens,
                  "repeat": args.repeat, "results": []}
@@ -133,7 +140,7 @@ def main() -> int:
     batched = {kv_dtype_name(f): convert(base, config, f, args.batch, args.batch_context) for f in formats}
     del base
     peers = {} if args.skip_llama_cpp else llama_cpp_engines(resolve_model_path("smollm2"), prompt, args.threads,
-                                                               capacity + 8)
+                                                               capacity + 8, llama_types)
 
     def measure(label: str, cases: dict, rows: int, context: int) -> None:
         rates: dict[str, list[float]] = {name: [] for name in cases}

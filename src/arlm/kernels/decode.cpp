@@ -19,6 +19,7 @@
 #include "common.h"
 #include "paged_attention.h"
 
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
@@ -487,9 +488,14 @@ void decode_llama(const at::Tensor& x, at::TensorList weights, const at::Tensor&
       });
       const int64_t part = group * hd, stat = 2 * group;  // floats of one chunk's sums and stats
       float* stats = buf.partial + B * Hkv * chunks * part;
-      at::parallel_for(0, B * Hkv * chunks, 1, [&](int64_t i0, int64_t i1) {
+      // Each thread takes the next task until none is left (not a fixed half each): on a shared
+      // machine one core often runs slower than the other for a while, and the faster one would
+      // otherwise wait for it at the end. Which thread runs a task does not change its result.
+      const int64_t tasks = B * Hkv * chunks;
+      std::atomic<int64_t> next{0};
+      at::parallel_for(0, std::min<int64_t>(tasks, at::get_num_threads()), 1, [&](int64_t, int64_t) {
         float* scratch = buf.scores + at::get_thread_num() * group * (kChunk + 1);
-        for (int64_t i = i0; i < i1; ++i) {
+        for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < tasks;) {
           const int64_t bj = i / chunks, c = i % chunks, b = bj / Hkv, j = bj % Hkv;
           const int64_t n = std::min(pp[b] + 1, kv_len), t0 = c * kChunk, len = std::min(kChunk, n - t0);
           if (len <= 0) continue;  // this row has fewer chunks
