@@ -1,9 +1,11 @@
 """Where a decode step's time goes: wall time per pass of arlm's native step, by batch and context.
 
-    .venv/bin/python benchmarks/phases.py [--threads 2] [--json build/phases.json]
+    .venv/bin/python benchmarks/phases.py [--threads 2] [--kv-dtype int8] [--cases 1x8000]
+        [--json build/phases.json]
 
 Runs the default CPU model (`LLM.load("smollm2")`: 4-bit layers, int8 head, 8-bit activations,
-float16 KV cache) through the native decode step the engine runs for a static batch (the model
+float16 KV cache, or --kv-dtype's: a quantized cache holds random rows quantized as the kernels
+write them) through the native decode step the engine runs for a static batch (the model
 runner's `NativeLlama`: embed, `decode`, `head`) at a fixed position, with the native step's own
 per-pass timer on (`torch.ops.arlm.decode_profile`): norms, the q/k/v, output, gate/up and down
 linears, attention (RoPE, the cache write and the attention itself), SiLU, and the final
@@ -24,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from arlm.kv_cache import KVCache  # noqa: E402
+from arlm.kv_cache import KVCache, kv_dtype_name, quantize_rows  # noqa: E402
 from arlm.llm import LLM  # noqa: E402
 from bench_args import SMOLLM2_MAX_SEQ_LEN, positive_int  # noqa: E402
 
@@ -34,11 +36,17 @@ PHASES = ["norm1", "qkv", "attention", "wo", "norm2", "gate_up", "silu", "down",
 def run_case(llm: LLM, batch: int, context: int, steps: int, repeat: int) -> dict:
     model, cfg = llm.model, llm.model.config
     native = llm.runner.native
-    if native is None or llm.runner.decode_fn is not None or llm.kv_dtype not in (torch.float32, torch.float16):
+    if native is None or llm.runner.decode_fn is not None:
         raise SystemExit("phases.py: the native step does not apply here (it needs the native kernels on CPU)")
     cache = KVCache.contiguous(cfg, batch, context + 1, dtype=llm.kv_dtype)
-    cache.k.normal_()
-    cache.v.normal_()
+    if cache.quantized:  # random rows, quantized as the kernels write them
+        for layer in range(cfg.n_layer):
+            shape = (batch, cfg.n_kv_heads, context + 1, cfg.head_dim)
+            cache.k[layer] = quantize_rows(torch.randn(shape), cache.dtype)
+            cache.v[layer] = quantize_rows(torch.randn(shape), cache.dtype, value=True)
+    else:
+        cache.k.normal_()
+        cache.v.normal_()
     tokens = torch.randint(0, cfg.vocab_size, (batch,), generator=torch.Generator().manual_seed(0))
     pos = torch.full((batch,), context)
     # The runner's rows step (ModelRunner._decode_rows): embeddings, the layer stack and the head
@@ -68,7 +76,7 @@ def run_case(llm: LLM, batch: int, context: int, steps: int, repeat: int) -> dic
     dff = model.blocks[0].mlp.down.in_features
     macs = {"qkv": (H + 2 * Hkv) * hd * d * L, "wo": d * H * hd * L, "gate_up": 2 * dff * d * L,
             "down": d * dff * L, "head": cfg.vocab_size * d}
-    kv_bytes = 2 * L * Hkv * (context + 1) * hd * cache.k.element_size() * batch
+    kv_bytes = cache.bytes_per_token * (context + 1) * batch
     out = {"batch": batch, "context": context, "step_ms": 1e3 * total,
            "phases_ms": {name: 1e3 * t for name, t in zip(PHASES, phases)},
            "other_ms": 1e3 * (total - sum(phases))}
@@ -86,7 +94,7 @@ def main() -> int:
     ap.add_argument("--threads", type=positive_int, default=2)
     ap.add_argument("--steps", type=positive_int, default=40)
     ap.add_argument("--repeat", type=positive_int, default=5)
-    ap.add_argument("--kv-dtype", default="auto", choices=("auto", "float32", "float16"),
+    ap.add_argument("--kv-dtype", default="auto", choices=("auto", "float32", "float16", "int8", "int4"),
                     help="KV cache dtype (default: what LLM.load picks, float16 on this path)")
     ap.add_argument("--cases", default="1x32,1x512,8x32,32x32",
                     help="comma-separated BATCHxCONTEXT cases (default: %(default)s)")
@@ -103,7 +111,7 @@ def main() -> int:
                  f"(its cache holds CONTEXT + 1), got {args.cases!r}")
     torch.set_num_threads(args.threads)
     llm = LLM.load("smollm2", kv_dtype=args.kv_dtype)
-    print(f"arlm {llm.quantization} weights, KV cache {str(llm.kv_dtype).removeprefix('torch.')}, "
+    print(f"arlm {llm.quantization} weights, KV cache {kv_dtype_name(llm.kv_dtype)}, "
           f"{args.threads} threads; ms per step (best of {args.repeat} x {args.steps} steps)")
     results = [run_case(llm, b, c, args.steps, args.repeat) for b, c in cases]
     names = [f"b{r['batch']} ctx{r['context']}" for r in results]
@@ -118,7 +126,8 @@ def main() -> int:
     print(f"{'K/V GB/s':10s}" + "".join(f"{r['attention_kv_gb_per_s']:14.1f}" for r in results))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"threads": args.threads, "kv_dtype": str(llm.kv_dtype), "cases": results}, indent=1))
+        args.json.write_text(json.dumps({"threads": args.threads, "kv_dtype": kv_dtype_name(llm.kv_dtype),
+                                         "cases": results}, indent=1))
     return 0
 
 

@@ -32,6 +32,8 @@ CASES = [
     ("phases.py", ["--cases", "1x32", "--repeat", "0"]),
     ("phases.py", ["--cases", "1x99999"]),
     ("phases.py", ["--cases", "1x32,2x8192"]),  # 8193 cache slots
+    ("phases.py", ["--kv-dtype", "int3"]),
+    ("kv_cache.py", ["--llama-cpp-caches", "q9"]),
     ("serve.py", ["--threads", "0"]),
     ("serve.py", ["--clients", "0"]),
     ("serve.py", ["--clients", "1,-8"]),

@@ -10,9 +10,10 @@
 # Transparent huge pages for torch's large CPU buffers (weights, the KV cache): a decode step
 # streams both, and with 4 KB pages a long cache costs a TLB miss every ~60 rows (on a kernel
 # whose THP setting is "madvise", the usual default; c10 aligns buffers of 2 MB or more and
-# madvises them). SmolLM2 at 8,000 tokens of context: ~6% faster decode, the same resident
-# memory (docs/benchmarks.md). c10 reads the variable once, at its first allocation, so it is
-# set before torch is imported; THP_MEM_ALLOC_ENABLE=0 turns it off.
+# madvises them). SmolLM2 at 8,000 tokens of context: 0-6% faster decode (this machine's noise is
+# as large), the same resident memory (docs/benchmarks.md, "KV-cache compression"). c10 reads the
+# variable once, at its first allocation, so it is set before torch is imported;
+# THP_MEM_ALLOC_ENABLE=0 turns it off.
 import os as _os
 
 _os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
