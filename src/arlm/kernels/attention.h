@@ -491,13 +491,16 @@ template <>
 struct IntKeys<Q8> {
   static constexpr bool integer = true, interleaved = false, has_min = false;
   static constexpr int32_t bias = 128;
-  static void stage(const uint8_t* row, int64_t hd, uint8_t* kb, uint16_t* d, uint16_t*, int64_t slot) {
+  // Key `slot`'s row of C pieces of 64 codes into kb, its scales into d.
+  __attribute__((always_inline)) static void stage(const uint8_t* row, int64_t C, uint8_t* kb, uint16_t* d,
+                                                   uint16_t*, int64_t slot) {
     const __m128i flip = _mm_set1_epi8(static_cast<char>(0x80));
-    for (int64_t c = 0; c < hd / 64; ++c)
-      for (int j = 0; j < 4; ++j)
-        stage_chunk(kb, c, j, slot, _mm_xor_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 64 * c + 16 * j)),
-                                                  flip));
-    for (int64_t g = 0; g < hd / 32; ++g) std::memcpy(d + 16 * g + slot, row + hd + 2 * g, 2);
+    for (int64_t c = 0; c < C; ++c)
+      for (int j = 0; j < 4; ++j) {
+        const auto* chunk = reinterpret_cast<const __m128i*>(row + 64 * c + 16 * j);
+        stage_chunk(kb, c, j, slot, _mm_xor_si128(_mm_loadu_si128(chunk), flip));
+      }
+    for (int64_t g = 0; g < 2 * C; ++g) std::memcpy(d + 16 * g + slot, row + 64 * C + 2 * g, 2);
   }
 };
 // int4's 5-bit keys (rotated: the query is too): each piece of 64 codes as stored, the low
@@ -508,10 +511,12 @@ template <>
 struct IntKeys<Q4K> {
   static constexpr bool integer = true, interleaved = true, has_min = true;
   static constexpr int32_t bias = 0;
-  static void stage(const uint8_t* row, int64_t hd, uint8_t* kb, uint16_t* d, uint16_t* m, int64_t slot) {
+  __attribute__((always_inline)) static void stage(const uint8_t* row, int64_t C, uint8_t* kb, uint16_t* d,
+                                                   uint16_t* m, int64_t slot) {
+    const int64_t hd = 64 * C;
     const uint8_t *high = row + hd / 2, *params = high + hd / 8;
     const __m256i nib = _mm256_set1_epi8(0x0F);
-    for (int64_t c = 0; c < hd / 64; ++c) {
+    for (int64_t c = 0; c < C; ++c) {
       const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32 * c));
       __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(b, nib)),
                                      _mm256_and_si256(_mm256_srli_epi16(b, 4), nib), 1);
@@ -549,16 +554,17 @@ inline __m512i reduce_quartets(const __m512i* a) {
 //   int4:  acc += qd_g * (S_g * kd_g + km_g * qsum_g)     (value = code * kd + km)
 // A key's score depends on its own row alone. hd a multiple of 64, at most 512. Slots t < n_sink
 // are scored with the sink query's codes (q8s, qds, qsums) instead (attend_group).
-template <typename TK, typename Spans>
-inline void integer_scores(const int8_t* q8, const float* qd, const int32_t* qsum, int64_t G, int64_t hd,
-                           int64_t n, float scale, Spans spans, float* s, const int8_t* q8s = nullptr,
-                           const float* qds = nullptr, const int32_t* qsums = nullptr, int64_t n_sink = 0) {
+// CC: hd / 64 known when compiled (1, 2: the usual head sizes, loops unrolled), or 0 (read from hd).
+template <typename TK, int CC, typename Spans>
+inline void integer_scores_c(const int8_t* q8, const float* qd, const int32_t* qsum, int64_t G, int64_t hd,
+                             int64_t n, float scale, Spans spans, float* s, const int8_t* q8s, const float* qds,
+                             const int32_t* qsums, int64_t n_sink) {
   using K = IntKeys<TK>;
   // 16 keys' codes (stage_chunk; slots past a last, partial batch hold anything: their lanes are
   // never stored), and their float16 scales and minimums [group][key]
   alignas(64) uint8_t kb[16 * 512];
   alignas(64) uint16_t kd[16 * 16] = {}, km[16 * 16] = {};
-  const int64_t stride = KV<TK>::stride(hd), C = hd / 64, NG = hd / 32;
+  const int64_t C = CC ? CC : hd / 64, NG = 2 * C, stride = KV<TK>::stride(64 * C);
   int64_t t = 0, held = 0;
   auto flush = [&] {
     const int64_t t0 = t - held;
@@ -608,12 +614,21 @@ inline void integer_scores(const int8_t* q8, const float* qd, const int32_t* qsu
       const auto* row = reinterpret_cast<const uint8_t*>(k + j * stride);
       _mm_prefetch(reinterpret_cast<const char*>(row) + kPrefetch, _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(row) + kPrefetch + 64, _MM_HINT_T0);
-      K::stage(row, hd, kb, kd, km, held);
+      K::stage(row, C, kb, kd, km, held);
       ++t;
       if (++held == 16) flush();
     }
   });
   if (held) flush();
+}
+
+template <typename TK, typename Spans>
+inline void integer_scores(const int8_t* q8, const float* qd, const int32_t* qsum, int64_t G, int64_t hd,
+                           int64_t n, float scale, Spans spans, float* s, const int8_t* q8s = nullptr,
+                           const float* qds = nullptr, const int32_t* qsums = nullptr, int64_t n_sink = 0) {
+  if (hd == 64) return integer_scores_c<TK, 1>(q8, qd, qsum, G, hd, n, scale, spans, s, q8s, qds, qsums, n_sink);
+  if (hd == 128) return integer_scores_c<TK, 2>(q8, qd, qsum, G, hd, n, scale, spans, s, q8s, qds, qsums, n_sink);
+  integer_scores_c<TK, 0>(q8, qd, qsum, G, hd, n, scale, spans, s, q8s, qds, qsums, n_sink);
 }
 #endif
 
