@@ -8,7 +8,7 @@
 # keep cores busy, widening again when they go (engine/threads.py; `--threads N` pins them).
 
 # Transparent huge pages for torch's large CPU buffers (weights, the KV cache): a decode step
-# streams both, and with 4 KB pages a long cache costs a TLB miss every ~60 rows (on a kernel
+# streams both, and with 4 KB pages an int8 cache crosses a page every ~60 rows (on a kernel
 # whose THP setting is "madvise", the usual default; c10 aligns buffers of 2 MB or more and
 # madvises them). SmolLM2 at 8,000 tokens of context: 0-6% faster decode (this machine's noise is
 # as large), the same resident memory (docs/benchmarks.md, "KV-cache compression"). c10 reads the

@@ -488,9 +488,10 @@ void decode_llama(const at::Tensor& x, at::TensorList weights, const at::Tensor&
       });
       const int64_t part = group * hd, stat = 2 * group;  // floats of one chunk's sums and stats
       float* stats = buf.partial + B * Hkv * chunks * part;
-      // Each thread takes the next task until none is left (not a fixed half each): on a shared
-      // machine one core often runs slower than the other for a while, and the faster one would
-      // otherwise wait for it at the end. Which thread runs a task does not change its result.
+      // Each thread takes the next task until none is left, not a fixed half of them: a row's last
+      // chunk is short (2,049 slots: 1,024 + 1,024 + 1), so equal task counts can be 2:1 in rows,
+      // and on a shared machine one core may run slower for a while. Which thread runs a task does
+      // not change its result.
       const int64_t tasks = B * Hkv * chunks;
       std::atomic<int64_t> next{0};
       at::parallel_for(0, std::min<int64_t>(tasks, at::get_num_threads()), 1, [&](int64_t, int64_t) {
