@@ -64,17 +64,30 @@ inline void store_row(const float* src, int64_t n, at::Half* dst) {
   for (; i < n; ++i) dst[i] = static_cast<at::Half>(src[i]);
 }
 
+#if defined(__AVX512F__)
+// The sum of v's 16 lanes by a fixed tree (GCC's _mm512_reduce_add_ps, written out so that every
+// compiler gives the same bits): a_j = v_j + v_{j+8}, b_j = a_j + a_{j+4}, (b_0 + b_2) + (b_1 + b_3).
+// block_scores (below) computes the same tree with 16 keys in the lanes.
+inline float tree_sum16(__m512 v) {
+  const __m256 a = _mm256_add_ps(_mm512_castps512_ps256(v),
+                                 _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+  const __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  const __m128 c = _mm_add_ps(b, _mm_shuffle_ps(b, b, _MM_SHUFFLE(1, 0, 3, 2)));
+  return _mm_cvtss_f32(c) + _mm_cvtss_f32(_mm_shuffle_ps(c, c, _MM_SHUFFLE(1, 1, 1, 1)));
+}
+#endif
+
 // sum_i a[i] * b[i], in an order that depends on n alone.
 template <typename T>
 inline float dot(const float* a, const T* b, int64_t n) {
 #if defined(__AVX512F__)
-  if (n % 32 == 0) {
+  if (n % 32 == 0) {  // two chains (lanes j of elements j mod 32 < 16, and the rest), then the tree
     __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
     for (int64_t i = 0; i < n; i += 32) {
       s0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), load16(b + i), s0);
       s1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16), load16(b + i + 16), s1);
     }
-    return _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));
+    return tree_sum16(_mm512_add_ps(s0, s1));
   }
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
@@ -655,6 +668,93 @@ inline void unrotate(float* out, int64_t G, int64_t hd) {
     for (int64_t h = 0; h < G; ++h) hadamard(out + h * hd, hd);
 }
 
+#if defined(__AVX512F__)
+// Scores of many queries against the same keys (a prompt's tokens: each reads the slots before
+// it), 16 keys at a time with the keys in the vector lanes: each query value is broadcast once
+// per 16 keys instead of each key being reduced across lanes per query. Lane k's arithmetic is
+// dot()'s for key k exactly (the same fused products in the same two chains, the same tree), so
+// a query's scores, and with them its output, are the bits the one-query path gives it.
+
+// count rows of keys (at k, row stride `stride` elements) widened to float32 into lanes
+// lane0 .. lane0 + count - 1 (<= 16) of the transposed block kt: kt[e * 16 + lane] = element e.
+template <typename TK>
+inline void transpose_keys(const TK* k, int64_t stride, int64_t count, int64_t hd, float* kt, int64_t lane0) {
+  alignas(64) float rows[16][16];
+  for (int64_t c = 0; c < hd; c += 16) {
+    for (int64_t r = 0; r < count; ++r) _mm512_store_ps(rows[r], load16(k + r * stride + c));
+    for (int64_t e = 0; e < 16; ++e)
+      for (int64_t r = 0; r < count; ++r) kt[(c + e) * 16 + lane0 + r] = rows[r][e];
+  }
+}
+
+// out[h * 16 + lane] = dot(q_h, key lane) * scale for the NQ queries at q (hd floats each, hd a
+// multiple of 32) against the 16 keys transposed in kt (transpose_keys).
+template <int NQ>
+inline void block_scores(const float* q, int64_t hd, const float* kt, float scale, float* out) {
+  __m512 v[NQ][8];
+  for (int64_t j = 0; j < 16; ++j) {
+    __m512 s0[NQ], s1[NQ];
+    for (int h = 0; h < NQ; ++h) s0[h] = s1[h] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < hd; i += 32) {
+      const __m512 k0 = _mm512_load_ps(kt + (i + j) * 16), k1 = _mm512_load_ps(kt + (i + 16 + j) * 16);
+      for (int h = 0; h < NQ; ++h) {
+        s0[h] = _mm512_fmadd_ps(_mm512_set1_ps(q[h * hd + i + j]), k0, s0[h]);
+        s1[h] = _mm512_fmadd_ps(_mm512_set1_ps(q[h * hd + i + 16 + j]), k1, s1[h]);
+      }
+    }
+    for (int h = 0; h < NQ; ++h) {  // the tree's first level as the lanes come: a_j = v_j + v_{j+8}
+      const __m512 vj = _mm512_add_ps(s0[h], s1[h]);
+      v[h][j % 8] = j < 8 ? vj : _mm512_add_ps(v[h][j % 8], vj);
+    }
+  }
+  for (int h = 0; h < NQ; ++h) {
+    for (int j = 0; j < 4; ++j) v[h][j] = _mm512_add_ps(v[h][j], v[h][j + 4]);
+    const __m512 c0 = _mm512_add_ps(v[h][0], v[h][2]), c1 = _mm512_add_ps(v[h][1], v[h][3]);
+    _mm512_store_ps(out + h * 16, _mm512_mul_ps(_mm512_add_ps(c0, c1), _mm512_set1_ps(scale)));
+  }
+}
+#endif
+
+// attend_group's second half, on scores already in s[h * n + t] (scale applied): the softmax, then
+// out[h] = sum_t p_t V_t (see attend_group for stats). block_scores's callers use it directly.
+template <typename TK, typename TV, typename Spans>
+inline void attend_scored(int64_t G, int64_t hd, int64_t n, Spans spans, float* s, float* out,
+                          float* stats = nullptr) {
+  float* inv = s + G * n;
+  for (int64_t h = 0; h < G; ++h) {
+    if (!stats) {
+      inv[h] = 1.f / softmax_numerators(s + h * n, n);
+      continue;
+    }
+    stats[2 * h + 1] = softmax_numerators(s + h * n, n, stats + 2 * h);
+    inv[h] = 1.f;  // x * 1 is exact: the chunk's sums as they are
+  }
+#if defined(__AVX512F__)
+  if (hd == 64 || hd == 128) {
+    if (hd == 64) weighted_group<4, TK, TV>(s, n, G, spans, inv, hd, out);
+    else weighted_group<8, TK, TV>(s, n, G, spans, inv, hd, out);
+    if (!stats) unrotate<TV>(out, G, hd);
+    return;
+  }
+#endif
+  std::fill(out, out + G * hd, 0.f);
+  const int64_t vstride = KV<TV>::stride(hd);
+  thread_local std::vector<float> local;  // a dequantized row
+  if (local.size() < static_cast<size_t>(hd)) local.resize(hd);
+  float* buf = local.data();
+  int64_t t = 0;
+  spans([&](const TK*, const TV* v, int64_t len) {
+    for (int64_t j = 0; j < len; ++j, ++t) {
+      const auto* row = KV<TV>::view(v + j * vstride, hd, buf);
+      for (int64_t h = 0; h < G; ++h)
+        for (int64_t e = 0; e < hd; ++e) out[h * hd + e] += s[h * n + t] * to_float(row[e]);
+    }
+  });
+  for (int64_t h = 0; h < G; ++h)
+    for (int64_t e = 0; e < hd; ++e) out[h * hd + e] *= inv[h];
+  if (!stats) unrotate<TV>(out, G, hd);
+}
+
 // The G query heads that share one KV head (G * hd floats at q, head after head) attend over its n
 // cached slots: out[h] = softmax(q_h . K_t * scale) V. The slots come as spans of consecutive
 // rows, spans(f) calling f(k, v, len) for each in order: one span for a contiguous cache, one per
@@ -729,36 +829,7 @@ inline void attend_group(const float* q, int64_t G, int64_t hd, int64_t n, float
       }
     });
   }
-  float* inv = s + G * n;
-  for (int64_t h = 0; h < G; ++h) {
-    if (!stats) {
-      inv[h] = 1.f / softmax_numerators(s + h * n, n);
-      continue;
-    }
-    stats[2 * h + 1] = softmax_numerators(s + h * n, n, stats + 2 * h);
-    inv[h] = 1.f;  // x * 1 is exact: the chunk's sums as they are
-  }
-#if defined(__AVX512F__)
-  if (hd == 64 || hd == 128) {
-    if (hd == 64) weighted_group<4, TK, TV>(s, n, G, spans, inv, hd, out);
-    else weighted_group<8, TK, TV>(s, n, G, spans, inv, hd, out);
-    if (!stats) unrotate<TV>(out, G, hd);
-    return;
-  }
-#endif
-  std::fill(out, out + G * hd, 0.f);
-  const int64_t vstride = KV<TV>::stride(hd);
-  t = 0;
-  spans([&](const TK*, const TV* v, int64_t len) {
-    for (int64_t j = 0; j < len; ++j, ++t) {
-      const auto* row = KV<TV>::view(v + j * vstride, hd, buf);
-      for (int64_t h = 0; h < G; ++h)
-        for (int64_t e = 0; e < hd; ++e) out[h * hd + e] += s[h * n + t] * to_float(row[e]);
-    }
-  });
-  for (int64_t h = 0; h < G; ++h)
-    for (int64_t e = 0; e < hd; ++e) out[h * hd + e] *= inv[h];
-  if (!stats) unrotate<TV>(out, G, hd);
+  attend_scored<TK, TV>(G, hd, n, spans, s, out, stats);
 }
 
 // The attention output of G heads from C chunks' partial results (attend_group with stats; chunk

@@ -559,7 +559,7 @@ void forward_llama_paged(const at::Tensor& x, at::TensorList weights, const at::
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(hd)));  // as paged_cache.py's
   const int64_t qkv_dim = s.qkv_dim, group = H / Hkv;
   const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
-  Buffers buf(s, arlm_kernels::paged_scratch(pp, N, H, Hkv));
+  Buffers buf(s, arlm_kernels::paged_scratch(pp, N, H, Hkv, hd));
   TORCH_CHECK(window >= 0 && sinks >= 0, "forward_llama_paged: window and sinks must be >= 0");
   const arlm_kernels::Window win{window, sinks, cp, sp};  // (window 0: every slot; paged_attention.h)
   // straight from the q/k/v rows; the pools hold the cache's format (attention.h)

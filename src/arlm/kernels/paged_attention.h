@@ -13,6 +13,7 @@
 
 #include "attention.h"
 
+#include <atomic>
 #include <vector>
 
 namespace arlm_kernels {
@@ -44,11 +45,16 @@ inline void paged_write(const float* k, const float* v, int64_t ldkv, TK* kp, TV
   }
 }
 
-// Scratch floats per thread for paged_attend: G * (longest sequence + 1).
-inline int64_t paged_scratch(const int64_t* pos, int64_t N, int64_t H, int64_t Hkv) {
+// Prompt tokens attend in runs of up to kRun consecutive tokens of one sequence (paged_attend):
+// the run's keys are transposed 16 at a time and scored against all its queries (block_scores).
+constexpr int64_t kRun = 16;
+
+// Scratch floats per thread for paged_attend: a run's scores, kRun * G * (longest sequence + 1),
+// and a block of transposed keys.
+inline int64_t paged_scratch(const int64_t* pos, int64_t N, int64_t H, int64_t Hkv, int64_t D) {
   int64_t longest = 0;
   for (int64_t i = 0; i < N; ++i) longest = std::max(longest, pos[i] + 1);
-  return H / Hkv * (longest + 1);
+  return kRun * (H / Hkv) * (longest + 1) + 16 * D + 16;
 }
 
 // A sliding window with attention sinks (StreamingLLM): a query at position p reads the first
@@ -84,14 +90,31 @@ inline void paged_attend(const float* q, int64_t ldq, const TK* kp, const TV* vp
                          int64_t M, const int64_t* seq, const int64_t* pos, int64_t N, int64_t H, int64_t Hkv,
                          int64_t D, int64_t BS, float scale, float* out, float* scratch, Done done,
                          const Window& win = Window()) {
-  const int64_t G = H / Hkv, per_thread = paged_scratch(pos, N, H, Hkv);
+  const int64_t G = H / Hkv, per_thread = paged_scratch(pos, N, H, Hkv, D);
   const int64_t sk = KV<TK>::stride(D), sv = KV<TV>::stride(D);
-  at::parallel_for(0, N * Hkv, 1, [&](int64_t w0, int64_t w1) {
+  // Runs: tokens i .. i + len - 1 of one sequence at consecutive positions (a prompt's chunk),
+  // at most kRun; a decode token is a run of one.
+  std::vector<std::pair<int64_t, int64_t>> runs;
+  for (int64_t i = 0; i < N;) {
+    int64_t len = 1;
+    while (len < kRun && i + len < N && seq[i + len] == seq[i] && pos[i + len] == pos[i] + len) ++len;
+    runs.emplace_back(i, len);
+    i += len;
+  }
+  // Each thread takes the next task (a run and a KV head) until none is left, the batch's last
+  // runs first: in a prompt's chunk the later tokens read more slots (token p reads p + 1), so a
+  // fixed split of the tasks gave one thread ~3/4 of a 512-token prefill's attention. Which
+  // thread runs a task, and whether its queries are scored together or one by one (below),
+  // does not change a token's result.
+  const int64_t tasks = static_cast<int64_t>(runs.size()) * Hkv;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(tasks, at::get_num_threads()), 1, [&](int64_t, int64_t) {
     float* s = scratch + at::get_thread_num() * per_thread;
     thread_local std::vector<float> q_sink;
-    for (int64_t w = w0; w < w1; ++w) {
-      const int64_t i = w / Hkv, g = w % Hkv, L = pos[i] + 1;
-      const int64_t* row = table + seq[i] * M;
+    for (int64_t taken; (taken = next.fetch_add(1, std::memory_order_relaxed)) < tasks;) {
+      const int64_t w = tasks - 1 - taken, g = w % Hkv;
+      const auto [first_token, run] = runs[w / Hkv];
+      const int64_t* row = table + seq[first_token] * M;
       auto range = [&](auto f, int64_t a, int64_t b) {  // slots a..b-1, a block at a time
         for (int64_t j = a; j < b;) {
           const int64_t len = std::min(BS - j % BS, b - j);
@@ -100,6 +123,52 @@ inline void paged_attend(const float* q, int64_t ldq, const TK* kp, const TV* vp
           j += len;
         }
       };
+#if defined(__AVX512F__)
+      if constexpr (!KV<TK>::quantized) {
+        if (run >= 4 && D % 32 == 0 && D <= 512 && !win.splits(pos[first_token + run - 1])) {
+          // Every query of the run scored 16 keys at a time (block_scores), then its softmax and
+          // values as one query alone (attend_scored). Query r reads slots 0..pos + r.
+          const int64_t p0 = pos[first_token], last = p0 + run;  // slots 0..last-1 in all
+          const int64_t ld = G * (last + 1);                     // floats of one query's scores
+          float* kt = s + run * ld;
+          kt += (64 - reinterpret_cast<uintptr_t>(kt) % 64) % 64 / sizeof(float);  // aligned
+          alignas(64) float block[4 * 16];
+          for (int64_t t0 = 0; t0 < last; t0 += 16) {
+            const int64_t count = std::min<int64_t>(16, last - t0);
+            int64_t filled = 0;  // the block's keys transposed (from one or more pool blocks)
+            if (count < 16) std::fill(kt, kt + 16 * D, 0.f);
+            range([&](const TK* k, const TV*, int64_t len) {
+              transpose_keys(k, sk, len, D, kt, filled);
+              filled += len;
+            }, t0, t0 + count);
+            for (int64_t r = std::max<int64_t>(0, t0 - p0); r < run; ++r) {  // queries that read slot t0
+              const int64_t n = p0 + r + 1, live = std::min<int64_t>(16, n - t0);
+              const float* qr = q + (first_token + r) * ldq + g * G * D;
+              for (int64_t h = 0; h < G; h += 4) {
+                const int64_t nq = std::min<int64_t>(4, G - h);
+                switch (nq) {
+                  case 4: block_scores<4>(qr + h * D, D, kt, scale, block); break;
+                  case 3: block_scores<3>(qr + h * D, D, kt, scale, block); break;
+                  case 2: block_scores<2>(qr + h * D, D, kt, scale, block); break;
+                  default: block_scores<1>(qr + h * D, D, kt, scale, block);
+                }
+                for (int64_t x = 0; x < nq; ++x)
+                  std::copy(block + x * 16, block + x * 16 + live, s + r * ld + (h + x) * n + t0);
+              }
+            }
+          }
+          for (int64_t r = 0; r < run; ++r) {
+            const int64_t i = first_token + r, n = pos[i] + 1;
+            float* o = out + (i * H + g * G) * D;
+            attend_scored<TK, TV>(G, D, n, [&](auto f) { range(f, 0, n); }, s + r * ld, o);
+            done(o, (i * H + g * G) * D);
+          }
+          continue;
+        }
+      }
+#endif
+      for (int64_t i = first_token; i < first_token + run; ++i) {
+      const int64_t L = pos[i] + 1;
       const float* qi = q + i * ldq + g * G * D;
       float* o = out + (i * H + g * G) * D;
       if (!win.splits(pos[i])) {
@@ -115,6 +184,7 @@ inline void paged_attend(const float* q, int64_t ldq, const TK* kp, const TV* vp
         }, s, o, nullptr, q_sink.data(), win.sinks);
       }
       done(o, (i * H + g * G) * D);
+      }
     }
   });
 }
@@ -128,7 +198,7 @@ inline void paged_attention(const float* q, int64_t ldq, const float* k, const f
   at::parallel_for(0, N, 16, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) paged_write(k, v, ldkv, kp, vp, table, M, seq, pos, i, Hkv, D, BS);
   });
-  std::vector<float> scratch(at::get_num_threads() * paged_scratch(pos, N, H, Hkv));
+  std::vector<float> scratch(at::get_num_threads() * paged_scratch(pos, N, H, Hkv, D));
   paged_attend(q, ldq, kp, vp, table, M, seq, pos, N, H, Hkv, D, BS, scale, out, scratch.data(),
                [](const float*, int64_t) {}, win);
 }
