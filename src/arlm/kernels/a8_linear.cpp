@@ -346,6 +346,130 @@ void q4p_block(const int8_t* qx, const float* dx, const float* sx, int64_t K, co
   store(acc, out);
 }
 
+// ---- 16-bit activations as two bytes (linear_a8p_residual) ----------------------------------
+//
+// x is quantized to 16 bits per group of 32, X = round(x / e) with e = max|x| / 32512 (= the 8-bit
+// scale / 256), and X split exactly into bytes: hi = (X + 128) >> 8 in [-127, 127] and
+// lo = X - 256 hi in [-128, 127]. A group's integer dot product is then
+// 256 * dot(w, hi) + dot(w, lo), exact in int32 (|256 * 32 * 255 * 127| < 2^31): two vpdpbusd
+// chains per row, shifted and added once per group, then one convert and one scale, as one
+// 8-bit pass has. The rounding error is at most e / 2 = max|x| / 65024 per value.
+
+// One group of 32 floats -> hi, lo (32 bytes each), e, sx = e * sum(X) and sum(X). NaN or inf in
+// the group: codes 0 and NaN scales, so the result is NaN as in float math.
+inline void quantize_group16(const float* src, int8_t* hi, int8_t* lo, float* e_out, float* sx_out,
+                             int32_t* sum_out) {
+  float amax = 0.f;
+  bool finite = true;
+  for (int j = 0; j < kGroup; ++j) {
+    finite &= std::isfinite(src[j]);
+    amax = std::max(amax, std::fabs(src[j]));
+  }
+  if (!finite) {
+    std::fill(hi, hi + kGroup, 0);
+    std::fill(lo, lo + kGroup, 0);
+    *e_out = *sx_out = NAN;
+    *sum_out = 0;
+    return;
+  }
+  const float e = amax / 32512.f, ie = e > 0.f ? 1.f / e : 0.f;
+  int32_t sum = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  for (int half = 0; half < 2; ++half) {
+    const __m512i X = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(src + 16 * half), _mm512_set1_ps(ie)));
+    const __m512i h = _mm512_srai_epi32(_mm512_add_epi32(X, _mm512_set1_epi32(128)), 8);
+    const __m512i l = _mm512_sub_epi32(X, _mm512_slli_epi32(h, 8));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(hi + 16 * half), _mm512_cvtepi32_epi8(h));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(lo + 16 * half), _mm512_cvtepi32_epi8(l));
+    sum += _mm512_reduce_add_epi32(X);
+  }
+#else
+  for (int j = 0; j < kGroup; ++j) {
+    const int32_t X = static_cast<int32_t>(std::nearbyint(src[j] * ie)), h = (X + 128) >> 8;
+    hi[j] = static_cast<int8_t>(h);
+    lo[j] = static_cast<int8_t>(X - 256 * h);
+    sum += X;
+  }
+#endif
+  *e_out = e;
+  *sx_out = e * static_cast<float>(sum);
+  *sum_out = sum;
+}
+
+// MB rows of 16-bit x (hi, lo bytes; e, sx or sums per group) against NB blocks of 16 channels
+// of packed weights. Q4: out = sum_g d e_g (256 dot_g(q, hi) + dot_g(q, lo)) + m sx_g. Int8 and
+// Q8_0 (w + 128 stored, as i8p_block): out = sum_g e_g [dw] (dot_g(w + 128, X) - 128 sum(X)).
+template <bool kQ4, int MB, int NB>
+void x16p_block(const int8_t* hi, const int8_t* lo, const float* e, const float* sx, const int32_t* sums,
+                int64_t K, const uint8_t* w, const at::Half* d, const at::Half* mn, const uint8_t* pf, float* out) {
+  const int64_t G = K / kGroup, block = (kQ4 ? K / 2 : K) * kLanes, sblock = G * kLanes;
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  __m512 acc[MB][NB];
+  zero(acc);
+  for (int64_t g = 0; g < G; ++g) {
+    __m512i dh[MB][NB], dl[MB][NB];
+    zero(dh);
+    zero(dl);
+    if constexpr (kQ4) {
+#pragma GCC unroll 4
+      for (int64_t p = 0; p < kGroup / 8; ++p) {
+        const int64_t k = g * kGroup + 8 * p;
+        __m512i w0[NB], w1[NB];
+        for (int b = 0; b < NB; ++b) {
+          const __m512i v = _mm512_loadu_si512(w + b * block + k / 2 * kLanes);
+          if (pf) _mm_prefetch(reinterpret_cast<const char*>(pf + b * block + k / 2 * kLanes), _MM_HINT_T0);
+          w0[b] = _mm512_and_si512(v, low4);
+          w1[b] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+        }
+        for (int i = 0; i < MB; ++i) {
+          const __m512i h0 = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(hi + i * K + k));
+          const __m512i h1 = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(hi + i * K + k + 4));
+          const __m512i l0 = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(lo + i * K + k));
+          const __m512i l1 = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(lo + i * K + k + 4));
+          for (int b = 0; b < NB; ++b) {
+            dh[i][b] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(dh[i][b], w0[b], h0), w1[b], h1);
+            dl[i][b] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(dl[i][b], w0[b], l0), w1[b], l1);
+          }
+        }
+      }
+    } else {
+#pragma GCC unroll 8
+      for (int64_t j = 0; j < kGroup / 4; ++j) {
+        const int64_t k = g * kGroup + 4 * j;
+        __m512i wv[NB];
+        for (int b = 0; b < NB; ++b) {
+          wv[b] = _mm512_loadu_si512(w + b * block + k * kLanes);
+          if (pf) _mm_prefetch(reinterpret_cast<const char*>(pf + b * block + k * kLanes), _MM_HINT_T0);
+        }
+        for (int i = 0; i < MB; ++i) {
+          const __m512i h = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(hi + i * K + k));
+          const __m512i l = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(lo + i * K + k));
+          for (int b = 0; b < NB; ++b) {
+            dh[i][b] = _mm512_dpbusd_epi32(dh[i][b], wv[b], h);
+            dl[i][b] = _mm512_dpbusd_epi32(dl[i][b], wv[b], l);
+          }
+        }
+      }
+    }
+    __m512 ds[NB], ms[NB];
+    for (int b = 0; b < NB; ++b) {
+      if (d) ds[b] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + b * sblock + g * kLanes)));
+      if (kQ4) ms[b] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mn + b * sblock + g * kLanes)));
+    }
+    for (int i = 0; i < MB; ++i) {
+      const __m512 ei = _mm512_set1_ps(e[i * G + g]);
+      const __m512i offset = _mm512_set1_epi32(kQ4 ? 0 : 128 * sums[i * G + g]);
+      for (int b = 0; b < NB; ++b) {
+        __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(dh[i][b], 8), dl[i][b]);
+        if (!kQ4) dot = _mm512_sub_epi32(dot, offset);
+        acc[i][b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), d ? _mm512_mul_ps(ds[b], ei) : ei, acc[i][b]);
+        if (kQ4) acc[i][b] = _mm512_fmadd_ps(ms[b], _mm512_set1_ps(sx[i * G + g]), acc[i][b]);
+      }
+    }
+  }
+  store(acc, out);
+}
+
 #endif
 }  // namespace
 
@@ -464,9 +588,8 @@ int64_t arlm_kernels::packed_out_features(const char* op, int64_t K, const at::T
 }
 
 void arlm_kernels::linear_a8p(const Act8& a, int64_t M, int64_t K, const at::Tensor& wp, const at::Tensor& scale,
-                              const at::Tensor& mins, float* y, int64_t ldy, bool accumulate, bool pairs) {
+                              const at::Tensor& mins, float* y, int64_t ldy, bool accumulate) {
 #ifdef ARLM_AVX512
-  TORCH_CHECK(!pairs || M % 2 == 0, "linear_a8p: rows in pairs, an even number");
   const int64_t G = K / kGroup, NB = wp.size(0);
   const bool q4 = wp.size(1) == K / 8, q8 = !q4 && scale.dim() == 3;  // else int8 with a scale per row
   const int64_t block = q4 ? K / 2 * kLanes : K * kLanes;  // bytes of one block of 16 channels
@@ -498,10 +621,10 @@ void arlm_kernels::linear_a8p(const Act8& a, int64_t M, int64_t K, const at::Ten
           __m512 v = _mm512_loadu_ps(out + (i * nb + b) * kLanes);
           return sp ? _mm512_mul_ps(v, _mm512_loadu_ps(sp + (b0 + b) * kLanes)) : v;
         };
-        for (int i = 0; i < MB; i += pairs ? 2 : 1)
-          for (int64_t b = 0; b < nb; ++b) {  // into y, or added to it; a pair of rows summed first
-            float* yr = y + (pairs ? (m + i) / 2 : m + i) * ldy + (b0 + b) * kLanes;
-            const __m512 v = pairs ? _mm512_add_ps(row(i, b), row(i + 1, b)) : row(i, b);
+        for (int i = 0; i < MB; ++i)
+          for (int64_t b = 0; b < nb; ++b) {  // into y, or added to it
+            float* yr = y + (m + i) * ldy + (b0 + b) * kLanes;
+            const __m512 v = row(i, b);
             _mm512_storeu_ps(yr, accumulate ? _mm512_add_ps(_mm512_loadu_ps(yr), v) : v);
           }
       });
@@ -525,33 +648,63 @@ void arlm_kernels::activation_residual(const float* x, int64_t n, float* r) {
 void arlm_kernels::linear_a8p_residual(const float* x, int64_t M, int64_t K, const at::Tensor& wp,
                                        const at::Tensor& scale, const at::Tensor& mins, float* y, int64_t ldy,
                                        bool accumulate) {
-  const int64_t G = K / kGroup;
-  // Rows 2m and 2m + 1: x_m quantized, then what that rounding lost, quantized again. Scratch
-  // kept per calling thread and grown as needed: a decode step allocates nothing here.
-  thread_local std::vector<int8_t> q;
-  thread_local std::vector<float> d, s;
-  thread_local std::vector<int32_t> sum;
-  q.resize(std::max<size_t>(q.size(), 2 * M * K));
-  for (auto* v : {&d, &s}) v->resize(std::max<size_t>(v->size(), 2 * M * G));
-  sum.resize(std::max<size_t>(sum.size(), 2 * M * G));
+#ifdef ARLM_AVX512
+  const int64_t G = K / kGroup, NB = wp.size(0);
+  // x as 16 bits in two bytes (x16p_block). Scratch kept per calling thread and grown as needed:
+  // a decode step allocates nothing here.
+  thread_local std::vector<int8_t> codes;
+  thread_local std::vector<float> scales;
+  thread_local std::vector<int32_t> sums;
+  codes.resize(std::max<size_t>(codes.size(), 2 * M * K));
+  scales.resize(std::max<size_t>(scales.size(), 2 * M * G));
+  sums.resize(std::max<size_t>(sums.size(), M * G));
   // Pointers for the pool's threads: a thread_local's name would mean each thread's own copy.
-  int8_t* qp = q.data();
-  float *dp = d.data(), *sp = s.data();
-  int32_t* up = sum.data();
+  int8_t *hi = codes.data(), *lo = hi + M * K;
+  float *e = scales.data(), *sx = e + M * G;
+  int32_t* sp = sums.data();
   at::parallel_for(0, M * G, 256, [&](int64_t b0, int64_t b1) {
-    float r[kGroup];
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t m = b / G, g = b % G, main = (2 * m) * G + g, res = (2 * m + 1) * G + g;
-      const float* src = x + m * K + g * kGroup;
-      int8_t* q1 = qp + (2 * m) * K + g * kGroup;
-      quantize_group(src, q1, dp + main, sp + main, up + main);
-      for (int j = 0; j < kGroup; ++j) r[j] = src[j] - static_cast<float>(q1[j]) * dp[main];
-      quantize_group(r, qp + (2 * m + 1) * K + g * kGroup, dp + res, sp + res, up + res);
+    for (int64_t b = b0; b < b1; ++b)
+      quantize_group16(x + b * kGroup, hi + b * kGroup, lo + b * kGroup, e + b, sx + b, sp + b);
+  });
+  const bool q4 = wp.size(1) == K / 8, q8 = !q4 && scale.dim() == 3;  // else int8 with a scale per row
+  const int64_t block = q4 ? K / 2 * kLanes : K * kLanes;
+  const uint8_t* wpp = wp.data_ptr<uint8_t>();
+  const float* rs = q4 || q8 ? nullptr : scale.data_ptr<float>();  // int8's scale per row
+  const at::Half* dp = q4 || q8 ? scale.data_ptr<at::Half>() : nullptr;
+  const at::Half* mp = q4 ? mins.data_ptr<at::Half>() : nullptr;
+  at::parallel_for(0, (NB + 1) / 2, 4, [&](int64_t t0, int64_t t1) {
+    float out[4 * 2 * kLanes];
+    for (int64_t t = t0; t < t1; ++t) {  // a tile: 2 blocks of 16 channels (1 at the end)
+      const int64_t b0 = 2 * t, nb = std::min<int64_t>(2, NB - b0);
+      const uint8_t* wt = wpp + b0 * block;
+      const uint8_t* next = t + 1 < t1 ? wt + 2 * block : nullptr;  // prefetched during the first rows
+      const at::Half *d = dp ? dp + b0 * G * kLanes : nullptr, *mn = mp ? mp + b0 * G * kLanes : nullptr;
+      row_blocks(M, [&](auto mb, int64_t m) {
+        constexpr int MB = decltype(mb)::value;
+        const uint8_t* pf = m == 0 ? next : nullptr;
+        const int8_t *h = hi + m * K, *l = lo + m * K;
+        const float *em = e + m * G, *sm = sx + m * G;
+        const int32_t* um = sp + m * G;
+        if (q4) {
+          if (nb == 2) x16p_block<true, MB, 2>(h, l, em, sm, um, K, wt, d, mn, pf, out);
+          else x16p_block<true, MB, 1>(h, l, em, sm, um, K, wt, d, mn, pf, out);
+        } else {
+          if (nb == 2) x16p_block<false, MB, 2>(h, l, em, sm, um, K, wt, d, nullptr, pf, out);
+          else x16p_block<false, MB, 1>(h, l, em, sm, um, K, wt, d, nullptr, pf, out);
+        }
+        for (int i = 0; i < MB; ++i)
+          for (int64_t b = 0; b < nb; ++b) {  // into y, or added to it
+            __m512 v = _mm512_loadu_ps(out + (i * nb + b) * kLanes);
+            if (rs) v = _mm512_mul_ps(v, _mm512_loadu_ps(rs + (b0 + b) * kLanes));
+            float* yr = y + (m + i) * ldy + (b0 + b) * kLanes;
+            _mm512_storeu_ps(yr, accumulate ? _mm512_add_ps(_mm512_loadu_ps(yr), v) : v);
+          }
+      });
     }
   });
-  // Both rows of each pair in one block of the kernel (blocks of 4 and 2 rows start at even
-  // rows), summed as they are stored: y = (hi + lo), or y + (hi + lo).
-  linear_a8p({qp, dp, sp, up}, 2 * M, K, wp, scale, mins, y, ldy, accumulate, true);
+#else
+  TORCH_CHECK(false, "linear_a8p_residual: built without AVX-512 VNNI");
+#endif
 }
 
 // The packed twins of int8_linear_a8 / q4_linear_a8 (layouts above; AVX-512 VNNI only).

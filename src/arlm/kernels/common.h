@@ -76,21 +76,21 @@ int64_t packed_out_features(const char* op, int64_t K, const at::Tensor& wp, con
                             const at::Tensor& mins);
 
 // y[m, n] (row stride ldy) = sum_k x[m, k] w[n, k] for M rows of quantized x, or y += that when
-// accumulate (a residual add). Over the thread pool; AVX-512 VNNI builds only. pairs (M even):
-// rows 2m and 2m + 1 of x are one row of y, their products summed, (2m) + (2m + 1), before the add.
+// accumulate (a residual add). Over the thread pool; AVX-512 VNNI builds only.
 void linear_a8p(const Act8& x, int64_t M, int64_t K, const at::Tensor& wp, const at::Tensor& scale,
-                const at::Tensor& mins, float* y, int64_t ldy, bool accumulate, bool pairs = false);
+                const at::Tensor& mins, float* y, int64_t ldy, bool accumulate);
 
-// The same product with 8-bit activations taken twice: x ~ q1 d1 + q2 d2, q2 d2 the 8-bit
-// rounding of x's own rounding error (x - q1 d1). ~15 bits of activation, close to float32's
-// products, for ~2x the integer dot products but one pass over the weights (each row of x and
-// its residual run as a pair of rows). x [M, K] float32 (row stride K); y as linear_a8p.
-// r[0..n) = x - (x quantized to 8 bits per group of 32 and back): what one 8-bit pass loses (n a
-// multiple of 32). Serial.
-void activation_residual(const float* x, int64_t n, float* r);
-
+// The same product with x taken as 16 bits per group of 32 (step max|x| / 32512), split exactly
+// into two bytes, hi and lo: 256 dot(w, hi) + dot(w, lo) per group in int32, then one scale
+// (a8_linear.cpp, x16p_block). ~16 bits of activation, close to float32's products, for 2x the
+// integer dot products of one 8-bit pass but one pass over the weights ("int8x2": 8-bit
+// activations taken twice). x [M, K] float32 (row stride K); y as linear_a8p.
 void linear_a8p_residual(const float* x, int64_t M, int64_t K, const at::Tensor& wp, const at::Tensor& scale,
                          const at::Tensor& mins, float* y, int64_t ldy, bool accumulate);
+
+// r[0..n) = x - (x quantized to 8 bits per group of 32 and back): what one 8-bit pass loses (n a
+// multiple of 32); the row layouts' (AVX2) second pass. Serial.
+void activation_residual(const float* x, int64_t n, float* r);
 
 // bf16_linear.cpp: y[m, n] (row stride ldy) = x[m, :] . w[n, :] (or y += that) with x rounded to
 // bf16, float32 sums; wp in the packed bf16 layout [N/16, K/2, 32] (bf16_packed). AVX512-BF16 builds.
