@@ -299,13 +299,26 @@ void i8p_block(const int8_t* qx, const float* dx, const int32_t* qs, int64_t K, 
   store(acc, out);
 }
 
+// NB blocks' packed 4-bit weights for K-values k .. k + 7 (block: bytes per block), split into
+// their low nibbles (k .. k + 3 per channel) and high nibbles (k + 4 .. k + 7); pf: prefetched alike.
+template <int NB>
+inline void load_q4(const uint8_t* w, int64_t block, int64_t k, const uint8_t* pf, __m512i (&lo)[NB],
+                    __m512i (&hi)[NB]) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  for (int b = 0; b < NB; ++b) {
+    const __m512i v = _mm512_loadu_si512(w + b * block + k / 2 * kLanes);
+    if (pf) _mm_prefetch(reinterpret_cast<const char*>(pf + b * block + k / 2 * kLanes), _MM_HINT_T0);
+    lo[b] = _mm512_and_si512(v, low4);
+    hi[b] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+  }
+}
+
 // MB rows of quantized x against NB blocks of 16 channels of packed 4-bit weights:
 // out = sum_g (d * dx_g) * dot_g(q, qx) + m * sx_g.
 template <int MB, int NB>
 void q4p_block(const int8_t* qx, const float* dx, const float* sx, int64_t K, const uint8_t* w,
                const at::Half* d, const at::Half* mn, const uint8_t* pf, float* out) {
   const int64_t G = K / kGroup, block = K / 2 * kLanes, sblock = G * kLanes;
-  const __m512i low4 = _mm512_set1_epi8(0x0F);
   __m512 acc[MB][NB];
   zero(acc);
   for (int64_t g = 0; g < G; ++g) {
@@ -315,12 +328,7 @@ void q4p_block(const int8_t* qx, const float* dx, const float* sx, int64_t K, co
     for (int64_t p = 0; p < kGroup / 8; ++p) {
       const int64_t k = g * kGroup + 8 * p;
       __m512i lo[NB], hi[NB];
-      for (int b = 0; b < NB; ++b) {
-        const __m512i v = _mm512_loadu_si512(w + b * block + k / 2 * kLanes);
-        if (pf) _mm_prefetch(reinterpret_cast<const char*>(pf + b * block + k / 2 * kLanes), _MM_HINT_T0);
-        lo[b] = _mm512_and_si512(v, low4);
-        hi[b] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-      }
+      load_q4(w, block, k, pf, lo, hi);
       for (int i = 0; i < MB; ++i) {
         const __m512i x0 = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(qx + i * K + k));
         const __m512i x1 = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(qx + i * K + k + 4));
@@ -403,7 +411,6 @@ template <bool kQ4, int MB, int NB>
 void x16p_block(const int8_t* hi, const int8_t* lo, const float* e, const float* sx, const int32_t* sums,
                 int64_t K, const uint8_t* w, const at::Half* d, const at::Half* mn, const uint8_t* pf, float* out) {
   const int64_t G = K / kGroup, block = (kQ4 ? K / 2 : K) * kLanes, sblock = G * kLanes;
-  const __m512i low4 = _mm512_set1_epi8(0x0F);
   __m512 acc[MB][NB];
   zero(acc);
   for (int64_t g = 0; g < G; ++g) {
@@ -415,12 +422,7 @@ void x16p_block(const int8_t* hi, const int8_t* lo, const float* e, const float*
       for (int64_t p = 0; p < kGroup / 8; ++p) {
         const int64_t k = g * kGroup + 8 * p;
         __m512i w0[NB], w1[NB];
-        for (int b = 0; b < NB; ++b) {
-          const __m512i v = _mm512_loadu_si512(w + b * block + k / 2 * kLanes);
-          if (pf) _mm_prefetch(reinterpret_cast<const char*>(pf + b * block + k / 2 * kLanes), _MM_HINT_T0);
-          w0[b] = _mm512_and_si512(v, low4);
-          w1[b] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-        }
+        load_q4(w, block, k, pf, w0, w1);
         for (int i = 0; i < MB; ++i) {
           const __m512i h0 = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(hi + i * K + k));
           const __m512i h1 = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(hi + i * K + k + 4));
