@@ -9,8 +9,9 @@ tied model the token embedding gathered from the head's Q8_0 rows (`QuantizedEmb
 With 8-bit activations each layer also quantizes its input per group of 32, as llama.cpp does,
 and the kernels multiply in integers (one VNNI instruction per 32 weights): 4-bit decode then runs
 at memory speed instead of being bound by widening every weight to float. By default the input
-is taken twice ("int8x2", `prepare`): 8 bits, then 8 more for what the first pass rounded away,
-which leaves the next-token distributions within 1e-5 KL of float32 (`arlm perplexity
+is taken twice ("int8x2", `prepare`): 16 bits split into two bytes on the packed (AVX-512 VNNI)
+kernels, 8 bits and then 8 more for what the first pass rounded away on the row kernels, which
+leaves the next-token distributions within 1e-5 KL of float32 (`arlm perplexity
 --kl-divergence`, docs/benchmarks.md).
 On CPUs with AVX-512 VNNI the layers hold their weights in the kernels' packed layout instead of
 the row layout (16 output channels to a vector, `arlm.kernels.pack_int8` / `pack_q4`), which
@@ -358,10 +359,12 @@ def prepare(model: Transformer, activations: str = "int8x2", keep_dense: bool = 
     """Set every quantized layer's activation precision and layout, and its dense copy for prefill.
 
     activations, the measured choice per layer type (docs/benchmarks.md, "Fidelity"):
-    - "int8x2": every linear takes its input as 8 bits twice (`residual_activations`: the second
-      pass quantizes the first one's rounding error): ~15-bit activations, next-token
+    - "int8x2": every linear takes its input as 8 bits twice (`residual_activations`: 16 bits
+      split into two bytes on the packed kernels, the first pass's rounding error quantized
+      again on the row kernels): ~15-16-bit activations, next-token
       distributions within 1e-5 KL of float32 (the answers float32 gives); batch-1 decode as
-      fast as "int8", batched decode ~1.3x and prefill ~1.6x slower on a Zen 4 CPU;
+      fast as "int8", batched decode ~1.3x and prefill ~1.5x slower on a Zen 4 CPU
+      (docs/benchmarks.md, issue 21);
     - "int8": one 8-bit pass (llama.cpp's choice), except the LM head, which takes two: it
       removes ~30% of the single pass's KL divergence for no measurable time;
     - "float32": weight-only quantization, float activations (the row-layout kernels: slow).

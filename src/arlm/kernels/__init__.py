@@ -294,8 +294,9 @@ def q4_linear_a8p(x: torch.Tensor, wp: torch.Tensor, scale: torch.Tensor, mins: 
 def linear_a8p_residual(x: torch.Tensor, wp: torch.Tensor, scale: torch.Tensor,
                         mins: torch.Tensor | None = None) -> torch.Tensor:
     """A packed layer (`int8_linear_a8p` / `q4_linear_a8p`'s operands) with its 8-bit activations
-    taken twice: x ~ q1 d1 + q2 d2, q2 d2 the rounding error of the first, quantized again
-    (~15 bits; a8_linear.cpp). packed_available() must hold."""
+    taken twice: x quantized to 16 bits per group of 32 (step max|x| / 32512) and split into two
+    bytes, 256 hi + lo, each multiplied in integers (a8_linear.cpp, x16p_block). packed_available()
+    must hold."""
     return torch.ops.arlm.linear_a8p_residual(x.contiguous(), wp, scale, torch.empty(0) if mins is None else mins)
 
 
