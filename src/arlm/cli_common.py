@@ -64,8 +64,8 @@ def add_model_args(p: argparse.ArgumentParser, compile: bool = True) -> None:
                    help=argparse.SUPPRESS)  # the older name of --matmul-path
     p.add_argument("--activations", default="int8x2", choices=("int8x2", "int8", "float32"),
                    help="a quantized model's activation precision: int8x2 (default: 8 bits taken twice, "
-                        "~15 bits, float32's answers), int8 (one 8-bit pass, as llama.cpp: batched decode "
-                        "~1.3x and prefill ~1.6x faster, less faithful) or float32 (slow)")
+                        "~16 bits, float32's answers), int8 (one 8-bit pass, as llama.cpp: batched decode "
+                        "~1.3x and prefill ~1.5x faster, less faithful) or float32 (slow)")
     p.add_argument("--kv-dtype", default="auto", choices=("auto", "float32", "float16", "bfloat16", "int8", "int4"),
                    help="KV cache dtype (auto: float16 under a quantized model on CPU, as llama.cpp's default "
                         "cache: half the bytes per decode step; else the model's dtype). int8: 8-bit K and V "

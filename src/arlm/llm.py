@@ -353,7 +353,7 @@ class LLM:
         float32. A path this machine cannot run is a ValueError saying why. `llm.matmul_path` and
         `matmul_isa` say what was chosen (and generate's stats). prefill_dtype: the older name
         ("quantized" = vnni or avx2, "bfloat16", "float32").
-        activations (quantized models): "int8x2" (8-bit twice, ~15 bits: float32's answers),
+        activations (quantized models): "int8x2" (8-bit twice, ~16 bits: float32's answers),
         "int8" (one 8-bit pass but the head's: faster, less faithful) or "float32" (slow); see
         `arlm.quant.prepare` and docs/benchmarks.md for what each costs and buys.
         kv_dtype: the KV cache's dtype, "float32", "float16", "bfloat16", "int8", "int4" or

@@ -82,8 +82,9 @@ class QuantizedLinear(nn.Module, ABC):
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
         self.dense_weight: torch.Tensor | None = None  # a float copy for prefill (see dense_weights)
         self._a8 = False
-        # With 8-bit activations: take them twice, x ~ q1 d1 + q2 d2 (the second the first's rounding
-        # error), ~15 bits for ~2x the integer products and one pass over the weights (prepare).
+        # With 8-bit activations: take them twice (16 bits split into two bytes on the packed
+        # kernels; the first pass's rounding error quantized again on the row kernels), ~15-16 bits
+        # for ~2x the integer products and one pass over the weights (prepare).
         self.residual_activations = False
         self.allow_packed = True  # False: the row layout even where the packed kernels are built (prepare)
 

@@ -24,6 +24,7 @@
 #include "common.h"
 
 #include <cmath>
+#include <limits>
 #include <memory>
 #include <type_traits>
 #include <vector>
@@ -380,7 +381,8 @@ inline void quantize_group16(const float* src, int8_t* hi, int8_t* lo, float* e_
     *sum_out = 0;
     return;
   }
-  const float e = amax / 32512.f, ie = e > 0.f ? 1.f / e : 0.f;
+  // (a group below ~1e-34 in magnitude, whose 1 / e would overflow, is taken as zeros)
+  const float e = amax / 32512.f, ie = e >= std::numeric_limits<float>::min() ? 1.f / e : 0.f;
   int32_t sum = 0;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
   for (int half = 0; half < 2; ++half) {

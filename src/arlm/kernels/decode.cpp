@@ -144,9 +144,9 @@ int64_t out_features(const char* op, const at::Tensor* p, int64_t K) {
 // y[M, N] (row stride ldy) = x W^T, or y += x W^T when accumulate (the residual adds). x [M, K]
 // float32; xq: x quantized (arlm_kernels::Act8), which packed layers read instead. Packed layers
 // write straight into y; the other layouts (AVX2 / float32 builds) go through their tensor ops.
-// residual (with a8): the 8-bit activations taken twice (arlm_kernels::linear_a8p_residual), for
-// the packed layouts in one pass over the weights, for the row layouts as each row of x and its
-// residual run as two rows.
+// residual (with a8): the 8-bit activations taken twice: for the packed layouts x as 16 bits in
+// two bytes, in one pass over the weights (arlm_kernels::linear_a8p_residual); for the row layouts
+// each row of x and its 8-bit rounding error run as two rows.
 void linear_into(const float* x, const arlm_kernels::Act8* xq, int64_t M, int64_t K, const at::Tensor* p, bool a8,
                  float* y, int64_t ldy, bool accumulate, bool residual = false) {
   if (residual && a8 && K % 32 == 0) {
@@ -559,7 +559,7 @@ void forward_llama_paged(const at::Tensor& x, at::TensorList weights, const at::
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(hd)));  // as paged_cache.py's
   const int64_t qkv_dim = s.qkv_dim, group = H / Hkv;
   const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
-  Buffers buf(s, arlm_kernels::paged_scratch(pp, N, H, Hkv, hd));
+  Buffers buf(s, arlm_kernels::paged_scratch(seq, pp, N, H, Hkv, hd));
   TORCH_CHECK(window >= 0 && sinks >= 0, "forward_llama_paged: window and sinks must be >= 0");
   const arlm_kernels::Window win{window, sinks, cp, sp};  // (window 0: every slot; paged_attention.h)
   // straight from the q/k/v rows; the pools hold the cache's format (attention.h)

@@ -14,6 +14,7 @@
 #include "attention.h"
 
 #include <atomic>
+#include <memory>
 #include <vector>
 
 namespace arlm_kernels {
@@ -49,12 +50,21 @@ inline void paged_write(const float* k, const float* v, int64_t ldkv, TK* kp, TV
 // the run's keys are transposed 16 at a time and scored against all its queries (block_scores).
 constexpr int64_t kRun = 16;
 
-// Scratch floats per thread for paged_attend: a run's scores, kRun * G * (longest sequence + 1),
-// and a block of transposed keys.
-inline int64_t paged_scratch(const int64_t* pos, int64_t N, int64_t H, int64_t Hkv, int64_t D) {
-  int64_t longest = 0;
-  for (int64_t i = 0; i < N; ++i) longest = std::max(longest, pos[i] + 1);
-  return kRun * (H / Hkv) * (longest + 1) + 16 * D + 16;
+// Scratch floats per thread for paged_attend: one query's scores, G * (its slots + 1), or for a
+// run of 4 or more prompt tokens scored together (the runs paged_attend forms) the run's scores
+// and a block of transposed keys. A batch of decode tokens needs no more than before.
+inline int64_t paged_scratch(const int64_t* seq, const int64_t* pos, int64_t N, int64_t H, int64_t Hkv,
+                             int64_t D) {
+  const int64_t G = H / Hkv;
+  int64_t need = 0;
+  for (int64_t i = 0; i < N;) {
+    int64_t len = 1;
+    while (len < kRun && i + len < N && seq[i + len] == seq[i] && pos[i + len] == pos[i] + len) ++len;
+    const int64_t last = pos[i] + len;  // the run's slots
+    need = std::max(need, len >= 4 ? len * G * (last + 1) + 16 * D + 16 : G * (last + 1));
+    i += len;
+  }
+  return need;
 }
 
 // A sliding window with attention sinks (StreamingLLM): a query at position p reads the first
@@ -90,7 +100,7 @@ inline void paged_attend(const float* q, int64_t ldq, const TK* kp, const TV* vp
                          int64_t M, const int64_t* seq, const int64_t* pos, int64_t N, int64_t H, int64_t Hkv,
                          int64_t D, int64_t BS, float scale, float* out, float* scratch, Done done,
                          const Window& win = Window()) {
-  const int64_t G = H / Hkv, per_thread = paged_scratch(pos, N, H, Hkv, D);
+  const int64_t G = H / Hkv, per_thread = paged_scratch(seq, pos, N, H, Hkv, D);
   const int64_t sk = KV<TK>::stride(D), sv = KV<TV>::stride(D);
   // Runs: tokens i .. i + len - 1 of one sequence at consecutive positions (a prompt's chunk),
   // at most kRun; a decode token is a run of one.
@@ -198,8 +208,9 @@ inline void paged_attention(const float* q, int64_t ldq, const float* k, const f
   at::parallel_for(0, N, 16, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) paged_write(k, v, ldkv, kp, vp, table, M, seq, pos, i, Hkv, D, BS);
   });
-  std::vector<float> scratch(at::get_num_threads() * paged_scratch(pos, N, H, Hkv, D));
-  paged_attend(q, ldq, kp, vp, table, M, seq, pos, N, H, Hkv, D, BS, scale, out, scratch.data(),
+  // (written before it is read: no zero-fill)
+  std::unique_ptr<float[]> scratch(new float[at::get_num_threads() * paged_scratch(seq, pos, N, H, Hkv, D)]);
+  paged_attend(q, ldq, kp, vp, table, M, seq, pos, N, H, Hkv, D, BS, scale, out, scratch.get(),
                [](const float*, int64_t) {}, win);
 }
 
