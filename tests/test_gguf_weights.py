@@ -292,6 +292,23 @@ def test_residual_activations_are_near_float(kind):
     assert (rows - exact).abs().max().item() < e1 / 30
 
 
+@needs_packed
+@pytest.mark.parametrize("kind", ["q4", "q8", "int8"])
+def test_residual_activations_propagate_nan_and_inf(kind):
+    # A NaN or an infinity in a row's input makes that row's outputs NaN, as float math would
+    # (inf times weights of both signs); the other rows are untouched.
+    g = torch.Generator().manual_seed(12)
+    cls = {"q4": Q4Linear, "q8": Q8Linear, "int8": Int8Linear}[kind]
+    layer = cls.from_float(torch.randn(48, 96, generator=g))
+    layer.int8_activations = True
+    x = torch.randn(4, 96, generator=g)
+    clean = kernels.linear_a8p_residual(x, *layer.tensors())
+    x[1, 40], x[2, 7] = float("nan"), float("inf")
+    y = kernels.linear_a8p_residual(x, *layer.tensors())
+    assert y[1].isnan().all() and y[2].isnan().all()
+    assert torch.equal(y[0], clean[0]) and torch.equal(y[3], clean[3])
+
+
 def test_activation_modes_set_each_layer(smollm2_path):
     from arlm.llm import LLM
     from arlm.quant import prepare

@@ -370,10 +370,16 @@ inline void quantize_group16(const float* src, int8_t* hi, int8_t* lo, float* e_
                              int32_t* sum_out) {
   float amax = 0.f;
   bool finite = true;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  const __m512 a = _mm512_loadu_ps(src), b = _mm512_loadu_ps(src + 16);
+  amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+  finite = std::isfinite(amax) && !_mm512_cmp_ps_mask(a, b, _CMP_UNORD_Q);  // (max hides a NaN)
+#else
   for (int j = 0; j < kGroup; ++j) {
     finite &= std::isfinite(src[j]);
     amax = std::max(amax, std::fabs(src[j]));
   }
+#endif
   if (!finite) {
     std::fill(hi, hi + kGroup, 0);
     std::fill(lo, lo + kGroup, 0);
