@@ -682,35 +682,41 @@ void arlm_kernels::linear_a8p_residual(const float* x, int64_t M, int64_t K, con
   const float* rs = q4 || q8 ? nullptr : scale.data_ptr<float>();  // int8's scale per row
   const at::Half* dp = q4 || q8 ? scale.data_ptr<at::Half>() : nullptr;
   const at::Half* mp = q4 ? mins.data_ptr<at::Half>() : nullptr;
+  // Each thread's tiles are taken a chunk of rows at a time: the chunk's codes (64 rows: 74 KB at
+  // K = 576, 197 KB at 1,536) stay in L2 across the tiles, where all M rows would be read again
+  // from L3 for every tile. A row's products do not depend on the chunking.
+  constexpr int64_t kChunkRows = 64;
   at::parallel_for(0, (NB + 1) / 2, 4, [&](int64_t t0, int64_t t1) {
     float out[4 * 2 * kLanes];
-    for (int64_t t = t0; t < t1; ++t) {  // a tile: 2 blocks of 16 channels (1 at the end)
-      const int64_t b0 = 2 * t, nb = std::min<int64_t>(2, NB - b0);
-      const uint8_t* wt = wpp + b0 * block;
-      const uint8_t* next = t + 1 < t1 ? wt + 2 * block : nullptr;  // prefetched during the first rows
-      const at::Half *d = dp ? dp + b0 * G * kLanes : nullptr, *mn = mp ? mp + b0 * G * kLanes : nullptr;
-      row_blocks(M, [&](auto mb, int64_t m) {
-        constexpr int MB = decltype(mb)::value;
-        const uint8_t* pf = m == 0 ? next : nullptr;
-        const int8_t *h = hi + m * K, *l = lo + m * K;
-        const float *em = e + m * G, *sm = sx + m * G;
-        const int32_t* um = sp + m * G;
-        if (q4) {
-          if (nb == 2) x16p_block<true, MB, 2>(h, l, em, sm, um, K, wt, d, mn, pf, out);
-          else x16p_block<true, MB, 1>(h, l, em, sm, um, K, wt, d, mn, pf, out);
-        } else {
-          if (nb == 2) x16p_block<false, MB, 2>(h, l, em, sm, um, K, wt, d, nullptr, pf, out);
-          else x16p_block<false, MB, 1>(h, l, em, sm, um, K, wt, d, nullptr, pf, out);
-        }
-        for (int i = 0; i < MB; ++i)
-          for (int64_t b = 0; b < nb; ++b) {  // into y, or added to it
-            __m512 v = _mm512_loadu_ps(out + (i * nb + b) * kLanes);
-            if (rs) v = _mm512_mul_ps(v, _mm512_loadu_ps(rs + (b0 + b) * kLanes));
-            float* yr = y + (m + i) * ldy + (b0 + b) * kLanes;
-            _mm512_storeu_ps(yr, accumulate ? _mm512_add_ps(_mm512_loadu_ps(yr), v) : v);
+    for (int64_t c0 = 0; c0 < M; c0 += kChunkRows)
+      for (int64_t t = t0; t < t1; ++t) {  // a tile: 2 blocks of 16 channels (1 at the end)
+        const int64_t b0 = 2 * t, nb = std::min<int64_t>(2, NB - b0);
+        const uint8_t* wt = wpp + b0 * block;
+        const uint8_t* next = t + 1 < t1 ? wt + 2 * block : nullptr;  // prefetched during the first rows
+        const at::Half *d = dp ? dp + b0 * G * kLanes : nullptr, *mn = mp ? mp + b0 * G * kLanes : nullptr;
+        row_blocks(std::min(kChunkRows, M - c0), [&](auto mb, int64_t r) {
+          constexpr int MB = decltype(mb)::value;
+          const int64_t m = c0 + r;
+          const uint8_t* pf = r == 0 ? next : nullptr;
+          const int8_t *h = hi + m * K, *l = lo + m * K;
+          const float *em = e + m * G, *sm = sx + m * G;
+          const int32_t* um = sp + m * G;
+          if (q4) {
+            if (nb == 2) x16p_block<true, MB, 2>(h, l, em, sm, um, K, wt, d, mn, pf, out);
+            else x16p_block<true, MB, 1>(h, l, em, sm, um, K, wt, d, mn, pf, out);
+          } else {
+            if (nb == 2) x16p_block<false, MB, 2>(h, l, em, sm, um, K, wt, d, nullptr, pf, out);
+            else x16p_block<false, MB, 1>(h, l, em, sm, um, K, wt, d, nullptr, pf, out);
           }
-      });
-    }
+          for (int i = 0; i < MB; ++i)
+            for (int64_t b = 0; b < nb; ++b) {  // into y, or added to it
+              __m512 v = _mm512_loadu_ps(out + (i * nb + b) * kLanes);
+              if (rs) v = _mm512_mul_ps(v, _mm512_loadu_ps(rs + (b0 + b) * kLanes));
+              float* yr = y + (m + i) * ldy + (b0 + b) * kLanes;
+              _mm512_storeu_ps(yr, accumulate ? _mm512_add_ps(_mm512_loadu_ps(yr), v) : v);
+            }
+        });
+      }
   });
 #else
   TORCH_CHECK(false, "linear_a8p_residual: built without AVX-512 VNNI");
