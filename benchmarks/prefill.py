@@ -72,11 +72,11 @@ def layer_shapes(cfg) -> list[tuple[int, int]]:
 
 def worker_arlm(path: str, activations: str, prompt: int, threads: int) -> dict:
     sys.path.insert(0, str(ROOT / "src"))
-    from arlm.engine import threads as governor
+    from arlm.runtime import runtime
     from arlm.llm import LLM
     from arlm.sampling import SamplingParams
 
-    governor.pin(threads)
+    runtime().threads.pin(threads)
     llm = LLM.load("smollm2", matmul_path=path, activations=activations)
     ids = prompt_ids(prompt, 0)
     one = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
@@ -88,11 +88,11 @@ def worker_arlm(path: str, activations: str, prompt: int, threads: int) -> dict:
 
 def worker_batch(batch: int, threads: int) -> dict:
     sys.path.insert(0, str(ROOT / "src"))
-    from arlm.engine import threads as governor
+    from arlm.runtime import runtime
     from arlm.llm import LLM
     from arlm.sampling import SamplingParams
 
-    governor.pin(threads)
+    runtime().threads.pin(threads)
     llm = LLM.load("smollm2")
     prompts = [prompt_ids(32 + (i * 7) % 33, 100 + i) for i in range(batch)]
     params = SamplingParams(max_new_tokens=64, temperature=0.0, ignore_eos=True)

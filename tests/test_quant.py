@@ -20,7 +20,7 @@ from arlm.engine import Engine, EngineConfig, ModelRunner, decode_step, prefill
 from arlm.kernels.llama import LayerWeight
 from arlm.kv_cache import KVCache
 from arlm.llm import LLM, ChatSession
-from arlm.quant import (Int8Linear, Q4Linear, Q8Linear, QuantizedLinear, dense_weights, quantize, quantize_int8,
+from arlm.quant import (Int8Linear, Q4Linear, Q8Linear, QuantizedLinear, quantize, quantize_int8,
                         weight_bytes)
 from arlm.sampling import SamplingParams
 from cpu_flags import (amx_expected, cpu_flags, matmul_path_expected, native_bf16_expected, native_kernels_expected,
@@ -313,9 +313,9 @@ def auto_smollm2(smollm2):
     return _quantized(smollm2, "auto")
 
 
-def _perplexity(model, ids: torch.Tensor) -> float:
+def _perplexity(model, ids: torch.Tensor, dense: bool = False) -> float:
     with torch.inference_mode():
-        logits = model(ids)
+        logits = model(ids, dense=dense)
     nll = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
     return nll.exp().item()
 
@@ -398,14 +398,13 @@ def test_prefill_uses_the_float_weights(smollm2, auto_smollm2):
 def test_bf16_prefill_quality(smollm2, val_ids, fp32_perplexity):
     # LLM.configure's choice on CPUs with native bf16 matmuls: prefill multiplies by bf16 copies
     # of the weights (float32 accumulation). Held to the same 1% perplexity bound as the
-    # quantized decode path, over the prefill path itself (dense_weights), and the prompts'
+    # quantized decode path, over the prefill path itself (dense=True), and the prompts'
     # next tokens must agree with the float32 model's.
     model = quantize(copy.deepcopy(smollm2.model), "auto", prefill_dtype=torch.bfloat16)
     layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
     assert all(m.dense_weight.dtype == torch.bfloat16 for m in layers)
-    with dense_weights():
-        ppl = _perplexity(model, val_ids)
-        logits = model(val_ids[:, :64])
+    ppl = _perplexity(model, val_ids, dense=True)
+    logits = model(val_ids[:, :64], dense=True)
     assert abs(ppl / fp32_perplexity - 1) <= 0.01, (fp32_perplexity, ppl)
     with torch.inference_mode():
         ref = smollm2.model(val_ids[:, :64])
@@ -563,7 +562,7 @@ def test_dense_prompt_runs_natively_as_the_modules_do(smollm2, path):
     # --matmul-path bf16 / float32: prompt tokens take the dense copies inside the native layer
     # stack (torch's GEMMs for the linears, the native attention), decode tokens the integer
     # kernels. The prompt's logits match the module path over the same dense copies (the
-    # reference: Transformer.forward inside quant.dense_weights) to float32 summation order.
+    # reference: Transformer.forward(dense=True)) to float32 summation order.
     llm, _ = _configured(smollm2, matmul_path=path)
     runner = llm.runner
     assert runner.dense_prefill and runner.native is not None and runner.native.dense_weights is not None
@@ -576,9 +575,8 @@ def test_dense_prompt_runs_natively_as_the_modules_do(smollm2, path):
         native = runner.forward_flat(cache, ids, list(range(n)), [0] * n, [[0, 1, 2, 3]], list(range(n)), dense=True)
         cache = KVCache.pool(llm.model.config, 4, 16, torch.float32)
         cache.set_batch(torch.tensor([[0, 1, 2, 3]]), torch.zeros(n, dtype=torch.long))
-        with dense_weights():
-            ref = llm.model(torch.tensor([ids]), torch.arange(n)[None], kv_cache=cache,
-                            output_index=torch.arange(n))
+        ref = llm.model(torch.tensor([ids]), torch.arange(n)[None], kv_cache=cache,
+                        output_index=torch.arange(n), dense=True)
         cache.set_batch(None, None)
     # the head: the native pass reads the quantized head (8-bit twice), the modules its dense copy
     tol = (2e-2 if path == "bf16" else 5e-3) * ref.abs().max().item()

@@ -172,8 +172,9 @@ def test_lazy_mask_draws_the_masked_distribution(llm):
     from types import SimpleNamespace
 
     from arlm.engine.request import Request
+    from arlm.engine.sampler import sample_plain
 
-    engine, V = llm.engine, llm.model.config.vocab_size
+    V = llm.model.config.vocab_size
     spec = StructuredOutput("regex", "[a-e]")
     letters = [llm.tokenizer.encode(c, add_bos=False)[0] for c in "abcde"]
     base = torch.randn(V, generator=torch.Generator().manual_seed(2))
@@ -200,8 +201,8 @@ def test_lazy_mask_draws_the_masked_distribution(llm):
                                        llm.tokenizer.eos_ids, "cpu") for i in range(n)]
                 for r in reqs:
                     r.matcher = llm.grammars.matcher(spec)
-                got, failed = engine._sample_plain(base.expand(n, -1).contiguous(), list(range(n)),
-                                                   SimpleNamespace(seqs=reqs), list(range(n)))
+                got, failed = sample_plain(base.expand(n, -1).contiguous(), list(range(n)),
+                                           SimpleNamespace(seqs=reqs), list(range(n)), llm.grammars)
                 assert not failed
                 for (t,) in got.values():
                     counts[letters.index(t)] += 1
@@ -212,7 +213,7 @@ def test_lazy_mask_draws_the_masked_distribution(llm):
         greedy = SamplingParams(temperature=0.0)
         r = Request.create("g", [1], greedy, V, llm.tokenizer.eos_ids, "cpu")
         r.matcher = llm.grammars.matcher(spec)
-        got, _ = engine._sample_plain(base[None].clone(), [0], SimpleNamespace(seqs=[r]), [0])
+        got, _ = sample_plain(base[None].clone(), [0], SimpleNamespace(seqs=[r]), [0], llm.grammars)
         assert got[0] == [letters[0]]  # the masked argmax
     finally:
         llm.grammars.takes = takes

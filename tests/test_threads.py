@@ -1,4 +1,4 @@
-"""The steps' thread width (arlm/engine/threads.py): it follows the cores other processes leave
+"""The steps' thread width (arlm/threads.py): it follows the cores other processes leave
 free, returns to full width when they go, stays put when pinned, shows in the stats, /metrics
 and the stats line; and outputs never depend on it (widths forced to change every step).
 """
@@ -14,16 +14,18 @@ import time
 import pytest
 import torch
 
-from arlm.engine import threads
-from arlm.engine.threads import ThreadGovernor, others_runnable
+from arlm.runtime import runtime
+from arlm.threads import ThreadGovernor, others_runnable
 from arlm.sampling import SamplingParams
 
 
 @pytest.fixture
 def restore_threads():
-    width, gov = torch.get_num_threads(), threads._governor
+    gov = runtime().threads
+    width = torch.get_num_threads()
+    state = dict(vars(gov))
     yield
-    threads._governor = gov
+    vars(gov).update(state)
     torch.set_num_threads(width)
 
 
@@ -100,16 +102,17 @@ def test_outputs_do_not_depend_on_the_width(smollm2_path, restore_threads):
     for mode in ("pinned 2", "pinned 1", "changing"):
         if mode == "changing":
             cycle = iter(range(10**6))
-            g = threads.pin(None)
+            g = runtime().threads
+            g.pin(None)
             g.watching, g.every, g.widest, g.cores = True, 1, 2, 2
             g.probe = lambda: next(cycle) % 2  # busy, quiet, busy, ...: width 1, 2, 1, ...
             g.samples = type(g.samples)(maxlen=1)
         else:
-            threads.pin(int(mode[-1]))
+            runtime().threads.pin(int(mode[-1]))
         got = [llm.engine.generate(prompts, params), paged.generate(prompts, params)]
         results[mode] = got
         if mode == "changing":
-            assert threads.governor().changes > 20
+            assert runtime().threads.changes > 20
     assert results["changing"] == results["pinned 2"] == results["pinned 1"]
 
 

@@ -1,30 +1,48 @@
-"""arlm: autoregressive transformer language models, trained in parallel, decoded with a KV cache."""
+"""arlm: autoregressive transformer language models, trained in parallel, decoded with a KV cache.
 
-# OpenMP's wait policy is left to the user. The native decode step runs ~200 short parallel
-# regions a step; with libgomp's default (threads spin briefly before they sleep) SmolLM2 decodes
-# at ~150 tokens/s on 2 cores, with OMP_WAIT_POLICY=PASSIVE (sleep at once) at ~67
-# (benchmarks/run.py, docs/benchmarks.md). Spinning threads lose whole time slices when another
-# process takes their core: the engine watches for that and narrows its threads while others
-# keep cores busy, widening again when they go (engine/threads.py; `--threads N` pins them).
+The names below load on first use (PEP 562): `import arlm` itself imports no torch, so the
+command line's help and usage errors answer at once, and `arlm` can set torch's allocator
+variables before torch loads (`prefer_huge_pages`).
+"""
 
-# Transparent huge pages for torch's large CPU buffers (weights, the KV cache): a decode step
-# streams both, and with 4 KB pages an int8 cache crosses a page every ~60 rows (on a kernel
-# whose THP setting is "madvise", the usual default; c10 aligns buffers of 2 MB or more and
-# madvises them). SmolLM2 at 8,000 tokens of context: 0-6% faster decode (this machine's noise is
-# as large), the same resident memory (docs/benchmarks.md, "KV-cache compression"). c10 reads the
-# variable once, at its first allocation, so it is set before torch is imported;
-# THP_MEM_ALLOC_ENABLE=0 turns it off.
-import os as _os
+from __future__ import annotations
 
-_os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
-
-from .config import ModelConfig  # noqa: E402
-from .engine import Engine, EngineConfig, FinishReason, decode_step, prefill  # noqa: E402
-from .kv_cache import KVCache  # noqa: E402
-from .model import Transformer  # noqa: E402
-from .sampling import SamplingParams, sample  # noqa: E402
+import importlib
+import os
+import sys
 
 __version__ = "0.1.0"
 
-__all__ = ["ModelConfig", "Transformer", "KVCache", "SamplingParams", "sample", "Engine", "EngineConfig",
-           "FinishReason", "prefill", "decode_step", "__version__"]
+
+def prefer_huge_pages() -> None:
+    """Ask torch for transparent huge pages for its large CPU buffers (THP_MEM_ALLOC_ENABLE=1,
+    unless the variable is set already); call it before torch is imported, as the `arlm`
+    command does first thing.
+
+    A decode step streams every weight and the whole KV cache; with 4 KB pages an int8 cache
+    crosses a page every ~60 rows (on a kernel whose THP setting is "madvise", the usual
+    default, c10 aligns buffers of 2 MB or more and madvises them when this is set). SmolLM2 at
+    8,000 tokens of context: 0-6% faster decode, the same resident memory (docs/benchmarks.md,
+    "KV-cache compression"). c10 reads the variable once, at its first allocation, so setting
+    it later does nothing: then this warns instead. THP_MEM_ALLOC_ENABLE=0 turns it off."""
+    if "torch" in sys.modules and "THP_MEM_ALLOC_ENABLE" not in os.environ:
+        print("arlm: prefer_huge_pages() after torch was imported has no effect", file=sys.stderr)
+        return
+    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+
+_EXPORTS = {
+    "ModelConfig": "config", "Transformer": "model", "KVCache": "kv_cache", "SamplingParams": "sampling",
+    "sample": "sampling", "Engine": "engine", "EngineConfig": "engine", "FinishReason": "engine",
+    "prefill": "engine", "decode_step": "engine",
+}
+
+__all__ = [*_EXPORTS, "__version__", "prefer_huge_pages"]
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'arlm' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value  # (looked up once)
+    return value

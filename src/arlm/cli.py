@@ -303,13 +303,13 @@ def build_parser() -> argparse.ArgumentParser:
 # quarter of `arlm generate`'s start-to-finish, and these hold nothing that needs it (their
 # output is flushed, their files written and closed before they return).
 QUICK_EXIT = {"generate", "chat", "perplexity", "trace"}
-_quick_exit = False
 
 
 def entry() -> None:
-    """The `arlm` console script and `python -m arlm`: main(), then the process ends."""
-    code = main()
-    if _quick_exit:
+    """The `arlm` console script and `python -m arlm` (arlm.__main__): the command, then the
+    process ends."""
+    code, quick = _run(None)
+    if quick:
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()
@@ -320,32 +320,39 @@ def entry() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    global _quick_exit
+    """Run one `arlm` command line; its exit code."""
+    return _run(argv)[0]
+
+
+def _run(argv: list[str] | None) -> tuple[int, bool]:
+    """The exit code, and whether the command may end without the interpreter's teardown."""
     from .config import ConfigError
     from .loading.errors import LoadError
 
+    command = None
     try:
         args = build_parser().parse_args(argv)
-        _quick_exit = args.command in QUICK_EXIT
-        return args.func(args)
+        command = args.command
+        code = args.func(args)
     except UsageError as e:
         print(str(e), file=sys.stderr)
-        return 2
+        code = 2
     except BrokenPipeError:  # the reader went away (`arlm generate ... | head`): stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
-        return 1
+        code = 1
     except (LoadError, ConfigError, ValueError, OSError) as e:
         print(f"arlm: error: {e}", file=sys.stderr)
-        return 1
+        code = 1
     except KeyboardInterrupt:
         print("\narlm: interrupted", file=sys.stderr)
-        return 130
+        code = 130
     except Exception as e:  # noqa: BLE001 - the last line of defence against a traceback
         if os.environ.get("ARLM_DEBUG"):
             raise
         print(f"arlm: internal error: {type(e).__name__}: {e} (set ARLM_DEBUG=1 for a traceback)",
               file=sys.stderr)
-        return 1
+        code = 1
+    return code, command in QUICK_EXIT
 
 
 if __name__ == "__main__":

@@ -260,9 +260,9 @@ def load_llm(args: argparse.Namespace):
         if args.threads > (os.cpu_count() or 1):
             print(f"arlm: warning: --threads {args.threads} is more than this machine's {os.cpu_count()} cores: "
                   "the threads will take turns, and decode gets much slower", file=sys.stderr)
-        from .engine import threads
+        from .runtime import runtime  # (imports torch: ~1 s that --help and usage errors do without)
 
-        threads.pin(args.threads)  # (fixed: no narrowing beside busy neighbours)
+        runtime().threads.pin(args.threads)  # (fixed: no narrowing beside busy neighbours)
     quantize = None if args.quantize == "none" else args.quantize
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if args.device.startswith("cuda") else "float32")
     if getattr(args, "kv_window", 0) and getattr(args, "speculative", None) not in (None, "off"):

@@ -17,7 +17,7 @@ from typing import Iterator
 import torch
 
 from .engine import Engine, EngineConfig, FinishReason, ModelRunner, Request, RequestOutput
-from .engine import threads
+from .engine.engine import window_blocks
 from .engine.speculative import Drafter, SpecRates, SpeculativeConfig
 from .loading import LoadedModel
 from .kv_cache import KVDtype, check_head_dim, kv_dtype_name, parse_kv_dtype
@@ -75,7 +75,7 @@ class GenerationStats(SpecRates):
     kv_bytes_per_token: int = 0  # bytes one cached token takes: K and V, every layer, scales included
     matmul_path: str = ""  # how the prompt's matrices multiply (LLM.configure): vnni, avx2, bf16, float32
     matmul_isa: str = ""  # with which instructions: "AVX512-VNNI", "AMX", "AVX512-BF16", ...
-    # the steps' threads (engine/threads.py): the width at the last step, the narrowest any step
+    # the steps' threads (arlm/threads.py): the width at the last step, the narrowest any step
     # had, the widest allowed, whether --threads pinned it, and width changes during the stream
     threads: int = 0
     threads_narrowest: int = 0
@@ -150,7 +150,7 @@ class TextStream:
                 yield from self.mailbox.pop(rid, [])
             if all(r.finished for r in self.requests):
                 return
-            gov = threads.governor()
+            gov = self.engine.runtime.threads
             changes = gov.changes
             outputs = self.engine.step()
             st = self.stats
@@ -227,6 +227,8 @@ FLOAT_PATHS = {torch.float32: "float32", torch.bfloat16: "bf16", torch.float16: 
 class LLM:
     """A loaded model ready to generate text. `LLM.load("smollm2")` is the usual start."""
 
+    WINDOW_SEQS = 8  # sequences a windowed engine (kv_window) holds at once
+
     def __init__(self, loaded: LoadedModel) -> None:
         if loaded.tokenizer is None:
             raise PromptError(f"model {loaded.name} has no tokenizer; it can only take token ids")
@@ -254,12 +256,11 @@ class LLM:
         `max_num_seqs`), then decoded by rows."""
         self.runner = runner
         self._drafters = {}  # bound to the old weights
-        if self.kv_window:  # a window runs on a paged pool: a few sequences' sinks + window + one step each
-            bs, step, seqs = 16, 512, 8
-            live = -(-self.kv_sinks // bs) + -(-(self.kv_window + step) // bs) + 1
-            config = EngineConfig(block_size=bs, kv_cache_tokens=(seqs * live + 1) * bs, max_num_seqs=seqs,
-                                  max_num_batched_tokens=step, kv_dtype=self.kv_dtype, kv_window=self.kv_window,
-                                  kv_sinks=self.kv_sinks)
+        if self.kv_window:  # a window runs on a paged pool: room for WINDOW_SEQS sequences at once
+            config = EngineConfig(kv_dtype=self.kv_dtype, kv_window=self.kv_window, kv_sinks=self.kv_sinks,
+                                  max_num_seqs=self.WINDOW_SEQS)
+            live = window_blocks(config.block_size, self.kv_window, self.kv_sinks, config.max_num_batched_tokens)
+            config.kv_cache_tokens = (config.max_num_seqs * live + 1) * config.block_size  # (+1: the reserve block)
         else:
             config = EngineConfig(block_size=None, max_num_seqs=1024, max_num_batched_tokens=1 << 20,
                                   kv_dtype=self.kv_dtype)

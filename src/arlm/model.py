@@ -49,6 +49,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (x * cos + rotated * sin).to(x.dtype)
 
 
+def project(layer: nn.Module, x: torch.Tensor, dense: bool) -> torch.Tensor:
+    """layer(x); dense: a quantized layer that keeps a float copy multiplies with it instead
+    (`arlm.quant.QuantizedLinear.forward`: the prompt's compute-bound GEMMs)."""
+    return layer(x, dense=True) if dense and getattr(layer, "dense_weight", None) is not None else layer(x)
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
@@ -63,10 +69,10 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 mask: torch.Tensor | None, kv_cache: KVCache | None, input_pos: torch.Tensor | None,
-                kv_len: int) -> torch.Tensor:
+                kv_len: int, dense: bool = False) -> torch.Tensor:
         B, T, _ = x.shape
         H, H_kv = self.n_head, self.n_kv_heads
-        qkv = self.wqkv(x).view(B, T, H + 2 * H_kv, self.head_dim)
+        qkv = project(self.wqkv, x, dense).view(B, T, H + 2 * H_kv, self.head_dim)
         qk, v = qkv[:, :, : H + H_kv], qkv[:, :, H + H_kv:]
         if rope is not None:
             qk = apply_rope(qk, *rope)  # q and k heads rotated in one go
@@ -76,7 +82,7 @@ class Attention(nn.Module):
             # Through a block table (the engine's flattened batches), the cache writes K/V into its
             # blocks and attends through the table in one kernel; see arlm.kv_cache.
             y = kv_cache.attend(self.layer, input_pos, q, k, v)
-            return self.wo(y.transpose(1, 2).reshape(B, T, -1))
+            return project(self.wo, y.transpose(1, 2).reshape(B, T, -1), dense)
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer, input_pos, k, v, kv_len)  # [B, H_kv, kv_len, d_head]
             q = kv_cache.query(q)  # (an int8 cache's integer scores: the query quantized too)
@@ -84,7 +90,7 @@ class Attention(nn.Module):
             q, k, v, attn_mask=mask, is_causal=mask is None,
             dropout_p=self.dropout if self.training else 0.0,
             enable_gqa=self.n_kv_heads != self.n_head)
-        return self.wo(y.transpose(1, 2).reshape(B, T, -1))
+        return project(self.wo, y.transpose(1, 2).reshape(B, T, -1), dense)
 
 
 class MLP(nn.Module):
@@ -98,11 +104,11 @@ class MLP(nn.Module):
             self.up = nn.Linear(config.d_model, config.d_ff, bias=config.bias)
         self.down = nn.Linear(config.d_ff, config.d_model, bias=config.bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, dense: bool = False) -> torch.Tensor:
         if self.swiglu:
-            gate, up = self.gate_up(x).chunk(2, dim=-1)
-            return self.down(F.silu(gate) * up)
-        return self.down(F.gelu(self.up(x), approximate=self.approximate))
+            gate, up = project(self.gate_up, x, dense).chunk(2, dim=-1)
+            return project(self.down, F.silu(gate) * up, dense)
+        return project(self.down, F.gelu(project(self.up, x, dense), approximate=self.approximate), dense)
 
 
 class Block(nn.Module):
@@ -114,9 +120,9 @@ class Block(nn.Module):
         self.mlp = MLP(config)
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x, rope, mask, kv_cache, input_pos, kv_len):
-        x = x + self.resid_dropout(self.attn(self.attn_norm(x), rope, mask, kv_cache, input_pos, kv_len))
-        return x + self.resid_dropout(self.mlp(self.mlp_norm(x)))
+    def forward(self, x, rope, mask, kv_cache, input_pos, kv_len, dense: bool = False):
+        x = x + self.resid_dropout(self.attn(self.attn_norm(x), rope, mask, kv_cache, input_pos, kv_len, dense))
+        return x + self.resid_dropout(self.mlp(self.mlp_norm(x), dense))
 
 
 @contextmanager
@@ -186,7 +192,7 @@ class Transformer(nn.Module):
 
     def forward(self, idx: torch.Tensor, input_pos: torch.Tensor | None = None,
                 kv_cache: KVCache | None = None, kv_len: int | None = None,
-                output_index: torch.Tensor | None = None) -> torch.Tensor:
+                output_index: torch.Tensor | None = None, dense: bool = False) -> torch.Tensor:
         """Logits for token ids `idx` [B, T].
 
         input_pos: [B, T] position of each token in its row (default 0 .. T-1 for every row).
@@ -197,6 +203,8 @@ class Transformer(nn.Module):
             and the result is [B, vocab] (prefill needs just the last prompt token's logits). With
             B == 1 it may be [K]: K positions of the one row, [K, vocab] (a flattened batch of
             many sequences, as the paged cache takes).
+        dense: quantized layers that keep a float copy multiply with it (arlm.quant; the
+            engine's prompt tokens on the bf16 / float32 matrix paths).
         Returns [B, T, vocab] float logits, or [B, vocab] with output_index.
         """
         B, T = idx.shape
@@ -219,7 +227,7 @@ class Transformer(nn.Module):
             mask = (slots <= input_pos[:, :, None]).unsqueeze(1)  # [B, 1, T, kv_len]
 
         for block in self.blocks:
-            x = block(x, rope, mask, kv_cache, input_pos, kv_len)
+            x = block(x, rope, mask, kv_cache, input_pos, kv_len, dense)
         if output_index is not None:
             x = x[torch.arange(B, device=x.device), output_index]  # [B, d_model]
-        return self.lm_head(self.norm(x)).float()
+        return project(self.lm_head, self.norm(x), dense).float()

@@ -24,9 +24,7 @@ every other matrix goes to int8 per row.
 
 from __future__ import annotations
 
-import threading
 from abc import ABC, abstractmethod
-from contextlib import contextmanager
 
 import torch
 import torch.nn as nn
@@ -34,36 +32,6 @@ import torch.nn.functional as F
 
 from . import kernels
 from .model import Transformer
-
-
-_mode = threading.local()
-
-
-@contextmanager
-def dense_weights():
-    """Inside this block, quantized layers multiply with their original float weights.
-
-    Prefill runs hundreds of rows against each weight: compute-bound, where the float GEMM is
-    fastest and the bytes saved by quantization do not matter. Decode (a row per sequence) stays
-    on the quantized kernels. The engine's prompt tokens use it (arlm.engine.runner).
-    """
-    previous = getattr(_mode, "dense", False)
-    _mode.dense = True
-    try:
-        yield
-    finally:
-        _mode.dense = previous
-
-
-def _dense_forward(layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
-    if getattr(_mode, "dense", False) and layer.dense_weight is not None:
-        w = layer.dense_weight  # float32, or a bfloat16 copy where bf16 GEMMs are faster (quantize)
-        if w.dim() == 3:  # bf16_linear's layout: float32 results
-            y = kernels.bf16_linear(x.reshape(-1, x.shape[-1]).float(), w).view(*x.shape[:-1], -1).to(x.dtype)
-        else:
-            y = F.linear(x.to(w.dtype), w).to(x.dtype)
-        return y if layer.bias is None else y + layer.bias
-    return None
 
 
 class QuantizedLinear(nn.Module, ABC):
@@ -80,7 +48,7 @@ class QuantizedLinear(nn.Module, ABC):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
-        self.dense_weight: torch.Tensor | None = None  # a float copy for prefill (see dense_weights)
+        self.dense_weight: torch.Tensor | None = None  # a float copy for prefill (forward's dense)
         self._a8 = False
         # With 8-bit activations: take them twice (16 bits split into two bytes on the packed
         # kernels; the first pass's rounding error quantized again on the row kernels), ~15-16 bits
@@ -153,9 +121,14 @@ class QuantizedLinear(nn.Module, ABC):
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] float32 -> x W^T [M, N] float32, on the kernel for the layer's layout."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (y := _dense_forward(self, x)) is not None:
-            return y
+    def forward(self, x: torch.Tensor, dense: bool = False) -> torch.Tensor:
+        """x [..., in_features] -> [..., out_features]. dense: multiply with the float copy
+        (`dense_weight`) where the layer keeps one - prompt tokens: hundreds of rows against each
+        weight are compute-bound, where the float GEMM is fastest and the bytes quantization
+        saves do not matter (`Transformer.forward(dense=True)`, arlm.engine.runner) - else
+        with the quantized weights, as decode does."""
+        if dense and self.dense_weight is not None:
+            return self._dense_forward(x)
         x2 = x.reshape(-1, self.in_features).float()
         if not (self.residual_activations and self._a8 and self.in_features % 32 == 0):
             y = self._matmul(x2)
@@ -168,6 +141,14 @@ class QuantizedLinear(nn.Module, ABC):
         if self.bias is not None:
             y = y + self.bias
         return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
+
+    def _dense_forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.dense_weight  # float32, or a bfloat16 copy where bf16 GEMMs are faster (quantize)
+        if w.dim() == 3:  # bf16_linear's layout: float32 results
+            y = kernels.bf16_linear(x.reshape(-1, x.shape[-1]).float(), w).view(*x.shape[:-1], -1).to(x.dtype)
+        else:
+            y = F.linear(x.to(w.dtype), w).to(x.dtype)
+        return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
         acts = "int8" if self.int8_activations else "float32"
@@ -371,7 +352,7 @@ def prepare(model: Transformer, activations: str = "int8x2", keep_dense: bool = 
     - "float32": weight-only quantization, float activations (the row-layout kernels: slow).
     The integer paths use the packed layout where it is built (and `packed`; False: the row
     layout, the AVX2 kernels, on every CPU: `--matmul-path avx2`). keep_dense: a float copy of each
-    weight for prefill's GEMMs (`dense_weights`), in prefill_dtype (default float32) - made from
+    weight for prefill's GEMMs (`QuantizedLinear.forward(dense=True)`), in prefill_dtype (default float32) - made from
     the quantized values, or shared with a float original the caller set as `dense_weight`.
     """
     if activations not in ACTIVATIONS:
@@ -409,7 +390,7 @@ def quantize(model: Transformer, mode: str = "auto", keep_dense: bool = True,
     grouped values (a Q4_1 file's), Q8_0 for those that are exactly Q8_0 values (a Q8_0 file's),
     int8 per row for the rest. A tied LM head gets its own copy; the embedding table stays float
     for the lookup. keep_dense keeps each layer's float weight beside it for prefill
-    (`dense_weights`), shared with the float model (no copy) or as a prefill_dtype copy (bf16:
+    (`QuantizedLinear.forward(dense=True)`), shared with the float model (no copy) or as a prefill_dtype copy (bf16:
     half the memory; on CPUs with AVX512-BF16 or AMX, GEMMs ~2.4x faster than float32).
     activations: see `prepare`. A model loaded quantized from its file (`arlm.loading`) needs none of this: `prepare` only.
     """

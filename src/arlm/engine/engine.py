@@ -23,15 +23,18 @@ from typing import Callable
 
 import torch
 
-from .. import kernels
 from ..kv_cache import KVCache, KVDtype, check_head_dim, check_pool_fits, parse_kv_dtype
 from ..model import Transformer
-from ..sampling import SamplingParams, adjust_logits, sample_rows, top_logprobs
+from ..runtime import Runtime
+from ..runtime import runtime as default_runtime
+from ..sampling import SamplingParams, top_logprobs
+from .hooks import (StepClockHook, StepHooks, StepResult, StepStats, StepStatsHook, ThreadWidthHook,
+                    WindowRopeHook)
 from .request import FinishReason, Request, RequestStatus
 from .runner import ModelRunner
-from .scheduler import Scheduler
-from . import threads
-from .speculative import Drafter, SpecRates, SpecState, StepCost, verify
+from .sampler import sample_step
+from .scheduler import ScheduledBatch, Scheduler
+from .speculative import Drafter, SpecRates, SpecState, StepCost
 
 log = logging.getLogger(__name__)
 
@@ -80,15 +83,6 @@ class RequestOutput:
 
 
 @dataclass
-class StepStats:
-    """What the last step did: prompt tokens computed (prefill), tokens sampled, wall time."""
-
-    prompt_tokens: int = 0
-    sampled: int = 0
-    seconds: float = 0.0
-
-
-@dataclass
 class EngineStats(SpecRates):
     requests: int = 0  # accepted
     prompt_tokens: int = 0
@@ -105,14 +99,21 @@ class EngineStats(SpecRates):
     on_first_token: Callable[[float], None] | None = None
 
 
+def window_blocks(block_size: int, kv_window: int, kv_sinks: int, max_step_tokens: int) -> int:
+    """Blocks one windowed sequence holds at most: its sinks', its window's plus one step's, and
+    one more for the block the window's edge is in."""
+    return -(-kv_sinks // block_size) + -(-(kv_window + max_step_tokens) // block_size) + 1
+
+
 class Engine:
     """Schedules, runs and samples requests over one KV cache for one model."""
 
     def __init__(self, model: Transformer | ModelRunner, eos_ids: list[int] | tuple[int, ...] = (),
-                 config: EngineConfig | None = None) -> None:
+                 config: EngineConfig | None = None, runtime: Runtime | None = None) -> None:
         self.runner = model if isinstance(model, ModelRunner) else ModelRunner(model)
         self.model = self.runner.model
         self.config = config = config or EngineConfig()
+        self.runtime = runtime or default_runtime()
         cfg = self.model.config
         param = next(self.model.parameters())
         self.device = param.device
@@ -128,17 +129,25 @@ class Engine:
         self.stats = EngineStats()
         self.last_step = StepStats()
         self.step_cost = StepCost()  # what a decode step costs here, by its size (speculation's rule)
-        self.tracer = None  # an arlm.trace.Tracer records every step while set (arlm trace, serve --trace)
         # arlm.structured.Grammars over the tokenizer: set by the front end (the engine speaks
         # token ids), needed by requests with SamplingParams.structured
         self.grammars = None
         self._next_id = 0
+        self.hooks = StepHooks()  # what watches the steps (hooks.py); front ends add theirs after these
         if config.contiguous:
             self.cache: KVCache | None = None  # sized for each batch (`_fit_cache`)
             self.max_model_len = cfg.max_seq_len
             self.scheduler = Scheduler(1, cfg.max_seq_len, cfg.max_seq_len, config.max_num_seqs,
                                        config.max_num_batched_tokens, False, static_batches=True)
-            return
+        else:
+            self._make_pool()
+        for hook in (ThreadWidthHook(self.runtime.threads), StepClockHook(self.step_cost), StepStatsHook()):
+            self.hooks.add(hook)
+
+    def _make_pool(self) -> None:
+        """The paged pool of `config.kv_cache_tokens` slots or `kv_cache_memory` bytes, its
+        scheduler, and a sliding window's bookkeeping (`config.kv_window`)."""
+        config, cfg = self.config, self.model.config
         bs = config.block_size
         if bs < 1:
             raise ValueError(f"block size must be >= 1, got {bs}")
@@ -160,6 +169,7 @@ class Engine:
         if window is not None:
             self.scheduler.window = window
             self.cache.set_window(config.kv_window, config.kv_sinks, (self.model.rope_cos, self.model.rope_sin))
+            self.hooks.add(WindowRopeHook())
 
     def _window_blocks(self, n_blocks: int) -> tuple[int, int]:
         """Check a windowed pool (config.kv_window) and return (window, sinks)."""
@@ -168,26 +178,12 @@ class Engine:
             raise ValueError(f"a KV window needs kv_window >= 1 and kv_sinks >= 0, got {c.kv_window}, {c.kv_sinks}")
         if cfg.pos_embedding != "rope":
             raise ValueError("a KV window needs a RoPE model (learned positions end at the context length)")
-        bs = c.block_size
-        live = -(-c.kv_sinks // bs) + -(-(c.kv_window + c.max_num_batched_tokens) // bs) + 1
+        live = window_blocks(c.block_size, c.kv_window, c.kv_sinks, c.max_num_batched_tokens)
         if n_blocks - 1 < live:
             raise ValueError(f"a window of {c.kv_window} tokens with {c.kv_sinks} sinks needs {live + 1} blocks of "
-                             f"{bs} tokens for one sequence (steps of up to {c.max_num_batched_tokens} tokens); "
-                             f"the pool has {n_blocks}")
+                             f"{c.block_size} tokens for one sequence (steps of up to {c.max_num_batched_tokens} "
+                             f"tokens); the pool has {n_blocks}")
         return c.kv_window, c.kv_sinks
-
-    def _fit_rope(self, positions: int) -> None:
-        """RoPE tables for positions 0 .. positions - 1 (a windowed request runs past the model's
-        context): the model's own, grown (doubled) on demand; their first rows stay as they were."""
-        from ..model import rope_table
-
-        m = self.model
-        if positions <= m.rope_cos.shape[0]:
-            return
-        n = max(positions, 2 * m.rope_cos.shape[0])
-        cos, sin = rope_table(m.config.head_dim, n, m.config.rope_theta)
-        m.rope_cos, m.rope_sin = cos.to(m.rope_cos.device), sin.to(m.rope_sin.device)
-        self.cache.set_window(self.cache.window, self.cache.sinks, (m.rope_cos, m.rope_sin))
 
     # -- requests ---------------------------------------------------------------------------------
 
@@ -290,36 +286,31 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Schedule, forward, sample, postprocess: one new token for every request that reached
-        the end of its window this step."""
-        t0 = time.perf_counter()
-        if self.config.contiguous and not self.scheduler.running and self.scheduler.waiting:
-            self._fit_cache()
-        drafting = self._propose()
-        batch = self.scheduler.schedule()
+        the end of its window this step (more for a request whose draft was accepted). The
+        hooks (`self.hooks`, hooks.py) watch each phase."""
+        start = time.perf_counter()
+        batch = self._schedule()
         if not batch:
             return []
-        if self.config.kv_window:
-            self._fit_rope(max(s.num_computed + n for s, n in zip(batch.seqs, batch.num_tokens)))
-        tracer = self.tracer
-        traced = tracer.before(self, batch) if tracer is not None else None
+        self.hooks.scheduled(self, batch)
         with torch.inference_mode():
             logits, rows = self.runner.execute(self.cache, batch, by_rows=self.config.contiguous)
-            threads.governor().observe()  # (the width of the steps that follow)
-            sampled, failed = self._sample(logits, rows, batch)
-        for req in drafting:
-            req.draft, req.draft_probs = [], None
-        prompt_tokens = sum(n for i, n in enumerate(batch.num_tokens) if not batch.decodes(i))
+            self.hooks.forwarded(self, batch)
+            sampled, failed = sample_step(logits, rows, batch, self.grammars, self.hooks.reads_logits)
         outputs = self._postprocess(batch, sampled, failed)
-        seconds = time.perf_counter() - t0
-        if tracer is not None:
-            with torch.inference_mode():
-                tracer.after(self, traced, batch, logits, rows, sampled, seconds)
-        if not prompt_tokens and (drafting or self.step_cost.times):  # where something speculates
-            self.step_cost.observe(sum(batch.num_tokens), seconds)
-        self.last_step = StepStats(prompt_tokens, len(outputs), seconds)
-        self.stats.steps += 1
-        self.stats.step_seconds += seconds
+        self.hooks.stepped(self, StepResult(batch, logits, rows, sampled, outputs, time.perf_counter() - start))
         return outputs
+
+    def _schedule(self) -> ScheduledBatch:
+        """The step's batch: drafts first for the requests that speculate (they lengthen their
+        rows), a contiguous cache fitted to a new static batch, then the scheduler's choice."""
+        if self.config.contiguous and not self.scheduler.running and self.scheduler.waiting:
+            self._fit_cache()
+        drafted = self._propose()
+        batch = self.scheduler.schedule()
+        batch.drafted = drafted
+        batch.prompt_tokens = sum(n for i, n in enumerate(batch.num_tokens) if not batch.decodes(i))
+        return batch
 
     def _fit_cache(self) -> None:
         """A contiguous cache for the waiting batch: a row per request (up to max_num_seqs), each
@@ -380,167 +371,18 @@ class Engine:
                     drafting.append(r)
         return drafting
 
-    def _sample(self, logits: torch.Tensor, rows: list[int], batch) -> tuple[dict[int, list[int]], dict[int, Exception]]:
-        """The tokens of each sampling row as {batch row: token ids} (logits [len(rows), V]; a
-        row that verifies a draft has its k + 1 logits rows in a run and gets the tokens
-        `speculative.verify` keeps, any other one token), and the rows whose sampling raised,
-        with the error.
-
-        All rows are drawn in one `sample_rows`; if that raises, each row is drawn alone, so
-        that a request whose parameters break sampling fails by itself instead of taking every
-        request of the batch down with it. A row's draw does not depend on its batch (its own
-        filters and generator), and the filters, where a bad parameter fails, run before any
-        generator is drawn from: the rows that succeed alone get the tokens they would have."""
-        if not rows:
-            return {}, {}
-        plain = [j for j, i in enumerate(rows) if not batch.drafts[i]]
-        verifying = [j for j, i in enumerate(rows) if batch.drafts[i]]
-        sampled, failed = self._sample_plain(logits, [rows[j] for j in plain], batch, plain)
-        if verifying:
-            vrows = list(dict.fromkeys(rows[j] for j in verifying))  # each verifying row once, in order
-            raw = vlogits = logits[torch.tensor(verifying, device=logits.device)]
-            guided, start = [], 0
-            for i in vrows:
-                if batch.seqs[i].matcher is not None:
-                    guided.append((start, i))
-                start += len(batch.drafts[i]) + 1
-            if guided:  # each position's grammar mask: the matcher's, then after each draft token
-                vlogits = vlogits.float().clone()
-                for start, i in guided:
-                    try:
-                        bits = self.grammars.bitmask_along(batch.seqs[i].matcher, batch.drafts[i])
-                    except Exception as e:  # noqa: BLE001 - this request fails, the others go on
-                        failed[i] = e
-                        continue
-                    kernels.mask_rows(vlogits, torch.arange(start, start + bits.shape[0]), bits)
-            try:
-                kept = verify(vlogits, [batch.seqs[i] for i in vrows], [batch.drafts[i] for i in vrows])
-            except Exception:  # noqa: BLE001 - narrowed down to rows below
-                kept = None
-            start = 0
-            for n, i in enumerate(vrows):
-                k = len(batch.drafts[i])
-                seq = batch.seqs[i]
-                if i in failed:
-                    start += k + 1
-                    continue
-                try:
-                    toks = kept[n] if kept is not None else \
-                        verify(vlogits[start:start + k + 1], [seq], [batch.drafts[i]])[0]
-                    self._keep_logprobs(raw[start:start + len(toks)], [seq] * len(toks), toks)
-                    bad = self._advance_grammars([seq] * len(toks), toks, [i] * len(toks))
-                    if bad:
-                        raise bad[i]
-                except Exception as e:  # noqa: BLE001 - this request fails, the others go on
-                    failed[i] = e
-                    start += k + 1
-                    continue
-                start += k + 1
-                sampled[i] = toks
-                seq.spec.record(k, len(toks) - 1)
-                self.stats.spec_proposed += k
+    def _postprocess(self, batch: ScheduledBatch, sampled: dict[int, list[int]],
+                     failed: dict[int, Exception]) -> list[RequestOutput]:
+        """Hand the sampled tokens to the scheduler (which appends them, rolls back rejected
+        draft positions and finishes requests), count them, and make the step's outputs; a
+        request whose sampling failed is aborted with its error."""
+        for req in batch.drafted:  # (verified: the scheduler has the kept tokens from `sampled`)
+            req.draft, req.draft_probs = [], None
+        for i, toks in sampled.items():
+            if batch.drafts[i]:  # a verification: k proposed, len(toks) - 1 of them kept
+                self.stats.spec_proposed += len(batch.drafts[i])
                 self.stats.spec_accepted += len(toks) - 1
                 self.stats.spec_passes += 1
-        return sampled, failed
-
-    def _sample_plain(self, logits: torch.Tensor, rows: list[int], batch,
-                      at: list[int]) -> tuple[dict[int, list[int]], dict[int, Exception]]:
-        """One token for each of `rows` (batch rows), from logits rows `at`."""
-        if not rows:
-            return {}, {}
-        if len(at) != logits.shape[0]:
-            logits = logits[torch.tensor(at, device=logits.device)]
-        reqs = [batch.seqs[i] for i in rows]
-        raw = logits
-        guided = [j for j, r in enumerate(reqs) if r.matcher is not None]
-        # Rows whose draw commutes with the mask (greedy, or temperature alone: no top-k/p, min-p
-        # filter, which would see the unmasked distribution) draw first and compute the mask
-        # only if the grammar refuses the token, then draw again from the masked row: the
-        # argmax, or the masked distribution exactly (rejection sampling: P(t) = p(t) / p(A)).
-        # llama.cpp's sampler does the same; most tokens of a model that follows its format
-        # then cost a validation (~microseconds) instead of a mask (~0.1 ms a row).
-        lazy = [j for j in guided if reqs[j].params.greedy or reqs[j].params.unfiltered]
-        eager = [j for j in guided if j not in lazy]
-        if guided or any(r.params.adjusts_logits for r in reqs):
-            # changed in place; a copy where the raw logits are still read (logprobs, the tracer)
-            logits = logits.float()
-            if logits is raw and (self.tracer is not None or any(r.params.logprobs is not None for r in reqs)):
-                logits = logits.clone()
-            for j, r in enumerate(reqs):
-                if r.params.adjusts_logits:
-                    logits[j] = adjust_logits(logits[j], r.params, r.output_counts, r.num_output_tokens, r.end_ids)
-            if eager:  # the grammar's mask, for the rows that have one
-                self._mask(logits, [reqs[j] for j in eager], eager)
-        try:
-            next_ids = sample_rows(logits, [r.params for r in reqs], [r.generator for r in reqs],
-                                   self._seen(reqs)).tolist()  # the step's one host sync
-            if lazy:
-                self._redraw_refused(logits, reqs, lazy, next_ids)
-            self._keep_logprobs(raw, reqs, next_ids)
-            failed = self._advance_grammars(reqs, next_ids, rows)
-            return {i: [t] for i, t in zip(rows, next_ids) if i not in failed}, failed
-        except Exception:  # noqa: BLE001 - narrowed down to rows below
-            pass
-        sampled, failed = {}, {}
-        for j, (i, r) in enumerate(zip(rows, reqs)):
-            try:
-                if j in lazy:
-                    self._mask(logits, [r], [j])
-                sampled[i] = [sample_rows(logits[j:j + 1], [r.params], [r.generator], self._seen([r])).item()]
-                self._keep_logprobs(raw[j:j + 1], [r], sampled[i])
-                if self._advance_grammars([r], sampled[i], [i]):
-                    raise ValueError(f"token {sampled[i][0]} breaks the grammar: {r.matcher.get_error()}")
-            except Exception as e:  # noqa: BLE001 - this request fails, the others go on
-                failed[i] = e
-        return sampled, failed
-
-    def _redraw_refused(self, logits: torch.Tensor, reqs: list[Request], lazy: list[int], tokens: list[int]) -> None:
-        """The lazy rows whose token their grammar refuses: masked, and drawn again (in place in
-        `tokens`)."""
-        redo = [j for j in lazy if not self.grammars.takes(reqs[j].matcher, tokens[j])]
-        if redo:
-            self._mask(logits, [reqs[j] for j in redo], redo)
-            again = sample_rows(logits[torch.tensor(redo, device=logits.device)], [reqs[j].params for j in redo],
-                                [reqs[j].generator for j in redo], self._seen([reqs[j] for j in redo])).tolist()
-            for j, t in zip(redo, again):
-                tokens[j] = t
-
-    def _mask(self, logits: torch.Tensor, reqs: list[Request], at: list[int]) -> None:
-        """In place: -inf in logits rows `at` for the tokens each request's grammar refuses next."""
-        kernels.mask_rows(logits, torch.tensor(at), self.grammars.bitmask([r.matcher for r in reqs]))
-
-    @staticmethod
-    def _advance_grammars(reqs: list[Request], tokens: list[int], rows: list[int]) -> dict[int, Exception]:
-        """Feed each sampled token to its request's grammar matcher; the rows whose token the
-        grammar refused (it cannot happen with the mask applied) as failures."""
-        failed = {}
-        for r, tok, i in zip(reqs, tokens, rows):
-            if r.matcher is not None and tok not in r.eos_ids and not r.matcher.consume_token(tok):
-                failed[i] = RuntimeError(f"token {tok} breaks the grammar: {r.matcher.get_error()}")
-        return failed
-
-    @staticmethod
-    def _keep_logprobs(logits: torch.Tensor, reqs: list[Request], tokens: list[int]) -> None:
-        """The sampled tokens' log-probabilities for the requests that ask (`params.logprobs`),
-        from the raw logits (before temperature and the filters), appended to `output_logprobs`."""
-        want = [j for j, r in enumerate(reqs) if r.params.logprobs is not None]
-        if not want:
-            return
-        k = max(reqs[j].params.logprobs for j in want)
-        rows = logits[torch.tensor(want, device=logits.device)] if len(want) != len(reqs) else logits
-        for j, (lp, top) in zip(want, top_logprobs(rows, [tokens[j] for j in want], k)):
-            reqs[j].output_logprobs.append((lp, top[:reqs[j].params.logprobs]))
-
-    def _seen(self, reqs: list[Request]) -> torch.Tensor | None:
-        """[B, V] tokens seen so far, only when some row has a repetition penalty (the others'
-        rows are ignored: a penalty of 1 changes nothing)."""
-        masks = [r.seen for r in reqs]
-        if all(m is None for m in masks):
-            return None
-        blank = next(m for m in masks if m is not None)
-        return torch.stack([m if m is not None else blank for m in masks])
-
-    def _postprocess(self, batch, sampled: dict[int, int], failed: dict[int, Exception]) -> list[RequestOutput]:
         outputs = []
         for req, new in self.scheduler.update(batch, sampled):
             self.stats.generation_tokens += len(new)

@@ -15,8 +15,8 @@ It prepares the step's tensors from the requests and picks how the forward pass 
   modules over `KVCache.attend`. Prompt tokens of a quantized model with a dense copy of its
   weights (`dense_prefill`: `--matmul-path bf16|float32`) run through the dense weights, in a pass
   of their own, so decode tokens in the same step still take the quantized kernels: natively
-  (`NativeLlama.dense_weights`: torch's GEMMs inside the native stack), else the modules inside
-  `quant.dense_weights`.
+  (`NativeLlama.dense_weights`: torch's GEMMs inside the native stack), else the modules with
+  `dense=True`.
 
 A request that keeps its prompt's logits (`Request.keep_prompt_logits`, for perplexity) runs on
 the block-table path, where every token of its chunk reaches the LM head, not just the last; the
@@ -28,7 +28,6 @@ shape): the reference the tests hold the engine to, and what `torch.compile` com
 
 from __future__ import annotations
 
-import contextlib
 from typing import Callable
 
 import torch
@@ -36,7 +35,6 @@ import torch
 from ..kernels.llama import NativeLlama
 from ..kv_cache import KVCache
 from ..model import Transformer
-from ..quant import dense_weights
 from .scheduler import ScheduledBatch as Batch
 
 
@@ -44,9 +42,8 @@ def prefill(model: Transformer, cache: KVCache, tokens: torch.Tensor, input_pos:
             last_index: torch.Tensor, kv_len: int) -> torch.Tensor:
     """Run prompts [B, P] (right-padded) at positions [B, P] through the model by rows of a
     contiguous cache; returns the logits [B, vocab] at `last_index` [B], each row's last real
-    prompt token. Quantized layers with a dense copy use it (`dense_weights`)."""
-    with dense_weights():
-        return model(tokens, input_pos, kv_cache=cache, kv_len=kv_len, output_index=last_index)
+    prompt token. Quantized layers with a dense copy use it (`QuantizedLinear.forward(dense=True)`)."""
+    return model(tokens, input_pos, kv_cache=cache, kv_len=kv_len, output_index=last_index, dense=True)
 
 
 def decode_step(model: Transformer, cache: KVCache, tokens: torch.Tensor, input_pos: torch.Tensor,
@@ -198,8 +195,7 @@ class ModelRunner:
             return self.native.head(x[out_t])  # (the quantized head: 8 bits twice, the more faithful)
         cache.set_batch(table, seq_t)
         try:
-            with dense_weights() if dense else contextlib.nullcontext():
-                return self.model(tokens_t[None], pos_t[None], kv_cache=cache, output_index=out_t)
+            return self.model(tokens_t[None], pos_t[None], kv_cache=cache, output_index=out_t, dense=dense)
         finally:
             cache.set_batch(None, None)
 

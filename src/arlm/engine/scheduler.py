@@ -42,6 +42,8 @@ class ScheduledBatch:
     drafts: list[list[int]] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) copy-on-write blocks
     preempted: list[Request] = field(default_factory=list)
+    drafted: list[Request] = field(default_factory=list)  # requests given a draft this step (Engine._schedule)
+    prompt_tokens: int = 0  # tokens of rows that are not decodes (`decodes` reads state the step moves on)
 
     def add(self, seq: Request, n: int, draft: list[int] | None = None) -> None:
         self.seqs.append(seq)

@@ -119,7 +119,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.trace:
         from ..trace.live import LiveTrace
 
-        live = engine.tracer = LiveTrace(engine)
+        live = engine.hooks.add(LiveTrace(engine))
     server = Server(llm, AsyncEngine(engine), name, api_key=api_key, max_body_bytes=args.max_body_bytes, live=live)
     http = uvicorn.Server(uvicorn.Config(create_app(server, engine_thread=False), log_level=args.log_level,
                                          access_log=args.log_level == "debug", timeout_graceful_shutdown=5))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from ..engine import AsyncEngine
-from ..engine import threads
 from ..kv_cache import kv_dtype_name
 
 # Prometheus' histogram buckets for the time to first token, in seconds.
@@ -85,7 +84,7 @@ def render(engine: AsyncEngine, http_requests: dict[tuple[str, int], int], time_
             [(sched.stats.prefix_hits, None)])
     _metric(out, "arlm_num_preemptions_total", "counter", "Sequences preempted (freed, to be recomputed).",
             [(sched.stats.preemptions, None)])
-    gov = threads.governor()
+    gov = e.runtime.threads
     _metric(out, "arlm_threads", "gauge", "Threads of the engine's steps: in use now, and the most it may use "
             "(fewer while other processes keep cores busy, unless --threads pinned them).",
             [(gov.width, {"state": "in_use"}), (gov.widest, {"state": "max"})])

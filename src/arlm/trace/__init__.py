@@ -1,7 +1,6 @@
 """A step-by-step trace of a real run: what each engine step computed, wrote and read (`arlm trace`).
 
-`Tracer` is the engine's hook (`Engine.tracer`; None, the default, costs one attribute test a
-step). Each step it records, per sequence: the phase (a prefill chunk, a decode, a speculative
+`Tracer` is a step hook (`Engine.hooks`, engine/hooks.py; attached only while a trace runs). Each step it records, per sequence: the phase (a prefill chunk, a decode, a speculative
 verification), the token ids fed and their text, the KV slots written and occupied and the pool
 blocks held; for the step: the cache's bytes, the bytes of weights and of cached K/V the step
 read, its FLOPs, its wall time and the bandwidth that implies beside the machine's (measured
@@ -22,6 +21,7 @@ import time
 
 import torch
 
+from ..engine.hooks import StepHook, StepResult
 from ..sampling import SamplingParams
 
 TOP_K = 10  # next-token candidates recorded per sampled token
@@ -159,9 +159,11 @@ def _distribution(logits: torch.Tensor, params: SamplingParams, k: int) -> dict:
     return out
 
 
-class Tracer:
-    """The engine hook (`Engine.tracer`): `before` after the step is scheduled, `after` once it is
+class Tracer(StepHook):
+    """A step hook (`Engine.hooks`): `before` once the step is scheduled, `after` once it is
     sampled; `steps` holds one JSON-ready dict per step."""
+
+    reads_logits = True  # each sampled token's distribution, from the model's own logits
 
     def __init__(self, engine, decode_token=None, top_k: int = TOP_K, ceilings: dict | None = None) -> None:
         self.engine = engine
@@ -176,6 +178,13 @@ class Tracer:
 
     def text(self, ids: list[int]) -> list[str]:
         return [self.decode_token(i) for i in ids]
+
+    def scheduled(self, engine, batch) -> None:
+        self._pre = self.before(engine, batch)
+
+    def stepped(self, engine, result: StepResult) -> None:
+        with torch.inference_mode():
+            self.after(engine, self._pre, result.batch, result.logits, result.rows, result.sampled, result.seconds)
 
     def before(self, engine, batch) -> list[dict]:
         if self._t0 is None:
@@ -263,12 +272,12 @@ def run_trace(llm, prompts: list[list[int]], params: SamplingParams, engine=None
     tok = llm.tokenizer
     ceilings = machine_ceilings() if measure else {"cpu": _cpu_name(), "bandwidth": 0.0, "flops": 0.0}
     tracer = Tracer(engine, lambda i: tok.decode([i]), top_k, ceilings)
-    engine.tracer = tracer
+    engine.hooks.add(tracer)
     t0 = time.perf_counter()
     try:
         outputs = engine.generate(prompts, params, drafter=drafter)
     finally:
-        engine.tracer = None
+        engine.hooks.remove(tracer)
     seconds = time.perf_counter() - t0
     finish = {seq["seq"]: seq["finish_reason"] for st in tracer.steps for seq in st["sequences"] if seq["finish_reason"]}
     cache = engine.cache

@@ -2,7 +2,7 @@
 (server-sent events): running and waiting requests, their blocks in the pool, prefix-cache hits,
 the batch composition of each step, tokens/s.
 
-`LiveTrace` is the engine's step hook (`Engine.tracer`, as `arlm trace`'s `Tracer`), lighter: it
+`LiveTrace` is a step hook (`Engine.hooks`, as `arlm trace`'s `Tracer`), lighter: it
 records each step's batch (which request, which phase, how many tokens) on the engine thread and,
 at most every `interval` seconds and whenever the engine goes idle, a snapshot of the scheduler
 and the pool, handed to the HTTP loop for every subscriber. No token text leaves the engine: the
@@ -17,13 +17,14 @@ import time
 from collections import deque
 from pathlib import Path
 
+from ..engine.hooks import StepHook, StepResult
 from . import _phase
 
 HERE = Path(__file__).parent
 KEEPALIVE = 15.0  # seconds between SSE comments on an idle stream
 
 
-class LiveTrace:
+class LiveTrace(StepHook):
     def __init__(self, engine, interval: float = 0.1, history: int = 200) -> None:
         self.engine = engine
         self.interval = interval
@@ -38,14 +39,15 @@ class LiveTrace:
 
     # -- the engine hook (engine thread) ---------------------------------------------------------------
 
-    def before(self, engine, batch) -> list[tuple[str, str, int]]:
-        return [(seq.request_id, _phase(batch, i), batch.num_tokens[i]) for i, seq in enumerate(batch.seqs)]
+    def scheduled(self, engine, batch) -> None:
+        # (the phases now: the step's postprocessing moves each request on)
+        self._batch = [{"id": seq.request_id, "phase": _phase(batch, i), "tokens": batch.num_tokens[i]}
+                       for i, seq in enumerate(batch.seqs)]
 
-    def after(self, engine, pre, batch, logits, rows, sampled, seconds: float) -> None:
+    def stepped(self, engine, result: StepResult) -> None:
         now = time.monotonic()
-        self.steps.append({"step": self._count, "t": round(now - self._t0, 4), "seconds": round(seconds, 5),
-                           "sampled": sum(len(v) for v in sampled.values()),
-                           "batch": [{"id": rid, "phase": ph, "tokens": n} for rid, ph, n in pre]})
+        self.steps.append({"step": self._count, "t": round(now - self._t0, 4), "seconds": round(result.seconds, 5),
+                           "sampled": sum(len(v) for v in result.sampled.values()), "batch": self._batch})
         self._count += 1
         if now - self._published >= self.interval or not engine.scheduler.running:
             self.publish(now)

@@ -1,5 +1,5 @@
 """How many threads a step gets: all the cores while the machine is quiet, fewer while other
-processes want them (issue: fast on a shared machine).
+processes want them.
 
 OpenMP threads meet at a barrier a few hundred times a decode step; when the OS takes a core
 from one of them for a neighbour, every barrier waits out the neighbour's time slice, and a
@@ -13,10 +13,11 @@ between steps, which the native kernels (`at::parallel_for`) and torch's own ops
 kernel gives the same result at any width (rows and split-K chunks never depend on the thread
 count), so outputs do not change with the width.
 
-One governor per process (`governor()`), as torch's thread pool is one per process: every
-engine's step asks it first. `--threads N` (`pin`) fixes the width (no watching); the widest is
-torch's width when the governor is made (`OMP_NUM_THREADS`, else the cores). The width in effect
-is in the generation stats (`--json`, the stats line) and `/metrics`.
+One governor per process (`arlm.runtime.Runtime.threads`), as torch's thread pool is one per
+process: every engine's step reports to it (`ThreadWidthHook`). `--threads N` (`pin`) fixes the
+width (no watching); the widest is torch's width when the governor is made (`OMP_NUM_THREADS`,
+else the cores). The width in effect is in the generation stats (`--json`, the stats line) and
+`/metrics`.
 """
 
 from __future__ import annotations
@@ -86,20 +87,27 @@ class ThreadGovernor:
 
     def __init__(self, pinned: int | None = None, widest: int | None = None, every: int = 4,
                  window: int = 5, probe=others_runnable) -> None:
-        if pinned is not None and pinned < 1:
-            raise ValueError("threads must be >= 1")
-        self.pinned = pinned
-        self.widest = pinned or widest or torch.get_num_threads()
+        self.free_widest = widest or torch.get_num_threads()  # the widest while not pinned
         self.cores = _cores()
-        self.every, self.samples = every, deque(maxlen=window)
+        self.every, self.window = every, window
         self.probe = probe
+        self.pin(pinned)
+
+    def pin(self, threads: int | None) -> None:
+        """Fix the width of every step at `threads` (`--threads`; no watching), or with None
+        follow the machine again, up to `free_widest`. Counts start again."""
+        if threads is not None and threads < 1:
+            raise ValueError("threads must be >= 1")
+        self.pinned = threads
+        self.widest = threads or self.free_widest
         self.width = self.widest
+        self.samples: deque[int] = deque(maxlen=self.window)
         self.changes = 0  # widths set since the start (narrowed or widened)
         self._steps = 0
-        self.watching = pinned is None and self.widest > 1 and (probe is not others_runnable
-                                                                 or _runnable_machine() is not None)
-        if pinned is not None:
-            self._apply(pinned)
+        self.watching = threads is None and self.widest > 1 and (self.probe is not others_runnable
+                                                                  or _runnable_machine() is not None)
+        if threads is not None:
+            self._apply(threads)
 
     def observe(self) -> None:
         """Called once a step, after its forward pass: every `every` steps a sample, and the
@@ -121,10 +129,9 @@ class ThreadGovernor:
         # streams) costs this process less than a narrower step would (measured:
         # docs/benchmarks.md), so it does not count; and one sample without it widens at once.
         busy = min(self.samples) if len(self.samples) == self.samples.maxlen else 0
-        self.set(max(1, min(self.widest, self.cores - busy)))
+        self._set(max(1, min(self.widest, self.cores - busy)))
 
-    def set(self, width: int) -> None:
-        """Run the next steps on `width` threads (a test forces widths through this)."""
+    def _set(self, width: int) -> None:
         if width != self.width:
             self.width = width
             self.changes += 1
@@ -143,22 +150,3 @@ class ThreadGovernor:
             return f"{self.width} of {self.widest} threads (others busy)"
         return f"{self.width} thread{'s' if self.width > 1 else ''}"
 
-
-_governor: ThreadGovernor | None = None
-
-
-def governor() -> ThreadGovernor:
-    """The process's governor (made on first use, at torch's width then)."""
-    global _governor
-    if _governor is None:
-        _governor = ThreadGovernor()
-    return _governor
-
-
-def pin(threads: int | None) -> ThreadGovernor:
-    """Fix the width of every step at `threads` (None: follow the machine again, up to the
-    width torch had when the governor was made)."""
-    global _governor
-    widest = _governor.widest if _governor is not None and _governor.pinned is None else None
-    _governor = ThreadGovernor(pinned=threads, widest=widest)
-    return _governor
