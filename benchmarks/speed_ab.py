@@ -12,10 +12,14 @@ medians (docs/benchmarks.md): the machine drifts more than most changes.
 import argparse
 import json
 
-import torch
+import arlm
 
-from arlm.llm import LLM
-from arlm.sampling import SamplingParams
+arlm.prefer_huge_pages()  # (as the arlm command does, before torch loads)
+
+import torch  # noqa: E402
+
+from arlm.llm import LLM  # noqa: E402
+from arlm.sampling import SamplingParams  # noqa: E402
 
 ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 ap.add_argument("kwargs", nargs="?", type=json.loads, default={}, help="LLM.load keyword arguments as JSON")

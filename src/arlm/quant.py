@@ -346,7 +346,7 @@ def prepare(model: Transformer, activations: str = "int8x2", keep_dense: bool = 
       again on the row kernels): ~15-16-bit activations, next-token
       distributions within 1e-5 KL of float32 (the answers float32 gives); batch-1 decode as
       fast as "int8", batched decode ~1.3x and prefill ~1.5x slower on a Zen 4 CPU
-      (docs/benchmarks.md, issue 21);
+      (docs/benchmarks.md, "Prefill against the machine's matrix peak");
     - "int8": one 8-bit pass (llama.cpp's choice), except the LM head, which takes two: it
       removes ~30% of the single pass's KL divergence for no measurable time;
     - "float32": weight-only quantization, float activations (the row-layout kernels: slow).

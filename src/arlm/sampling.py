@@ -294,8 +294,8 @@ def draw(probs: torch.Tensor, generators: list[torch.Generator | None] | None = 
     In two levels, so that float32 rounding never biases a small probability: the weights summed
     in float64 per block of DRAW_BLOCK tokens, the block found on the cumulative block sums, then
     the token on the cumulative sum (float64) inside that block. Each row's arithmetic is its
-    own: a seeded row draws the same token in any batch. (An exponential race, argmax(p_i / E_i),
-    was the draw before: V exponentials a row cost ~0.7 ms, 22 ms a step at batch 32.)"""
+    own: a seeded row draws the same token in any batch. (Not an exponential race, argmax(p_i /
+    E_i): its V exponentials a row cost ~0.7 ms, 22 ms a step at batch 32.)"""
     B, V = probs.shape
     dev = probs.device
     u = torch.cat([torch.rand(1, generator=generators[i] if generators else None, dtype=torch.float64,
