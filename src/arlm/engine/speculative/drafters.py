@@ -49,12 +49,12 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.nn as nn
 
-from .. import kernels
-from ..kv_cache import KVCache
-from ..model import Transformer
-from ..quant import weight_bytes
-from ..sampling import draw, penalized, warped_probs
-from .request import Request
+from ... import kernels
+from ...kv_cache import KVCache
+from ...model import Transformer
+from ...quant import weight_bytes
+from ...sampling import draw, penalized, warped_probs
+from ..request import Request
 
 
 @dataclass
@@ -352,7 +352,7 @@ class ModelDrafter(Drafter):
 
     def __init__(self, model: Transformer, config: SpeculativeConfig, target: Transformer,
                  max_tokens: int = 1 << 20, kv_dtype: torch.dtype | None = None) -> None:
-        from .runner import ModelRunner
+        from ..runner import ModelRunner
 
         super().__init__(config)
         if model.config.vocab_size != target.config.vocab_size:
