@@ -20,7 +20,7 @@ import torch
 from arlm.config import ModelConfig
 from arlm.engine import Engine, EngineConfig, FinishReason
 from arlm.engine.block_pool import block_hash
-from arlm.engine.speculative import drafters
+from arlm.engine.speculative import verification
 from arlm.engine.speculative import (Drafter, ModelDrafter, NgramDrafter, SpeculativeConfig, SpecState, self_draft,
                                      verify)
 from arlm.model import Transformer
@@ -378,10 +378,10 @@ def test_the_chi2_test_catches_broken_rules(small, monkeypatch):
     other = ModelDrafter(tiny(seed=5, vocab=6, n_layer=1), SpeculativeConfig(num_speculative_tokens=2, adaptive=False),
                          small)
     with monkeypatch.context() as m:  # accept every draft token
-        m.setattr(drafters, "acceptance_probability", lambda p, q: torch.ones_like(p))
+        m.setattr(verification, "acceptance_probability", lambda p, q: torch.ones_like(p))
         assert chi2_test(small, other) < 0.01
     with monkeypatch.context() as m:  # after a rejection, draw from p instead of the residual
-        m.setattr(drafters, "residual", lambda p, q: p)
+        m.setattr(verification, "residual", lambda p, q: p)
         assert chi2_test(small, ngram) < 0.01
 
 
