@@ -208,6 +208,25 @@ def test_repetition_penalty_sees_the_draft(model):
     assert 0 < engine.stats.spec_accepted < engine.stats.spec_proposed
 
 
+@pytest.mark.parametrize("family", ["llama-int8", "gpt2"])
+def test_first_layers_share_the_targets_tensors(model, family):
+    """A self-draft is the target's first layers, final norm and head themselves: each of its
+    parameters and buffers is the target's tensor of the same name (no copy, nothing left on
+    the meta device it was built on)."""
+    if family == "gpt2":  # learned positions and a tied head, unquantized
+        config = ModelConfig.gpt2(vocab_size=199, n_layer=3, n_head=4, d_model=64, max_seq_len=64)
+        model = randomize_(Transformer(config), 4).eval()
+    draft = model.first_layers(2)
+    assert draft.config.n_layer == 2 and len(draft.blocks) == 2 and not draft.training
+    target = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    mine = {**dict(draft.named_parameters()), **dict(draft.named_buffers())}
+    assert len(mine) > 10 and not any(t.is_meta for t in mine.values())
+    assert all(t.data_ptr() == target[name].data_ptr() for name, t in mine.items())
+    for n in (0, 3):
+        with pytest.raises(ValueError, match="layers"):
+            model.first_layers(n)
+
+
 def test_ngram_proposes_what_followed_the_longest_match():
     d = NgramDrafter(SpeculativeConfig(ngram_min=1, ngram_max=3))
 

@@ -26,8 +26,9 @@ Drafters (`Drafter.propose(request, k) -> token ids`):
   earlier occurrence is proposed. No second model; it shines where the output copies the input.
 - `ModelDrafter`: any arlm model with the target's vocabulary, with its own paged KV pool in the
   same process; its rows are rolled back with the target's (the tokens it computed are compared
-  with the request's each time, and it recomputes from the first difference). `self_draft` makes
-  one from the target itself: its first layers, final norm and LM head, sharing the weights.
+  with the request's each time, and it recomputes from the first difference). A self-draft
+  (`Transformer.first_layers`) makes one from the target itself: its first layers, final norm
+  and LM head, sharing the weights.
 
 How many tokens to draft (`SpeculativeConfig.adaptive`): k draft tokens make the step k tokens
 longer and yield alpha + ... + alpha^k expected tokens, alpha the request's estimated acceptance

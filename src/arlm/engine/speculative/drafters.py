@@ -4,10 +4,9 @@ lookup), `ModelDrafter` (a draft model with its own paged KV pool), `self_draft`
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
-import torch.nn as nn
 
 from ... import kernels
 from ...kv_cache import KVCache
@@ -260,21 +259,6 @@ class ModelDrafter(Drafter):
 
 
 def self_draft(model: Transformer, n_layers: int) -> Transformer:
-    """The target's first `n_layers` layers, final norm and LM head as a model of its own, sharing
-    the target's weights (no copy): a draft model where no smaller one exists."""
-    if not 1 <= n_layers < model.config.n_layer:
-        raise ValueError(f"a self-draft takes 1..{model.config.n_layer - 1} of the target's "
-                         f"{model.config.n_layer} layers, got {n_layers}")
-    draft = Transformer.__new__(Transformer)
-    nn.Module.__init__(draft)
-    draft.config = replace(model.config, n_layer=n_layers)
-    draft.tok_emb = model.tok_emb
-    if model.config.pos_embedding == "learned":
-        draft.pos_emb = model.pos_emb
-    else:
-        draft.register_buffer("rope_cos", model.rope_cos, persistent=False)
-        draft.register_buffer("rope_sin", model.rope_sin, persistent=False)
-    draft.emb_dropout = model.emb_dropout
-    draft.blocks = nn.ModuleList(list(model.blocks)[:n_layers])
-    draft.norm, draft.lm_head = model.norm, model.lm_head
-    return draft.eval()
+    """`model.first_layers(n_layers)`: the target's first layers, final norm and LM head, sharing
+    its weights, as a draft model."""
+    return model.first_layers(n_layers)
