@@ -13,7 +13,9 @@ from ...kv_cache import KVCache
 from ...model import Transformer
 from ...quant import weight_bytes
 from ...sampling import draw, penalized, warped_probs
+from ..block_pool import BlockPool
 from ..request import Request
+from ..runner import ModelRunner
 from .acceptance import best_draft_length
 from .config import SpeculativeConfig
 from .cost import StepCost
@@ -136,6 +138,11 @@ class _NgramIndex:
         return result
 
 
+# Token slots a block of a draft model's pool: the engine's default (`EngineConfig.block_size`;
+# named here, as engine.py imports this package).
+BLOCK_SIZE = 16
+
+
 @dataclass
 class _DraftSeq:
     blocks: list[int] = field(default_factory=list)
@@ -145,14 +152,17 @@ class _DraftSeq:
 
 class ModelDrafter(Drafter):
     """A draft model with its own paged KV pool: runs the requests' drafts as one batch, k
-    passes of one token each (after a first pass that catches up on what it has not seen)."""
+    passes of one token each (after a first pass that catches up on what it has not seen).
 
-    BLOCK_SIZE = 16
+    The pool is a `KVCache` whose blocks a `BlockPool` hands out, as the engine's target pool
+    is. How many tokens the drafting requests hold at once is not known up front, so it starts
+    at `INITIAL_BLOCKS` and grows on demand up to `max_tokens` (`_grow`)."""
+
+    INITIAL_BLOCKS = 64  # 1,024 token slots at the default block size; more as requests need them
 
     def __init__(self, model: Transformer, config: SpeculativeConfig, target: Transformer,
-                 max_tokens: int = 1 << 20, kv_dtype: torch.dtype | None = None) -> None:
-        from ..runner import ModelRunner
-
+                 max_tokens: int = 1 << 20, kv_dtype: torch.dtype | None = None,
+                 block_size: int = BLOCK_SIZE) -> None:
         super().__init__(config)
         if model.config.vocab_size != target.config.vocab_size:
             raise ValueError(f"the draft model's vocabulary ({model.config.vocab_size} tokens) is not the "
@@ -160,36 +170,46 @@ class ModelDrafter(Drafter):
         self.runner = ModelRunner(model)
         self.model = model
         self.max_len = model.config.max_seq_len
-        self.max_blocks = max(2, max_tokens // self.BLOCK_SIZE)
+        self.block_size = block_size
+        self.max_blocks = max(2, max_tokens // block_size)
         param = next(model.parameters())
         self.kv_dtype = kv_dtype or (torch.float16 if self.runner.native is not None else
                                      param.dtype if param.dtype.is_floating_point else torch.float32)
-        self.cache = KVCache.pool(model.config, 64, self.BLOCK_SIZE, self.kv_dtype, param.device)
-        self.free = list(range(63, -1, -1))
+        self.cache = KVCache.pool(model.config, self.INITIAL_BLOCKS, block_size, self.kv_dtype, param.device)
+        self.pool = BlockPool(self.INITIAL_BLOCKS, enable_prefix_caching=False)  # (nothing is shared)
         self.seqs: dict[str, _DraftSeq] = {}
         self.cost = weight_bytes(model) / max(1, weight_bytes(target))
 
     def release(self, request: Request) -> None:
         st = self.seqs.pop(request.request_id, None)
         if st is not None:
-            self.free += st.blocks
+            for block in st.blocks:
+                self.pool.release(block)
 
     def _blocks(self, st: _DraftSeq, tokens: int) -> bool:
         """Hold blocks for `tokens` positions; False if the pool cannot grow that far."""
-        need = -(-tokens // self.BLOCK_SIZE) - len(st.blocks)
-        if need > len(self.free):
-            n = self.cache.n_blocks
+        need = -(-tokens // self.block_size) - len(st.blocks)
+        if need > self.pool.num_free:
+            n = self.pool.n_blocks
+            # Doubling: the copies of a pool grown to N blocks sum to less than N blocks.
             grown = min(self.max_blocks, max(2 * n, n + need))
-            if grown - n < need - len(self.free):
+            if grown - n < need - self.pool.num_free:
                 return False
-            old = self.cache
-            self.cache = KVCache.pool(self.model.config, grown, self.BLOCK_SIZE, old.dtype, old.k.device)
-            self.cache.k[:, :n] = old.k
-            self.cache.v[:, :n] = old.v
-            self.free = list(range(grown - 1, n - 1, -1)) + self.free
-        for _ in range(need):
-            st.blocks.append(self.free.pop())
+            self._grow(grown)
+        st.blocks += [self.pool.allocate() for _ in range(need)]
         return True
+
+    def _grow(self, n_blocks: int) -> None:
+        """Move to a pool of `n_blocks` blocks: each held block gets a new id there (only this
+        drafter's tables name them) and its K/V copied, in every layer."""
+        old = self.cache
+        self.cache = KVCache.pool(self.model.config, n_blocks, self.block_size, old.dtype, old.k.device)
+        self.pool = BlockPool(n_blocks, enable_prefix_caching=False)
+        for st in self.seqs.values():
+            moved = [self.pool.allocate() for _ in st.blocks]
+            self.cache.k[:, moved] = old.k[:, st.blocks]
+            self.cache.v[:, moved] = old.v[:, st.blocks]
+            st.blocks = moved
 
     def propose(self, request: Request, k: int) -> list[int]:
         return self.propose_batch([request], [k])[0]
