@@ -19,9 +19,9 @@ import torch
 
 from arlm.config import ModelConfig
 from arlm.engine import Engine, EngineConfig, FinishReason
-from arlm.engine import speculative
 from arlm.engine.block_pool import block_hash
-from arlm.engine.speculative import (Drafter, ModelDrafter, NgramDrafter, SpeculativeConfig, SpecState, self_draft,
+from arlm.engine.speculative import verification
+from arlm.engine.speculative import (Drafter, ModelDrafter, NgramDrafter, SpeculativeConfig, SpecState,
                                      verify)
 from arlm.model import Transformer
 from arlm.quant import quantize
@@ -84,7 +84,7 @@ DRAFTERS = {
     "ngram": lambda m: NgramDrafter(SpeculativeConfig()),
     "ngram-fixed": lambda m: NgramDrafter(SpeculativeConfig(num_speculative_tokens=5, adaptive=False,
                                                             ngram_min=2, ngram_max=3)),
-    "self-draft": lambda m: ModelDrafter(self_draft(m, 1), SpeculativeConfig(num_speculative_tokens=3,
+    "self-draft": lambda m: ModelDrafter(m.first_layers(1), SpeculativeConfig(num_speculative_tokens=3,
                                                                                adaptive=False), m),
     "other-model": lambda m: ModelDrafter(tiny(seed=11, n_layer=1), SpeculativeConfig(num_speculative_tokens=4,
                                                                                       adaptive=False), m),
@@ -206,6 +206,25 @@ def test_repetition_penalty_sees_the_draft(model):
     spec, _, engine = generate(model, ps, params, drafter)
     assert spec == generate(model, ps, params)[0]
     assert 0 < engine.stats.spec_accepted < engine.stats.spec_proposed
+
+
+@pytest.mark.parametrize("family", ["llama-int8", "gpt2"])
+def test_first_layers_share_the_targets_tensors(model, family):
+    """A self-draft is the target's first layers, final norm and head themselves: each of its
+    parameters and buffers is the target's tensor of the same name (no copy, nothing left on
+    the meta device it was built on)."""
+    if family == "gpt2":  # learned positions and a tied head, unquantized
+        config = ModelConfig.gpt2(vocab_size=199, n_layer=3, n_head=4, d_model=64, max_seq_len=64)
+        model = randomize_(Transformer(config), 4).eval()
+    draft = model.first_layers(2)
+    assert draft.config.n_layer == 2 and len(draft.blocks) == 2 and not draft.training
+    target = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    mine = {**dict(draft.named_parameters()), **dict(draft.named_buffers())}
+    assert len(mine) > 10 and not any(t.is_meta for t in mine.values())
+    assert all(t.data_ptr() == target[name].data_ptr() for name, t in mine.items())
+    for n in (0, 3):
+        with pytest.raises(ValueError, match="layers"):
+            model.first_layers(n)
 
 
 def test_ngram_proposes_what_followed_the_longest_match():
@@ -378,10 +397,10 @@ def test_the_chi2_test_catches_broken_rules(small, monkeypatch):
     other = ModelDrafter(tiny(seed=5, vocab=6, n_layer=1), SpeculativeConfig(num_speculative_tokens=2, adaptive=False),
                          small)
     with monkeypatch.context() as m:  # accept every draft token
-        m.setattr(speculative, "acceptance_probability", lambda p, q: torch.ones_like(p))
+        m.setattr(verification, "acceptance_probability", lambda p, q: torch.ones_like(p))
         assert chi2_test(small, other) < 0.01
     with monkeypatch.context() as m:  # after a rejection, draw from p instead of the residual
-        m.setattr(speculative, "residual", lambda p, q: p)
+        m.setattr(verification, "residual", lambda p, q: p)
         assert chi2_test(small, ngram) < 0.01
 
 

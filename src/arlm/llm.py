@@ -10,18 +10,23 @@ own whose prefix cache holds the earlier turns, so each turn prefills only what 
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
 
-from .engine import Engine, EngineConfig, FinishReason, ModelRunner, Request, RequestOutput
+from . import kernels
+from .engine import Engine, EngineConfig, FinishReason, ModelRunner, Request, RequestOutput, decode_step
+from .engine.block_pool import DEFAULT_BLOCK_SIZE
 from .engine.engine import window_blocks
-from .engine.speculative import Drafter, SpecRates, SpeculativeConfig
-from .loading import LoadedModel
+from .engine.speculative import Drafter, ModelDrafter, NgramDrafter, SpecRates, SpeculativeConfig
+from .loading import LoadedModel, load_model
 from .kv_cache import KVDtype, check_head_dim, kv_dtype_name, parse_kv_dtype
+from .model import Transformer
+from .quant import ACTIVATIONS, QuantizedLinear, prepare
+from .quant import quantize as quantize_model
 from .sampling import SamplingParams
+from .structured import Grammars
 from .text import TextStreamer
 from .tokenizer import Tokenizer
 
@@ -33,7 +38,7 @@ class PromptError(ValueError):
 def render_chat(template: str, messages: list[dict], add_generation_prompt: bool = True,
                 **extra: object) -> str:
     """Render a Jinja2 chat template the way HF transformers does (sandboxed, trimmed blocks)."""
-    from jinja2 import TemplateError
+    from jinja2 import TemplateError  # (~70 ms, only where a chat template is rendered)
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     def raise_exception(message: str) -> None:
@@ -224,6 +229,29 @@ PREFILL_DTYPES = {"quantized": None, "bfloat16": "bf16", "float32": "float32"}
 FLOAT_PATHS = {torch.float32: "float32", torch.bfloat16: "bf16", torch.float16: "float16"}  # unquantized models
 
 
+def _auto_matmul_path(device: torch.device, activations: str) -> str:
+    """A quantized model's matmul_path "auto" (`LLM.configure`): on CPU the machine's choice
+    (`kernels.auto_matmul_path`), elsewhere float32."""
+    if device.type != "cpu":
+        return "float32"
+    path = kernels.auto_matmul_path()
+    return "avx2" if path == "vnni" and activations == "float32" else path  # (the row kernels, float inputs)
+
+
+def _prepare_quantized(model: Transformer, quantize: str | None, matmul_path: str, activations: str,
+                       loaded_quantized: bool) -> None:
+    """A quantized model's matrices in place, for `matmul_path` (one of kernels.MATMUL_PATHS, not
+    "auto") and `activations`: the file's quantized blocks as they are where it was loaded with
+    them (`loaded_quantized`), else its float matrices quantized to `quantize`."""
+    dense = dict(keep_dense=matmul_path in ("bf16", "float32"), activations=activations,
+                 prefill_dtype=torch.bfloat16 if matmul_path == "bf16" else None,
+                 packed=matmul_path != "avx2")
+    if loaded_quantized:
+        prepare(model, **dense)
+    else:
+        quantize_model(model, quantize, **dense)
+
+
 class LLM:
     """A loaded model ready to generate text. `LLM.load("smollm2")` is the usual start."""
 
@@ -245,8 +273,6 @@ class LLM:
         self.speculative: SpeculativeConfig | None = None  # the default of generate/stream (configure)
         self.kv_window, self.kv_sinks = 0, 4  # a sliding window with attention sinks (configure)
         self._drafters: dict[tuple, Drafter] = {}
-        from .structured import Grammars
-
         self.grammars = Grammars(self.tokenizer, self.model.config.vocab_size)  # (structured outputs)
         self._start(ModelRunner(self.model))
 
@@ -276,9 +302,6 @@ class LLM:
         """Load a model by name or path; `quantize`, `compile`, `matmul_path`, `kv_dtype` and
         `activations` pick the decode and prefill paths (see `configure`); `speculative` the
         default speculative decoding of `generate` and `stream` (see `drafter`)."""
-        from . import kernels
-        from .loading import load_model
-
         # "auto" on CPU: the file's quantized blocks as they are, straight into the kernels' layout
         direct = quantize == "auto" and device == "cpu" and dtype == torch.float32 and kernels.native_available()
         llm = cls(load_model(spec, device=device, dtype=dtype, quantized=direct))
@@ -303,8 +326,6 @@ class LLM:
         lookup), "self:N" (this model's first N layers and its head), or any model `LLM.load`
         takes with this model's vocabulary, loaded as this one was; a `SpeculativeConfig` for
         the other settings. None: this LLM's default (`speculative`); False or "off": none."""
-        from .engine.speculative import ModelDrafter, NgramDrafter, self_draft
-
         if spec is None:
             spec = self.speculative
         if spec is None or spec is False or spec == "off":
@@ -324,16 +345,30 @@ class LLM:
             if n and not n.isdigit():
                 raise ValueError(f"speculative method {method!r}: expected self:N, N the number of layers")
             layers = int(n) if n else self.model.config.n_layer // 2
-            drafter = ModelDrafter(self_draft(self.model, layers), config, self.model)
+            drafter = ModelDrafter(self.model.first_layers(layers), config, self.model)
         else:
-            draft = LLM.load(method, device=str(next(self.model.parameters()).device),
-                             quantize="auto" if self.quantization else None, activations=self.activations)
-            if draft.tokenizer.vocab_size != self.tokenizer.vocab_size or \
-                    draft.model.config.vocab_size != self.model.config.vocab_size:
-                raise ValueError(f"draft model {method} has another vocabulary than {self.loaded.name}")
-            drafter = ModelDrafter(draft.model, config, self.model)
+            drafter = ModelDrafter(self._draft_model(method), config, self.model)
         self._drafters[key] = drafter
         return drafter
+
+    def _draft_model(self, spec: str) -> Transformer:
+        """The model `spec` names (`load_model`) as `LLM.load` would ready it beside this one: on
+        this model's device, float32; where this model is quantized, quantize="auto" (the file's
+        quantized blocks as they are, or int8/q4 now) with this model's activations and the matrix
+        path "auto". Its vocabulary (the tokenizer's and the config's) must be this model's."""
+        device = next(self.model.parameters()).device
+        # ("auto" as configure takes it: none off the CPU kernels)
+        quantize = "auto" if self.quantization and device.type == "cpu" and kernels.native_available() else None
+        loaded = load_model(spec, device=device, quantized=quantize is not None)
+        if loaded.tokenizer is None:
+            raise PromptError(f"model {loaded.name} has no tokenizer; it can only take token ids")
+        if loaded.tokenizer.vocab_size != self.tokenizer.vocab_size or \
+                loaded.model.config.vocab_size != self.model.config.vocab_size:
+            raise ValueError(f"draft model {spec} has another vocabulary than {self.loaded.name}")
+        if quantize is not None:
+            _prepare_quantized(loaded.model, quantize, _auto_matmul_path(device, self.activations),
+                               self.activations, loaded.quantized)
+        return loaded.model
 
     def configure(self, quantize: str | None = None, compile: bool = False, matmul_path: str = "auto",
                   kv_dtype: str = "auto", activations: str = "int8x2", kv_window: int = 0, kv_sinks: int = 4,
@@ -368,9 +403,6 @@ class LLM:
         context in bounded memory; `EngineConfig.kv_window`); 0: off. generate/stream then run on a
         paged pool of a few sequences.
         """
-        from . import kernels
-        from .engine import decode_step
-
         device = next(self.model.parameters()).device
         if quantize not in (None, "none", "auto", "int8", "q4"):
             raise ValueError(f"unknown quantization {quantize!r} (expected none, auto, int8 or q4)")
@@ -379,8 +411,6 @@ class LLM:
         if kv_dtype != "auto":
             kv = parse_kv_dtype(kv_dtype)  # (ValueError naming the choices)
             check_head_dim(kv, self.model.config.head_dim)
-        from .quant import ACTIVATIONS
-
         if activations not in ACTIVATIONS:
             raise ValueError(f"unknown activation precision {activations!r} (expected {', '.join(ACTIVATIONS)})")
         legacy = prefill_dtype not in (None, "auto")  # (ignored by float models, as it always was)
@@ -391,9 +421,6 @@ class LLM:
             if matmul_path != "auto":
                 raise ValueError("give matmul_path or the older prefill_dtype, not both")
             matmul_path = PREFILL_DTYPES[prefill_dtype] or ("vnni" if kernels.packed_available() else "avx2")
-        from .quant import QuantizedLinear, prepare
-        from .quant import quantize as quantize_model
-
         loaded_quantized = any(isinstance(m, QuantizedLinear) for m in self.model.modules())  # (LLM.load)
         if loaded_quantized and quantize != "auto":
             raise ValueError(f"{self.loaded.name} was loaded with its file's quantized weights; load it "
@@ -401,9 +428,7 @@ class LLM:
         cpu = device.type == "cpu"
         if loaded_quantized or quantize in ("auto", "int8", "q4"):
             if matmul_path == "auto":
-                matmul_path = "float32" if not cpu else kernels.auto_matmul_path()
-                if matmul_path == "vnni" and activations == "float32":  # (the row kernels, float inputs)
-                    matmul_path = "avx2"
+                matmul_path = _auto_matmul_path(device, activations)
             elif not cpu and matmul_path in ("vnni", "avx2"):
                 raise ValueError(f"matmul path {matmul_path} runs the CPU's integer kernels; on {device.type} "
                                  f"take bf16 or float32")
@@ -412,13 +437,7 @@ class LLM:
             if activations == "float32" and matmul_path == "vnni":
                 raise ValueError("matmul path vnni multiplies 8-bit activations; with float32 activations "
                                  "take avx2 (the row kernels), bf16 or float32")
-            dense = dict(keep_dense=matmul_path in ("bf16", "float32"), activations=activations,
-                         prefill_dtype=torch.bfloat16 if matmul_path == "bf16" else None,
-                         packed=matmul_path != "avx2")
-            if loaded_quantized:
-                prepare(self.model, **dense)
-            else:
-                quantize_model(self.model, quantize, **dense)
+            _prepare_quantized(self.model, quantize, matmul_path, activations, loaded_quantized)
             self.activations = activations
         else:  # a float model multiplies in its own dtype
             own = FLOAT_PATHS.get(next(self.model.parameters()).dtype, "float32")
@@ -529,7 +548,7 @@ class ChatSession:
     prefilled again.
     """
 
-    BLOCK_SIZE = 16
+    BLOCK_SIZE = DEFAULT_BLOCK_SIZE
 
     def __init__(self, llm: LLM, params: SamplingParams, system: str | None = None,
                  max_context: int | None = None) -> None:

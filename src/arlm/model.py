@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from contextlib import contextmanager, nullcontext
+from dataclasses import replace
 
 import torch
 import torch.nn as nn
@@ -189,6 +190,25 @@ class Transformer(nn.Module):
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+    def first_layers(self, n_layers: int) -> "Transformer":
+        """This model's first `n_layers` layers, final norm and LM head as a model of its own,
+        sharing this one's modules (no copy: its weights, quantized or not, are these): the
+        speculative self-draft, where no smaller draft model exists (arlm.engine.speculative)."""
+        if not 1 <= n_layers < self.config.n_layer:
+            raise ValueError(f"a self-draft takes 1..{self.config.n_layer - 1} of the target's "
+                             f"{self.config.n_layer} layers, got {n_layers}")
+        with torch.device("meta"):  # (every module and buffer built here is replaced by this model's)
+            part = Transformer(replace(self.config, n_layer=n_layers), init=False)
+        part.tok_emb = self.tok_emb
+        if self.config.pos_embedding == "learned":
+            part.pos_emb = self.pos_emb
+        else:
+            part.rope_cos, part.rope_sin = self.rope_cos, self.rope_sin
+        part.emb_dropout = self.emb_dropout
+        part.blocks = nn.ModuleList(list(self.blocks)[:n_layers])
+        part.norm, part.lm_head = self.norm, self.lm_head
+        return part.eval()
 
     def forward(self, idx: torch.Tensor, input_pos: torch.Tensor | None = None,
                 kv_cache: KVCache | None = None, kv_len: int | None = None,

@@ -17,6 +17,11 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 
+# Token slots a block holds, unless an engine is configured otherwise: small enough that a
+# sequence wastes under a block, large enough that a block table stays short and the attention
+# kernels read whole runs of slots.
+DEFAULT_BLOCK_SIZE = 16
+
 
 def block_hash(parent: bytes | None, token_ids: list[int] | tuple[int, ...]) -> bytes:
     """Content hash of one full block given its predecessor's hash (None for the first block).

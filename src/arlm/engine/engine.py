@@ -28,13 +28,14 @@ from ..model import Transformer
 from ..runtime import Runtime
 from ..runtime import runtime as default_runtime
 from ..sampling import SamplingParams, top_logprobs
+from .block_pool import DEFAULT_BLOCK_SIZE
 from .hooks import (StepClockHook, StepHooks, StepResult, StepStats, StepStatsHook, ThreadWidthHook,
                     WindowRopeHook)
 from .request import FinishReason, Request, RequestStatus
 from .runner import ModelRunner
 from .sampler import sample_step
 from .scheduler import ScheduledBatch, Scheduler
-from .speculative import Drafter, SpecRates, SpecState, StepCost
+from .speculative import Drafter, SpecRates, SpecState, StepCost, propose_drafts
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +48,7 @@ class EngineConfig:
     """The cache and the batch. A paged pool is `kv_cache_tokens` token slots if given, else as
     many blocks as `kv_cache_memory` bytes hold (K and V, every layer)."""
 
-    block_size: int | None = 16  # token slots per block; None: a contiguous cache (see the module doc)
+    block_size: int | None = DEFAULT_BLOCK_SIZE  # token slots per block; None: a contiguous cache (module doc)
     kv_cache_memory: int = 1 << 30
     kv_cache_tokens: int | None = None
     max_num_seqs: int = 64  # running requests at most
@@ -306,7 +307,8 @@ class Engine:
         rows), a contiguous cache fitted to a new static batch, then the scheduler's choice."""
         if self.config.contiguous and not self.scheduler.running and self.scheduler.waiting:
             self._fit_cache()
-        drafted = self._propose()
+        drafted = propose_drafts(self.scheduler, self.config.max_num_batched_tokens, self.runner.exact_rows,
+                                 self.step_cost, self.grammars)
         batch = self.scheduler.schedule()
         batch.drafted = drafted
         batch.prompt_tokens = sum(n for i, n in enumerate(batch.num_tokens) if not batch.decodes(i))
@@ -326,50 +328,6 @@ class Engine:
             self.cache = None  # (free the old one first)
             self.cache = KVCache.contiguous(cfg, rows, length, self.kv_dtype, self.device)
         self.scheduler.resize(rows, length)
-
-    def _propose(self) -> list[Request]:
-        """Drafts for the running requests that decode speculatively (`Request.draft`), as long
-        as their drafter's rule finds worth it in a step of this size; returns those requests."""
-        running = self.scheduler.running
-        decoding = [r for r in running if r.num_tokens - r.num_computed == 1]
-        spec = [r for r in decoding if r.drafter is not None]
-        if not spec:
-            return []
-        # The step's tokens before drafts: a token per decode, and the prompt tokens it will take.
-        prompts = sum(r.num_tokens - r.num_computed for r in running if r.num_tokens - r.num_computed > 1)
-        if not self.scheduler.static_batches:  # (a static batch admits no one while it runs)
-            prompts += sum(r.num_tokens for r in self.scheduler.waiting)
-        step_tokens = min(self.config.max_num_batched_tokens, len(decoding) + prompts)
-        spare = self.config.max_num_batched_tokens - len(decoding)
-        if self.runner.exact_rows is not None:  # a bigger step would change the decode rows' arithmetic
-            spare = min(spare, self.runner.exact_rows - step_tokens)
-        by_drafter: dict[int, tuple[object, list[Request], list[int]]] = {}
-        for r in spec:
-            # Never past what may be emitted (max_new_tokens), nor past the context window:
-            # the last draft position must have a slot, so a cut falls where plain decoding's does.
-            cap = min(r.params.max_new_tokens - r.num_output_tokens - 1, self.scheduler.max_model_len - r.num_tokens,
-                      spare)
-            # Drafts by the measured step times, but for seeded sampling: its draws depend on
-            # where drafts fall, so it drafts by the prior cost alone and reproduces run to run.
-            timed = r.params.greedy or r.params.seed is None
-            k = r.drafter.draft_length(r, cap, step_tokens, self.step_cost if timed else None)
-            spare -= k
-            step_tokens += k
-            if k > 0:
-                group = by_drafter.setdefault(id(r.drafter), (r.drafter, [], []))
-                group[1].append(r)
-                group[2].append(k)
-        drafting = []
-        for drafter, reqs, ks in by_drafter.values():
-            for r, k, draft in zip(reqs, ks, drafter.propose_batch(reqs, ks)):
-                r.draft = list(draft[:k])
-                if r.matcher is not None:  # only what the grammar can take (it would reject the rest)
-                    r.draft = r.draft[:self.grammars.valid_prefix(r.matcher, r.draft, r.eos_ids)]
-                if r.draft_probs is not None:
-                    r.draft_probs = r.draft_probs[:len(r.draft)]
-                if r.draft:
-                    drafting.append(r)
-        return drafting
 
     def _postprocess(self, batch: ScheduledBatch, sampled: dict[int, list[int]],
                      failed: dict[int, Exception]) -> list[RequestOutput]:
