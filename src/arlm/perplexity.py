@@ -43,7 +43,8 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from .engine import Engine, EngineConfig
+from .engine import Engine, EngineConfig, Request
+from .files import create_tmp, replace_durably
 from .sampling import SamplingParams
 
 MAGIC = b"ARLMLGP1"
@@ -105,6 +106,21 @@ def batches(wins: list[Window], batch_tokens: int) -> Iterator[list[Window]]:
         yield group
 
 
+def _run_to_end(engine: Engine, reqs: list[Request]) -> None:
+    """Step `engine` until every request of `reqs` (added by the caller, with what it asked of
+    `Engine.add_request`) is finished, as `Engine.generate` does: RuntimeError on a request's
+    error, and every request of `reqs` aborted on the way out, so an error or an interrupt leaves
+    no blocks held (`Engine.abort` passes over the finished ones)."""
+    try:
+        while not all(r.finished for r in reqs):
+            for out in engine.step():
+                if out.error is not None:
+                    raise RuntimeError(f"request {out.request_id}: {out.error}")
+    finally:
+        for r in reqs:
+            engine.abort(r.request_id)
+
+
 def window_logits(llm, token_ids: list[int], wins: list[Window],
                   batch_tokens: int) -> Iterator[tuple[Window, torch.Tensor]]:
     """Each window with its float32 logits [n_scored, vocab] (row k predicts token first + k),
@@ -119,14 +135,7 @@ def window_logits(llm, token_ids: list[int], wins: list[Window],
     greedy = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
     for group in groups:
         reqs = [engine.add_request(token_ids[w.begin:w.end], greedy, prompt_logits=True) for w in group]
-        try:
-            while not all(r.finished for r in reqs):
-                for out in engine.step():
-                    if out.error is not None:
-                        raise RuntimeError(f"request {out.request_id}: {out.error}")
-        finally:
-            for r in reqs:
-                engine.abort(r.request_id)
+        _run_to_end(engine, reqs)
         for w, r in zip(group, reqs):
             logits, r.prompt_logits = r.prompt_logits, None
             yield w, logits[w.first - 1 - w.begin:w.end - 1 - w.begin]
@@ -135,15 +144,15 @@ def window_logits(llm, token_ids: list[int], wins: list[Window],
 # -- the logits file -------------------------------------------------------------------------------
 
 class LogitsWriter:
-    """Streams float16 log-probability rows into `path`, atomically: a temporary file in the same
-    directory, renamed over `path` once every row is in (`commit`); `abort` leaves `path` as it
-    was."""
+    """Streams float16 log-probability rows into `path`, atomically (arlm.files): a temporary
+    file in the same directory, renamed over `path` once every row is in (`commit`); `abort`
+    leaves `path` as it was."""
 
     def __init__(self, path: str | Path, header: dict) -> None:
         self.path = Path(path)
         self.n_rows, self.vocab_size = header["n_scored"], header["vocab_size"]
         self.rows = 0
-        self.tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")  # (the umask's permissions)
+        self.tmp = Path(create_tmp(self.path))
         self.file = open(self.tmp, "wb")
         blob = json.dumps(header, separators=(",", ":")).encode()
         blob += b" " * (-(16 + len(blob)) % _ALIGN)
@@ -162,7 +171,7 @@ class LogitsWriter:
         self.file.flush()
         os.fsync(self.file.fileno())
         self.file.close()
-        os.replace(self.tmp, self.path)
+        replace_durably(self.tmp, self.path)
 
     def abort(self) -> None:
         self.file.close()
@@ -297,10 +306,7 @@ def stream_nll(llm, token_ids: list[int], window: int, sinks: int = 4, chunk: in
     req = engine.add_request(token_ids, SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True),
                              prompt_logits=True)
     req.logits_sink = sink
-    while not req.finished:
-        for out in engine.step():
-            if out.error is not None:
-                raise RuntimeError(f"request {out.request_id}: {out.error}")
+    _run_to_end(engine, [req])
     return nll
 
 
