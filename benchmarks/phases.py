@@ -12,6 +12,9 @@ linears, attention (RoPE, the cache write and the attention itself), SiLU, and t
 norm + LM head. For each linear it prints the multiply-accumulate rate (GMAC/s) and for attention
 the rate at which it reads the cached K/V (GB/s); "other" is the rest of the step (embedding
 lookup, op dispatch). Each case is the best of --repeat runs of --steps steps.
+
+The timer is in the kernels' profiling build only (`kernels.use_profiling_build`: built once,
+beside the normal build, the first time this runs).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+from arlm import kernels  # noqa: E402
 from arlm.kv_cache import KVCache, kv_dtype_name, quantize_rows  # noqa: E402
 from arlm.llm import LLM  # noqa: E402
 from bench_args import SMOLLM2_MAX_SEQ_LEN, positive_int  # noqa: E402
@@ -34,10 +38,15 @@ PHASES = ["norm1", "qkv", "attention", "wo", "norm2", "gate_up", "silu", "down",
 
 
 def run_case(llm: LLM, batch: int, context: int, steps: int, repeat: int) -> dict:
+    """One BATCHxCONTEXT case; the kernels must be the profiling build (`kernels.use_profiling_build()`
+    before `llm` was loaded)."""
     model, cfg = llm.model, llm.model.config
     native = llm.runner.native
     if native is None or llm.runner.decode_fn is not None:
         raise SystemExit("phases.py: the native step does not apply here (it needs the native kernels on CPU)")
+    if not hasattr(torch.ops.arlm, "decode_profile"):
+        raise SystemExit("phases.py: the kernels were loaded without the per-pass timer "
+                         "(call arlm.kernels.use_profiling_build() before loading the model)")
     cache = KVCache.contiguous(cfg, batch, context + 1, dtype=llm.kv_dtype)
     if cache.quantized:  # random rows, quantized as the kernels write them
         for layer in range(cfg.n_layer):
@@ -110,6 +119,7 @@ def main() -> int:
         ap.error(f"--cases: CONTEXT must be below SmolLM2's window of {SMOLLM2_MAX_SEQ_LEN} tokens "
                  f"(its cache holds CONTEXT + 1), got {args.cases!r}")
     torch.set_num_threads(args.threads)
+    kernels.use_profiling_build()
     llm = LLM.load("smollm2", kv_dtype=args.kv_dtype)
     print(f"arlm {llm.quantization} weights, KV cache {kv_dtype_name(llm.kv_dtype)}, "
           f"{args.threads} threads; ms per step (best of {args.repeat} x {args.steps} steps)")

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from arlm.cli import main
-from arlm.loading.checkpoint import atomic_write, atomic_write_text
+from arlm.files import atomic_write, atomic_write_text
 from arlm.train import data as data_module
 from arlm.train import prepare
 from arlm.train.data import DataError, TokenData, fingerprint
@@ -42,9 +42,10 @@ def two_prepares(tmp_path) -> tuple[Path, Path]:
 
 
 def test_new_train_bin_beside_old_files_is_refused(two_prepares, tmp_path, capsys):
-    """The reported state: the new train.bin renamed into place, the old val.bin, meta.json and
-    tokenizer.json, and the val.bin temp file that was being written; `arlm train` used to die
-    with `internal error: IndexError: index out of range in self`."""
+    """A kill mid-prepare: the new train.bin renamed into place, the old val.bin, meta.json and
+    tokenizer.json, and the val.bin temp file that was being written. The new tokens index past
+    the old vocabulary, so a run that took the directory would die mid-step on an IndexError;
+    `arlm train` refuses it up front with a one-line error."""
     a, b = two_prepares
     assert int(np.fromfile(b / "train.bin", dtype=np.uint16).max()) >= TokenData.open(a).vocab_size
     shutil.copy(b / "train.bin", a / "train.bin")

@@ -10,18 +10,25 @@ float32 model's, and logits close to the module path's.
 from __future__ import annotations
 
 import copy
+import json
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from arlm import kernels
 from arlm.engine import Engine, EngineConfig, ModelRunner, decode_step, prefill
-from arlm.kernels.llama import LayerWeight, NativeLlama, cpp_layer_weight_names
+from arlm.kernels import layout
+from arlm.kernels.llama import NativeLlama
 from arlm.kv_cache import KVCache
 from arlm.quant import quantize
 from arlm.sampling import SamplingParams
 
 from conftest import arlm_from_hf, hf_gpt2, hf_llama
+from cpu_flags import native_kernels_expected, packed_expected
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -120,12 +127,79 @@ def test_native_stack_applies_only_where_it_can():
     assert native == _greedy(llama, prompts, 8, decode_step, kv_dtype=torch.bfloat16)[0]
 
 
-def test_layer_weight_layout_is_named_alike_on_both_sides():
-    """decode.cpp's `LayerWeight` enum and its Python mirror: the same names, the same offsets."""
-    cpp = cpp_layer_weight_names()
-    python = {"".join(w.title() for w in m.name.split("_")): int(m) for m in LayerWeight}
-    python["LayerWeights"] = python.pop("Count")
-    assert cpp == python
+# -- the constants shared with C++ (kernels/layout.py -> arlm_layout.h) ---------------------------
+
+def test_layout_header_is_in_the_build_and_its_key(monkeypatch):
+    """The kernels take LayerWeight, kExactRows and KVFormat from the header the build generates
+    from layout.py: it is in the build's directory, and a different header (or a define) is a
+    different build, so a changed layout can never meet a library built with the old one."""
+    build = kernels._build_dir("arlm_kernels", kernels._SOURCES)
+    if native_kernels_expected():
+        assert kernels.native_available()
+        assert (build / "arlm_layout.h").read_text() == layout.header()
+    assert kernels._build_dir("arlm_kernels", kernels._SOURCES, ("ARLM_PROFILE",)) != build
+    header = layout.header()
+    monkeypatch.setattr(layout, "header", lambda: header.replace(f"kExactRows = {layout.EXACT_ROWS};",
+                                                                 f"kExactRows = {layout.EXACT_ROWS + 1};"))
+    assert kernels._build_dir("arlm_kernels", kernels._SOURCES) != build
+
+
+@pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler")
+def test_layout_header_holds_each_python_value(tmp_path):
+    # The compiler reads the generated header and checks every value against Python's.
+    (tmp_path / "arlm_layout.h").write_text(layout.header())
+    names = [(layout.cpp_name(m.name, enum), int(m)) for enum in (layout.LayerWeight, layout.KVFormat)
+             for m in enum] + [("kExactRows", layout.EXACT_ROWS)]
+    assert {"kLayerWeights", "kGateUp", "kExactRows", "kInt4"} <= {n for n, _ in names}  # as the kernels spell them
+    checks = "".join(f'static_assert(arlm_layout::{n} == {v}, "{n}");\n' for n, v in names)
+    (tmp_path / "check.cpp").write_text(f'#include "arlm_layout.h"\n{checks}')
+    proc = subprocess.run(["c++", "-std=c++17", "-fsyntax-only", str(tmp_path / "check.cpp")],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_normal_build_has_no_pass_timer():
+    """decode.cpp's per-pass timer (plain globals) is compiled into the profiling build only, and
+    a process that loaded the normal build cannot switch to it (both register the same ops)."""
+    loaded = kernels.native_available()
+    assert not hasattr(torch.ops.arlm, "decode_profile")
+    with pytest.raises(RuntimeError, match="already loaded"):
+        kernels.use_profiling_build()
+    assert loaded == kernels.native_available() and not hasattr(torch.ops.arlm, "decode_profile")
+
+
+# A subprocess's program, `python -c PROFILED_STEP TESTS_DIR`: one native decode step and head of a
+# small Llama in the profiling build, printing the per-pass seconds the timer summed.
+PROFILED_STEP = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import torch
+from arlm import kernels
+kernels.use_profiling_build()
+from arlm.kernels.llama import NativeLlama
+from arlm.kv_cache import KVCache
+from conftest import arlm_from_hf, hf_llama
+
+model = arlm_from_hf(hf_llama(seed=3))
+native = NativeLlama.bind(model)
+cache = KVCache.contiguous(model.config, 2, 8)
+with torch.inference_mode():
+    x = native.embed(torch.tensor([1, 2]))
+    torch.ops.arlm.decode_profile(True)
+    native.decode(x, cache.k, cache.v, torch.tensor([0, 0]), 1, cache.format)
+    native.head(x)
+    print(torch.ops.arlm.decode_profile(False).tolist())
+"""
+
+
+@pytest.mark.slow  # builds the profiling variant of the kernels (once per source version)
+@pytest.mark.skipif(not native_kernels_expected(), reason="the native kernels are not built here")
+def test_profiling_build_times_every_pass():
+    proc = subprocess.run([sys.executable, "-c", PROFILED_STEP, str(ROOT / "tests")], capture_output=True,
+                          text=True, timeout=900, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    seconds = json.loads(proc.stdout.strip().splitlines()[-1])  # [norm 1, q/k/v, ..., down, final norm + head]
+    assert len(seconds) == 9 and all(t > 0 for t in seconds), seconds
 
 
 def test_native_step_rows_are_independent():
@@ -201,9 +275,7 @@ def test_native_step_allocates_nothing(mode):
     # step to step. Counted by the profiler's allocator events. (The row-layout kernels still
     # allocate their outputs: CPUs without AVX-512 VNNI, and layers whose width is not a multiple
     # of 16, hence a vocabulary of 256 here.)
-    from test_quant import _packed_expected
-
-    if mode is not None and not _packed_expected():  # where it must, a failed build fails this test
+    if mode is not None and not packed_expected():  # where it must, a failed build fails this test
         pytest.skip("this CPU has no AVX-512 VNNI: its row-layout kernels allocate their outputs")
     model = arlm_from_hf(hf_llama(seed=5, hidden_size=192, intermediate_size=256, vocab_size=256))
     if mode is not None:

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 import arlm.cli
+import arlm.perplexity
 from arlm.engine import Engine, EngineConfig, ModelRunner
-from arlm.perplexity import LogitsWriter, evaluate, kl_stats, read_logits, windows
+from arlm.perplexity import LogitsWriter, evaluate, kl_stats, read_logits, stream_nll, windows
 from arlm.sampling import SamplingParams
 
 TEXT = ("The lighthouse stood at the edge of the cliff for more than two hundred years. Every night the "
@@ -167,8 +168,6 @@ def test_logits_file_holds_the_float16_log_probabilities(base_file, ids, smollm2
 
 def test_a_failed_run_leaves_the_old_file(base_file, ids, smollm2, monkeypatch, tmp_path):
     """--save-logits is atomic: a run that fails part way leaves BASE as it was, and no temporary file."""
-    import arlm.perplexity
-
     path = tmp_path / "kept.lgp"
     path.write_bytes(b"the old file")
 
@@ -259,8 +258,6 @@ def test_cli_json_and_text(cli, text_file, base_file, ids):
 def test_cli_kv_window_is_one_stream(cli, text_file, ids):
     """--kv-window W --kv-sinks S scores the text as one stream (perplexity.stream_nll), every
     token but the first once; a window wider than the text is full attention over one pass."""
-    from arlm.perplexity import stream_nll
-
     rc, out, err = cli(text_file, "--quantize", "none", "--kv-window", 24, "--kv-sinks", 2, "--batch-tokens", 16,
                        "--json")
     assert rc == 0, err

@@ -288,7 +288,7 @@ import arlm.train.checkpoints as ckpt
 from arlm.cli import main
 
 step_dir, where = ckpt.step_dir_name(int(sys.argv[1])), sys.argv[2]
-write_file, point = ckpt.atomic_write, ckpt._point
+write_file, point = ckpt.atomic_write, ckpt.atomic_symlink
 
 def die():
     os.kill(os.getpid(), signal.SIGKILL)
@@ -300,12 +300,12 @@ def atomic_write(path, write):
     killing = where == "tmp" and path.name == ckpt.STATE_FILE and path.parent.name == step_dir
     write_file(path, write_then_die if killing else write)
 
-def _point(link, target):
+def atomic_symlink(link, target):
     if where == "commit" and link.name == ckpt.LATEST and target == step_dir:
         die()
     point(link, target)
 
-ckpt.atomic_write, ckpt._point = atomic_write, _point
+ckpt.atomic_write, ckpt.atomic_symlink = atomic_write, atomic_symlink
 raise SystemExit(main(sys.argv[3:]))
 """
 

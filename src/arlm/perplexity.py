@@ -44,13 +44,15 @@ import numpy as np
 import torch
 
 from .engine import Engine, EngineConfig
+from .engine.block_pool import DEFAULT_BLOCK_SIZE
+from .engine.engine import window_blocks
+from .files import create_tmp, replace_durably
 from .sampling import SamplingParams
 
 MAGIC = b"ARLMLGP1"
 FORMAT = "arlm-logprobs"
 VERSION = 1
 _ALIGN = 64  # the rows start at a multiple of this many bytes
-_BLOCK_SIZE = 16  # the engine's KV block size
 
 
 # -- windows ---------------------------------------------------------------------------------------
@@ -111,22 +113,15 @@ def window_logits(llm, token_ids: list[int], wins: list[Window],
     in order. The windows run as requests on a paged engine over `llm.runner` (prefix caching
     off: every window is computed in full), `batch_tokens` tokens per forward pass at most."""
     groups = list(batches(wins, batch_tokens))
-    blocks = max(sum(-(-w.length // _BLOCK_SIZE) for w in g) for g in groups) + 1  # + 1: the pool's reserve
+    blocks = max(sum(-(-w.length // DEFAULT_BLOCK_SIZE) for w in g) for g in groups) + 1  # + 1: the pool's reserve
     engine = Engine(llm.runner, llm.tokenizer.eos_ids,
-                    EngineConfig(block_size=_BLOCK_SIZE, kv_cache_tokens=blocks * _BLOCK_SIZE,
+                    EngineConfig(block_size=DEFAULT_BLOCK_SIZE, kv_cache_tokens=blocks * DEFAULT_BLOCK_SIZE,
                                  max_num_seqs=max(len(g) for g in groups), max_num_batched_tokens=batch_tokens,
                                  enable_prefix_caching=False, kv_dtype=llm.kv_dtype))
     greedy = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
     for group in groups:
         reqs = [engine.add_request(token_ids[w.begin:w.end], greedy, prompt_logits=True) for w in group]
-        try:
-            while not all(r.finished for r in reqs):
-                for out in engine.step():
-                    if out.error is not None:
-                        raise RuntimeError(f"request {out.request_id}: {out.error}")
-        finally:
-            for r in reqs:
-                engine.abort(r.request_id)
+        engine.run_to_end(reqs)
         for w, r in zip(group, reqs):
             logits, r.prompt_logits = r.prompt_logits, None
             yield w, logits[w.first - 1 - w.begin:w.end - 1 - w.begin]
@@ -135,15 +130,15 @@ def window_logits(llm, token_ids: list[int], wins: list[Window],
 # -- the logits file -------------------------------------------------------------------------------
 
 class LogitsWriter:
-    """Streams float16 log-probability rows into `path`, atomically: a temporary file in the same
-    directory, renamed over `path` once every row is in (`commit`); `abort` leaves `path` as it
-    was."""
+    """Streams float16 log-probability rows into `path`, atomically (arlm.files): a temporary
+    file in the same directory, renamed over `path` once every row is in (`commit`); `abort`
+    leaves `path` as it was."""
 
     def __init__(self, path: str | Path, header: dict) -> None:
         self.path = Path(path)
         self.n_rows, self.vocab_size = header["n_scored"], header["vocab_size"]
         self.rows = 0
-        self.tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")  # (the umask's permissions)
+        self.tmp = Path(create_tmp(self.path))
         self.file = open(self.tmp, "wb")
         blob = json.dumps(header, separators=(",", ":")).encode()
         blob += b" " * (-(16 + len(blob)) % _ALIGN)
@@ -162,7 +157,7 @@ class LogitsWriter:
         self.file.flush()
         os.fsync(self.file.fileno())
         self.file.close()
-        os.replace(self.tmp, self.path)
+        replace_durably(self.tmp, self.path)
 
     def abort(self) -> None:
         self.file.close()
@@ -280,8 +275,8 @@ def stream_nll(llm, token_ids: list[int], window: int, sinks: int = 4, chunk: in
     [len - 1] (float64) of every token but the first, each predicted from what the window shows
     of the tokens before it. Runs past the model's context in a fixed number of blocks; the
     logits are consumed chunk by chunk (`Request.logits_sink`), never held for the whole text."""
-    bs = _BLOCK_SIZE
-    blocks = -(-sinks // bs) + -(-(window + chunk) // bs) + 2
+    bs = DEFAULT_BLOCK_SIZE
+    blocks = window_blocks(bs, window, sinks, chunk) + 1  # + 1: the pool's reserve
     engine = Engine(llm.runner, llm.tokenizer.eos_ids,
                     EngineConfig(block_size=bs, kv_cache_tokens=blocks * bs, max_num_seqs=1,
                                  max_num_batched_tokens=chunk, enable_prefix_caching=False, kv_dtype=llm.kv_dtype,
@@ -297,10 +292,7 @@ def stream_nll(llm, token_ids: list[int], window: int, sinks: int = 4, chunk: in
     req = engine.add_request(token_ids, SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True),
                              prompt_logits=True)
     req.logits_sink = sink
-    while not req.finished:
-        for out in engine.step():
-            if out.error is not None:
-                raise RuntimeError(f"request {out.request_id}: {out.error}")
+    engine.run_to_end([req])
     return nll
 
 

@@ -29,6 +29,8 @@ class Runtime:
     def __init__(self, threads: ThreadGovernor | None = None) -> None:
         self._threads = threads
         self._libraries: dict[str, bool] = {}  # name -> loaded (False: unavailable, fallbacks serve)
+        # the native kernels with decode.cpp's per-pass timer (arlm.kernels.use_profiling_build)
+        self.profiling_kernels = False
 
     @property
     def threads(self) -> ThreadGovernor:
@@ -44,6 +46,10 @@ class Runtime:
         if name not in self._libraries:
             self._libraries[name] = load()
         return self._libraries[name]
+
+    def has_library(self, name: str) -> bool:
+        """Whether `library(name, ...)` has been asked (loaded, or found unavailable)."""
+        return name in self._libraries
 
     @cached_property
     def cpu(self) -> dict[str, bool]:

@@ -374,6 +374,13 @@ class Engine:
         """Run prompts to the end (all submitted at once); the output token ids of each, in order."""
         params = params if isinstance(params, list) else [params] * len(prompts)
         reqs = [self.add_request(p, sp, drafter=drafter) for p, sp in zip(prompts, params)]
+        self.run_to_end(reqs)
+        return [r.output_ids for r in reqs]
+
+    def run_to_end(self, reqs: list[Request]) -> None:
+        """Step until every request of `reqs` (added by the caller) is finished: RuntimeError on
+        a request's error; each of them aborted on the way out, so an error or an interrupt
+        leaves no blocks held (`abort` passes over the finished ones)."""
         try:
             while any(not r.finished for r in reqs):
                 for out in self.step():
@@ -382,4 +389,3 @@ class Engine:
         finally:
             for r in reqs:
                 self.abort(r.request_id)
-        return [r.output_ids for r in reqs]

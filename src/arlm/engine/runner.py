@@ -32,6 +32,7 @@ from typing import Callable
 
 import torch
 
+from ..kernels.layout import EXACT_ROWS
 from ..kernels.llama import NativeLlama
 from ..kv_cache import KVCache
 from ..model import Transformer
@@ -74,13 +75,13 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         # How many tokens a step may hold for each row's result not to depend on the others
         # (speculative decoding verifies through it): any number with the quantized kernels;
-        # 4 where the native stack has float32 matrices (above 4 rows a GEMM sums in its own
-        # order, decode.cpp's f32_linear_into); 1 on the module path (torch's matmuls).
+        # EXACT_ROWS where the native stack has float32 matrices (above that many rows a GEMM
+        # sums in its own order: decode.cpp's f32_linear_into); 1 on the module path (torch's matmuls).
         self.exact_rows: int | None = None
         if self.native is None:
             self.exact_rows = 1
         elif any(type(m) is torch.nn.Linear for m in model.modules()):
-            self.exact_rows = 4
+            self.exact_rows = EXACT_ROWS
         self._buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # rows -> (hidden state, logits)
         self._rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # rows -> (token ids, positions)
 

@@ -9,7 +9,8 @@ products, 2-3x faster with several rows; a8_linear.cpp). When the kernels cannot
 compiler, a build error) the ops run as pure-PyTorch fallbacks: correct, slower.
 
 ARLM_MARCH (default "native") is the compiler's -march: e.g. ARLM_MARCH=znver3 builds the AVX2
-paths on an AVX-512 machine, to test what a CPU without AVX-512 runs.
+paths on an AVX-512 machine, to test what a CPU without AVX-512 runs. `use_profiling_build()`
+selects a build with decode.cpp's per-pass timer compiled in (benchmarks/phases.py).
 """
 
 from __future__ import annotations
@@ -23,19 +24,25 @@ from pathlib import Path
 
 import torch
 
+from ..runtime import runtime
+from . import layout
+
 log = logging.getLogger(__name__)
 _SOURCES = [Path(__file__).with_name(name) for name in ("int8_linear.cpp", "q4_linear.cpp", "a8_linear.cpp",
                                                          "bf16_linear.cpp", "decode.cpp", "paged_attention.cpp")]
-_state: dict[str, bool] = {}
+_LAYOUT_HEADER = "arlm_layout.h"  # written into the build directory from layout.header()
+_LIBRARY = "arlm_kernels"  # (the runtime's name for the process's one build of them, normal or profiling)
 
 
-def _build_dir(name: str, sources: list[Path]) -> Path:
-    # Keyed by source, torch version and CPU: the build uses -march=native for this very CPU.
+def _build_dir(name: str, sources: list[Path], defines: tuple[str, ...] = ()) -> Path:
+    # Keyed by source, generated header, defines, torch version and CPU: the build uses
+    # -march=native for this very CPU.
     cpu = platform.processor() + open("/proc/cpuinfo").read().split("flags", 1)[-1][:2000] \
         if os.path.exists("/proc/cpuinfo") else platform.processor()
     # included by the sources: the headers beside them
     headers = sorted({h for p in [*sources, Path(__file__)] for h in p.parent.glob("*.h")})
-    source = b"".join(p.read_bytes() for p in [*sources, *headers]) + b"-fopenmp"
+    source = (b"".join(p.read_bytes() for p in [*sources, *headers]) + layout.header().encode() + b"-fopenmp"
+              + "".join(f" -D{d}" for d in defines).encode())
     key = hashlib.sha256(source + torch.__version__.encode() + cpu.encode() + _march().encode()).hexdigest()[:16]
     root = Path(os.environ.get("ARLM_CACHE", Path.home() / ".cache" / "arlm"))
     return root / "kernels" / f"{name}-{key}"
@@ -45,8 +52,9 @@ def _march() -> str:
     return os.environ.get("ARLM_MARCH", "native")
 
 
-def load_native(name: str, sources: list[Path], what: str) -> bool:
-    """Build (once per machine and source version) and load a library of torch ops.
+def load_native(name: str, sources: list[Path], what: str, defines: tuple[str, ...] = ()) -> bool:
+    """Build (once per machine and source version) and load a library of torch ops, with
+    `layout.header()` as arlm_layout.h on its include path and each of `defines` defined.
 
     Returns False, with one warning, when it cannot be built (no compiler, no ninja, a build
     error) or ARLM_NO_NATIVE is set; callers then use their PyTorch fallbacks.
@@ -54,7 +62,7 @@ def load_native(name: str, sources: list[Path], what: str) -> bool:
     if os.environ.get("ARLM_NO_NATIVE"):
         return False
     try:
-        build = _build_dir(name, sources)
+        build = _build_dir(name, sources, defines)
         build.mkdir(parents=True, exist_ok=True)
         lib = build / f"{name}.so"
         if lib.exists():
@@ -63,11 +71,13 @@ def load_native(name: str, sources: list[Path], what: str) -> bool:
             from torch.utils.cpp_extension import load  # ~0.15 s (setuptools): only to build
 
             print(f"arlm: building the {what} for this CPU (once, ~1 min)...", file=sys.stderr)
+            (build / _LAYOUT_HEADER).write_text(layout.header())
             load(name=name, sources=[str(p) for p in sources], build_directory=str(build),
+                 extra_include_paths=[str(build)],
                  # -fopenmp: at::parallel_for is an OpenMP pragma in a header; without the flag it
                  # silently runs on one thread. libgomp.so.1 resolves to torch's own copy.
-                 extra_cflags=["-O3", f"-march={_march()}", "-fopenmp"], extra_ldflags=["-fopenmp"],
-                 is_python_module=False, verbose=False)
+                 extra_cflags=["-O3", f"-march={_march()}", "-fopenmp", *(f"-D{d}" for d in defines)],
+                 extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
         return True
     except Exception as e:  # noqa: BLE001 - any build failure means: use the fallback
         log.warning("%s unavailable (%s); using the PyTorch fallback", what, e)
@@ -76,7 +86,7 @@ def load_native(name: str, sources: list[Path], what: str) -> bool:
 
 def cpu_has_native_bf16() -> bool:
     """AVX512-BF16 or AMX: native bf16 matmuls (prefill on them: docs/benchmarks.md)."""
-    caps = getattr(torch.cpu, "get_capabilities", dict)()
+    caps = runtime().cpu
     return bool(caps.get("avx512_bf16") or caps.get("amx_bf16"))
 
 
@@ -102,7 +112,7 @@ def bf16_kernel_wanted() -> bool:
     """The bf16 path's GEMMs through bf16_linear.cpp (float32 results): where it is built
     (AVX512-BF16) and the CPU has no AMX (there torch's bf16 GEMM takes the tiles, results rounded
     to bf16: faster, less faithful)."""
-    caps = getattr(torch.cpu, "get_capabilities", dict)()
+    caps = runtime().cpu
     return native_available() and torch.ops.arlm.bf16_kernel_available() and not caps.get("amx_bf16")
 
 
@@ -138,22 +148,39 @@ def matmul_isa(path: str) -> str:
         return "AVX512-VNNI"
     if path == "avx2":
         return "AVX2"
-    caps = getattr(torch.cpu, "get_capabilities", dict)()
+    caps = runtime().cpu
     if path == "bf16":  # torch's GEMM on the AMX tiles, else bf16_linear.cpp, else torch's GEMM emulating bf16
         return "AMX" if caps.get("amx_bf16") else "AVX512-BF16" if caps.get("avx512_bf16") else "emulated"
     return {"AVX512": "AVX512", "AVX2": "AVX2"}.get(torch.backends.cpu.get_cpu_capability(), "default")
 
 
+def use_profiling_build() -> None:
+    """Build and load the kernels with decode.cpp's per-pass timer compiled in (ARLM_PROFILE:
+    `torch.ops.arlm.decode_profile`, benchmarks/phases.py) instead of the normal build, which has
+    none. The two builds register the same ops, so a process loads one of them: call this before
+    anything uses the kernels."""
+    rt = runtime()
+    if rt.has_library(_LIBRARY) and not rt.profiling_kernels:
+        raise RuntimeError("the native kernels are already loaded without the per-pass timer: "
+                           "select the profiling build before anything uses them")
+    rt.profiling_kernels = True
+
+
 def native_available() -> bool:
     """The native kernels (linears, the layer stack, paged attention) are built and loaded."""
-    if "native" not in _state:
-        _state["native"] = (load_native("arlm_kernels", _SOURCES, "native int8/4-bit kernels")
-                            and all(hasattr(torch.ops.arlm, op) for op in
-                                    ("int8_linear", "q4_linear", "int8_linear_a8", "q4_linear_a8",
-                                     "decode_llama", "paged_attention")))
-        if _state["native"]:
-            _register_fake()
-    return _state["native"]
+    return runtime().library(_LIBRARY, _load_kernels)
+
+
+def _load_kernels() -> bool:
+    profile = runtime().profiling_kernels
+    name, defines = ("arlm_kernels_profile", ("ARLM_PROFILE",)) if profile else (_LIBRARY, ())
+    loaded = (load_native(name, _SOURCES, "native int8/4-bit kernels", defines)
+              and all(hasattr(torch.ops.arlm, op) for op in
+                      ("int8_linear", "q4_linear", "int8_linear_a8", "q4_linear_a8", "decode_llama",
+                       "paged_attention")))
+    if loaded:
+        _register_fake()
+    return loaded
 
 
 def _register_fake() -> None:

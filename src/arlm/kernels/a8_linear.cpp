@@ -32,7 +32,12 @@
 namespace {
 
 constexpr int64_t kGroup = 32;  // activations (and 4-bit weights) per scale
-constexpr int64_t kRows = 4;    // weight rows per tile
+// Weight rows per tile of the row-layout kernels (AVX2): kRows x MB accumulators in registers.
+// This file's register tiling, like decode.cpp's kTileRows for its float32 kernel: a separate
+// choice, and a count of w's rows, not x's (the layer stack's kExactRows).
+constexpr int64_t kRows = 4;
+// Rows of x per block at most (row_blocks): one load of a weight vector serves them all.
+constexpr int kBlockRows = 4;
 constexpr int64_t kLanes = 16;  // output channels per block of the packed layouts (below)
 
 // One group of 32 floats -> 32 int8 q, its scale d = max|x| / 127, s = d * sum(q) and sum(q).
@@ -203,12 +208,12 @@ float i8_scalar(const int8_t* qx, const float* dx, int64_t K, const int8_t* w, c
 
 using arlm_kernels::widen;
 
-// Calls block(MB, m) over the rows of x in blocks of MB = 4, 2 and 1 rows (MB as a type, so that
-// it can be a template argument).
+// Calls block(MB, m) over the rows of x in blocks of MB = kBlockRows (4), 2 and 1 rows (MB as a
+// type, so that it can be a template argument).
 template <typename Block>
 inline void row_blocks(int64_t M, Block block) {
   int64_t m = 0;
-  for (; m + 4 <= M; m += 4) block(std::integral_constant<int, 4>{}, m);
+  for (; m + kBlockRows <= M; m += kBlockRows) block(std::integral_constant<int, kBlockRows>{}, m);
   for (; m + 2 <= M; m += 2) block(std::integral_constant<int, 2>{}, m);
   for (; m < M; ++m) block(std::integral_constant<int, 1>{}, m);
 }
@@ -504,7 +509,7 @@ at::Tensor q4_linear_a8(const at::Tensor& x, const at::Tensor& w, const at::Tens
       const float *dx = xq.d.get(), *sx = xq.s.get();
 #if defined(__AVX2__) && defined(__FMA__)
       if (rows == kRows) {
-        float out[4 * kRows];
+        float out[kBlockRows * kRows];
         auto store = [&](int64_t m, int mb) {
           for (int i = 0; i < mb; ++i)
             for (int r = 0; r < kRows; ++r) yp[(m + i) * N + n + r] = out[i * kRows + r];
@@ -547,7 +552,7 @@ at::Tensor int8_linear_a8(const at::Tensor& x, const at::Tensor& w, const at::Te
       auto row_scale = [&](int64_t r) { return grouped ? 1.f : sp[n + r]; };
 #if defined(__AVX2__) && defined(__FMA__)
       if (rows == kRows) {
-        float out[4 * kRows];
+        float out[kBlockRows * kRows];
         auto store = [&](int64_t m, int mb) {
           for (int i = 0; i < mb; ++i)
             for (int r = 0; r < kRows; ++r)
@@ -608,7 +613,7 @@ void arlm_kernels::linear_a8p(const Act8& a, int64_t M, int64_t K, const at::Ten
   const at::Half* dp = q4 || q8 ? scale.data_ptr<at::Half>() : nullptr;
   const at::Half* mp = q4 ? mins.data_ptr<at::Half>() : nullptr;
   at::parallel_for(0, (NB + 1) / 2, 4, [&](int64_t t0, int64_t t1) {
-    float out[4 * 2 * kLanes];
+    float out[kBlockRows * 2 * kLanes];
     for (int64_t t = t0; t < t1; ++t) {  // a tile: 2 blocks of 16 channels (1 at the end)
       const int64_t b0 = 2 * t, nb = std::min<int64_t>(2, NB - b0);
       const uint8_t* wt = wpp + b0 * block;
@@ -687,7 +692,7 @@ void arlm_kernels::linear_a8p_residual(const float* x, int64_t M, int64_t K, con
   // from L3 for every tile. A row's products do not depend on the chunking.
   constexpr int64_t kChunkRows = 64;
   at::parallel_for(0, (NB + 1) / 2, 4, [&](int64_t t0, int64_t t1) {
-    float out[4 * 2 * kLanes];
+    float out[kBlockRows * 2 * kLanes];
     for (int64_t c0 = 0; c0 < M; c0 += kChunkRows)
       for (int64_t t = t0; t < t1; ++t) {  // a tile: 2 blocks of 16 channels (1 at the end)
         const int64_t b0 = 2 * t, nb = std::min<int64_t>(2, NB - b0);

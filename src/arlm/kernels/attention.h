@@ -26,6 +26,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "arlm_layout.h"  // generated from arlm/kernels/layout.py by the build
 #include "common.h"
 
 #ifndef ARLM_PREFETCH
@@ -300,10 +301,8 @@ inline bool kv_fits(int64_t hd) {
   return true;
 }
 
-// The cache's formats as the ops take them (kv_format): 0 float32 / float16 (by dtype), 1 int8,
-// 2 int4. Calls f(k_pool, v_pool) with typed pointers.
-enum KVFormat : int64_t { kFloat = 0, kInt8 = 1, kInt4 = 2 };
-
+// The cache's format as the ops take it (kv_format: arlm_layout::KVFormat, float32 or float16 told
+// apart by dtype). Calls f(k_pool, v_pool) with typed pointers.
 template <typename F>
 inline void with_kv(const char* op, const at::Tensor& k, const at::Tensor& v, int64_t format, int64_t hd, F f) {
   auto check = [&](auto* kp, auto* vp, at::ScalarType st) {
@@ -315,13 +314,13 @@ inline void with_kv(const char* op, const at::Tensor& k, const at::Tensor& v, in
     f(kp, vp);
   };
   switch (format) {
-    case kFloat:
+    case arlm_layout::kFloat:
       if (k.scalar_type() == at::kHalf) return check(k.data_ptr<at::Half>(), v.data_ptr<at::Half>(), at::kHalf);
       return check(k.data_ptr<float>(), v.data_ptr<float>(), at::kFloat);
-    case kInt8:
+    case arlm_layout::kInt8:
       return check(reinterpret_cast<Q8*>(k.data_ptr<uint8_t>()), reinterpret_cast<Q8*>(v.data_ptr<uint8_t>()),
                    at::kByte);
-    case kInt4:
+    case arlm_layout::kInt4:
       return check(reinterpret_cast<Q4K*>(k.data_ptr<uint8_t>()), reinterpret_cast<Q4V*>(v.data_ptr<uint8_t>()),
                    at::kByte);
     default:

@@ -3,10 +3,10 @@
 // tiles, decode.cpp's linear_into).
 //
 // torch's bf16 matmul on CPU rounds its result to bf16 (no float32 output on CPU in torch 2.13):
-// in a prefill that rounding, 2^-9 of every output, cost 4x the KL divergence from float32 of the
-// inputs' own rounding (docs/benchmarks.md, issue 21). Here x is rounded to bf16 once (round to
-// nearest even), each product is exact in float32 and the sums stay float32 (vdpbf16ps: a pair of
-// K-values per lane), so the only roundings are the inputs'.
+// in a prefill that rounding, 2^-9 of every output, costs 4x the KL divergence from float32 of
+// the inputs' own rounding (docs/benchmarks.md, prefill against the matrix peak). Here x is
+// rounded to bf16 once (round to nearest even), each product is exact in float32 and the sums
+// stay float32 (vdpbf16ps: a pair of K-values per lane), so the only roundings are the inputs'.
 //
 // Layout (arlm.kernels.pack_bf16): wp [N/16, K/2, 32] bf16: for each block of 16 output channels
 // and each pair of K-values, the 16 channels' pairs side by side (vdpbf16ps's operand shape). A

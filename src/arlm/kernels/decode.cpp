@@ -16,11 +16,14 @@
 #include <torch/library.h>
 #include <immintrin.h>
 
+#include "arlm_layout.h"  // generated from arlm/kernels/layout.py by the build
 #include "common.h"
 #include "paged_attention.h"
 
 #include <atomic>
+#ifdef ARLM_PROFILE
 #include <chrono>
+#endif
 #include <cmath>
 #include <cstdlib>
 #include <memory>
@@ -36,7 +39,12 @@ at::Tensor q4_linear_a8p(const at::Tensor& x, const at::Tensor& wp, const at::Te
 
 namespace {
 
-constexpr int64_t kRows = 4;
+using namespace arlm_layout;  // LayerWeight, kExactRows
+
+// Weight rows per tile of f32_linear_into's AVX2 path (kTileRows x 2 accumulators in registers):
+// this kernel's own register tiling, as each linear kernel has its kRows. It counts rows of w,
+// not of x (that bound is kExactRows), and does not change a row's result.
+constexpr int64_t kTileRows = 4;
 // Row-wise work (norms, RoPE) goes to the thread pool in tasks of this many rows: a batch of 32
 // splits across the cores, a single row stays on the calling thread (no hand-off).
 constexpr int64_t kRowsPerTask = 8;
@@ -50,14 +58,15 @@ using arlm_kernels::hsum;
 
 // float32 y[m, n] = x[m, :] . w[n, :] for a few rows of x (row stride of y: ldy; y += that when
 // accumulate): each weight row is streamed once and reused for every row of x (decode is a
-// matrix-vector product; MKL's is slow at these shapes). Rows of x are not batch-invariant here:
-// above 4 rows the GEMM sums in its own order (float32 models only; the quantized kernels are).
+// matrix-vector product; MKL's is slow at these shapes). Rows of x are batch-invariant up to
+// kExactRows of them; with more a GEMM sums in its own order (float32 models only; the quantized
+// kernels are batch-invariant at any count).
 void f32_linear_into(const float* xp, int64_t M, int64_t K, const at::Tensor& w, float* yp, int64_t ldy,
                      bool accumulate) {
   TORCH_CHECK(w.dim() == 2 && w.size(1) == K && w.scalar_type() == at::kFloat && w.is_contiguous(),
               "f32_linear: w [N, K] contiguous float32");
   const int64_t N = w.size(0);
-  if (M > 4 || K % 8 != 0) {  // enough rows: a GEMM is the right tool, straight into y
+  if (M > kExactRows || K % 8 != 0) {  // enough rows: a GEMM is the right tool, straight into y
     const at::Tensor xt = at::from_blob(const_cast<float*>(xp), {M, K}, at::TensorOptions().dtype(at::kFloat));
     at::Tensor yt = at::from_blob(yp, {M, N}, {ldy, 1}, at::TensorOptions().dtype(at::kFloat));
     if (accumulate) yt.addmm_(xt, w.t());
@@ -66,9 +75,9 @@ void f32_linear_into(const float* xp, int64_t M, int64_t K, const at::Tensor& w,
   }
   const float* wp = w.data_ptr<float>();
   auto put = [&](int64_t m, int64_t n, float v) { yp[m * ldy + n] = accumulate ? yp[m * ldy + n] + v : v; };
-  at::parallel_for(0, (N + kRows - 1) / kRows, 8, [&](int64_t t0, int64_t t1) {
-    for (int64_t n = t0 * kRows; n < std::min(N, t1 * kRows); n += kRows) {
-      const int64_t rows = std::min(kRows, N - n);
+  at::parallel_for(0, (N + kTileRows - 1) / kTileRows, 8, [&](int64_t t0, int64_t t1) {
+    for (int64_t n = t0 * kTileRows; n < std::min(N, t1 * kTileRows); n += kTileRows) {
+      const int64_t rows = std::min(kTileRows, N - n);
       for (int64_t m = 0; m < M; ++m) {
 #if defined(__AVX512F__)
         if (K % 64 == 0) {  // each row read front to back: one sequential stream per thread
@@ -93,23 +102,23 @@ void f32_linear_into(const float* xp, int64_t M, int64_t K, const at::Tensor& w,
         }
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
-        if (rows == kRows) {
-          __m256 acc[kRows][2];
-          for (int r = 0; r < kRows; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+        if (rows == kTileRows) {
+          __m256 acc[kTileRows][2];
+          for (int r = 0; r < kTileRows; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
           int64_t k = 0;
           for (; k + 16 <= K; k += 16) {
             const __m256 x0 = _mm256_loadu_ps(xp + m * K + k), x1 = _mm256_loadu_ps(xp + m * K + k + 8);
-            for (int r = 0; r < kRows; ++r) {
+            for (int r = 0; r < kTileRows; ++r) {
               acc[r][0] = _mm256_fmadd_ps(_mm256_loadu_ps(wp + (n + r) * K + k), x0, acc[r][0]);
               acc[r][1] = _mm256_fmadd_ps(_mm256_loadu_ps(wp + (n + r) * K + k + 8), x1, acc[r][1]);
             }
           }
           for (; k < K; k += 8) {
             const __m256 x0 = _mm256_loadu_ps(xp + m * K + k);
-            for (int r = 0; r < kRows; ++r)
+            for (int r = 0; r < kTileRows; ++r)
               acc[r][0] = _mm256_fmadd_ps(_mm256_loadu_ps(wp + (n + r) * K + k), x0, acc[r][0]);
           }
-          for (int r = 0; r < kRows; ++r) put(m, n + r, hsum(_mm256_add_ps(acc[r][0], acc[r][1])));
+          for (int r = 0; r < kTileRows; ++r) put(m, n + r, hsum(_mm256_add_ps(acc[r][0], acc[r][1])));
           continue;
         }
 #endif
@@ -294,18 +303,10 @@ class Arena {
   char* next_;
 };
 
-// The per-layer weight list the layer stack takes: kLayerWeights tensors a layer, in this order.
-// A norm is one float32 tensor [d]; a linear is three, (w, scale, mins), in any layout
-// `linear_into` takes, unused ones empty. arlm/kernels/llama.py mirrors these names (LayerWeight).
-enum LayerWeight : int64_t {
-  kAttnNorm = 0,
-  kWqkv = 1,     // (w, scale, mins)
-  kWo = 4,       // (w, scale, mins)
-  kMlpNorm = 7,
-  kGateUp = 8,   // (w, scale, mins)
-  kDown = 11,    // (w, scale, mins)
-  kLayerWeights = 14,
-};
+// The per-layer weight list the layer stack takes: kLayerWeights tensors a layer, where
+// LayerWeight (arlm_layout.h) says. A norm (kAttnNorm, kMlpNorm) is one float32 tensor [d]; a
+// linear (kWqkv, kWo, kGateUp, kDown) is three, (w, scale, mins), in any layout `linear_into`
+// takes, unused ones empty.
 
 // The layer stack's shapes, read off the weights and checked.
 struct Shapes {
@@ -355,10 +356,12 @@ struct Buffers {
 // RoPE); it writes the attention output [N, H * hd] to buf.attn, and quantized into xq when xq is
 // given. Per layer: norm (+ quantize), q/k/v, attention, output projection + residual, norm
 // (+ quantize), gate/up, SiLU * up (+ quantize), down + residual: eight passes over the threads.
-// Wall time per pass of the step, summed over layers and calls while switched on
+// timed(pass, f) runs f. In the profiling build (ARLM_PROFILE, kernels.use_profiling_build) it
+// also sums each pass's wall time over layers and calls while switched on
 // (torch.ops.arlm.decode_profile; benchmarks/phases.py): where a step's time goes. A tool for one
-// decoding thread at a time: the sums are plain globals.
+// decoding thread at a time: the sums are plain globals, which is why the normal build has none.
 enum Phase { kNorm1, kQkv, kAttention, kWoPass, kNorm2, kGateUpPass, kSilu, kDownPass, kHead, kPhases };
+#ifdef ARLM_PROFILE
 bool g_profile = false;
 double g_phase_seconds[kPhases] = {};
 
@@ -369,6 +372,10 @@ inline void timed(Phase phase, F f) {
   f();
   g_phase_seconds[phase] += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
+#else
+template <typename F>
+inline void timed(Phase, F f) { f(); }
+#endif
 
 // residual: bit (1 << slot) set for each linear (kWqkv, kWo, kGateUp, kDown) whose 8-bit
 // activations are taken twice (linear_into); those read the float input, not buf.xq.
@@ -395,7 +402,8 @@ void run_layers(float* x, const Shapes& s, at::TensorList weights, int64_t L, do
 void check_common(const char* op, const at::Tensor& x, at::TensorList weights, int64_t L, const at::Tensor& pos,
                   const at::Tensor& cos, const at::Tensor& sin, int64_t hd, int64_t max_pos) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), op, ": x [N, d] contiguous float32");
-  TORCH_CHECK(static_cast<int64_t>(weights.size()) == kLayerWeights * L, op, ": kLayerWeights (14) weight tensors per layer");
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == kLayerWeights * L, op, ": kLayerWeights (",
+              static_cast<int64_t>(kLayerWeights), ") weight tensors per layer");
   TORCH_CHECK(pos.dim() == 1 && pos.size(0) == x.size(0) && pos.scalar_type() == at::kLong && pos.is_contiguous(),
               op, ": pos [N] int64");
   TORCH_CHECK(cos.dim() == 2 && sin.dim() == 2 && cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
@@ -614,6 +622,7 @@ void llama_head(const at::Tensor& x, const at::Tensor& norm, at::TensorList head
   });
 }
 
+#ifdef ARLM_PROFILE
 // Switches the per-pass timing on or off and returns the seconds summed since the last call
 // [norm 1, q/k/v, attention, wo, norm 2, gate/up, SiLU, down, final norm + head], then zeroes them.
 at::Tensor decode_profile(bool on) {
@@ -625,6 +634,7 @@ at::Tensor decode_profile(bool on) {
   g_profile = on;
   return t;
 }
+#endif
 
 // Greedy decoding's argmax over each row of logits [B, V] float32, as torch.argmax: the first
 // index of the largest value, or of the first NaN. torch's index reductions run ~30x slower than
@@ -723,7 +733,9 @@ TORCH_LIBRARY_FRAGMENT(arlm, m) {
         "Tensor block_table, Tensor seq_index, Tensor pos, Tensor cos, Tensor sin, int n_head, int n_kv_heads, "
         "float eps, bool a8, int residual=0, int kv_format=0, int window=0, int sinks=0) -> ()");
   m.def("llama_head(Tensor x, Tensor norm, Tensor[] head, float eps, bool a8, bool residual, Tensor(a!) out) -> ()");
+#ifdef ARLM_PROFILE
   m.def("decode_profile(bool on) -> Tensor", &decode_profile);
+#endif
 }
 
 TORCH_LIBRARY_IMPL(arlm, CPU, m) {

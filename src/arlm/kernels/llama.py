@@ -1,8 +1,8 @@
 """The native Llama-family layer stack, bound to one model's weights.
 
 `NativeLlama.bind(model)` collects the weights once, in the order the C++ side takes them
-(`LayerWeight`, mirrored from decode.cpp's enum of the same name), and exposes the three calls
-the engine makes:
+(`LayerWeight`, kernels/layout.py: decode.cpp's enum of the same name is generated from it), and
+exposes the three calls the engine makes:
 
 - `decode(x, cache, pos, kv_len)`: one decode step over a contiguous cache, rows in cache order
   (`torch.ops.arlm.decode_llama`);
@@ -14,35 +14,27 @@ Both stacks do the math of `Transformer.forward` op for op (the module path is t
 tests/test_fused_decode.py) without ~2,000 small tensor ops per step. They apply to RoPE +
 RMSNorm + SwiGLU models without biases on CPU, every linear float32 or quantized (arlm.quant)
 with one activation mode; `bind` returns None elsewhere and the engine runs the modules.
+
+The kernels sit below the model in the import graph: a model and its layers are taken by what
+they hold (`config`, `blocks`, a quantized layer's `tensors()`), not by their classes.
 """
 
 from __future__ import annotations
 
 import os
-from enum import IntEnum
+from typing import TYPE_CHECKING
 
 import torch
 
-from ..model import Transformer
+from . import native_available
+from .layout import LayerWeight
 
-
-class LayerWeight(IntEnum):
-    """Where each of a layer's weights sits in its slice of the weight list (decode.cpp's
-    `LayerWeight`): a norm is one tensor, a linear three, (w, scale, mins)."""
-
-    ATTN_NORM = 0
-    WQKV = 1
-    WO = 4
-    MLP_NORM = 7
-    GATE_UP = 8
-    DOWN = 11
-    COUNT = 14  # tensors per layer (kLayerWeights)
+if TYPE_CHECKING:
+    from ..model import Transformer
 
 
 def applies(model: Transformer) -> bool:
     """Whether the native stack can run this model at all (architecture, device, kernels built)."""
-    from . import native_available
-
     cfg = model.config
     return not (cfg.pos_embedding != "rope" or cfg.norm != "rmsnorm" or cfg.mlp != "swiglu" or cfg.bias
                 or model.training or model.rope_cos.device.type != "cpu" or os.environ.get("ARLM_NO_FUSED")
@@ -51,17 +43,17 @@ def applies(model: Transformer) -> bool:
 
 def linear_weights(layer: torch.nn.Module, dense: bool = False) -> tuple[list[torch.Tensor], bool] | None:
     """A linear layer as the kernels take it, [w, scale, mins], and whether it wants 8-bit
-    activations; None for a layer they cannot run (biases, other dtypes). dense: a quantized
-    layer's dense copy for the prompt (`QuantizedLinear.dense_weight`, float32 or bfloat16)."""
-    from ..quant import QuantizedLinear
-
+    activations; None for a layer they cannot run (biases, other dtypes). A quantized layer
+    (`quant.QuantizedLinear`) is one with `tensors()`, its weight in its current layout. dense: a
+    quantized layer's dense copy for the prompt (`QuantizedLinear.dense_weight`, float32 or
+    bfloat16)."""
     none = torch.empty(0)
     if dense:
         w = getattr(layer, "dense_weight", None)
         if w is None or layer.bias is not None or w.dtype not in (torch.float32, torch.bfloat16):
             return None
         return [w.contiguous(), none, none], False
-    if isinstance(layer, QuantizedLinear) and layer.bias is None:  # in its layout, packed or rows (quant.py)
+    if callable(getattr(layer, "tensors", None)) and layer.bias is None:  # in its layout, packed or rows
         w = list(layer.tensors())
         return w + [none] * (3 - len(w)), layer.int8_activations
     if type(layer) is torch.nn.Linear and layer.bias is None and layer.weight.dtype == torch.float32:
@@ -183,13 +175,3 @@ class NativeLlama:
         torch.ops.arlm.llama_head(x.contiguous(), self._norm, weights, self.eps, a8, residual, out)
         return out
 
-
-def cpp_layer_weight_names() -> dict[str, int]:
-    """decode.cpp's `LayerWeight` enum as {name: value}, read from the source (for the test that
-    the two sides agree)."""
-    import re
-    from pathlib import Path
-
-    source = Path(__file__).with_name("decode.cpp").read_text()
-    body = re.search(r"enum LayerWeight : int64_t \{(.*?)\};", source, re.S).group(1)
-    return {m.group(1): int(m.group(2)) for m in re.finditer(r"\bk(\w+) = (\d+)", body)}

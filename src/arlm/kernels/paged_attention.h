@@ -113,7 +113,7 @@ inline void paged_attend(const float* q, int64_t ldq, const TK* kp, const TV* vp
   }
   // Each thread takes the next task (a run and a KV head) until none is left, the batch's last
   // runs first: in a prompt's chunk the later tokens read more slots (token p reads p + 1), so a
-  // fixed split of the tasks gave one thread ~3/4 of a 512-token prefill's attention. Which
+  // fixed split of the tasks would give one thread ~3/4 of a 512-token prefill's attention. Which
   // thread runs a task, and whether its queries are scored together or one by one (below),
   // does not change a token's result.
   const int64_t tasks = static_cast<int64_t>(runs.size()) * Hkv;

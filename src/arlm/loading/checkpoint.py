@@ -6,83 +6,26 @@
     tokenizer.json     HF tokenizers JSON (with our BOS/EOS metadata)
 
 Training state (optimizer, scheduler, RNG) lives beside them in `train_state.pt`, written by the
-trainer. Every file is written atomically: temp file in the same directory, fsync, rename.
+trainer. Every file is written atomically (arlm.files: temp file in the same directory, fsync,
+rename).
 """
 
 from __future__ import annotations
 
 import json
-import os
-import re
-import secrets
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from ..config import ConfigError, ModelConfig
+from ..files import atomic_write, atomic_write_text
 from ..tokenizer import Tokenizer
 from .errors import LoadError
 
 FORMAT = "arlm-checkpoint"
 META_FILE, WEIGHTS_FILE, TOKENIZER_FILE = "arlm.json", "model.safetensors", "tokenizer.json"
-
-
-# atomic_write's temp files, ".<name>.<8 random characters>.tmp" beside <name> (hex digits; the
-# wider alphabet also matches mkstemp's names, which a writer killed mid-save may leave behind).
-TMP_PATTERN = re.compile(r"\.(?P<name>.+)\.[a-z0-9_]{8}\.tmp")
-
-
-def _create_tmp(path: Path) -> str:
-    """A new, empty temp file beside `path`. Unlike mkstemp's (always 0600), it is created 0666
-    less the umask, like any other file, so a checkpoint or dataset is readable by whom the user
-    meant; the rename keeps the mode."""
-    while True:
-        tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-        try:
-            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
-            return str(tmp)
-        except FileExistsError:
-            continue
-
-
-def atomic_write(path: str | Path, write: Callable[[str], None]) -> None:
-    """Call write(tmp_path), fsync it, then rename over `path`: readers never see half a file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _create_tmp(path)
-    try:
-        write(tmp)
-        with open(tmp, "rb+") as fh:
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-        dir_fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
-def atomic_write_text(path: str | Path, text: str) -> None:
-    atomic_write(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
-
-
-def remove_stale_tmp(directory: str | Path, names: Iterable[str]) -> list[Path]:
-    """Delete the temp files that a killed atomic_write of any of `names` left in `directory`.
-
-    Only for a directory that no other process is writing: a live writer's temp file looks the same.
-    """
-    names, removed = set(names), []
-    for f in Path(directory).glob(".*.tmp"):
-        m = TMP_PATTERN.fullmatch(f.name)
-        if m and m["name"] in names and f.is_file():
-            f.unlink(missing_ok=True)
-            removed.append(f)
-    return removed
 
 
 def is_checkpoint_dir(path: Path) -> bool:
@@ -94,8 +37,6 @@ def save_checkpoint(directory: str | Path, model: torch.nn.Module, config: Model
                     chat_template: str | None = None) -> None:
     """Write weights, tokenizer and metadata; `arlm.json` goes last so a reader never sees a
     checkpoint whose metadata points at weights that are not there yet."""
-    from safetensors.torch import save_file
-
     directory = Path(directory)
     state = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in model.state_dict().items()}
     if config.tie_embeddings:
@@ -109,8 +50,6 @@ def save_checkpoint(directory: str | Path, model: torch.nn.Module, config: Model
 
 
 def read_checkpoint(directory: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer | None, str | None]:
-    from safetensors.torch import load_file
-
     directory = Path(directory)
     try:
         meta = json.loads((directory / META_FILE).read_text())

@@ -15,7 +15,6 @@ removes it. Only the directories that `latest` and `best` point at are kept.
 
 from __future__ import annotations
 
-import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +23,8 @@ from typing import Any
 import torch
 
 from ..config import ModelConfig
-from ..loading.checkpoint import META_FILE, atomic_write, read_checkpoint, save_checkpoint
+from ..files import atomic_symlink, atomic_write
+from ..loading.checkpoint import META_FILE, read_checkpoint, save_checkpoint
 from ..loading.errors import LoadError
 from ..tokenizer import Tokenizer
 
@@ -65,9 +65,9 @@ def save(out_dir: str | Path, step: int, model: torch.nn.Module, config: ModelCo
             shutil.rmtree(directory)  # the remains of a save that was killed
         save_checkpoint(directory, model, config, tokenizer, extra=meta, chat_template=chat_template)
         atomic_write(directory / STATE_FILE, lambda tmp: torch.save(state, tmp))
-        _point(out_dir / LATEST, directory.name)
+        atomic_symlink(out_dir / LATEST, directory.name)
     if best:
-        _point(out_dir / BEST, directory.name)
+        atomic_symlink(out_dir / BEST, directory.name)
     _prune(out_dir)
     return directory
 
@@ -84,20 +84,6 @@ def load_latest(out_dir: str | Path) -> TrainCheckpoint:
         raise LoadError(f"{link / STATE_FILE} is damaged or not an arlm training state ({type(e).__name__}); "
                         "resume from an earlier checkpoint or start over") from None
     return TrainCheckpoint(link.resolve(), config, weights, tokenizer, template, state)
-
-
-def _point(link: Path, target: str) -> None:
-    """Atomically make `link` a symlink to `target` (a name in the same directory)."""
-    tmp = link.with_name(f".{link.name}.{os.getpid()}.tmp")
-    if tmp.is_symlink() or tmp.exists():
-        tmp.unlink()
-    os.symlink(target, tmp)
-    os.replace(tmp, link)
-    fd = os.open(link.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _prune(out_dir: Path) -> None:

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from ..config import ConfigError
-from ..loading.checkpoint import atomic_write, atomic_write_text, remove_stale_tmp
+from ..files import atomic_write, atomic_write_text, remove_stale_tmp
 from ..tokenizer import Tokenizer
 
 META_FILE, TOKENIZER_FILE = "meta.json", "tokenizer.json"

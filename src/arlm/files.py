@@ -1,0 +1,87 @@
+"""Files written atomically: a reader sees the old file or the whole new one, never half of one.
+
+Each write goes to a temp file beside its target, is flushed to disk, renamed over the target,
+and the directory flushed so that the rename itself survives a crash. Checkpoints
+(loading/checkpoint.py, train/checkpoints.py), prepared data (train/data.py) and logits files
+(perplexity.py) are written this way.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+from pathlib import Path
+from typing import Callable, Iterable
+
+# create_tmp's temp files, ".<name>.<8 random characters>.tmp" beside <name> (hex digits; the
+# wider alphabet also matches mkstemp's names, which a writer killed mid-save may leave behind).
+TMP_PATTERN = re.compile(r"\.(?P<name>.+)\.[a-z0-9_]{8}\.tmp")
+
+
+def create_tmp(path: Path) -> str:
+    """A new, empty temp file beside `path`. Unlike mkstemp's (always 0600), it is created 0666
+    less the umask, like any other file, so a checkpoint or dataset is readable by whom the user
+    meant; the rename keeps the mode."""
+    while True:
+        tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+        try:
+            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+            return str(tmp)
+        except FileExistsError:
+            continue
+
+
+def replace_durably(tmp: str | Path, path: Path) -> None:
+    """Rename `tmp` over `path` (atomic within a directory), then flush the directory so that the
+    rename is on disk. `tmp`'s own contents must be flushed first (os.fsync)."""
+    os.replace(tmp, path)
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def atomic_write(path: str | Path, write: Callable[[str], None]) -> None:
+    """Call write(tmp_path), fsync it, then rename over `path`: readers never see half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = create_tmp(path)
+    try:
+        write(tmp)
+        with open(tmp, "rb+") as fh:
+            os.fsync(fh.fileno())
+        replace_durably(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    atomic_write(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
+
+
+def atomic_symlink(link: Path, target: str) -> None:
+    """Make `link` a symlink to `target` (a name in the same directory) in one rename: `link`
+    points at the old target or the new one, never at nothing."""
+    tmp = link.with_name(f".{link.name}.{os.getpid()}.tmp")
+    if tmp.is_symlink() or tmp.exists():
+        tmp.unlink()
+    os.symlink(target, tmp)
+    replace_durably(tmp, link)
+
+
+def remove_stale_tmp(directory: str | Path, names: Iterable[str]) -> list[Path]:
+    """Delete the temp files that a killed atomic_write of any of `names` left in `directory`.
+
+    Only for a directory that no other process is writing: a live writer's temp file looks the same.
+    """
+    names, removed = set(names), []
+    for f in Path(directory).glob(".*.tmp"):
+        m = TMP_PATTERN.fullmatch(f.name)
+        if m and m["name"] in names and f.is_file():
+            f.unlink(missing_ok=True)
+            removed.append(f)
+    return removed
