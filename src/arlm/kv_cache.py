@@ -40,12 +40,13 @@ import torch
 import torch.nn.functional as F
 
 from .config import ModelConfig
+from .kernels.layout import KVFormat
 
 # The cache's element types: a torch float dtype, or a quantized format by name.
 KVDtype = torch.dtype | str
 QUANTIZED = ("int8", "int4")
 KV_DTYPES = ("float32", "float16", "bfloat16", *QUANTIZED)
-_FORMAT = {"int8": 1, "int4": 2}  # the kernels' kv_format (attention.h); 0: float32/float16 by dtype
+_FORMAT = {"int8": KVFormat.INT8, "int4": KVFormat.INT4}  # the kernels' kv_format; float rows go by dtype
 _INT4 = ((5, 32), (4, 32))  # (bits, group) of keys (the more sensitive) and of values
 
 
@@ -229,7 +230,7 @@ class KVCache:
         dtype = parse_kv_dtype(dtype)
         check_head_dim(dtype, head_dim)
         self.kv_dtype, self.head_dim = dtype, head_dim
-        self.format = _FORMAT.get(dtype, 0) if isinstance(dtype, str) else 0  # the kernels' kv_format
+        self.format = int(_FORMAT.get(dtype, KVFormat.FLOAT) if isinstance(dtype, str) else KVFormat.FLOAT)
         shape = (n_layer, n_blocks, n_kv_heads, block_size)
         kb, vb = row_bytes(dtype, head_dim)
         # zeros, not empty: the memory is committed at start-up, so an over-large budget fails now.
