@@ -27,9 +27,16 @@ import mmap
 import os
 import shutil
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
+from tokenizers import Tokenizer as HFTokenizer
+
+from ..config import ModelConfig
+from ..model import Transformer, rope_table
+from ..quant import Int8Linear, Q4Linear, Q8Linear, QuantizedEmbedding, QuantizedLinear
+from ..tokenizer import Tokenizer
 
 FORMAT = 3
 _ALIGN = 64
@@ -76,8 +83,6 @@ def cache_dir(path: Path, layout: str) -> Path:
 
 def _describe(model: torch.nn.Module, add) -> list[dict]:
     """The model's modules that hold weights, as manifest entries; add(tensor) -> its record."""
-    from ..quant import QuantizedEmbedding, QuantizedLinear
-
     entries = []
     first: dict[int, str] = {}  # a module met again (a tied head) is an alias of its first name
     for name, module in model.named_modules(remove_duplicate=False):
@@ -152,11 +157,7 @@ def save(path: Path, layout: str, loaded, replace: bool = False) -> Path | None:
 def load(path: Path, layout: str):
     """The cached model for this file and layout as a LoadedModel, or None where there is none
     (or it cannot be read: it is rebuilt)."""
-    from ..config import ModelConfig
-    from ..model import Transformer, rope_table
-    from ..quant import Int8Linear, Q4Linear, Q8Linear, QuantizedEmbedding
-    from ..tokenizer import Tokenizer
-    from . import LoadedModel
+    from . import LoadedModel  # (a cycle: arlm.loading imports this module before it defines LoadedModel)
 
     directory = cache_dir(path, layout)
     try:
@@ -171,10 +172,6 @@ def load(path: Path, layout: str):
         return None
 
     # The tokenizer (~0.13 s of JSON parsing in Rust, outside the GIL) loads beside the model.
-    from concurrent.futures import ThreadPoolExecutor
-
-    from tokenizers import Tokenizer as HFTokenizer
-
     pool = ThreadPoolExecutor(1)
     backend = pool.submit(HFTokenizer.from_file, str(directory / "tokenizer.json"))
     pool.shutdown(wait=False)

@@ -65,6 +65,7 @@ def measure_ceilings(seconds: float = 0.6) -> dict:
 def machine_ceilings() -> dict:
     """`measure_ceilings` for this CPU and thread count, measured on first use and then read from
     ~/.cache/arlm/machine.json (ARLM_CACHE moves it, as the model cache)."""
+    # (arlm.loading imports tokenizers and every loader: `arlm --help` imports this package)
     from ..loading.cache import cache_root, write_json_atomic
 
     key = f"{_cpu_name()}|{os.cpu_count()}|{torch.get_num_threads()}|{torch.__version__}"

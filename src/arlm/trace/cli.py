@@ -5,11 +5,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 from pathlib import Path
 
 from ..cli_common import (UsageError, add_chat_template_arg, add_model_args, add_sampling_args, add_speculative_args, load_llm,
                           positive_int, sampling_params)
+from ..engine import Engine, EngineConfig
+from . import run_trace
+from .page import render_page
 
 
 def _writable(path: str, prog: str) -> Path:
@@ -39,9 +43,7 @@ def read_prompts(path: str, prog: str) -> list[str]:
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
-    from ..engine import Engine, EngineConfig
-    from ..tokenizer import valid_text
-    from . import run_trace
+    from ..tokenizer import valid_text  # (imports tokenizers: cli_common's doc)
 
     prog = "arlm trace"
     prompts = [valid_text(args.prompt)] if args.prompt else []
@@ -67,27 +69,19 @@ def cmd_trace(args: argparse.Namespace) -> int:
                                      kv_dtype=llm.kv_dtype))
         engine.grammars = llm.grammars
     trace = run_trace(llm, ids, params, engine=engine, drafter=llm.drafter(None))
-    trace["command"] = "arlm trace " + " ".join(_quote(a) for a in sys.argv[2:]) if sys.argv[1:2] == ["trace"] else ""
+    trace["command"] = "arlm trace " + " ".join(shlex.quote(a) for a in sys.argv[2:]) if sys.argv[1:2] == ["trace"] else ""
     if json_path:
         write_atomic(json_path, json.dumps(trace))
     if out:
-        from .page import render_page
-
         write_atomic(out, render_page(trace))
     if args.tui or not out:
-        from .tui import print_trace
+        from .tui import print_trace  # (rich: ~0.2 s that a run writing only --out does without)
 
         print_trace(trace)
     written = [str(p) for p in (out, json_path) if p]
     if written:
         print(f"arlm trace: {len(trace['steps'])} steps; wrote {', '.join(written)}", file=sys.stderr)
     return 0
-
-
-def _quote(a: str) -> str:
-    import shlex
-
-    return shlex.quote(a)
 
 
 def add_trace(sub) -> None:
