@@ -1,7 +1,8 @@
 """The `arlm` command line: a thin layer over `arlm.llm` (and, per subcommand, its module).
 
 Every user mistake ends in one line on stderr and a non-zero exit, never a traceback
-(set ARLM_DEBUG=1 to see one for an unexpected error).
+(set ARLM_DEBUG=1 to see one for an unexpected error). torch, tokenizers and the modules that
+import them are imported inside the commands that run a model (why: cli_common's doc).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from . import __version__
 from .cli_common import (Parser, UsageError, add_chat_template_arg, add_model_args, add_sampling_args, add_speculative_args,
                          add_structured_args, add_window_args,
                          load_llm, positive_int,
@@ -26,7 +28,7 @@ from .train.cli import add_prepare, add_train
 # -- arlm generate ---------------------------------------------------------------------------------
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from .tokenizer import valid_text
+    from .tokenizer import valid_text  # (imports tokenizers)
 
     if not args.prompt:
         raise UsageError("arlm generate: error: the prompt is empty")
@@ -34,7 +36,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = sampling_params(args)
     llm = load_llm(args)
     if params.structured is not None:  # (checked before the prompt is printed)
-        from .structured import GrammarError
+        from .structured import GrammarError  # (imports torch)
 
         try:
             llm.grammars.check(params.structured)
@@ -85,6 +87,7 @@ def add_generate(sub) -> None:
 # -- arlm chat -------------------------------------------------------------------------------------
 
 def cmd_chat(args: argparse.Namespace) -> int:
+    # (imports torch and tokenizers)
     from .llm import ChatSession, PromptError
     from .tokenizer import valid_text
 
@@ -157,7 +160,7 @@ def read_texts(paths: list[str], prog: str) -> str:
 
 
 def cmd_perplexity(args: argparse.Namespace) -> int:
-    from .perplexity import evaluate, read_logits
+    from .perplexity import evaluate, read_logits  # (imports torch)
 
     prog = "arlm perplexity"
     if args.kv_window:
@@ -226,7 +229,7 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
 def stream_perplexity(args: argparse.Namespace, prog: str) -> int:
     """`arlm perplexity --kv-window W`: the text as one stream through a window with attention
     sinks (`perplexity.stream_nll`), every token but the first scored once."""
-    from .perplexity import run_config, stream_nll
+    from .perplexity import run_config, stream_nll  # (imports torch)
 
     for flag, value in (("--context", args.context), ("--stride", args.stride),
                         ("--save-logits", args.save_logits), ("--kl-divergence", args.kl_divergence)):
@@ -290,8 +293,6 @@ SUBCOMMANDS: list[Callable] = [add_generate, add_chat, add_perplexity, add_trace
 
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="arlm", description="Autoregressive transformer LMs: train, generate, serve.")
-    from . import __version__
-
     parser.add_argument("--version", action="version", version=f"arlm {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     for add in SUBCOMMANDS:
@@ -326,9 +327,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(argv: list[str] | None) -> tuple[int, bool]:
     """The exit code, and whether the command may end without the interpreter's teardown."""
-    from .config import ConfigError
-    from .loading.errors import LoadError
-
     command = None
     try:
         args = build_parser().parse_args(argv)
@@ -340,7 +338,7 @@ def _run(argv: list[str] | None) -> tuple[int, bool]:
     except BrokenPipeError:  # the reader went away (`arlm generate ... | head`): stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
         code = 1
-    except (LoadError, ConfigError, ValueError, OSError) as e:
+    except (ValueError, OSError) as e:  # LoadError and ConfigError are ValueErrors
         print(f"arlm: error: {e}", file=sys.stderr)
         code = 1
     except KeyboardInterrupt:

@@ -1,6 +1,9 @@
 """What every `arlm` subcommand shares: one-line usage errors, the model and sampling flags, the
 model loader, memory sizes. A leaf module: the subcommands (cli.py, serve/cli.py, train/cli.py)
-import it, it imports none of them."""
+import it, it imports none of them.
+
+torch, tokenizers and the arlm modules that import them are imported inside the functions that
+use them: ~1 s that `arlm --help` and usage errors should not pay."""
 
 from __future__ import annotations
 
@@ -36,7 +39,7 @@ def positive_int(text: str) -> int:
 
 
 def _torch_dtype(name: str):
-    import torch
+    import torch  # (~1 s: see the module doc)
 
     return getattr(torch, name)
 
@@ -87,6 +90,7 @@ def add_chat_template_arg(p: argparse.ArgumentParser) -> None:
 def read_chat_template(value: str) -> str:
     """--chat-template's template: a file's text, or the value itself where it is Jinja; its
     syntax checked (UsageError in one line otherwise)."""
+    # (jinja2: ~0.1 s, only with --chat-template)
     from jinja2 import TemplateSyntaxError
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -137,7 +141,7 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
 
 def speculative_config(args: argparse.Namespace):
     """The SpeculativeConfig the flags ask for, or None (no --speculative)."""
-    from .engine.speculative import SpeculativeConfig
+    from .engine.speculative import SpeculativeConfig  # (imports torch)
 
     if getattr(args, "speculative", None) is None:
         return None
@@ -183,7 +187,7 @@ def add_structured_args(p: argparse.ArgumentParser) -> None:
 
 def structured_output(args: argparse.Namespace):
     """The StructuredOutput the flags ask for, or None."""
-    from .structured import GrammarError, StructuredOutput
+    from .structured import GrammarError, StructuredOutput  # (imports torch)
 
     try:
         if getattr(args, "json_schema", None):
@@ -211,7 +215,7 @@ def structured_output(args: argparse.Namespace):
 
 
 def sampling_params(args: argparse.Namespace):
-    from .sampling import SamplingParams
+    from .sampling import SamplingParams  # (imports torch)
 
     bias = {}
     for item in args.logit_bias:
@@ -234,7 +238,7 @@ def sampling_params(args: argparse.Namespace):
 
 def check_device(name: str) -> None:
     """--device names a CPU or an available CUDA device (checked before any model loads)."""
-    import torch
+    import torch  # (~1 s: see the module doc)
 
     try:
         device = torch.device(name)
@@ -251,7 +255,9 @@ def check_device(name: str) -> None:
 
 
 def load_llm(args: argparse.Namespace):
+    # (imports torch and tokenizers)
     from .llm import LLM
+    from .runtime import runtime
 
     check_device(args.device)
     if args.threads is not None:
@@ -260,8 +266,6 @@ def load_llm(args: argparse.Namespace):
         if args.threads > (os.cpu_count() or 1):
             print(f"arlm: warning: --threads {args.threads} is more than this machine's {os.cpu_count()} cores: "
                   "the threads will take turns, and decode gets much slower", file=sys.stderr)
-        from .runtime import runtime  # (imports torch: ~1 s that --help and usage errors do without)
-
         runtime().threads.pin(args.threads)  # (fixed: no narrowing beside busy neighbours)
     quantize = None if args.quantize == "none" else args.quantize
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if args.device.startswith("cuda") else "float32")

@@ -39,6 +39,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from . import kernels
 from .config import ModelConfig
 from .kernels.layout import KVFormat
 
@@ -241,8 +242,6 @@ class KVCache:
             self.k = torch.zeros(*shape, head_dim, dtype=dtype, device=device)
             self.v = torch.zeros(*shape, head_dim, dtype=dtype, device=device)
         if use_kernel is None:
-            from . import kernels
-
             use_kernel = (self.k.device.type == "cpu" and dtype in (torch.float32, torch.float16, *QUANTIZED)
                           and kernels.native_available())
         self.use_kernel = use_kernel

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from . import kernels
+from .structured import StructuredOutput
 
 
 # Temperatures below this are greedy (see SamplingParams.greedy); vLLM uses the same bound.
@@ -120,8 +121,6 @@ class SamplingParams:
                 not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be token ids (integers >= 0)")
         if self.structured is not None:
-            from .structured import StructuredOutput
-
             if not isinstance(self.structured, StructuredOutput):
                 raise bad("structured", "must be an arlm.structured.StructuredOutput")
         for name in ("logprobs", "prompt_logprobs"):

@@ -64,7 +64,7 @@ class StructuredOutput:
 
     def grammar(self) -> str:
         """llguidance's grammar text for this spec."""
-        from llguidance import LLMatcher
+        from llguidance import LLMatcher  # (llguidance, a native library: loaded with the first grammar)
 
         if self.kind == "json":
             return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults={"whitespace_flexible": False})
@@ -92,7 +92,7 @@ class Grammars:
     @property
     def ll_tokenizer(self):
         if self._ll_tokenizer is None:
-            import llguidance
+            import llguidance  # (llguidance, a native library: loaded with the first grammar)
 
             eos = list(self.tokenizer.eos_ids) or None
             self._ll_tokenizer = llguidance.LLTokenizer(self.tokenizer.backend.to_str(), n_vocab=self.vocab_size,
@@ -106,7 +106,7 @@ class Grammars:
 
     def check(self, spec: StructuredOutput) -> str:
         """The grammar for `spec`, checked (GrammarError with llguidance's reason otherwise)."""
-        from llguidance import LLMatcher
+        from llguidance import LLMatcher  # (llguidance, a native library: loaded with the first grammar)
 
         if spec not in self._checked:
             grammar = spec.grammar()
@@ -117,7 +117,7 @@ class Grammars:
         return self._checked[spec]
 
     def matcher(self, spec: StructuredOutput):
-        from llguidance import LLMatcher
+        from llguidance import LLMatcher  # (llguidance, a native library: loaded with the first grammar)
 
         m = LLMatcher(self.ll_tokenizer, self.check(spec), log_level=0)
         if m.is_error():
@@ -128,7 +128,7 @@ class Grammars:
         """[len(matchers), words] int32: the tokens each matcher allows next, one bit a token
         (bit t % 32 of word t / 32), for `kernels.mask_rows`."""
         bits = torch.empty((len(matchers), self.words), dtype=torch.int32)
-        for i, m in enumerate(matchers):  # (llguidance's LLExecutor in parallel was slower here: docs/benchmarks.md)
+        for i, m in enumerate(matchers):  # (llguidance's LLExecutor in parallel is slower here: docs/benchmarks.md)
             m.unsafe_compute_mask_ptr(bits[i].data_ptr(), self.words * 4)
         return bits
 

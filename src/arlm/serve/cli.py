@@ -22,8 +22,7 @@ MIN_KV_CACHE_MEMORY = 1 << 20
 def model_bytes(spec: str) -> int:
     """About the memory a model's weights take once loaded: its file's size, or its directory's
     (0 if the model cannot be found: loading it will say why)."""
-    from ..loading import resolve_model_path
-    from ..loading.errors import LoadError
+    from ..loading import LoadError, resolve_model_path  # (imports torch and tokenizers: cli_common's doc)
 
     try:
         path = resolve_model_path(spec)
@@ -52,8 +51,11 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from ..engine import EngineConfig
-    from ..kv_cache import check_pool_fits
+    # (these import torch: cli_common's doc)
+    from .. import kernels
+    from ..engine import AsyncEngine, Engine, EngineConfig
+    from ..kv_cache import check_pool_fits, kv_dtype_name
+    from ..trace.live import LiveTrace
 
     try:
         memory = parse_size(args.kv_cache_memory)
@@ -80,8 +82,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         # the packed kernels (AVX-512 VNNI) that is also the fastest choice at every batch size;
         # with the row-layout kernels a served batch is compute-bound and int8 unpacks cheaper
         # (docs/benchmarks.md, Serving).
-        from .. import kernels
-
         args.quantize = ("none" if args.device != "cpu" or not kernels.native_available() else
                          "auto" if kernels.packed_available() else "int8")
     if args.matmul_path == "auto" and args.prefill_dtype in (None, "auto") and args.quantize != "none" \
@@ -90,18 +90,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
         # do not depend on how its prompt was chunked or batched, or on a preemption (which
         # recomputes generated tokens as a prompt). An explicit bf16 / float32 path is honoured
         # (faster prompts on CPUs without VNNI, AMX tiles on those with them) and gives that up.
-        from .. import kernels
-
         vnni = kernels.packed_available() and args.activations != "float32"
         args.matmul_path = "vnni" if vnni else "avx2" if kernels.native_available() else "auto"
     api_key = args.api_key or os.environ.get("ARLM_API_KEY") or None
     config = EngineConfig(block_size=args.block_size, kv_cache_memory=memory, kv_cache_tokens=args.kv_cache_tokens,
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                           enable_prefix_caching=not args.no_prefix_caching)
+    # (uvicorn, fastapi: ~0.5 s that the flags' usage errors above do without)
     import uvicorn
 
-    from ..engine import AsyncEngine, Engine
-    from ..kv_cache import kv_dtype_name
     from .api import Server, create_app
 
     sock = bind(args.host, args.port)
@@ -117,8 +114,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     name = args.served_model_name or args.model
     live = None
     if args.trace:
-        from ..trace.live import LiveTrace
-
         live = engine.hooks.add(LiveTrace(engine))
     server = Server(llm, AsyncEngine(engine), name, api_key=api_key, max_body_bytes=args.max_body_bytes, live=live)
     http = uvicorn.Server(uvicorn.Config(create_app(server, engine_thread=False), log_level=args.log_level,

@@ -22,6 +22,7 @@ import time
 import torch
 
 from ..engine.hooks import StepHook, StepResult
+from ..files import atomic_write_text
 from ..sampling import SamplingParams
 
 TOP_K = 10  # next-token candidates recorded per sampled token
@@ -65,7 +66,8 @@ def measure_ceilings(seconds: float = 0.6) -> dict:
 def machine_ceilings() -> dict:
     """`measure_ceilings` for this CPU and thread count, measured on first use and then read from
     ~/.cache/arlm/machine.json (ARLM_CACHE moves it, as the model cache)."""
-    from ..loading.cache import cache_root, write_json_atomic
+    # (arlm.loading imports tokenizers and every loader: `arlm --help` imports this package)
+    from ..loading.cache import cache_root
 
     key = f"{_cpu_name()}|{os.cpu_count()}|{torch.get_num_threads()}|{torch.__version__}"
     path = cache_root().parent / "machine.json"
@@ -79,7 +81,7 @@ def machine_ceilings() -> dict:
         known[key] = measure_ceilings()
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            write_json_atomic(path, known)
+            atomic_write_text(path, json.dumps(known))
         except OSError:
             pass  # a read-only cache directory: measured again next time
     return {"cpu": _cpu_name(), "cores": os.cpu_count(), "threads": torch.get_num_threads(), **known[key]}

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
+import shlex
 import sys
 from pathlib import Path
 
 from ..cli_common import (UsageError, add_chat_template_arg, add_model_args, add_sampling_args, add_speculative_args, load_llm,
                           positive_int, sampling_params)
+from ..engine import Engine, EngineConfig
+from ..files import atomic_write_text
+from . import run_trace
+from .page import render_page
 
 
 def _writable(path: str, prog: str) -> Path:
@@ -17,12 +21,6 @@ def _writable(path: str, prog: str) -> Path:
     if not p.absolute().parent.is_dir():
         raise UsageError(f"{prog}: error: cannot write {path}: no directory {p.absolute().parent}")
     return p
-
-
-def write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
 
 
 def read_prompts(path: str, prog: str) -> list[str]:
@@ -39,9 +37,7 @@ def read_prompts(path: str, prog: str) -> list[str]:
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
-    from ..engine import Engine, EngineConfig
-    from ..tokenizer import valid_text
-    from . import run_trace
+    from ..tokenizer import valid_text  # (imports tokenizers: cli_common's doc)
 
     prog = "arlm trace"
     prompts = [valid_text(args.prompt)] if args.prompt else []
@@ -67,27 +63,19 @@ def cmd_trace(args: argparse.Namespace) -> int:
                                      kv_dtype=llm.kv_dtype))
         engine.grammars = llm.grammars
     trace = run_trace(llm, ids, params, engine=engine, drafter=llm.drafter(None))
-    trace["command"] = "arlm trace " + " ".join(_quote(a) for a in sys.argv[2:]) if sys.argv[1:2] == ["trace"] else ""
+    trace["command"] = "arlm trace " + " ".join(shlex.quote(a) for a in sys.argv[2:]) if sys.argv[1:2] == ["trace"] else ""
     if json_path:
-        write_atomic(json_path, json.dumps(trace))
+        atomic_write_text(json_path, json.dumps(trace))
     if out:
-        from .page import render_page
-
-        write_atomic(out, render_page(trace))
+        atomic_write_text(out, render_page(trace))
     if args.tui or not out:
-        from .tui import print_trace
+        from .tui import print_trace  # (rich: ~0.2 s that a run writing only --out does without)
 
         print_trace(trace)
     written = [str(p) for p in (out, json_path) if p]
     if written:
         print(f"arlm trace: {len(trace['steps'])} steps; wrote {', '.join(written)}", file=sys.stderr)
     return 0
-
-
-def _quote(a: str) -> str:
-    import shlex
-
-    return shlex.quote(a)
 
 
 def add_trace(sub) -> None:

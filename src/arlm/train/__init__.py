@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 __all__ = ["TrainConfig", "load_config", "lr_at", "prepare", "TokenData", "train", "TrainResult",
@@ -20,7 +21,5 @@ _WHERE = {"TrainConfig": "config", "load_config": "config", "lr_at": "config", "
 def __getattr__(name: str) -> Any:
     # Deferred so that `arlm --help` (which registers the train flags) does not import torch.
     if name in _WHERE:
-        import importlib
-
         return getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
     raise AttributeError(name)

@@ -14,6 +14,10 @@ import sys
 import typing
 from pathlib import Path
 
+from ..cli_common import UsageError
+from ..config import ConfigError
+from .config import TrainConfig, load_config, parse_value
+
 
 def _slug(tokenizer: str) -> str:
     return tokenizer if tokenizer in ("char", "bpe") else Path(tokenizer.rstrip("/")).stem.lower()
@@ -22,7 +26,7 @@ def _slug(tokenizer: str) -> str:
 # -- arlm prepare ----------------------------------------------------------------------------------
 
 def cmd_prepare(args: argparse.Namespace) -> int:
-    from .data import default_corpus, prepare
+    from .data import default_corpus, prepare  # (imports torch and tokenizers: cli_common's doc)
 
     inputs = args.inputs or [default_corpus()]
     out = args.out or f"out/data/{Path(inputs[0]).stem}_{_slug(args.tokenizer)}"
@@ -47,10 +51,7 @@ def add_prepare(sub) -> None:
 # -- arlm train ------------------------------------------------------------------------------------
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from ..cli_common import UsageError
-    from ..config import ConfigError
-    from .config import TrainConfig, load_config, parse_value
-    from .trainer import train
+    from .trainer import train  # (imports torch: cli_common's doc)
 
     try:
         overrides = {f.name: parse_value(f.name, getattr(args, "set_" + f.name))
@@ -68,8 +69,6 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def add_train(sub) -> None:
-    from .config import TrainConfig
-
     p = sub.add_parser(
         "train", help="train from scratch or fine-tune (teacher-forced; DDP under torchrun)",
         usage="arlm train [--config FILE] [--resume] [--overwrite] [--SETTING VALUE ...]",

@@ -199,7 +199,7 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     except OSError as e:
         raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
     if path.suffix == ".toml":
-        try:
+        try:  # (tomllib, yaml: only a config file needs them, and `arlm --help` imports this module)
             import tomllib
         except ModuleNotFoundError:  # Python 3.10
             import tomli as tomllib
@@ -209,7 +209,7 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(f"{path} is not valid TOML: {e}") from None
     elif path.suffix in (".yaml", ".yml"):
-        import yaml
+        import yaml  # (as tomllib above)
 
         try:
             data = yaml.safe_load(raw) or {}

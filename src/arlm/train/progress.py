@@ -7,6 +7,8 @@ import sys
 import time
 from pathlib import Path
 
+from tqdm import tqdm
+
 METRICS_FILE, PLOT_FILE = "metrics.jsonl", "loss.png"
 
 
@@ -51,8 +53,6 @@ class Progress:
         self.t0, self.step0 = time.perf_counter(), start_step
         self.paused = 0.0  # seconds spent in evaluation and saving, kept out of the ETA
         if enabled and sys.stderr.isatty():
-            from tqdm import tqdm
-
             self.bar = tqdm(total=max_steps, initial=start_step, unit="step", dynamic_ncols=True,
                             file=sys.stderr, desc="train")
 
@@ -87,6 +87,7 @@ class Progress:
 
 def plot_losses(records: list[dict], path: str | Path, title: str = "") -> Path:
     """Training loss (per log interval) and evaluation losses against the step, as a PNG."""
+    # (matplotlib with pyplot: ~0.5 s, paid only when the plot is written)
     import matplotlib
 
     matplotlib.use("Agg")  # no display: write the file only

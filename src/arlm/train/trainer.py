@@ -26,6 +26,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .. import kernels
 from ..config import ConfigError, ModelConfig
@@ -123,8 +125,6 @@ def mixed_precision(device: torch.device, dtype: torch.dtype | None):
             return
         # On CPU, torch's flash-attention backward is ~5x slower in bf16 than in float32, while
         # the math kernel (two bf16 matmuls around a softmax) is about as fast as float32 flash.
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
         with sdpa_kernel([SDPBackend.MATH]):
             yield
 
@@ -230,6 +230,7 @@ def setup_distributed(cfg: TrainConfig) -> tuple[Distributed, torch.device]:
         # and its gloo worker threads live on into interpreter shutdown, where the first one to
         # release a finished collective's tensors needs the GIL and aborts the process
         # ("terminate called without an active exception"). Imported first, the defaults are None.
+        # (Not at the top: a torch built without distributed support cannot import it; DDP alone needs it.)
         import torch.distributed.nn.functional  # noqa: F401
 
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
@@ -313,8 +314,6 @@ def _train(cfg: TrainConfig, resume: bool, overwrite: bool, ddp: Distributed, de
 
     step_model: torch.nn.Module = model
     if ddp.world_size > 1:
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
         # The RoPE tables are constant buffers: no need to broadcast them every forward.
         no_buffer_sync = {"forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP).parameters
                           else "broadcast_buffers": False}
