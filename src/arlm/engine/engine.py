@@ -31,7 +31,7 @@ from ..sampling import SamplingParams, top_logprobs
 from .block_pool import DEFAULT_BLOCK_SIZE
 from .hooks import (StepClockHook, StepHooks, StepResult, StepStats, StepStatsHook, ThreadWidthHook,
                     WindowRopeHook)
-from .request import FinishReason, Request, RequestStatus
+from .request import FinishReason, Request, RequestOutput, RequestStatus
 from .runner import ModelRunner
 from .sampler import sample_step
 from .scheduler import ScheduledBatch, Scheduler
@@ -65,22 +65,6 @@ class EngineConfig:
     @property
     def contiguous(self) -> bool:
         return self.block_size is None
-
-
-@dataclass
-class RequestOutput:
-    """One new token of one request; `finish_reason` is set on its last."""
-
-    request_id: str
-    token_id: int
-    num_output_tokens: int
-    finish_reason: FinishReason | None = None
-    error: str | None = None  # the request failed (token_id is -1): why
-    # SamplingParams.logprobs: this token's log-probability and the top ones [(id, log-probability)]
-    logprob: float | None = None
-    top_logprobs: list[tuple[int, float]] | None = None
-    # SamplingParams.prompt_logprobs, on a request's first output: prompt tokens 1 .. P-1's
-    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
 
 @dataclass

@@ -16,17 +16,20 @@ speculative decoding, a sliding window's RoPE tables); front ends add theirs (`a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..model import rope_table
+from .request import RequestOutput
 from .scheduler import ScheduledBatch
 
-if TYPE_CHECKING:  # (annotations only: engine.py imports this module)
+if TYPE_CHECKING:  # (annotations only)
     from ..threads import ThreadGovernor
-    from .engine import Engine, RequestOutput
     from .speculative import StepCost
+
+# The engine a hook watches (arlm.engine.Engine; not imported: engine.py imports this module).
+Engine = Any
 
 
 @dataclass

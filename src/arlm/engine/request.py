@@ -7,14 +7,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, TYPE_CHECKING, Callable
+from typing import Any, Callable
 
 import torch
 
 from ..sampling import SamplingParams
-
-if TYPE_CHECKING:
-    from .speculative import Drafter, SpecState
 
 
 class RequestStatus(StrEnum):
@@ -80,13 +77,14 @@ class Request:
     prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
-    # Speculative decoding (engine/speculative.py): who drafts for it, this step's draft (tokens
-    # proposed after the window, not yet verified) and the drafter's distributions [k, vocab]
-    # for them (None: deterministic proposals), its acceptance estimate and counts.
-    drafter: "Drafter | None" = None
+    # Speculative decoding (engine/speculative/): who drafts for it (a `Drafter`), this step's
+    # draft (tokens proposed after the window, not yet verified) and the drafter's distributions
+    # [k, vocab] for them (None: deterministic proposals), its acceptance estimate and counts (a
+    # `SpecState`). (Typed Any: the speculative package imports this module.)
+    drafter: Any = None
     draft: list[int] = field(default_factory=list)
     draft_probs: torch.Tensor | None = None
-    spec: "SpecState | None" = None
+    spec: Any = None
 
     @classmethod
     def create(cls, request_id: str, prompt_ids: list[int], params: SamplingParams, vocab_size: int,
@@ -164,3 +162,19 @@ class Request:
             self.output_counts[token] += 1
         if self.first_token_time is None:
             self.first_token_time = time.monotonic()
+
+
+@dataclass
+class RequestOutput:
+    """One new token of one request; `finish_reason` is set on its last."""
+
+    request_id: str
+    token_id: int
+    num_output_tokens: int
+    finish_reason: FinishReason | None = None
+    error: str | None = None  # the request failed (token_id is -1): why
+    # SamplingParams.logprobs: this token's log-probability and the top ones [(id, log-probability)]
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+    # SamplingParams.prompt_logprobs, on a request's first output: prompt tokens 1 .. P-1's
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None

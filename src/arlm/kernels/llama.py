@@ -22,15 +22,16 @@ they hold (`config`, `blocks`, a quantized layer's `tensors()`), not by their cl
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
 from . import native_available
 from .layout import LayerWeight
 
-if TYPE_CHECKING:
-    from ..model import Transformer
+# A model this binds: an arlm.model.Transformer (not imported: the kernels sit below the model,
+# which calls them through its quantized layers).
+Transformer = nn.Module
 
 
 def applies(model: Transformer) -> bool:
