@@ -1,21 +1,44 @@
-"""Shared fixtures: SmolLM2 loaded once per session by arlm and by HF transformers, tiny random models.
+"""Shared fixtures: SmolLM2 loaded once per session by arlm and by HF transformers, tiny random models;
+and what keeps outcomes independent of the machine's load (a fixed thread width, fixed step costs).
 
 HF transformers is the reference (a test-only dependency). Loading SmolLM2 from its GGUF costs
-~7 s in arlm and ~25 s in HF (it dequantizes every tensor), so each is loaded once per session.
+~7 s in arlm (float32) and ~25 s in HF (it dequantizes every tensor), so each is loaded once per
+session. SmolLM2 on its default path (4-bit blocks from the model cache) loads at once and reads
+under 0.18 of the float32 path's weight bytes per token (test_quant.py), so it decodes several
+times faster: tests that need a real model's text, not the float32 reference, use that one
+(`smollm2_default`).
 """
 
 from __future__ import annotations
 
 import math
 import os
+import subprocess
 
 import pytest
 import torch
+
+from arlm.engine.speculative import StepCost
+from arlm.runtime import runtime
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Two cores on the reference machine; more threads only contend with each other on its small
 # matmuls. OMP_NUM_THREADS, when set, wins (1 is the better choice on a machine already busy).
 torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", 0)) or min(2, os.cpu_count() or 1))
+
+
+def _pin_thread_width() -> None:
+    """Every engine step in this process at torch's width, whatever else the machine runs.
+
+    Unpinned, the process's governor (arlm.threads, the runtime's) narrows the steps while other
+    processes are runnable, so the width of a test's steps, and with it the summation order of
+    torch's own float32 ops, would follow the machine's load. The governor's narrowing is
+    tested on its own with fake probes (test_threads.py), and there outputs are shown not to
+    depend on the width."""
+    runtime().threads.pin(torch.get_num_threads())
+
+
+_pin_thread_width()
 
 
 # -- SmolLM2 ---------------------------------------------------------------------------------------
@@ -36,6 +59,15 @@ def smollm2(smollm2_path):
 
 
 @pytest.fixture(scope="session")
+def smollm2_default(smollm2_path):
+    """arlm's `LLM` over SmolLM2 as `LLM.load("smollm2")` configures it (4-bit/int8 blocks, 8-bit
+    activations, the native decode step), loaded once: tests must not change its model."""
+    from arlm.llm import LLM
+
+    return LLM.load(str(smollm2_path))
+
+
+@pytest.fixture(scope="session")
 def hf_smollm2(smollm2_path):
     """HF transformers' LlamaForCausalLM from the same GGUF file (float32, eval), loaded once."""
     import accelerate  # noqa: F401  (HF's GGUF loading needs it; `make test` installs it)
@@ -52,6 +84,23 @@ def hf_smollm2_tokenizer(smollm2_path):
     import transformers
     transformers.logging.set_verbosity_error()
     return transformers.AutoTokenizer.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name)
+
+
+# -- the command line, in this process ----------------------------------------------------------------
+
+def run_arlm(capfd, *args: str) -> subprocess.CompletedProcess:
+    """`arlm *args` through `arlm.cli.main` in this process, its output read from capfd: what
+    `python -m arlm *args` prints and returns, without a new interpreter and its imports. (The
+    console script and `python -m arlm` themselves are run in test_cli.py.)"""
+    from arlm.cli import main
+
+    capfd.readouterr()  # (what the test printed before)
+    try:
+        code = main(list(args))
+    except SystemExit as e:  # argparse's own errors
+        code = e.code
+    out = capfd.readouterr()
+    return subprocess.CompletedProcess(["arlm", *args], code, out.out, out.err)
 
 
 # -- tiny random models ----------------------------------------------------------------------------
@@ -122,3 +171,29 @@ def tiny_llama():
     """(hf, arlm) pair: random Llama with GQA (6 query heads, 2 KV heads), untied head."""
     hf = hf_llama(seed=1)
     return hf, arlm_from_hf(hf)
+
+
+# -- speculative decoding: step costs that do not follow the clock --------------------------------
+
+# Step times by step size (any unit), of the shape `StepCost` describes for a CPU: an extra token
+# costs ~0.2 of a step at one sequence (the weights are streamed once for all rows), and nearly a
+# whole token's share from ~8 tokens on. Drafts pay for a request alone, rarely beside many others.
+STEP_TIMES = {1: 1.0, 2: 1.2, 4: 1.6, 8: 2.4, 16: 4.4, 32: 8.4, 64: 16.4}
+
+
+class FixedStepCost(StepCost):
+    """A `StepCost` that keeps the step times it is given (default `STEP_TIMES`) and ignores the
+    engine's own observations.
+
+    An engine's `StepCost` learns from the wall time of its steps, and adaptive drafting
+    (`SpeculativeConfig(adaptive=True)`, the default) drafts by it: on a loaded machine an
+    extra row looks nearly as dear as a whole step and the rule drafts nothing. With this one
+    the rule drafts the same on any machine, at any load."""
+
+    def __init__(self, times: dict[int, float] | None = None) -> None:
+        super().__init__()
+        for n, t in (STEP_TIMES if times is None else times).items():
+            super().observe(n, t)
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        pass  # (a step's wall time: the machine's load, not the test's input)

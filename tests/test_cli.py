@@ -14,12 +14,17 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from arlm.llm import ChatSession
 from arlm.sampling import SamplingParams
 
 ENV = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONWARNINGS": "ignore"}
 ENV.pop("ARLM_DEBUG", None)
+# For a command whose float32 output is compared with this process's: the same fixed width. Left
+# to itself the command narrows its steps while other processes keep the cores busy, and torch's
+# float32 GEMMs sum in another order at another width.
+SAME_WIDTH = ("--threads", str(torch.get_num_threads()))
 
 
 def arlm(*args: str, stdin: str | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -100,14 +105,16 @@ def test_bad_input_fails_with_one_line(bad_runs, name):
 def test_console_script_entry_point():
     script = shutil.which("arlm", path=str(Path(sys.executable).parent))
     assert script is not None, "pip install -e . installs the arlm console script beside the interpreter"
-    r = subprocess.run([script, "generate", "hi", "--top-k", "-1"], capture_output=True, text=True, env=ENV)
+    r = subprocess.run([script, "generate", "hi", "--top-k", "-1"], capture_output=True, text=True, env=ENV,
+                       timeout=300)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "top_k" in r.stderr
 
 
 @pytest.mark.slow
 def test_generate_json_matches_api(smollm2):
     prompt = "The capital of France is"
-    r = arlm("generate", prompt, "--temperature", "0", "--max-new-tokens", "12", "--quantize", "none", "--json")
+    r = arlm("generate", prompt, "--temperature", "0", "--max-new-tokens", "12", "--quantize", "none", "--json",
+             *SAME_WIDTH)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert set(out) >= {"prompt_token_ids", "completion_token_ids", "text", "finish_reason", "stats"}
@@ -154,7 +161,8 @@ def test_generate_with_a_quantized_kv_cache_reports_it():
 @pytest.mark.slow
 def test_chat_through_stdin_two_turns(smollm2):
     turns = ["What is the capital of France?", "And of Germany?"]
-    r = arlm("chat", "--temperature", "0", "--max-new-tokens", "24", "--quantize", "none", stdin="\n".join(turns) + "\n")
+    r = arlm("chat", "--temperature", "0", "--max-new-tokens", "24", "--quantize", "none", *SAME_WIDTH,
+             stdin="\n".join(turns) + "\n")
     assert r.returncode == 0, r.stderr
     assert "Traceback" not in r.stderr
     session = ChatSession(smollm2, SamplingParams(max_new_tokens=24, temperature=0), max_context=4096)

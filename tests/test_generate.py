@@ -13,7 +13,7 @@ import torch
 from arlm.config import ModelConfig
 from arlm.engine import Engine, EngineConfig, FinishReason, ModelRunner, prefill
 from arlm.kv_cache import KVCache
-from arlm.llm import LLM, ChatSession, TextChunk
+from arlm.llm import ChatSession, TextChunk
 from arlm.loading import build_model
 from arlm.model import Transformer
 from arlm.sampling import SamplingParams, sample
@@ -415,15 +415,11 @@ def test_context_shift_equals_recomputing_the_cropped_window(family):
 # -- the default (quantized) path: a batch equals each prompt alone, token for token ---------------
 
 @pytest.fixture(scope="module")
-def default_llm(smollm2):
+def default_llm(smollm2_default):
     """SmolLM2 as `LLM.load("smollm2")` configures it: 4-bit/int8 layers, 8-bit activations,
-    quantized prefill on AVX-512 VNNI CPUs, float16 KV cache, the native decode step."""
-    import copy
-
-    llm = LLM(smollm2.loaded)
-    llm.model = copy.deepcopy(smollm2.model)
-    llm.configure(quantize="auto")
-    return llm
+    quantized prefill on AVX-512 VNNI CPUs, float16 KV cache, the native decode step (the
+    session's, loaded from its blocks: no second quantization of the float model)."""
+    return smollm2_default
 
 
 def test_default_path_ragged_batch_equals_each_prompt_alone(default_llm):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -236,11 +237,14 @@ def test_the_cache_gives_the_same_model(direct):
     assert {p.name for p in directory.iterdir()} == {"manifest.json", "weights.bin", "tokenizer.json"}
 
 
-def test_a_damaged_cache_is_rebuilt(smollm2_path, tmp_path, monkeypatch):
+@pytest.mark.slow  # a whole cache rebuilt from the file
+def test_a_damaged_cache_is_rebuilt(smollm2_path, direct, tmp_path, monkeypatch):
     from arlm.loading import load_model
 
+    first, _, root = direct
+    # (a copy of the cache `direct` built: one build fewer than building it here again)
+    shutil.copytree(root / "models", tmp_path / "models")
     monkeypatch.setenv("ARLM_CACHE", str(tmp_path))
-    first = load_model(str(smollm2_path), quantized=True)
     (directory,) = [p for p in (tmp_path / "models").iterdir() if p.is_dir()]
     manifest = json.loads((directory / "manifest.json").read_text())
     manifest["modules"] = manifest["modules"][:10]  # a manifest that no longer covers the model
@@ -326,13 +330,13 @@ def test_activation_modes_set_each_layer(smollm2_path):
         LLM.load(str(smollm2_path), activations="int16")
 
 
-def test_default_path_answers_as_float32(smollm2, smollm2_path):
+@pytest.mark.slow  # a whole-model sweep: 24 questions on two paths
+def test_default_path_answers_as_float32(smollm2, smollm2_default):
     # tests/data/chat_questions.json: short factual questions with the float32 path's greedy
     # answers (benchmarks/fidelity.py --write-answers). The float32 path gives them all (the file
     # is current); the default path (4-bit weights as stored, 8-bit activations taken twice) gives
     # at least 22 of the 24 (24 on the AVX-512 machine that wrote them; llama.cpp on the same
     # file: 19) - where float32 sums in another order (another ISA) a near-tie may flip.
-    from arlm.llm import LLM
     from arlm.sampling import SamplingParams
 
     data = json.loads((Path(__file__).parent / "data" / "chat_questions.json").read_text())["questions"]
@@ -345,10 +349,11 @@ def test_default_path_answers_as_float32(smollm2, smollm2_path):
 
     ref = [q["float32_token_ids"] for q in data]
     assert answers(smollm2) == ref
-    default = answers(LLM.load(str(smollm2_path)))
+    default = answers(smollm2_default)
     assert sum(a == r for a, r in zip(default, ref)) >= 22, [smollm2.tokenizer.decode(a) for a in default]
 
 
+@pytest.mark.slow  # every tensor of the file dequantized twice
 def test_float_path_from_the_cached_blocks_equals_the_files_dequantization(smollm2, smollm2_path):
     # `--quantize none` dequantizes the cached blocks (no second parse of the file): every tensor
     # bit for bit what the file's own dequantization (read_gguf, gguf's dequantizer) gives.

@@ -45,11 +45,9 @@ metric_list:
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory, smollm2_path):
+def setup(tmp_path_factory, smollm2_default):
     """The tasks' YAML and an HF tokenizer directory (the GGUF's tokenizer, written once: both
     runs tokenize with it, so both score the same token ids)."""
-    from arlm.llm import LLM
-
     root = tmp_path_factory.mktemp("lm_eval")
     tasks = root / "tasks"
     tasks.mkdir()
@@ -57,7 +55,7 @@ def setup(tmp_path_factory, smollm2_path):
     (tasks / "arlm_gen.yaml").write_text(GEN_TASK)
     tok = root / "tokenizer"
     tok.mkdir()
-    t = LLM.load(str(smollm2_path), quantize=None).tokenizer
+    t = smollm2_default.tokenizer  # (the file's tokenizer, whatever the weights' path)
     (tok / "tokenizer.json").write_text(t.backend.to_str())
     name = lambda i: t.decode([i]) if i is not None else None  # noqa: E731
     (tok / "tokenizer_config.json").write_text(json.dumps({
@@ -86,6 +84,7 @@ def _loglikelihoods(results: dict, task: str) -> np.ndarray:
     return np.array([ll(r) for s in samples for r in s["resps"]], dtype=np.float64)
 
 
+@pytest.mark.slow  # a server process, and HF's own load of the model
 def test_lm_eval_through_the_server_matches_hf(setup, smollm2_path):
     tasks, tok = setup
     server = ServerProcess("--quantize", "none", "--kv-cache-tokens", "4096")

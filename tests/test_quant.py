@@ -20,7 +20,7 @@ from arlm.engine import Engine, EngineConfig, ModelRunner, decode_step, prefill
 from arlm.kernels.llama import LayerWeight
 from arlm.kv_cache import KVCache
 from arlm.llm import LLM, ChatSession
-from arlm.quant import (Int8Linear, Q4Linear, Q8Linear, QuantizedLinear, quantize, quantize_int8,
+from arlm.quant import (Int8Linear, Q4Linear, Q8Linear, QuantizedLinear, prepare, quantize, quantize_int8,
                         weight_bytes)
 from arlm.sampling import SamplingParams
 from cpu_flags import (amx_expected, cpu_flags, matmul_path_expected, native_bf16_expected, native_kernels_expected,
@@ -360,14 +360,17 @@ def test_int8_weights_are_a_quarter(smollm2, int8_smollm2):
 
 
 @pytest.mark.parametrize("path", ["int8", "auto"])
-def test_quantized_generation_runs_the_same_engine(smollm2, path):
+def test_quantized_generation_runs_the_same_engine(smollm2, int8_smollm2, auto_smollm2, path):
     # The quantized model goes through the same prefill + KV-cached decode; cached equals
     # uncached recomputation for it too. Without the float copies (keep_dense=False, as the
     # server runs) prefill takes the quantized kernels too, so both sides do the same arithmetic.
     # Float activations: 8-bit activations round differently on the float32 noise between cached
     # and uncached attention, which can flip a near-tie (their quality is held to perplexity).
+    # (The module's quantized layers, set up again: what quantize(..., keep_dense=False,
+    # activations="float32") makes, without quantizing SmolLM2 a second time.)
     llm = LLM(smollm2.loaded)
-    llm.model = quantize(copy.deepcopy(smollm2.model), path, keep_dense=False, activations="float32")
+    quantized = {"int8": int8_smollm2, "auto": auto_smollm2}[path].model
+    llm.model = prepare(copy.deepcopy(quantized), "float32", keep_dense=False)
     ids = llm.tokenizer.encode("The capital of France is")
     # The module path (decode_step); the native step is held to the same model in test_fused_decode.py.
     runner = ModelRunner(llm.model, decode_step)

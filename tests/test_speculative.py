@@ -27,7 +27,7 @@ from arlm.model import Transformer
 from arlm.quant import quantize
 from arlm.sampling import SamplingParams, penalized, warped_probs
 
-from conftest import randomize_
+from conftest import FixedStepCost, randomize_
 
 
 STATIC = dict(block_size=None, max_num_seqs=1024, max_num_batched_tokens=1 << 20)
@@ -60,8 +60,11 @@ def prompts(n: int, vocab: int = 199, seed: int = 0) -> list[list[int]]:
 
 
 def generate(model, ps, params, drafter=None, eos_ids=(), **config):
-    """(output ids, finish reasons, engine stats) of the prompts on one engine."""
+    """(output ids, finish reasons, engine stats) of the prompts on one engine. Adaptive drafters
+    draft by fixed step times, not the engine's clock (`conftest.FixedStepCost`): the same drafts
+    on a quiet machine and a loaded one."""
     engine = Engine(model, eos_ids, EngineConfig(**{**STATIC, **config}))
+    engine.step_cost = FixedStepCost()
     reqs = [engine.add_request(p, params if isinstance(params, SamplingParams) else params[i], drafter=drafter)
             for i, p in enumerate(ps)]
     while engine.has_unfinished():
@@ -392,6 +395,7 @@ def test_sampled_speculation_keeps_the_distribution(small):
         assert chi2_test(small, other, warp=warp) > 0.01, warp
 
 
+@pytest.mark.slow  # the statistical test's own power: it changes only with chi2_test
 def test_the_chi2_test_catches_broken_rules(small, monkeypatch):
     ngram = NgramDrafter(SpeculativeConfig(num_speculative_tokens=2, adaptive=False))
     other = ModelDrafter(tiny(seed=5, vocab=6, n_layer=1), SpeculativeConfig(num_speculative_tokens=2, adaptive=False),
@@ -424,10 +428,8 @@ COPY = ("Repeat this paragraph exactly:\n\nThe committee met on Tuesday to discu
 
 
 @pytest.fixture(scope="module")
-def llm():
-    from arlm.llm import LLM
-
-    return LLM.load("smollm2")
+def llm(smollm2_default):
+    return smollm2_default
 
 
 def questions() -> list[str]:
@@ -435,9 +437,13 @@ def questions() -> list[str]:
     return [q["question"] for q in data["questions"]]
 
 
-def test_smollm2_greedy_speculative_equals_plain(llm):
+@pytest.mark.slow  # a whole-model sweep: 27 prompts, 4 ways; the tiny models cover each drafter in the fast suite
+def test_smollm2_greedy_speculative_equals_plain(llm, monkeypatch):
     """The real model on its default path: 24 questions and 3 copy tasks, a ragged batch and
     alone, prompt lookup and a self-draft: identical tokens."""
+    # (adaptive "ngram" drafts by fixed step times, not the machine's: under load the measured
+    # ones can make it draft nothing, and `passes > 0` would fail)
+    monkeypatch.setattr(llm.engine, "step_cost", FixedStepCost())
     texts = [llm.apply_chat_template([{"role": "user", "content": q}]) for q in questions()]
     texts += [llm.apply_chat_template([{"role": "user", "content": c}]) for c in
               (COPY, "Fix the spelling: Teh cat sat on teh mat and lookd at the brid.",
@@ -491,6 +497,8 @@ def test_smollm2_stop_strings_cut_where_plain_decoding_does(llm):
 
 
 def test_smollm2_sampled_speculation_runs_seeded(llm):
+    # (adaptive, and still the same drafts on any machine: seeded requests draft by the prior
+    # step cost, never the measured one)
     text = llm.apply_chat_template([{"role": "user", "content": COPY}])
     params = SamplingParams(max_new_tokens=40, temperature=0.7, seed=3)
     a = llm.generate(text, params, speculative="ngram")[0]
@@ -515,9 +523,15 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "arlm", *args], capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow  # two model loads in subprocesses
 def test_cli_generate_speculative():
-    args = ("generate", COPY, "--chat", "--temperature", "0", "--max-new-tokens", "30", "--json")
-    r = run_cli(*args, "--speculative", "ngram")
+    # (both at one fixed width: left to itself each would narrow under load, and where prefill
+    # runs torch's float GEMMs, another width sums in another order)
+    args = ("generate", COPY, "--chat", "--temperature", "0", "--max-new-tokens", "30", "--json",
+            "--threads", str(torch.get_num_threads()))
+    # (fixed drafts, --speculative-fixed: the adaptive rule follows the process's measured step
+    # times, and under load it may draft nothing, leaving accepted == 0)
+    r = run_cli(*args, "--speculative", "ngram", "--speculative-fixed")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     plain = json.loads(run_cli(*args).stdout)
@@ -541,7 +555,9 @@ def test_serve_speculative_equals_plain(llm):
 
     from test_serve_api import ServerProcess
 
-    server = ServerProcess("--speculative", "ngram", "--kv-cache-tokens", "8192")
+    # (fixed drafts: the server's adaptive rule follows its measured step times, and under load
+    # it may draft nothing, leaving no drafts to count)
+    server = ServerProcess("--speculative", "ngram", "--speculative-fixed", "--kv-cache-tokens", "8192")
     try:
         server.wait_ready()
         c = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=300)

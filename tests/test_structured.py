@@ -22,6 +22,8 @@ import torch
 from arlm.sampling import SamplingParams
 from arlm.structured import GrammarError, StructuredOutput
 
+from conftest import run_arlm
+
 SCHEMAS = {
     "nested": {"type": "object", "properties": {
         "name": {"type": "string", "maxLength": 12},
@@ -50,8 +52,10 @@ SCHEMAS = {
 
 
 @pytest.fixture(scope="module")
-def llm(smollm2):
-    return smollm2
+def llm(smollm2_default):
+    """SmolLM2 on its default path: the grammar, not the arithmetic, is under test here, and it
+    decodes several times faster than the float32 path (conftest)."""
+    return smollm2_default
 
 
 def _chat(llm, text: str) -> list[int]:
@@ -192,6 +196,7 @@ def test_lazy_mask_draws_the_masked_distribution(llm):
         return ok
 
     llm.grammars.takes = counting
+    fresh = llm.grammars.matcher(spec)
     try:
         for params in (SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_k=V)):
             counts = torch.zeros(5)
@@ -199,8 +204,8 @@ def test_lazy_mask_draws_the_masked_distribution(llm):
                 n = 200
                 reqs = [Request.create(f"r{i}", [1], dataclasses.replace(params, seed=1000 * rnd + i), V,
                                        llm.tokenizer.eos_ids, "cpu") for i in range(n)]
-                for r in reqs:
-                    r.matcher = llm.grammars.matcher(spec)
+                for r in reqs:  # (copies of one fresh matcher: its start state, the grammar parsed once)
+                    r.matcher = fresh.deep_copy()
                 got, failed = sample_plain(base.expand(n, -1).contiguous(), list(range(n)),
                                            SimpleNamespace(seqs=reqs), list(range(n)), llm.grammars)
                 assert not failed
@@ -232,13 +237,9 @@ def test_specs_the_engine_cannot_enforce_are_errors(llm):
             StructuredOutput(**bad)
 
 
-def test_cli_flags():
-    import subprocess
-    import sys
-
-    def arlm(*args):
-        return subprocess.run([sys.executable, "-m", "arlm", "generate", *args], capture_output=True, text=True,
-                              timeout=300)
+def test_cli_flags(capfd):
+    def arlm(*args):  # (in this process: five processes, each importing and loading the model, otherwise)
+        return run_arlm(capfd, "generate", *args)
 
     r = arlm("Is the sky blue?", "--chat", "--choice", "yes,no", "--temperature", "0", "--json")
     assert r.returncode == 0, r.stderr
