@@ -37,7 +37,7 @@ run: install
 
 # (No global OpenMP wait policy: the tests run servers and clients side by side on the same cores,
 # and the servers and commands they start narrow their threads while others keep the cores busy:
-# src/arlm/engine/threads.py. The test process itself steps at a fixed width, OMP_NUM_THREADS or 2,
+# src/arlm/threads.py. The test process itself steps at a fixed width, OMP_NUM_THREADS or 2,
 # so that no outcome follows the machine's load: tests/conftest.py.)
 test: install-test
 	$(PY) -m pytest -q tests
