@@ -25,8 +25,10 @@ ROOT = HERE.parent
 METRICS = ("decode_b1", "decode_b8", "prefill_512", "serve_8_clients")
 
 
-def side(kwargs: dict) -> dict:
-    """This process's checkout (sys.path / PYTHONPATH decides which): the four figures."""
+def side(kwargs: dict, metrics: tuple[str, ...] = METRICS) -> dict:
+    """This process's checkout (sys.path / PYTHONPATH decides which): the figures asked for."""
+    if metrics == ("serve_8_clients",):  # (a server of its own: nothing to load here)
+        return {"serve_8_clients": serve_8_clients()}
     import arlm
 
     getattr(arlm, "prefer_huge_pages", lambda: None)()  # (as the arlm command does, before torch loads)
@@ -74,10 +76,10 @@ def serve_8_clients(clients: int = 8, max_tokens: int = 64) -> float:
         stop(proc)
 
 
-def run_side(checkout: Path, kwargs: dict) -> dict:
+def run_side(checkout: Path, kwargs: dict, metrics: tuple[str, ...]) -> dict:
     env = {**os.environ, "PYTHONPATH": str(checkout / "src")}
-    r = subprocess.run([sys.executable, __file__, "--side", json.dumps(kwargs)], env=env, capture_output=True,
-                       text=True, timeout=1800)
+    r = subprocess.run([sys.executable, __file__, "--side", json.dumps(kwargs), "--metrics", ",".join(metrics)],
+                       env=env, capture_output=True, text=True, timeout=1800)
     if r.returncode != 0:
         raise SystemExit(f"{checkout}: side failed:\n{r.stderr[-3000:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -89,19 +91,23 @@ def main() -> None:
     ap.add_argument("--base", type=Path, help="the other checkout (a git worktree of the commit to compare with)")
     ap.add_argument("--rounds", type=int, default=5, help="alternating rounds (default 5)")
     ap.add_argument("--kwargs", type=json.loads, default={}, help="LLM.load keyword arguments for both sides")
+    ap.add_argument("--metrics", default=",".join(METRICS), help=f"which figures (default: all of {','.join(METRICS)})")
     args = ap.parse_args()
+    metrics = tuple(args.metrics.split(","))
+    if not set(metrics) <= set(METRICS) or metrics not in (METRICS, ("serve_8_clients",)):
+        ap.error(f"--metrics: all of {','.join(METRICS)}, or serve_8_clients alone")
     if args.side is not None:
-        print(json.dumps({"config": args.side, **{k: round(v, 1) for k, v in side(args.side).items()}}))
+        print(json.dumps({"config": args.side, **{k: round(v, 1) for k, v in side(args.side, metrics).items()}}))
         return
     if args.base is None:
         ap.error("give --base CHECKOUT (or --side JSON for one side)")
     runs: dict[str, list[dict]] = {"base": [], "this": []}
     for r in range(args.rounds):
         for name, checkout in (("base", args.base.resolve()), ("this", ROOT)):
-            runs[name].append(run_side(checkout, args.kwargs))
+            runs[name].append(run_side(checkout, args.kwargs, metrics))
             print(f"round {r + 1} {name}: {json.dumps(runs[name][-1])}", flush=True)
     print(f"\nmedians of {args.rounds} alternating rounds (tokens/s), this / base:")
-    for m in METRICS:
+    for m in metrics:
         base = statistics.median(x[m] for x in runs["base"])
         this = statistics.median(x[m] for x in runs["this"])
         print(f"  {m:16s} base {base:8.1f}   this {this:8.1f}   ratio {this / base:5.3f}")
