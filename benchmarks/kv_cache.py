@@ -31,10 +31,14 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+
+import arlm  # noqa: E402
+
+arlm.prefer_huge_pages()  # (as the arlm command does: huge pages for weights and the KV cache, before torch loads)
+
+import torch  # noqa: E402
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from arlm.kv_cache import KVCache, kv_dtype_name, parse_kv_dtype, quantize_rows  # noqa: E402

@@ -25,10 +25,15 @@ import sys
 import time
 from pathlib import Path
 
-import torch  # noqa: E402
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+
+import arlm  # noqa: E402
+
+if __name__ == "__main__":  # (other benchmarks import this module after torch)
+    arlm.prefer_huge_pages()  # as the arlm command does: huge pages for weights and the KV cache, before torch loads
+
+import torch  # noqa: E402
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from arlm import kernels  # noqa: E402

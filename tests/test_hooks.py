@@ -126,17 +126,18 @@ def test_step_clock_hook_times_decode_steps_once_something_drafts():
     """The step-cost clock observes decode-only steps, from the first one that drafted on, by
     their size; prompt steps never."""
     cost = StepCost()
-    hook = StepClockHook(cost)
+    hook = StepClockHook()
+    engine = SimpleNamespace(step_cost=cost)  # (the hook reads the engine's table at each step)
 
     def result(num_tokens, prompt_tokens, drafted, seconds):
         batch = SimpleNamespace(num_tokens=num_tokens, prompt_tokens=prompt_tokens, drafted=drafted)
         return SimpleNamespace(batch=batch, prompt_tokens=prompt_tokens, seconds=seconds)
 
-    hook.stepped(None, result([1, 1], 0, [], 0.01))  # nothing speculates yet: not timed
+    hook.stepped(engine, result([1, 1], 0, [], 0.01))  # nothing speculates yet: not timed
     assert cost.times == {}
-    hook.stepped(None, result([4, 1], 0, ["a request"], 0.02))
-    hook.stepped(None, result([30, 1], 30, ["a request"], 0.5))  # a prompt step: not a decode's time
-    hook.stepped(None, result([1, 1], 0, [], 0.01))  # timed now that the table has entries
+    hook.stepped(engine, result([4, 1], 0, ["a request"], 0.02))
+    hook.stepped(engine, result([30, 1], 30, ["a request"], 0.5))  # a prompt step: not a decode's time
+    hook.stepped(engine, result([1, 1], 0, [], 0.01))  # timed now that the table has entries
     assert cost.times == {5: 0.02, 2: 0.01}
 
 

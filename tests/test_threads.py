@@ -66,8 +66,8 @@ def test_busy_neighbours_narrow_it_and_it_widens_when_they_go(restore_threads):
     Narrowing is read from the real probe (`others_runnable`): the two spin loops are runnable
     at every sample, so it counts at least two whatever else the machine runs. Widening is not:
     on a shared machine other processes may be runnable at every sample after the kill, and then
-    the width rightly stays narrow. After the kill the governor reads the same /proc state
-    restricted to the processes the test started (which of them are still runnable)."""
+    the width rightly stays narrow. So after the kill the governor counts only the processes the
+    test started (gone, reaped: none runnable), and one such sample must widen it at once."""
     assert others_runnable() is not None  # (Linux: /proc/stat and /proc/self/task)
     torch.set_num_threads(2)
     g = ThreadGovernor(every=1, window=3)

@@ -91,6 +91,7 @@ class ThreadGovernor:
         self.cores = _cores()
         self.every, self.window = every, window
         self.probe = probe
+        self.pinned: int | None = None
         self.pin(pinned)
 
     def pin(self, threads: int | None) -> None:
@@ -98,7 +99,7 @@ class ThreadGovernor:
         follow the machine again, up to `free_widest`. Counts start again."""
         if threads is not None and threads < 1:
             raise ValueError("threads must be >= 1")
-        self.pinned = threads
+        was_pinned, self.pinned = self.pinned is not None, threads
         self.widest = threads or self.free_widest
         self.width = self.widest
         self.samples: deque[int] = deque(maxlen=self.window)
@@ -106,8 +107,8 @@ class ThreadGovernor:
         self._steps = 0
         self.watching = threads is None and self.widest > 1 and (self.probe is not others_runnable
                                                                   or _runnable_machine() is not None)
-        if threads is not None:
-            self._apply(threads)
+        if threads is not None or was_pinned:  # (unpinned: the steps widen back to free_widest now)
+            self._apply(self.width)
 
     def observe(self) -> None:
         """Called once a step, after its forward pass: every `every` steps a sample, and the

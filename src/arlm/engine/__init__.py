@@ -4,6 +4,9 @@ request.py    a request's state; RequestStatus, FinishReason
 block_pool.py which KV blocks are free, shared, or hold a cached prefix
 scheduler.py  which tokens of which requests run in the next step
 runner.py     the forward pass: the step's tensors, native kernels or the modules
+sampler.py    a step's sampling: plain rows, grammar masks, draft verification
+hooks.py      what watches a step (counters, thread width, step-cost clock, tracers)
+speculative/  speculative decoding: drafters, acceptance, cost model, verification
 engine.py     Engine: schedule -> forward -> sample -> postprocess
 async_engine.py  the engine on its own thread, for asyncio (arlm serve)
 """

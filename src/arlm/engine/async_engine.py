@@ -149,7 +149,7 @@ class AsyncEngine:
                 outputs = engine.step()
             except Exception as e:  # noqa: BLE001 - keep serving
                 # What fails here is not one request's: sampling errors are caught per request in
-                # `step` (`Engine._sample`), and the parameters were validated when the request
+                # `step` (engine/sampler.py), and the parameters were validated when the request
                 # came in (`check_request`); the forward pass (a bug, out of memory) runs all the
                 # batch's tokens as one, so every running request fails with it.
                 log.exception("engine step failed; aborting %d request(s)", len(engine.requests))

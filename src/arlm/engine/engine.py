@@ -126,7 +126,7 @@ class Engine:
                                        config.max_num_batched_tokens, False, static_batches=True)
         else:
             self._make_pool()
-        for hook in (ThreadWidthHook(self.runtime.threads), StepClockHook(self.step_cost), StepStatsHook()):
+        for hook in (ThreadWidthHook(self.runtime.threads), StepClockHook(), StepStatsHook()):
             self.hooks.add(hook)
 
     def _make_pool(self) -> None:
@@ -197,7 +197,7 @@ class Engine:
         keep the float32 logits of every prompt position in `request.prompt_logits` [P, vocab]
         (whole once it has sampled its first token); the prompt is then computed in full, never
         taken from the prefix cache. drafter: decode it speculatively with this drafter
-        (engine/speculative.py); its tokens are those plain decoding gives (greedy: the same
+        (engine/speculative/); its tokens are those plain decoding gives (greedy: the same
         tokens; sampled: the same distribution)."""
         self.check_request(prompt_ids, params)
         if request_id is None:

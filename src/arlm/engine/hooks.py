@@ -1,4 +1,4 @@
-"""What watches the engine's steps, attached beside them instead of written into them.
+"""What watches the engine's steps: attached beside the step's four calls, not inside them.
 
 `Engine.step` is schedule -> forward -> sample -> postprocess. Everything else that happens
 around a step is a `StepHook` in `Engine.hooks`, called at three points, in the order added:
@@ -43,8 +43,9 @@ class StepStats:
 
 @dataclass
 class StepResult:
-    """One step as it happened. `logits` [K, vocab] are the K sampling rows' as the model gave
-    them (before penalties, bias or grammar masks), row j belonging to batch row `rows[j]`."""
+    """One step as it happened. `logits` [K, vocab]: the K sampling rows', row j belonging to
+    batch row `rows[j]`; as the model gave them (before penalties, bias or grammar masks) where
+    some hook `reads_logits`, else possibly adjusted in place by the sampler."""
 
     batch: ScheduledBatch
     logits: torch.Tensor
@@ -97,15 +98,15 @@ class StepHooks:
         return hook in self._hooks
 
     def scheduled(self, engine: Engine, batch: ScheduledBatch) -> None:
-        for h in self._hooks:
+        for h in tuple(self._hooks):  # (a hook may remove itself)
             h.scheduled(engine, batch)
 
     def forwarded(self, engine: Engine, batch: ScheduledBatch) -> None:
-        for h in self._hooks:
+        for h in tuple(self._hooks):
             h.forwarded(engine, batch)
 
     def stepped(self, engine: Engine, result: StepResult) -> None:
-        for h in self._hooks:
+        for h in tuple(self._hooks):
             h.stepped(engine, result)
 
 
@@ -132,15 +133,14 @@ class ThreadWidthHook(StepHook):
 
 
 class StepClockHook(StepHook):
-    """What decode steps cost on this machine, by size (`StepCost`, speculative decoding's draft
-    length rule): each decode-only step's time, once something has drafted."""
-
-    def __init__(self, cost: StepCost) -> None:
-        self.cost = cost
+    """What decode steps cost on this machine, by size (the engine's `step_cost`, a `StepCost`:
+    speculative decoding's draft length rule): each decode-only step's time, once something has
+    drafted. (Read from the engine at each step: the table the drafts are judged by.)"""
 
     def stepped(self, engine: Engine, result: StepResult) -> None:
-        if not result.prompt_tokens and (result.batch.drafted or self.cost.times):
-            self.cost.observe(sum(result.batch.num_tokens), result.seconds)
+        cost: StepCost = engine.step_cost
+        if not result.prompt_tokens and (result.batch.drafted or cost.times):
+            cost.observe(sum(result.batch.num_tokens), result.seconds)
 
 
 class WindowRopeHook(StepHook):

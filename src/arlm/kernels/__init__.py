@@ -161,7 +161,7 @@ def use_profiling_build() -> None:
     anything uses the kernels."""
     rt = runtime()
     if rt.has_library(_LIBRARY) and not rt.profiling_kernels:
-        raise RuntimeError("the native kernels are already loaded without the per-pass timer: "
+        raise RuntimeError("the native kernels were already asked for without the per-pass timer: "
                            "select the profiling build before anything uses them")
     rt.profiling_kernels = True
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from ..cli_common import (UsageError, add_chat_template_arg, add_model_args, add_sampling_args, add_speculative_args, load_llm,
                           positive_int, sampling_params)
 from ..engine import Engine, EngineConfig
+from ..engine.block_pool import DEFAULT_BLOCK_SIZE
 from ..files import atomic_write_text
 from . import run_trace
 from .page import render_page
@@ -90,7 +91,8 @@ def add_trace(sub) -> None:
                    help="more prompts, one a line, generated together in one batch")
     p.add_argument("--paged", action="store_true",
                    help="run on a paged pool (blocks, as arlm serve) instead of arlm generate's contiguous cache")
-    p.add_argument("--block-size", type=positive_int, default=16, help="with --paged: tokens per block (default: 16)")
+    p.add_argument("--block-size", type=positive_int, default=DEFAULT_BLOCK_SIZE,
+                   help=f"with --paged: tokens per block (default: {DEFAULT_BLOCK_SIZE})")
     p.add_argument("--kv-cache-tokens", type=positive_int, default=None,
                    help="with --paged: the pool's size in tokens (default: what the prompts need, plus a quarter)")
     p.add_argument("--out", metavar="HTML", default=None, help="write a self-contained HTML page that steps through it")
