@@ -1,8 +1,8 @@
 """arlm: autoregressive transformer language models, trained in parallel, decoded with a KV cache.
 
-The names below load on first use (PEP 562): `import arlm` itself imports no torch, so the
-command line's help and usage errors answer at once, and `arlm` can set torch's allocator
-variables before torch loads (`prefer_huge_pages`).
+The names below load on first use (PEP 562): `import arlm` itself imports no torch and sets
+nothing, so a program (the `arlm` command first of all) can set torch's allocator variables
+before torch loads (`prefer_huge_pages`).
 """
 
 from __future__ import annotations
