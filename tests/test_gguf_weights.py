@@ -188,6 +188,7 @@ def test_loaded_blocks_are_the_files_bytes(smollm2_path, direct, smollm2):
     assert torch.equal(model.tok_emb(ids), emb[ids])
 
 
+@pytest.mark.slow  # every tensor of the model compared; the file's bytes are checked in the fast suite
 def test_the_quantized_load_changes_layout_not_values(smollm2, direct):
     # Bit for bit: the same tensors and the same logits as the float model quantized by
     # quantize(..., "auto") (the path before loading from blocks), on the same kernels.

@@ -184,6 +184,7 @@ def test_a_prompt_gets_its_tokens_alone_or_in_any_batch(fmt, block_size):
         assert run([p])[0] == tokens
 
 
+@pytest.mark.slow  # SmolLM2 decoded twice; the tiny models cover speculative exactness in the fast suite
 def test_speculative_decoding_over_a_quantized_cache_keeps_greedy_tokens():
     from arlm.engine.speculative import NgramDrafter, SpeculativeConfig
 

@@ -464,6 +464,7 @@ def test_smollm2_greedy_speculative_equals_plain(llm, monkeypatch):
     assert copy.stats.spec_tokens_per_pass > 2  # the copy task is where prompt lookup pays
 
 
+@pytest.mark.slow  # float32 SmolLM2 decoded twice
 def test_smollm2_float32_path_speculates_within_its_exact_rows(smollm2):
     """float32 matrices (--quantize none): above 4 rows a GEMM sums in its own order, so drafts
     stay within 4 tokens a step; there the output is still plain decoding's."""
