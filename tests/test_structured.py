@@ -249,3 +249,99 @@ def test_cli_flags(capfd):
         r = arlm("hi", *flags)
         assert r.returncode == 2 and word in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
         assert "Traceback" not in r.stderr and not r.stdout
+
+
+# -- limits: what one request's grammar may cost ----------------------------------------------------
+
+SELF_RECURSIVE = {"$defs": {"n": {"type": "object", "properties": {"next": {"$ref": "#/$defs/n"}},
+                                  "required": ["next"]}}, "$ref": "#/$defs/n"}
+# 3,000 optional properties: compiles (and its first mask is cheap), but the row after "{" holds
+# an Earley item per property, past llguidance's per-row limit: it stops while it runs.
+WIDE = {"type": "object", "properties": {f"p{i}": {"type": "string", "maxLength": 40} for i in range(3000)}}
+
+
+def test_grammars_past_their_limits_are_refused_with_the_reason(llm):
+    from arlm.structured import GrammarLimits, Grammars
+
+    g = Grammars(llm.tokenizer, llm.model.config.vocab_size, GrammarLimits(max_size=2000))
+    cases = ((StructuredOutput("json_schema", SELF_RECURSIVE), "too_complex"),  # forces itself forever
+             (StructuredOutput("json_schema", {**WIDE, "required": list(WIDE["properties"])}), "too_large"),
+             (StructuredOutput("regex", "(("), "invalid"))
+    for spec, reason in cases:
+        with pytest.raises(GrammarError) as e:
+            g.compile(spec)
+        assert e.value.reason == reason, (spec.kind, e.value)
+        assert "\n" not in str(e.value) and "<" not in str(e.value), str(e.value)  # one line, no markup
+    assert g.stats.rejected["too_complex"] == 1 and g.stats.rejected["too_large"] == 1
+    ok = StructuredOutput("json_schema", SCHEMAS["nested"])
+    first = g.compile(ok)
+    assert g.compile(ok) is first and g.stats.compiled == 1  # cached
+    a, b = first.matcher(), first.matcher()
+    assert a is not b and a.consume_token(llm.tokenizer.encode("{")[0]) and b.validate_tokens(
+        llm.tokenizer.encode("{")) == 1  # each request's own state
+
+
+def test_the_compiler_runs_off_the_caller_shares_a_spec_and_refuses_when_full(llm):
+    from concurrent.futures import wait
+
+    from arlm.structured import GrammarLimits, Grammars
+
+    g = Grammars(llm.tokenizer, llm.model.config.vocab_size, GrammarLimits(max_pending=2))
+    specs = [StructuredOutput("json_schema", {"type": "object", "properties": {f"k{i}_{j}": {"type": "integer"}
+                                                                                 for j in range(400)}})
+             for i in range(3)]
+    f0 = g.submit(specs[0])
+    assert g.submit(specs[0]) is f0  # one compilation for every request of a spec
+    f1 = g.submit(specs[1])
+    with pytest.raises(GrammarError) as e:
+        g.submit(specs[2])
+    assert e.value.reason == "busy" and g.stats.rejected["busy"] == 1
+    wait([f0, f1])
+    assert g.pending == 0 and f0.result().spec == specs[0]
+    assert g.submit(specs[0]).result() is f0.result()  # from the cache, at once
+    g.submit(specs[2]).result()
+
+
+def test_a_grammar_stopped_by_its_limits_fails_its_request_alone(llm):
+    """A request whose grammar hits llguidance's limits while it runs ends with a client error
+    (the HTTP edge's 400 or error event); the other rows of the step get their tokens."""
+    plain = SamplingParams(max_new_tokens=10, temperature=0.0)
+    a = _chat(llm, "Name three fruits.")
+    alone = llm.engine.generate([a], plain)[0]
+    for params in (SamplingParams(max_new_tokens=20, temperature=0.0, structured=StructuredOutput("json_schema", WIDE)),
+                   SamplingParams(max_new_tokens=20, temperature=1.0, top_p=0.9, seed=1,
+                                  structured=StructuredOutput("json_schema", WIDE))):
+        reqs = [llm.engine.add_request(a, plain), llm.engine.add_request(_chat(llm, "JSON please."), params),
+                llm.engine.add_request(a, plain)]
+        errors = {}
+        while llm.engine.has_unfinished():
+            for out in llm.engine.step():
+                if out.error is not None:
+                    errors[out.request_id] = out
+        assert list(errors) == [reqs[1].request_id], errors
+        out = errors[reqs[1].request_id]
+        assert out.client_error and "more work per token than its limits allow" in out.error, out.error
+        assert reqs[0].output_ids == alone and reqs[2].output_ids == alone
+
+
+def test_eager_masks_prefetched_beside_the_forward_pass_change_nothing(llm, monkeypatch):
+    """top-p rows are masked before their draw; their masks come from the mask thread, computed
+    during the forward pass. The tokens are those of masks computed after it."""
+    from arlm.engine import sampler
+
+    prompts = [_chat(llm, "Answer with JSON."), _chat(llm, "Describe a city as JSON.")]
+    params = [SamplingParams(max_new_tokens=60, temperature=1.0, top_p=0.9, seed=s,
+                             structured=StructuredOutput("json_schema", SCHEMAS[name]))
+              for s, name in enumerate(("nested", "array_of_objects"))]
+    started = []
+    start = sampler.PrefetchedMasks.start
+    monkeypatch.setattr(sampler.PrefetchedMasks, "start",
+                        classmethod(lambda cls, b, g: started.append(1) or start.__func__(cls, b, g)))
+    with_prefetch = llm.engine.generate(prompts, params)
+    assert started
+    monkeypatch.setattr(sampler.PrefetchedMasks, "start", classmethod(lambda cls, b, g: None))
+    assert llm.engine.generate(prompts, params) == with_prefetch
+    for ids, p in zip(with_prefetch, params):
+        text = llm.tokenizer.decode(ids)
+        if ids and ids[-1] in llm.tokenizer.eos_ids or text.endswith("}") or text.endswith("]"):
+            jsonschema.validate(json.loads(text.removesuffix("<|im_end|>")), p.structured.value)

@@ -26,7 +26,7 @@ from .model import Transformer
 from .quant import ACTIVATIONS, QuantizedLinear, prepare
 from .quant import quantize as quantize_model
 from .sampling import SamplingParams
-from .structured import Grammars
+from .structured import GrammarError, Grammars
 from .text import TextStreamer
 from .tokenizer import Tokenizer
 
@@ -192,7 +192,7 @@ class TextStream:
         try:
             for out in self._outputs():
                 if out.error is not None:
-                    raise RuntimeError(f"request {out.request_id}: {out.error}")
+                    raise (GrammarError if out.client_error else RuntimeError)(f"request {out.request_id}: {out.error}")
                 row = row_of[out.request_id]
                 req = self.requests[row]
                 if row in stopped:  # tokens a speculative step gave past the stop string

@@ -11,10 +11,10 @@ engine.py     Engine: schedule -> forward -> sample -> postprocess
 async_engine.py  the engine on its own thread, for asyncio (arlm serve)
 """
 
-from .async_engine import AsyncEngine, EngineDead
+from .async_engine import AsyncEngine, EngineDead, RequestFailed
 from .engine import Engine, EngineConfig, RequestOutput
 from .request import FinishReason, Request, RequestStatus
 from .runner import ModelRunner, decode_step, prefill
 
 __all__ = ["AsyncEngine", "Engine", "EngineConfig", "EngineDead", "FinishReason", "ModelRunner", "Request",
-           "RequestOutput", "RequestStatus", "decode_step", "prefill"]
+           "RequestFailed", "RequestOutput", "RequestStatus", "decode_step", "prefill"]

@@ -14,6 +14,7 @@ from collections import deque
 from typing import AsyncIterator
 
 from ..sampling import SamplingParams
+from ..structured import CompiledGrammar, StructuredOutput
 from .engine import Engine, RequestOutput
 from .request import FinishReason
 from .speculative import Drafter
@@ -23,6 +24,15 @@ log = logging.getLogger(__name__)
 
 class EngineDead(RuntimeError):
     pass
+
+
+class RequestFailed(RuntimeError):
+    """A request ended in an error of its own (the other requests went on). client_error: its
+    input caused it (a grammar past the server's limits): the edge answers with a 4xx."""
+
+    def __init__(self, message: str, client_error: bool = False) -> None:
+        super().__init__(message)
+        self.client_error = client_error
 
 
 class AsyncEngine:
@@ -35,8 +45,13 @@ class AsyncEngine:
     main thread, see `serve.cli`); `start` runs it on a background thread instead.
     """
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, stall_limit: float = 30.0) -> None:
         self.engine = engine
+        # /health's bound: seconds without a completed step while work waits (`stalled`)
+        self.stall_limit = stall_limit
+        self.started = time.monotonic()
+        self.last_step_end: float | None = None  # monotonic time the last step ended
+        self._progress = time.monotonic()  # the last step's end, or when work came to an idle loop
         self._inbox: deque[tuple] = deque()
         self._wake = threading.Event()
         self._queues: dict[str, asyncio.Queue] = {}
@@ -71,19 +86,43 @@ class AsyncEngine:
     def num_running(self) -> int:
         return len(self.engine.scheduler.running)
 
+    @property
+    def stalled(self) -> float:
+        """Seconds the engine has had work without completing a step (0 while it has none): a
+        wedged engine, or a step that never ends, is not one that can serve."""
+        if not (self.num_running or self.num_waiting):
+            return 0.0
+        return time.monotonic() - self._progress
+
     def new_request_id(self, prefix: str) -> str:
         self._next_id += 1
         return f"{prefix}-{self._next_id}"
 
+    async def compile(self, spec: StructuredOutput) -> CompiledGrammar:
+        """The spec's grammar, compiled on the grammar compiler's thread (never this loop's nor
+        the engine's), or GrammarError: the compiler's reason, or its time limit passed."""
+        grammars = self.engine.grammars
+        if grammars is None:
+            raise ValueError("structured outputs need the tokenizer's grammar engine (Engine.grammars)")
+        future = grammars.submit(spec)
+        try:
+            # (shielded: the compilation is shared by every request of the same spec)
+            return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), grammars.limits.timeout)
+        except TimeoutError:
+            raise grammars.timed_out(spec) from None
+
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                        arrival_time: float | None = None, drafter: Drafter | None = None) -> AsyncIterator[RequestOutput]:
-        """Yield the request's tokens as they come; leaving early aborts it and frees its blocks."""
+        """Yield the request's tokens as they come; leaving early aborts it and frees its blocks.
+        A request with a grammar waits here for its compilation, outside the engine's batch."""
         if self.dead:
             raise EngineDead(self.dead)
         self.engine.check_request(prompt_ids, params)
+        arrival_time = arrival_time or time.monotonic()
+        grammar = await self.compile(params.structured) if params.structured is not None else None
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
-        self._post(("add", request_id, prompt_ids, params, arrival_time or time.monotonic(), drafter))
+        self._post(("add", request_id, prompt_ids, params, arrival_time, drafter, grammar))
         finished = False
         try:
             while True:
@@ -113,7 +152,7 @@ class AsyncEngine:
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
-            self._deliver(out.request_id, out if out.error is None else RuntimeError(out.error))
+            self._deliver(out.request_id, out if out.error is None else RequestFailed(out.error, out.client_error))
 
     def run(self) -> None:
         """The engine loop: add and abort requests, step while there is work, sleep otherwise.
@@ -137,13 +176,14 @@ class AsyncEngine:
                     engine.abort(request_id, rest[0])
                     continue
                 try:
-                    prompt_ids, params, arrival_time, drafter = rest
-                    engine.add_request(prompt_ids, params, request_id, arrival_time, drafter=drafter)
+                    prompt_ids, params, arrival_time, drafter, grammar = rest
+                    engine.add_request(prompt_ids, params, request_id, arrival_time, drafter=drafter, grammar=grammar)
                 except ValueError as e:  # checked before; only a race could get here
                     self._loop.call_soon_threadsafe(self._deliver, request_id, e)
             if not engine.has_unfinished():
                 self._wake.wait()
                 self._wake.clear()
+                self._progress = time.monotonic()
                 continue
             try:
                 outputs = engine.step()
@@ -158,5 +198,6 @@ class AsyncEngine:
                     self._loop.call_soon_threadsafe(self._deliver, request_id,
                                                     RuntimeError(f"engine error: {type(e).__name__}"))
                 continue
+            self.last_step_end = self._progress = time.monotonic()
             if outputs:
                 self._loop.call_soon_threadsafe(self._dispatch, outputs)

@@ -28,12 +28,13 @@ from ..model import Transformer
 from ..runtime import Runtime
 from ..runtime import runtime as default_runtime
 from ..sampling import SamplingParams, top_logprobs
+from ..structured import GrammarError
 from .block_pool import DEFAULT_BLOCK_SIZE
 from .hooks import (StepClockHook, StepHooks, StepResult, StepStats, StepStatsHook, ThreadWidthHook,
                     WindowRopeHook)
 from .request import FinishReason, Request, RequestOutput, RequestStatus
 from .runner import ModelRunner
-from .sampler import sample_step
+from .sampler import PrefetchedMasks, sample_step
 from .scheduler import ScheduledBatch, Scheduler
 from .speculative import Drafter, SpecRates, SpecState, StepCost, propose_drafts
 
@@ -191,14 +192,16 @@ class Engine:
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
                     arrival_time: float | None = None, context_shift: bool = False,
-                    prompt_logits: bool = False, drafter: Drafter | None = None) -> Request:
+                    prompt_logits: bool = False, drafter: Drafter | None = None, grammar=None) -> Request:
         """Queue a request; it runs from the next `step`. context_shift: at a full context window
         it goes on from the window's last half instead of finishing with CONTEXT. prompt_logits:
         keep the float32 logits of every prompt position in `request.prompt_logits` [P, vocab]
         (whole once it has sampled its first token); the prompt is then computed in full, never
         taken from the prefix cache. drafter: decode it speculatively with this drafter
         (engine/speculative/); its tokens are those plain decoding gives (greedy: the same
-        tokens; sampled: the same distribution)."""
+        tokens; sampled: the same distribution). grammar: params.structured compiled already
+        (`Grammars.submit`, off this thread: a server's requests wait for their grammar there,
+        never in a step); without it the grammar is compiled here."""
         self.check_request(prompt_ids, params)
         if request_id is None:
             self._next_id += 1
@@ -217,7 +220,8 @@ class Engine:
         if params.structured is not None:
             if self.grammars is None:
                 raise ValueError("structured outputs need the tokenizer's grammar engine (Engine.grammars)")
-            req.matcher = self.grammars.matcher(params.structured)  # (GrammarError: a ValueError)
+            compiled = grammar if grammar is not None else self.grammars.compile(params.structured)
+            req.matcher = compiled.matcher()  # (GrammarError, a ValueError, if it cannot be enforced)
         if drafter is not None and (params.prompt_logprobs is not None or params.adjusts_logits):
             # the acceptance test does not see the per-token adjustments (penalties, bias,
             # min_tokens), and prompt logprobs keep the prompt's logits: such requests decode
@@ -278,10 +282,12 @@ class Engine:
         if not batch:
             return []
         self.hooks.scheduled(self, batch)
+        # the eager grammar rows' masks, on the grammar engine's thread while the forward pass runs
+        masks = PrefetchedMasks.start(batch, self.grammars) if self.grammars is not None else None
         with torch.inference_mode():
             logits, rows = self.runner.execute(self.cache, batch, by_rows=self.config.contiguous)
             self.hooks.forwarded(self, batch)
-            sampled, failed = sample_step(logits, rows, batch, self.grammars, self.hooks.reads_logits)
+            sampled, failed = sample_step(logits, rows, batch, self.grammars, self.hooks.reads_logits, masks)
         outputs = self._postprocess(batch, sampled, failed)
         self.hooks.stepped(self, StepResult(batch, logits, rows, sampled, outputs, time.perf_counter() - start))
         return outputs
@@ -345,8 +351,13 @@ class Engine:
                 self._release(req)
         for i, e in failed.items():  # (update took them for mid-prompt chunks: they are dropped now)
             req = batch.seqs[i]
-            log.error("sampling failed for request %s: %s: %s", req.request_id, type(e).__name__, e)
             self.abort(req.request_id)
+            if isinstance(e, GrammarError):  # the request's own input (a grammar past its limits): the client's error
+                log.info("request %s failed: %s", req.request_id, e)
+                outputs.append(RequestOutput(req.request_id, -1, req.num_output_tokens, FinishReason.ABORT,
+                                             error=str(e), client_error=True))
+                continue
+            log.error("sampling failed for request %s: %s: %s", req.request_id, type(e).__name__, e)
             outputs.append(RequestOutput(req.request_id, -1, req.num_output_tokens, FinishReason.ABORT,
                                          error=f"sampling failed: {type(e).__name__}: {e}"))
         return outputs
@@ -363,13 +374,13 @@ class Engine:
 
     def run_to_end(self, reqs: list[Request]) -> None:
         """Step until every request of `reqs` (added by the caller) is finished: RuntimeError on
-        a request's error; each of them aborted on the way out, so an error or an interrupt
+        a request's error (GrammarError where its input caused it); each of them aborted on the way out, so an error or an interrupt
         leaves no blocks held (`abort` passes over the finished ones)."""
         try:
             while any(not r.finished for r in reqs):
                 for out in self.step():
                     if out.error is not None:
-                        raise RuntimeError(f"request {out.request_id}: {out.error}")
+                        raise (GrammarError if out.client_error else RuntimeError)(f"request {out.request_id}: {out.error}")
         finally:
             for r in reqs:
                 self.abort(r.request_id)

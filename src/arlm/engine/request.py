@@ -173,6 +173,7 @@ class RequestOutput:
     num_output_tokens: int
     finish_reason: FinishReason | None = None
     error: str | None = None  # the request failed (token_id is -1): why
+    client_error: bool = False  # ... because of its own input (a grammar past the server's limits): a 4xx
     # SamplingParams.logprobs: this token's log-probability and the top ones [(id, log-probability)]
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None

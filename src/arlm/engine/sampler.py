@@ -22,23 +22,58 @@ import torch
 
 from .. import kernels
 from ..sampling import adjust_logits, sample_rows, top_logprobs
+from ..structured import matcher_error, refused
 from .request import Request
 from .scheduler import ScheduledBatch
 from .speculative import verify
 
 
+class PrefetchedMasks:
+    """The grammar masks of a step's eager rows (`eager`), computed on the grammar engine's mask
+    thread while the forward pass runs (`Grammars.prefetch`): by the time the logits exist, the
+    masks mostly do too, and a costly grammar no longer adds its masks to the step's time."""
+
+    def __init__(self, reqs: list[Request], grammars) -> None:
+        self.index = {id(r): j for j, r in enumerate(reqs)}
+        self.future = grammars.prefetch([r.matcher for r in reqs])
+
+    @classmethod
+    def start(cls, batch: ScheduledBatch, grammars) -> "PrefetchedMasks | None":
+        """For the rows of `batch` that will sample a token under a grammar, eagerly, with no
+        draft; None if there are none."""
+        reqs = [r for i, r in enumerate(batch.seqs)
+                if r.matcher is not None and not batch.drafts[i] and eager(r) and batch.samples(i)]
+        return cls(reqs, grammars) if reqs else None
+
+    def bits(self, reqs: list[Request]) -> torch.Tensor | None:
+        """The masks of `reqs` (waiting for them), or None if some were not prefetched."""
+        at = [self.index.get(id(r)) for r in reqs]
+        if None in at:
+            return None
+        bits = self.future.result()
+        return bits if at == list(range(bits.shape[0])) else bits[torch.tensor(at)]
+
+
+def eager(req: Request) -> bool:
+    """Whether a grammar row is masked before its draw: unless the draw commutes with the mask
+    (greedy, or temperature alone), when it is masked only if the grammar refuses the draw."""
+    return not (req.params.greedy or req.params.unfiltered)
+
+
 def sample_step(logits: torch.Tensor, rows: list[int], batch: ScheduledBatch, grammars,
-                keep_raw: bool = False) -> tuple[dict[int, list[int]], dict[int, Exception]]:
+                keep_raw: bool = False, prefetched: PrefetchedMasks | None = None
+                ) -> tuple[dict[int, list[int]], dict[int, Exception]]:
     """The tokens of each sampling row as {batch row: token ids} (logits [len(rows), V]; a row
     that verifies a draft has its k + 1 logits rows in a run and gets the tokens
     `speculative.verify` keeps, any other one token), and the rows whose sampling raised, with
     the error. grammars: the engine's `arlm.structured.Grammars` (None where no request has a
-    grammar). keep_raw: leave `logits` as they are (a hook reads them after the step)."""
+    grammar). keep_raw: leave `logits` as they are (a hook reads them after the step).
+    prefetched: the eager grammar rows' masks, computed during the forward pass."""
     if not rows:
         return {}, {}
     plain = [j for j, i in enumerate(rows) if not batch.drafts[i]]
     verifying = [j for j, i in enumerate(rows) if batch.drafts[i]]
-    sampled, failed = sample_plain(logits, [rows[j] for j in plain], batch, plain, grammars, keep_raw)
+    sampled, failed = sample_plain(logits, [rows[j] for j in plain], batch, plain, grammars, keep_raw, prefetched)
     if verifying:
         more, more_failed = sample_drafts(logits, [rows[j] for j in verifying], batch, verifying, grammars)
         sampled.update(more)
@@ -47,7 +82,8 @@ def sample_step(logits: torch.Tensor, rows: list[int], batch: ScheduledBatch, gr
 
 
 def sample_plain(logits: torch.Tensor, rows: list[int], batch: ScheduledBatch, at: list[int], grammars,
-                 keep_raw: bool = False) -> tuple[dict[int, list[int]], dict[int, Exception]]:
+                 keep_raw: bool = False, prefetched: PrefetchedMasks | None = None
+                 ) -> tuple[dict[int, list[int]], dict[int, Exception]]:
     """One token for each of `rows` (batch rows), from logits rows `at`.
 
     All rows are drawn in one `sample_rows`; if that raises, each row is drawn alone, so that a
@@ -67,8 +103,8 @@ def sample_plain(logits: torch.Tensor, rows: list[int], batch: ScheduledBatch, a
     # argmax, or the masked distribution exactly (rejection sampling: P(t) = p(t) / p(A)).
     # llama.cpp's sampler does the same; most tokens of a model that follows its format
     # then cost a validation (~microseconds) instead of a mask (~0.1 ms a row).
-    lazy = [j for j in guided if reqs[j].params.greedy or reqs[j].params.unfiltered]
-    eager = [j for j in guided if j not in lazy]
+    lazy = [j for j in guided if not eager(reqs[j])]
+    masked = [j for j in guided if j not in lazy]
     if guided or any(r.params.adjusts_logits for r in reqs):
         # changed in place; a copy where the raw logits are still read (logprobs, a hook)
         logits = logits.float()
@@ -77,27 +113,31 @@ def sample_plain(logits: torch.Tensor, rows: list[int], batch: ScheduledBatch, a
         for j, r in enumerate(reqs):
             if r.params.adjusts_logits:
                 logits[j] = adjust_logits(logits[j], r.params, r.output_counts, r.num_output_tokens, r.end_ids)
-        if eager:
-            mask_grammar(logits, [reqs[j] for j in eager], eager, grammars)
+    broken: dict[int, Exception] = {}  # (logits row: a grammar that hit its limits computing the mask)
     try:
+        if masked:
+            broken = mask_grammar(logits, [reqs[j] for j in masked], masked, grammars, prefetched)
         next_ids = sample_rows(logits, [r.params for r in reqs], [r.generator for r in reqs],
                                seen_masks(reqs)).tolist()  # the step's one host sync
         if lazy:
-            redraw_refused(logits, reqs, lazy, next_ids, grammars)
+            broken.update(redraw_refused(logits, reqs, lazy, next_ids, grammars))
         keep_logprobs(raw, reqs, next_ids)
-        failed = advance_grammars(reqs, next_ids, rows)
+        ok = [j for j in range(len(reqs)) if j not in broken]
+        failed = {rows[j]: e for j, e in broken.items()}
+        failed.update(advance_grammars([reqs[j] for j in ok], [next_ids[j] for j in ok], [rows[j] for j in ok]))
         return {i: [t] for i, t in zip(rows, next_ids) if i not in failed}, failed
     except Exception:  # noqa: BLE001 - narrowed down to rows below
         pass
     sampled, failed = {}, {}
     for j, (i, r) in enumerate(zip(rows, reqs)):
         try:
-            if j in lazy:
-                mask_grammar(logits, [r], [j], grammars)
+            if j in lazy or j in masked:
+                for e in mask_grammar(logits, [r], [j], grammars, prefetched).values():
+                    raise e
             sampled[i] = [sample_rows(logits[j:j + 1], [r.params], [r.generator], seen_masks([r])).item()]
             keep_logprobs(raw[j:j + 1], [r], sampled[i])
-            if advance_grammars([r], sampled[i], [i]):
-                raise ValueError(f"token {sampled[i][0]} breaks the grammar: {r.matcher.get_error()}")
+            for e in advance_grammars([r], sampled[i], [i]).values():
+                raise e
         except Exception as e:  # noqa: BLE001 - this request fails, the others go on
             failed[i] = e
     return sampled, failed
@@ -155,30 +195,39 @@ def sample_drafts(logits: torch.Tensor, rows: list[int], batch: ScheduledBatch, 
 
 
 def redraw_refused(logits: torch.Tensor, reqs: list[Request], lazy: list[int], tokens: list[int],
-                   grammars) -> None:
+                   grammars) -> dict[int, Exception]:
     """The lazy rows whose token their grammar refuses: masked, and drawn again (in place in
-    `tokens`)."""
+    `tokens`); the rows whose grammar hit its limits on the way, with the error."""
     redo = [j for j in lazy if not grammars.takes(reqs[j].matcher, tokens[j])]
+    broken = {}
     if redo:
-        mask_grammar(logits, [reqs[j] for j in redo], redo, grammars)
+        broken = mask_grammar(logits, [reqs[j] for j in redo], redo, grammars)
         again = sample_rows(logits[torch.tensor(redo, device=logits.device)], [reqs[j].params for j in redo],
                             [reqs[j].generator for j in redo], seen_masks([reqs[j] for j in redo])).tolist()
         for j, t in zip(redo, again):
             tokens[j] = t
+    return broken
 
 
-def mask_grammar(logits: torch.Tensor, reqs: list[Request], at: list[int], grammars) -> None:
-    """In place: -inf in logits rows `at` for the tokens each request's grammar refuses next."""
-    kernels.mask_rows(logits, torch.tensor(at), grammars.bitmask([r.matcher for r in reqs]))
+def mask_grammar(logits: torch.Tensor, reqs: list[Request], at: list[int], grammars,
+                 prefetched: PrefetchedMasks | None = None) -> dict[int, Exception]:
+    """In place: -inf in logits rows `at` for the tokens each request's grammar refuses next
+    (the masks prefetched where they were). The rows (of `at`) whose grammar stopped in an
+    error computing it (its step budget spent: `GrammarLimits`), with the error."""
+    matchers = [r.matcher for r in reqs]
+    bits = prefetched.bits(reqs) if prefetched is not None else None
+    kernels.mask_rows(logits, torch.tensor(at), bits if bits is not None else grammars.bitmask(matchers))
+    return {j: matcher_error(m) for j, m in zip(at, matchers) if m.is_error()}
 
 
 def advance_grammars(reqs: list[Request], tokens: list[int], rows: list[int]) -> dict[int, Exception]:
     """Feed each sampled token to its request's grammar matcher; the rows whose token the
-    grammar refused (it cannot happen with the mask applied) as failures."""
+    grammar refused as failures: a GrammarError where the grammar hit its limits (the request's
+    input, a client's error), else a RuntimeError (with the mask applied, a bug)."""
     failed = {}
     for r, tok, i in zip(reqs, tokens, rows):
         if r.matcher is not None and tok not in r.eos_ids and not r.matcher.consume_token(tok):
-            failed[i] = RuntimeError(f"token {tok} breaks the grammar: {r.matcher.get_error()}")
+            failed[i] = refused(r.matcher, tok)
     return failed
 
 

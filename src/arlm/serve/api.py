@@ -28,7 +28,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Res
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..engine import AsyncEngine, EngineDead, FinishReason
+from ..engine import AsyncEngine, EngineDead, FinishReason, RequestFailed
 from ..llm import LLM, PromptError
 from ..sampling import MAX_LOGPROBS, SamplingParams
 from ..structured import GrammarError, StructuredOutput
@@ -201,6 +201,9 @@ class Server:
         self.http_requests: dict[tuple[str, int], int] = {}
         self.time_to_first_token = metrics.Histogram()
         engine.engine.stats.on_first_token = self.time_to_first_token.observe
+        self.grammar_compile = metrics.Histogram(metrics.COMPILE_BUCKETS)
+        if engine.engine.grammars is not None:
+            engine.engine.grammars.stats.on_compile = self.grammar_compile.observe
 
     # -- parsing and validation -------------------------------------------------------------------
 
@@ -299,9 +302,9 @@ class Server:
             param = "max_tokens" if name == "max_new_tokens" else name if name in _SamplingRequest.model_fields else None
             raise APIError(400, str(e), param=param, code="invalid_value") from None
 
-    def structured(self, req: _SamplingRequest) -> StructuredOutput | None:
+    async def structured(self, req: _SamplingRequest) -> tuple[str, StructuredOutput] | None:
         """The request's structured output (response_format, guided_*, structured_outputs: at
-        most one), checked by the grammar engine: 400 with its reason if it cannot be enforced."""
+        most one) and the field that asked for it, compiled (`grammar`)."""
         specs: list[tuple[str, StructuredOutput]] = []
         try:
             rf = req.response_format
@@ -349,11 +352,17 @@ class Server:
             raise APIError(400, f"one structured output at a time, got {', '.join(n for n, _ in specs)}",
                            param=specs[1][0], code="invalid_value")
         name, spec = specs[0]
+        await self.grammar(name, spec)
+        return name, spec
+
+    async def grammar(self, name: str, spec: StructuredOutput) -> None:
+        """Compile the spec off the event loop and the engine (`AsyncEngine.compile`): a 400
+        naming the field with the compiler's reason if it cannot be enforced within the limits
+        (`--grammar-timeout`, `--grammar-max-size`), a 503 while the compiler is full."""
         try:
-            self.engine.engine.grammars.check(spec)
+            await self.engine.compile(spec)
         except GrammarError as e:
-            raise APIError(400, f"{name}: {e}", param=name, code="invalid_value") from None
-        return spec
+            raise grammar_error(name, e) from None
 
     @property
     def tool_format(self) -> tools_mod.GenericFormat | tools_mod.HermesFormat:
@@ -484,6 +493,30 @@ class Logprobs:
         return [{**one(tid, lp), "top_logprobs": [one(i, v) for i, v in top]} for tid, lp, top in entries]
 
 
+# A grammar's refusal (structured.REASONS) as the error's code.
+GRAMMAR_CODES = {"invalid": "invalid_value", "too_large": "grammar_too_large", "too_complex": "grammar_too_complex",
+                 "timeout": "grammar_timeout", "busy": "server_busy"}
+
+
+def grammar_error(name: str, e: GrammarError) -> APIError:
+    """The API's error for a grammar refused (or stopped) by its limits: 400 naming the field
+    that asked for it; 503 when the compiler is busy (the server's state, not the request's)."""
+    if e.reason == "busy":
+        return APIError(503, str(e), code="server_busy", type_="server_error")
+    return APIError(400, f"{name}: {e}", param=name, code=GRAMMAR_CODES.get(e.reason, "invalid_value"))
+
+
+def stream_error(e: Exception, field: str | None) -> dict:
+    """A started stream's error event, as OpenAI's error body: the client's (its grammar stopped
+    by its limits, naming the field) or the server's."""
+    if isinstance(e, RequestFailed) and e.client_error:
+        log.info("stream stopped: %s", e)
+        return {"error": {"message": f"{field}: {e}" if field else str(e), "type": "invalid_request_error",
+                          "param": field, "code": "grammar_too_complex"}}
+    log.warning("stream failed: %s", e)
+    return {"error": {"message": str(e), "type": "server_error", "param": None, "code": "internal_error"}}
+
+
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
@@ -557,13 +590,20 @@ def create_app(server: Server, engine_thread: bool = True) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        if server.engine.dead:
-            return error_response(503, f"engine stopped: {server.engine.dead}", type_="server_error")
+        engine = server.engine
+        if engine.dead:
+            return error_response(503, f"engine stopped: {engine.dead}", type_="server_error")
+        stalled = engine.stalled
+        if stalled > engine.stall_limit:
+            return error_response(503, f"the engine has not completed a step in {stalled:.0f} s with "
+                                       f"{engine.num_running + engine.num_waiting} request(s) to serve",
+                                  type_="server_error", code="engine_stalled")
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
     async def get_metrics() -> Response:
-        return PlainTextResponse(metrics.render(server.engine, server.http_requests, server.time_to_first_token),
+        return PlainTextResponse(metrics.render(server.engine, server.http_requests, server.time_to_first_token,
+                                                server.grammar_compile),
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 
     if server.live is not None:  # arlm serve --trace: the engine followed live
@@ -655,7 +695,8 @@ def create_app(server: Server, engine_thread: bool = True) -> FastAPI:
         if any(not p or min(p) < 0 or max(p) >= vocab for p in prompts):
             raise APIError(400, f"prompt: token ids must be in 0..{vocab - 1} and non-empty", param="prompt",
                            code="invalid_value")
-        structured = server.structured(req)
+        structured = await server.structured(req)
+        field, structured = structured or (None, None)
         jobs, echo = [], []
         for p, ids in zip(prompt, prompts):
             # max_tokens 0 (with echo): one token is generated, and dropped
@@ -667,7 +708,7 @@ def create_app(server: Server, engine_thread: bool = True) -> FastAPI:
             jobs += new
             echo += [p if isinstance(p, str) else server.llm.tokenizer.decode(ids)] * len(new)
         return await respond(request, req, jobs, sum(map(len, prompts)), chat=False,
-                             echo=echo if req.echo else None, zero=req.max_tokens == 0)
+                             echo=echo if req.echo else None, zero=req.max_tokens == 0, field=field)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -695,28 +736,29 @@ def create_app(server: Server, engine_thread: bool = True) -> FastAPI:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
         if req.logprobs:
             params = dataclasses.replace(params, logprobs=req.top_logprobs or 0)
-        structured = server.structured(req)
+        structured = await server.structured(req)
+        field, structured = structured or (None, None)
         if use_tools:
             if structured is not None:
                 raise APIError(400, "tools and a structured output (response_format, guided_*) at once",
                                param="response_format", code="invalid_value")
-            structured = server.tool_format.constraint(functions, choice, parallel)
-            try:
-                server.engine.engine.grammars.check(structured)
-            except GrammarError as e:
-                raise APIError(400, f"tools: {e}", param="tools", code="invalid_value") from None
+            field, structured = "tools", server.tool_format.constraint(functions, choice, parallel)
+            await server.grammar(field, structured)
         params = dataclasses.replace(params, structured=structured)
         return await respond(request, req, server.jobs(0, ids, params, req.n), len(ids), chat=True,
-                             tools=server.tool_format if use_tools else None)
+                             tools=server.tool_format if use_tools else None, field=field)
 
     async def respond(request: Request, req: _SamplingRequest, jobs: list, prompt_tokens: int,
                       chat: bool, echo: list[str] | None = None, zero: bool = False,
-                      tools: tools_mod.GenericFormat | tools_mod.HermesFormat | None = None) -> Response:
+                      tools: tools_mod.GenericFormat | tools_mod.HermesFormat | None = None,
+                      field: str | None = None) -> Response:
         """Run the jobs (one per choice) and answer in OpenAI's format: a completion or a chat
         completion, streamed as server-sent events or as one JSON body. echo: each choice's
         prompt text, written before its completion (with its tokens' logprobs where asked);
         zero: max_tokens 0, the one token generated is dropped. tools: the tool format whose
-        constrained calls or reply each chat reply is (serve/tools.py), answered once whole."""
+        constrained calls or reply each chat reply is (serve/tools.py), answered once whole.
+        field: the request's field whose grammar the choices follow (a request that its grammar
+        stops is the client's error, named by it: a 400, or an error event once streaming)."""
         rid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
         fmt = Logprobs(server.llm.tokenizer)
         want_logprobs = bool(req.logprobs) if chat else req.logprobs is not None
@@ -767,9 +809,7 @@ def create_app(server: Server, engine_thread: bool = True) -> FastAPI:
                     if include_usage:
                         yield _sse(body(obj, [], _usage(prompt_tokens, sum(counts))))
                 except Exception as e:  # noqa: BLE001 - the stream has started: report in-band
-                    log.warning("stream failed: %s", e)
-                    yield _sse({"error": {"message": str(e), "type": "server_error", "param": None,
-                                          "code": "internal_error"}})
+                    yield _sse(stream_error(e, field))
                 yield "data: [DONE]\n\n"
 
             async def events() -> AsyncIterator[str]:
@@ -806,9 +846,7 @@ def create_app(server: Server, engine_thread: bool = True) -> FastAPI:
                     if include_usage:
                         yield _sse(body(obj, [], _usage(prompt_tokens, sum(counts))))
                 except Exception as e:  # noqa: BLE001 - the stream has started: report in-band
-                    log.warning("stream failed: %s", e)
-                    yield _sse({"error": {"message": str(e), "type": "server_error", "param": None,
-                                          "code": "internal_error"}})
+                    yield _sse(stream_error(e, field))
                 yield "data: [DONE]\n\n"
 
             return StreamingResponse(tool_events() if tools else events(), media_type="text/event-stream")
@@ -853,7 +891,13 @@ def create_app(server: Server, engine_thread: bool = True) -> FastAPI:
                                     "finish_reason": r})
             return body("chat.completion" if chat else "text_completion", choices, _usage(prompt_tokens, sum(counts)))
 
-        result = await _unless_disconnected(request, collect())
+        try:
+            result = await _unless_disconnected(request, collect())
+        except RequestFailed as e:
+            if e.client_error:
+                raise APIError(400, f"{field}: {e}" if field else str(e), param=field,
+                               code="grammar_too_complex") from None
+            raise
         return JSONResponse(result) if result is not None else Response(status_code=499)
 
     return app

@@ -55,6 +55,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .. import kernels
     from ..engine import AsyncEngine, Engine, EngineConfig
     from ..kv_cache import check_pool_fits, kv_dtype_name
+    from ..structured import GrammarLimits
     from ..trace.live import LiveTrace
 
     try:
@@ -66,9 +67,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
                          f"needs at least 1MiB ({MIN_KV_CACHE_MEMORY} bytes)")
     if not 0 <= args.port <= 65535:
         raise UsageError(f"arlm serve: error: --port must be in 0..65535 (0: any free port), got {args.port}")
-    for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_body_bytes"):
+    for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_body_bytes", "grammar_max_size"):
         if getattr(args, name) < 1:
             raise UsageError(f"arlm serve: error: --{name.replace('_', '-')} must be positive")
+    for name in ("grammar_timeout", "health_step_timeout"):
+        if not getattr(args, name) > 0:  # (also NaN)
+            raise UsageError(f"arlm serve: error: --{name.replace('_', '-')} must be a positive number of seconds")
     if args.kv_cache_tokens is not None and args.kv_cache_tokens < 1:
         raise UsageError("arlm serve: error: --kv-cache-tokens must be positive")
     check_device(args.device)
@@ -106,7 +110,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config.kv_dtype = llm.kv_dtype  # --kv-dtype, resolved as for generate (auto: float16 where the native stack runs)
     try:  # the pool's minimum (two blocks) and whether it fits, now that the model's shapes are known
         engine = Engine(llm.runner, llm.tokenizer.eos_ids, config)
-        engine.grammars = llm.grammars  # (structured outputs: response_format, guided_*)
+        engine.grammars = llm.grammars  # (structured outputs: response_format, guided_*, tools)
+        llm.grammars.limits = GrammarLimits(timeout=args.grammar_timeout, max_size=args.grammar_max_size)
     except ValueError as e:
         flag = (f"--kv-cache-tokens {args.kv_cache_tokens}" if args.kv_cache_tokens is not None
                 else f"--kv-cache-memory {args.kv_cache_memory}")
@@ -115,7 +120,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     live = None
     if args.trace:
         live = engine.hooks.add(LiveTrace(engine))
-    server = Server(llm, AsyncEngine(engine), name, api_key=api_key, max_body_bytes=args.max_body_bytes, live=live)
+    server = Server(llm, AsyncEngine(engine, stall_limit=args.health_step_timeout), name, api_key=api_key, max_body_bytes=args.max_body_bytes, live=live)
     http = uvicorn.Server(uvicorn.Config(create_app(server, engine_thread=False), log_level=args.log_level,
                                          access_log=args.log_level == "debug", timeout_graceful_shutdown=5))
     # The engine loop keeps the main thread, which loaded the model, and owns the signals; HTTP
@@ -167,6 +172,19 @@ def add_serve(sub) -> None:
                    help="tokens per forward pass: decodes plus prompt chunks (default: 512)")
     p.add_argument("--no-prefix-caching", action="store_true", help="do not share KV blocks of common prompt prefixes")
     p.add_argument("--max-body-bytes", type=int, default=2 << 20, help="largest request body accepted (default: 2 MiB)")
+    from ..structured import GrammarLimits  # (imports torch: as `arlm --help` does already, cli_common's doc)
+
+    limits = GrammarLimits()
+    p.add_argument("--grammar-timeout", type=float, default=limits.timeout,
+                   help="seconds a request's grammar (response_format, guided_*, tools) may take to compile, off "
+                        "the engine's step; past it the request gets a 400 naming the field (default: "
+                        f"{limits.timeout:g})")
+    p.add_argument("--grammar-max-size", type=int, default=limits.max_size,
+                   help="symbols a request's grammar may have once compiled (llguidance's max_grammar_size); a "
+                        f"larger one gets a 400 naming the field (default: {limits.max_size})")
+    p.add_argument("--health-step-timeout", type=float, default=30.0,
+                   help="seconds the engine may go without completing a step while requests wait before /health "
+                        "answers 503 (a wedged engine is not healthy; default: 30)")
     p.add_argument("--trace", action="store_true",
                    help="follow the engine live at /trace (a page; /trace/events: server-sent events): requests, "
                         "their KV blocks, prefix-cache hits, each step's batch, tokens/s (default: off)")

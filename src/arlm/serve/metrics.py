@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import time
+
 from ..engine import AsyncEngine
 from ..kv_cache import kv_dtype_name
 
 # Prometheus' histogram buckets for the time to first token, in seconds.
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# ... and for a grammar's compilation.
+COMPILE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
 class Histogram:
@@ -43,7 +47,8 @@ def _histogram(out: list[str], name: str, help_: str, h: Histogram) -> None:
             _line(f"{name}_count", h.count)]
 
 
-def render(engine: AsyncEngine, http_requests: dict[tuple[str, int], int], time_to_first_token: Histogram) -> str:
+def render(engine: AsyncEngine, http_requests: dict[tuple[str, int], int], time_to_first_token: Histogram,
+           grammar_compile: Histogram | None = None) -> str:
     """All metrics as one text page. Read from the event loop while the engine thread runs:
     each number is read once, so a page may mix two consecutive steps, never torn values."""
     e = engine.engine
@@ -109,4 +114,24 @@ def render(engine: AsyncEngine, http_requests: dict[tuple[str, int], int], time_
             [(round(stats.spec_tokens_per_pass, 6), None)])
     _histogram(out, "arlm_time_to_first_token_seconds", "Time from arrival to the first generated token.",
                time_to_first_token)
+    now = time.monotonic()
+    _metric(out, "arlm_engine_last_step_age_seconds", "gauge",
+            "Seconds since the engine last completed a step (since it started, before its first).",
+            [(round(now - (engine.last_step_end or engine.started), 3), None)])
+    _metric(out, "arlm_engine_stalled_seconds", "gauge", "Seconds the engine has had requests to serve without "
+            "completing a step (0 while it keeps up; /health answers 503 past --health-step-timeout).",
+            [(round(engine.stalled, 3), None)])
+    grammars = e.grammars
+    if grammars is not None:
+        _metric(out, "arlm_grammar_compiling", "gauge", "Grammars being compiled or queued for the compiler.",
+                [(grammars.pending, None)])
+        _metric(out, "arlm_grammar_compiled_total", "counter", "Grammars compiled (a spec seen recently is reused).",
+                [(grammars.stats.compiled, None)])
+        _metric(out, "arlm_grammar_rejected_total", "counter",
+                "Grammars refused, by reason: invalid, too_large (--grammar-max-size), too_complex (a step's "
+                "budget), timeout (--grammar-timeout), busy (the compiler's queue full).",
+                [(n, {"reason": r}) for r, n in sorted(grammars.stats.rejected.items())])
+    if grammar_compile is not None:
+        _histogram(out, "arlm_grammar_compile_seconds", "Time to compile a request's grammar (off the engine's "
+                   "step and the event loop).", grammar_compile)
     return "\n".join(out) + "\n"
