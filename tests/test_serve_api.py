@@ -442,7 +442,8 @@ def test_huge_top_k_gets_400_while_another_stream_goes_on(server):
 def test_sampling_params_errors_are_400_naming_the_field():
     from arlm.serve.api import APIError, CompletionRequest, Server
 
-    server = Server(None, SimpleNamespace(engine=SimpleNamespace(max_model_len=100, stats=SimpleNamespace())), MODEL)
+    server = Server(None, SimpleNamespace(engine=SimpleNamespace(max_model_len=100, stats=SimpleNamespace(),
+                                                                      grammars=None)), MODEL)
     req = CompletionRequest.model_construct(model=MODEL, prompt="Hi", min_p=2.0)  # past the schema
     with pytest.raises(APIError) as e:
         server.sampling_params(req, None, 10, "prompt")
@@ -463,7 +464,7 @@ class FailingEngine:
     RuntimeError), or the engine loop has stopped (`dead`: EngineDead for every request)."""
 
     def __init__(self, token_id: int) -> None:
-        self.engine = SimpleNamespace(max_model_len=2048, stats=SimpleNamespace())  # the Engine it drives
+        self.engine = SimpleNamespace(max_model_len=2048, stats=SimpleNamespace(), grammars=None)  # the Engine it drives
         self.token_id = token_id
         self.dead: str | None = None
 
@@ -520,6 +521,89 @@ def test_engine_errors_are_server_errors_about_no_field(smollm2):
         r = http.get("/health")
         err = r.json()["error"]
         assert r.status_code == 503 and err["param"] is None and engine.dead in err["message"]
+
+
+def _in_process_server(llm, **async_engine_args):
+    """The app over a real engine of its own on `llm`'s runner (and a grammar compiler of its
+    own: its cache and counts start empty), for a TestClient."""
+    from arlm.engine import AsyncEngine, Engine, EngineConfig
+    from arlm.serve import api
+    from arlm.structured import Grammars
+
+    engine = Engine(llm.runner, llm.tokenizer.eos_ids, EngineConfig(kv_cache_tokens=2048))
+    engine.grammars = Grammars(llm.tokenizer, llm.model.config.vocab_size)
+    return api.create_app(api.Server(llm, AsyncEngine(engine, **async_engine_args), MODEL)), engine
+
+
+def test_health_is_503_while_the_engine_is_wedged(smollm2_default):
+    """A step that does not end while a request waits: /health says so within the limit and
+    /metrics shows the stall; once the step ends, the request completes and /health is 200."""
+    import threading
+
+    from fastapi.testclient import TestClient
+
+    app, engine = _in_process_server(smollm2_default, stall_limit=0.5)
+    release, entered = threading.Event(), threading.Event()
+    step = engine.step
+
+    def wedged_step():
+        entered.set()
+        release.wait(60)
+        return step()
+
+    engine.step = wedged_step
+    with TestClient(app) as http:
+        assert http.get("/health").status_code == 200
+        done = {}
+        t = threading.Thread(target=lambda: done.update(r=http.post("/v1/completions", json={
+            "model": MODEL, "prompt": "Hi", "max_tokens": 3, "temperature": 0})))
+        t.start()
+        assert entered.wait(30)
+        deadline = time.monotonic() + 10
+        while (r := http.get("/health")).status_code == 200 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_stalled", r.text
+        m = {k: float(v) for k, v in re.findall(r"^(arlm_engine_\w+_seconds) (\S+)$", http.get("/metrics").text, re.M)}
+        assert m["arlm_engine_stalled_seconds"] >= 0.5 and m["arlm_engine_last_step_age_seconds"] >= 0.5, m
+        release.set()
+        t.join(60)
+        assert done["r"].status_code == 200 and http.get("/health").status_code == 200
+
+
+def test_a_grammar_its_limits_stop_is_the_clients_error_naming_the_field(smollm2_default):
+    """A schema that compiles but whose grammar hits llguidance's limits at its first tokens (3,000
+    optional properties: one Earley row holds them all): a 400 naming response_format, or
+    streamed, an error event naming it; a self-recursive schema is refused before it runs. The
+    compile time and the refusals are in /metrics."""
+    from fastapi.testclient import TestClient
+
+    from test_structured import SELF_RECURSIVE, WIDE
+
+    app, _ = _in_process_server(smollm2_default)
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "JSON please."}], "max_tokens": 20,
+            "temperature": 0}
+
+    def schema(s):
+        return {"type": "json_schema", "json_schema": {"name": "x", "schema": s}}
+
+    with TestClient(app) as http:
+        r = http.post("/v1/chat/completions", json={**chat, "response_format": schema(WIDE)})
+        err = r.json()["error"]
+        assert r.status_code == 400 and (err["param"], err["code"]) == ("response_format", "grammar_too_complex"), r.text
+        with http.stream("POST", "/v1/chat/completions", json={**chat, "response_format": schema(WIDE),
+                                                               "stream": True}) as r:
+            events = [json.loads(line[6:]) for line in r.iter_lines() if line and line != "data: [DONE]"]
+        assert events[-1]["error"]["param"] == "response_format" and events[-1]["error"]["code"] == "grammar_too_complex"
+        r = http.post("/v1/chat/completions", json={**chat, "response_format": schema(SELF_RECURSIVE)})
+        err = r.json()["error"]
+        assert r.status_code == 400 and (err["param"], err["code"]) == ("response_format", "grammar_too_complex"), r.text
+        r = http.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 5,
+                                               "guided_grammar": "start: undefined_rule"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "guided_grammar", r.text
+        metrics = http.get("/metrics").text
+        assert re.search(r'^arlm_grammar_rejected_total\{reason="too_complex"\} 1$', metrics, re.M), metrics
+        assert re.search(r'^arlm_grammar_rejected_total\{reason="invalid"\} 1$', metrics, re.M)
+        assert re.search(r"^arlm_grammar_compile_seconds_count 1$", metrics, re.M)  # WIDE, once
 
 
 @pytest.mark.slow

@@ -221,3 +221,31 @@ def test_a_request_whose_sampling_fails_fails_alone(engine, smollm2):
     # ... and a request is validated in full when it comes in
     with pytest.raises(ValueError, match="top_k"):
         engine.check_request(ids[0], bad)
+
+
+def test_a_long_prompt_shares_the_steps_of_decoding_streams(smollm2):
+    """`long_prefill_tokens` (arlm serve's default 128): a long prompt runs in chunks of at most
+    128 tokens while alone; while short requests decode or wait, long prompts get
+    Scheduler.LONG_PREFILL_SHARED tokens a step, so every decode step stays near its own cost;
+    and every request's tokens are those it gets alone."""
+    from arlm.engine.scheduler import Scheduler
+
+    long_ids = smollm2.tokenizer.encode("The history of the printing press. " * 60)  # ~420 tokens
+    short = [smollm2.tokenizer.encode(p) for p in PROMPTS[:3]]
+    engine = Engine(smollm2.model, smollm2.tokenizer.eos_ids, EngineConfig(
+        kv_cache_tokens=2048, long_prefill_tokens=128, enable_prefix_caching=False))  # (every prompt token runs)
+    expect = [engine.generate([p], GREEDY)[0] for p in [long_ids] + short]
+    long_req = engine.add_request(long_ids, GREEDY)
+    sizes = []  # (the long prompt's tokens, the step's other tokens) per step
+    engine.step()
+    assert long_req.num_computed == 128  # alone: a chunk of long_prefill_tokens
+    reqs = [engine.add_request(p, GREEDY) for p in short]
+    while engine.has_unfinished():
+        before = long_req.num_computed
+        engine.step()
+        sizes.append((long_req.num_computed - before if long_req.num_output_tokens == 0 else 0,
+                      sum(1 for r in reqs if not r.finished)))
+    shared = [n for n, others in sizes if others and n]
+    assert shared and max(shared) <= Scheduler.LONG_PREFILL_SHARED, sizes
+    assert [long_req.output_ids] + [r.output_ids for r in reqs] == expect
+    assert engine.kv_cache_usage == 0.0

@@ -66,7 +66,9 @@ class Tokenizer:
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
         """Token ids for `text` (through `valid_text`); special-token text such as `<|im_start|>`
         maps to its id."""
-        ids = self.backend.encode(valid_text(text), add_special_tokens=False).ids
+        # (encode_batch_fast: no character offsets, ~2x faster, and it lets go of the GIL, which
+        # encode does not: a server's other threads run while a long prompt is tokenized)
+        ids = self.backend.encode_batch_fast([valid_text(text)], add_special_tokens=False)[0].ids
         if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
             ids = [self.bos_id] + ids
         return ids

@@ -54,6 +54,10 @@ class EngineConfig:
     kv_cache_tokens: int | None = None
     max_num_seqs: int = 64  # running requests at most
     max_num_batched_tokens: int = 512  # tokens per forward pass (decodes + prompt chunks)
+    # A prompt with more tokens than this left is long: it runs in chunks of at most this many, and
+    # while others decode, long prompts share a few tokens a step (Scheduler._long_budget), so one
+    # client's long prompt never stretches every stream's steps. None: prompts take the whole budget.
+    long_prefill_tokens: int | None = None
     enable_prefix_caching: bool = True
     # None: the model's; float16 halves a step's K/V reads, "int8" / "int4" quantize them (kv_cache.py)
     kv_dtype: KVDtype | None = None
@@ -110,6 +114,8 @@ class Engine:
         check_head_dim(self.kv_dtype, cfg.head_dim)
         if config.max_num_batched_tokens < 1 or config.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
+        if config.long_prefill_tokens is not None and config.long_prefill_tokens < 1:
+            raise ValueError("long_prefill_tokens must be >= 1 (or None: off)")
         self.eos_ids = frozenset(eos_ids)
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
@@ -151,7 +157,8 @@ class Engine:
         # One block in reserve: copy-on-write takes a block before it gives one back.
         self.max_model_len = min(cfg.max_seq_len, (n_blocks - 1) * bs) if window is None else WINDOWED_MAX_LEN
         self.scheduler = Scheduler(n_blocks, bs, self.max_model_len, config.max_num_seqs,
-                                   config.max_num_batched_tokens, config.enable_prefix_caching and window is None)
+                                   config.max_num_batched_tokens, config.enable_prefix_caching and window is None,
+                                   long_prefill_tokens=config.long_prefill_tokens)
         if window is not None:
             self.scheduler.window = window
             self.cache.set_window(config.kv_window, config.kv_sinks, (self.model.rope_cos, self.model.rope_sin))

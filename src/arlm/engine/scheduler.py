@@ -86,7 +86,7 @@ class Scheduler:
 
     def __init__(self, n_blocks: int, block_size: int, max_model_len: int, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 512, enable_prefix_caching: bool = True,
-                 static_batches: bool = False) -> None:
+                 static_batches: bool = False, long_prefill_tokens: int | None = None) -> None:
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
         self.pool = BlockPool(n_blocks, enable_prefix_caching)
@@ -96,6 +96,8 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         # static_batches: admit only when nothing runs (a contiguous cache sized for one batch)
         self.static_batches = static_batches
+        # A prompt with more than this many tokens left to compute is long: `_long_budget`
+        self.long_prefill_tokens = long_prefill_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last is preempted first
         self.stats = SchedulerStats()
@@ -196,6 +198,28 @@ class Scheduler:
         self.stats.prefix_queries += seq.num_tokens
         self.stats.prefix_hits += seq.num_computed
 
+    # While others decode: a step's long-prompt tokens at most this, or half the decoding rows
+    LONG_PREFILL_SHARED = 8
+
+    def _long_budget(self, decoding: int) -> int | None:
+        """The tokens of long prompts (`long_prefill_tokens`; None: no such rule) this step may
+        run, all together: `long_prefill_tokens` while nothing else wants the step; while a
+        request decodes or a short prompt waits, max(LONG_PREFILL_SHARED, decoding / 2). A
+        decode step of a small model on a CPU costs about as much as a dozen prompt tokens, so a
+        long prompt (or several) then adds at most about as much again to its neighbours' steps:
+        one client's 8,000-token prompt slows its own first token, not every stream's next one
+        (a long prompt alone still runs in chunks of long_prefill_tokens, ~0.1-0.3 s steps,
+        nearly as fast as whole budgets). Short prompts are not held back."""
+        cap = self.long_prefill_tokens
+        if cap is None:
+            return None
+        if decoding or any(s.num_tokens - s.num_computed <= cap for s in self.waiting):
+            return max(self.LONG_PREFILL_SHARED, decoding // 2)
+        return cap
+
+    def _is_long(self, seq: Request) -> bool:
+        return self.long_prefill_tokens is not None and seq.num_tokens - seq.num_computed > self.long_prefill_tokens
+
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
@@ -217,6 +241,7 @@ class Scheduler:
         decoding = [s for s in self.running if s.num_tokens - s.num_computed == 1]
         prefilling = [s for s in self.running if s.num_tokens - s.num_computed > 1]
         spare = budget - len(decoding)
+        long_budget = self._long_budget(len(decoding))
         for seq in decoding + prefilling:
             if budget == 0:
                 break
@@ -228,6 +253,11 @@ class Scheduler:
                 if not seq.draft:
                     seq.draft_probs = None
             n = min(seq.num_tokens - seq.num_computed + len(seq.draft), budget)
+            if self._is_long(seq):
+                n = min(n, long_budget)
+                if n == 0:  # long prompts have had this step's share
+                    continue
+                long_budget -= n
             if not make_room(seq, n):
                 continue
             self._reserve(seq, n, batch)
@@ -238,17 +268,28 @@ class Scheduler:
         # 3. Admit waiting requests while they fit; never preempt for a newcomer.
         # With static batches, newcomers wait until the running batch is done; a request that
         # already ran (shifted its window) rejoins at once.
+        # A long prompt past its share stays in line and the requests behind it go first.
         busy = self.static_batches and bool(self.running)
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+        for seq in list(self.waiting):
+            if budget == 0 or len(self.running) >= self.max_num_seqs:
+                break
             if busy and seq.num_dropped == 0:
                 break
+            if long_budget == 0 and self._is_long(seq):
+                continue
             self._match_prefix(seq)
             n = min(seq.num_tokens - seq.num_computed, budget)
-            if self.pool.num_free < self._blocks_needed(seq, n):
+            long = self._is_long(seq)  # (after the prefix cache's hits)
+            if long:
+                n = min(n, long_budget)
+            if n == 0 or self.pool.num_free < self._blocks_needed(seq, n):
                 self._free(seq)  # give the prefix hits back; try again next step
+                if n == 0:
+                    continue
                 break
-            self.waiting.popleft()
+            if long:
+                long_budget -= n
+            self.waiting.remove(seq)
             seq.status = RUNNING
             self.running.append(seq)
             self._reserve(seq, n, batch)

@@ -231,7 +231,14 @@ class Server:
         self.check_auth(request)
         body = await self.read_body(request)
         try:
-            req = schema.model_validate_json(body)
+            try:
+                req = schema.model_validate_json(body)
+            except ValidationError as e:
+                if "recursion limit" not in str(e):
+                    raise
+                # pydantic's parser stops at a depth of ~200 (a deep JSON schema in response_format):
+                # Python's goes on to ~1,000, and the field that holds it is checked by its own rules
+                req = schema.model_validate(_deep_json(body))
         except ValidationError as e:
             err = e.errors()[0]
             if err["type"] == "json_invalid":
@@ -383,6 +390,11 @@ class Server:
             out.append(self.tool_format.history(msg, m.tool_calls) if m.role == "assistant" else msg)
         return out
 
+    async def encode_async(self, text: str, param: str) -> list[int]:
+        """`encode` on a worker thread (the tokenizer lets go of the GIL): a long prompt takes
+        ~1 s per MB to tokenize, which the event loop (/health, every other stream) must not wait for."""
+        return await asyncio.to_thread(self.encode, text, param)
+
     def encode(self, text: str, param: str) -> list[int]:
         ids = self.llm.tokenizer.encode(text)
         if not ids:
@@ -491,6 +503,16 @@ class Logprobs:
         def one(i: int, v: float) -> dict:
             return {"token": self.tok.token_text(i), "logprob": v, "bytes": list(self.tok.token_bytes(i))}
         return [{**one(tid, lp), "top_logprobs": [one(i, v) for i, v in top]} for tid, lp, top in entries]
+
+
+def _deep_json(body: bytes) -> Any:
+    """A body nested deeper than pydantic's parser goes, parsed by Python's; 400 past its depth."""
+    try:
+        return json.loads(body)
+    except RecursionError:
+        raise APIError(400, "the body nests too deeply to parse (over ~1,000 levels)", code="invalid_json") from None
+    except ValueError as e:
+        raise APIError(400, f"the body is not valid JSON: {e}", code="invalid_json") from None
 
 
 # A grammar's refusal (structured.REASONS) as the error's code.
@@ -690,7 +712,7 @@ def create_app(server: Server, engine_thread: bool = True) -> FastAPI:
             raise APIError(400, f"{len(prompt)} prompts x n={req.n} is {len(prompt) * req.n} sequences; a request "
                                 f"may ask for at most {MAX_SEQUENCES_PER_REQUEST}",
                            param="n" if req.n > 1 else "prompt", code="invalid_value")
-        prompts = [p if isinstance(p, list) else server.encode(p, "prompt") for p in prompt]
+        prompts = [p if isinstance(p, list) else await server.encode_async(p, "prompt") for p in prompt]
         vocab = server.llm.model.config.vocab_size
         if any(not p or min(p) < 0 or max(p) >= vocab for p in prompts):
             raise APIError(400, f"prompt: token ids must be in 0..{vocab - 1} and non-empty", param="prompt",
@@ -728,7 +750,7 @@ def create_app(server: Server, engine_thread: bool = True) -> FastAPI:
         if use_tools:
             messages, extra = server.tool_format.prompt(messages, functions, choice, parallel)
         try:
-            ids = server.encode(server.llm.apply_chat_template(messages, **extra), "messages")
+            ids = await server.encode_async(server.llm.apply_chat_template(messages, **extra), "messages")
         except PromptError as e:
             raise APIError(400, str(e), param="messages", code="invalid_value") from None
         params = server.sampling_params(req, req.max_completion_tokens or req.max_tokens, len(ids), "messages")

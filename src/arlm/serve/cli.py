@@ -73,6 +73,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     for name in ("grammar_timeout", "health_step_timeout"):
         if not getattr(args, name) > 0:  # (also NaN)
             raise UsageError(f"arlm serve: error: --{name.replace('_', '-')} must be a positive number of seconds")
+    if args.long_prefill_tokens < 0:
+        raise UsageError("arlm serve: error: --long-prefill-tokens must be >= 0 (0: off)")
     if args.kv_cache_tokens is not None and args.kv_cache_tokens < 1:
         raise UsageError("arlm serve: error: --kv-cache-tokens must be positive")
     check_device(args.device)
@@ -99,7 +101,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     api_key = args.api_key or os.environ.get("ARLM_API_KEY") or None
     config = EngineConfig(block_size=args.block_size, kv_cache_memory=memory, kv_cache_tokens=args.kv_cache_tokens,
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                          enable_prefix_caching=not args.no_prefix_caching)
+                          enable_prefix_caching=not args.no_prefix_caching,
+                          long_prefill_tokens=args.long_prefill_tokens or None)
     # (uvicorn, fastapi: ~0.5 s that the flags' usage errors above do without)
     import uvicorn
 
@@ -170,6 +173,11 @@ def add_serve(sub) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64, help="running sequences at most (default: 64)")
     p.add_argument("--max-num-batched-tokens", type=int, default=512,
                    help="tokens per forward pass: decodes plus prompt chunks (default: 512)")
+    p.add_argument("--long-prefill-tokens", type=int, default=128,
+                   help="a prompt with more tokens than this left is long: it runs in chunks of at most this many, "
+                        "and while other requests decode, long prompts share ~8 tokens a step, so that one "
+                        "client's long prompt slows its own first token, not every other stream (default: 128; "
+                        "0: prompts take the whole --max-num-batched-tokens)")
     p.add_argument("--no-prefix-caching", action="store_true", help="do not share KV blocks of common prompt prefixes")
     p.add_argument("--max-body-bytes", type=int, default=2 << 20, help="largest request body accepted (default: 2 MiB)")
     from ..structured import GrammarLimits  # (imports torch: as `arlm --help` does already, cli_common's doc)
