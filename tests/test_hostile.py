@@ -273,7 +273,7 @@ def tools(n: int, props: int) -> list[dict]:
     return out
 
 
-LONG_PROMPT_IDS = 8000  # tokens; the context is 8192
+LONG_PROMPT_IDS = 4000  # tokens (the context is 8192): its logprobs take the LM head over every position
 
 
 def long_prompt(url: str) -> list[int]:

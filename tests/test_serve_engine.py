@@ -249,3 +249,27 @@ def test_a_long_prompt_shares_the_steps_of_decoding_streams(smollm2):
     assert shared and max(shared) <= Scheduler.LONG_PREFILL_SHARED, sizes
     assert [long_req.output_ids] + [r.output_ids for r in reqs] == expect
     assert engine.kv_cache_usage == 0.0
+
+
+def test_one_calls_choices_take_turns_while_others_run(smollm2):
+    """`group_rows` (arlm serve's --max-running-choices): while another request runs, at most 2
+    of a group's 6 choices step together; alone, all of them. Every request's tokens are those
+    it gets alone (sampled choices: their own seeded streams)."""
+    engine = Engine(smollm2.model, smollm2.tokenizer.eos_ids, EngineConfig(kv_cache_tokens=2048, group_rows=2))
+    a, b = (smollm2.tokenizer.encode(p) for p in PROMPTS[:2])
+    choices = [SamplingParams(max_new_tokens=8, temperature=1.0, seed=s) for s in range(6)]
+    expect_group = [engine.generate([b], p)[0] for p in choices]
+    expect_single = engine.generate([a], GREEDY)[0]
+    group = [engine.add_request(b, p, group="call-1") for p in choices]
+    engine.step()
+    assert sum(r.num_computed > 0 for r in group) == 6  # alone: every choice steps
+    single = engine.add_request(a, GREEDY)
+    while not single.finished:
+        batch_before = {id(r): r.num_computed for r in group}
+        engine.step()
+        stepped = sum(r.num_computed != batch_before[id(r)] for r in group)
+        assert stepped <= 2, stepped
+    while engine.has_unfinished():
+        engine.step()
+    assert [r.output_ids for r in group] == expect_group and single.output_ids == expect_single
+    assert engine.kv_cache_usage == 0.0

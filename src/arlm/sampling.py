@@ -85,6 +85,16 @@ class SamplingParams:
             self.logit_bias = {t: min(100.0, max(-100.0, float(b))) for t, b in self.logit_bias.items()}
         self.validate()
 
+    def bias_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """logit_bias as (ids, biases) tensors, built once (a bias of 40,000 entries is ~10 ms of
+        Python a step otherwise; a logit_bias replaced by another dict is seen)."""
+        key = id(self.logit_bias), len(self.logit_bias)
+        if getattr(self, "_bias_key", None) != key:
+            self._bias_key = key
+            self._bias = (torch.tensor(list(self.logit_bias), dtype=torch.long),
+                          torch.tensor(list(self.logit_bias.values()), dtype=torch.float32))
+        return self._bias
+
     def validate(self) -> None:
         def bad(name: str, why: str) -> ValueError:
             return ValueError(f"invalid {name}={getattr(self, name)!r}: {why}")
@@ -154,9 +164,8 @@ def adjust_logits(logits: torch.Tensor, params: SamplingParams, output_counts: t
     if output_counts is not None and (params.frequency_penalty or params.presence_penalty):
         logits = logits - params.frequency_penalty * output_counts - params.presence_penalty * (output_counts > 0)
     if params.logit_bias:
-        ids = torch.tensor(list(params.logit_bias), device=logits.device)
-        logits = logits.index_add(0, ids, torch.tensor(list(params.logit_bias.values()), device=logits.device,
-                                                       dtype=logits.dtype))
+        ids, biases = params.bias_tensors()
+        logits = logits.index_add(0, ids.to(logits.device), biases.to(device=logits.device, dtype=logits.dtype))
     if num_output < params.min_tokens and end_ids:
         logits = logits.index_fill(0, torch.tensor(sorted(end_ids), device=logits.device), float("-inf"))
     return logits

@@ -112,7 +112,8 @@ class AsyncEngine:
             raise grammars.timed_out(spec) from None
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                       arrival_time: float | None = None, drafter: Drafter | None = None) -> AsyncIterator[RequestOutput]:
+                       arrival_time: float | None = None, drafter: Drafter | None = None,
+                       group: str | None = None) -> AsyncIterator[RequestOutput]:
         """Yield the request's tokens as they come; leaving early aborts it and frees its blocks.
         A request with a grammar waits here for its compilation, outside the engine's batch."""
         if self.dead:
@@ -122,7 +123,7 @@ class AsyncEngine:
         grammar = await self.compile(params.structured) if params.structured is not None else None
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
-        self._post(("add", request_id, prompt_ids, params, arrival_time, drafter, grammar))
+        self._post(("add", request_id, prompt_ids, params, arrival_time, drafter, grammar, group))
         finished = False
         try:
             while True:
@@ -176,8 +177,9 @@ class AsyncEngine:
                     engine.abort(request_id, rest[0])
                     continue
                 try:
-                    prompt_ids, params, arrival_time, drafter, grammar = rest
-                    engine.add_request(prompt_ids, params, request_id, arrival_time, drafter=drafter, grammar=grammar)
+                    prompt_ids, params, arrival_time, drafter, grammar, group = rest
+                    engine.add_request(prompt_ids, params, request_id, arrival_time, drafter=drafter, grammar=grammar,
+                                       group=group)
                 except ValueError as e:  # checked before; only a race could get here
                     self._loop.call_soon_threadsafe(self._deliver, request_id, e)
             if not engine.has_unfinished():

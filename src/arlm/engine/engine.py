@@ -58,6 +58,9 @@ class EngineConfig:
     # while others decode, long prompts share a few tokens a step (Scheduler._long_budget), so one
     # client's long prompt never stretches every stream's steps. None: prompts take the whole budget.
     long_prefill_tokens: int | None = None
+    # The sequences of one group (Request.group: one API call's choices) that step together while
+    # other requests run or wait (Scheduler._group_turns). None: no limit.
+    group_rows: int | None = None
     enable_prefix_caching: bool = True
     # None: the model's; float16 halves a step's K/V reads, "int8" / "int4" quantize them (kv_cache.py)
     kv_dtype: KVDtype | None = None
@@ -114,8 +117,9 @@ class Engine:
         check_head_dim(self.kv_dtype, cfg.head_dim)
         if config.max_num_batched_tokens < 1 or config.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
-        if config.long_prefill_tokens is not None and config.long_prefill_tokens < 1:
-            raise ValueError("long_prefill_tokens must be >= 1 (or None: off)")
+        for name in ("long_prefill_tokens", "group_rows"):
+            if getattr(config, name) is not None and getattr(config, name) < 1:
+                raise ValueError(f"{name} must be >= 1 (or None: off)")
         self.eos_ids = frozenset(eos_ids)
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
@@ -158,7 +162,7 @@ class Engine:
         self.max_model_len = min(cfg.max_seq_len, (n_blocks - 1) * bs) if window is None else WINDOWED_MAX_LEN
         self.scheduler = Scheduler(n_blocks, bs, self.max_model_len, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.enable_prefix_caching and window is None,
-                                   long_prefill_tokens=config.long_prefill_tokens)
+                                   long_prefill_tokens=config.long_prefill_tokens, group_rows=config.group_rows)
         if window is not None:
             self.scheduler.window = window
             self.cache.set_window(config.kv_window, config.kv_sinks, (self.model.rope_cos, self.model.rope_sin))
@@ -199,7 +203,8 @@ class Engine:
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
                     arrival_time: float | None = None, context_shift: bool = False,
-                    prompt_logits: bool = False, drafter: Drafter | None = None, grammar=None) -> Request:
+                    prompt_logits: bool = False, drafter: Drafter | None = None, grammar=None,
+                    group: str | None = None) -> Request:
         """Queue a request; it runs from the next `step`. context_shift: at a full context window
         it goes on from the window's last half instead of finishing with CONTEXT. prompt_logits:
         keep the float32 logits of every prompt position in `request.prompt_logits` [P, vocab]
@@ -208,7 +213,8 @@ class Engine:
         (engine/speculative/); its tokens are those plain decoding gives (greedy: the same
         tokens; sampled: the same distribution). grammar: params.structured compiled already
         (`Grammars.submit`, off this thread: a server's requests wait for their grammar there,
-        never in a step); without it the grammar is compiled here."""
+        never in a step); without it the grammar is compiled here. group: the API call this
+        request is one choice of (its choices share turns while others run: EngineConfig.group_rows)."""
         self.check_request(prompt_ids, params)
         if request_id is None:
             self._next_id += 1
@@ -224,6 +230,7 @@ class Engine:
             req.logits_sink = self._prompt_logprobs_sink(req)
         if arrival_time is not None:
             req.arrival_time = arrival_time
+        req.group = group
         if params.structured is not None:
             if self.grammars is None:
                 raise ValueError("structured outputs need the tokenizer's grammar engine (Engine.grammars)")

@@ -60,6 +60,7 @@ class Request:
     output_counts: torch.Tensor | None = None  # [vocab] float32: each token's count in the output (presence/frequency)
     end_ids: frozenset[int] = frozenset()  # what min_tokens holds back: the EOS ids and stop_token_ids
     matcher: Any = None  # params.structured's llguidance matcher (arlm.structured), fed each token
+    group: str | None = None  # the requests of one API call (its n choices): they share its turns (Scheduler)
     blocks: list[int] = field(default_factory=list)  # block table: block ids in position order
     block_hashes: list[bytes] = field(default_factory=list)  # content hashes of the window's full blocks
     num_registered: int = 0  # leading blocks known to the prefix cache (hit, or registered once full)

@@ -86,7 +86,8 @@ class Scheduler:
 
     def __init__(self, n_blocks: int, block_size: int, max_model_len: int, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 512, enable_prefix_caching: bool = True,
-                 static_batches: bool = False, long_prefill_tokens: int | None = None) -> None:
+                 static_batches: bool = False, long_prefill_tokens: int | None = None,
+                 group_rows: int | None = None) -> None:
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
         self.pool = BlockPool(n_blocks, enable_prefix_caching)
@@ -98,6 +99,8 @@ class Scheduler:
         self.static_batches = static_batches
         # A prompt with more than this many tokens left to compute is long: `_long_budget`
         self.long_prefill_tokens = long_prefill_tokens
+        # The sequences of one group (Request.group) that step together while others want the step
+        self.group_rows = group_rows
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last is preempted first
         self.stats = SchedulerStats()
@@ -199,23 +202,56 @@ class Scheduler:
         self.stats.prefix_hits += seq.num_computed
 
     # While others decode: a step's long-prompt tokens at most this, or half the decoding rows
-    LONG_PREFILL_SHARED = 8
+    LONG_PREFILL_SHARED = 4
 
     def _long_budget(self, decoding: int) -> int | None:
         """The tokens of long prompts (`long_prefill_tokens`; None: no such rule) this step may
         run, all together: `long_prefill_tokens` while nothing else wants the step; while a
         request decodes or a short prompt waits, max(LONG_PREFILL_SHARED, decoding / 2). A
-        decode step of a small model on a CPU costs about as much as a dozen prompt tokens, so a
-        long prompt (or several) then adds at most about as much again to its neighbours' steps:
-        one client's 8,000-token prompt slows its own first token, not every stream's next one
-        (a long prompt alone still runs in chunks of long_prefill_tokens, ~0.1-0.3 s steps,
-        nearly as fast as whole budgets). Short prompts are not held back."""
+        decode step of a small model on a CPU costs about as much as a dozen prompt tokens (SmolLM2,
+        one thread, 8 decoding rows: 18 ms; with 4 prompt tokens 23 ms, 8: 29 ms, 16: 41 ms,
+        128: 190 ms), so a long prompt (or several) then adds about a quarter to its neighbours'
+        steps: one client's 8,000-token prompt slows its own first token, not every stream's
+        next one. A long prompt alone still runs in chunks of long_prefill_tokens (~0.1-0.3 s
+        steps; 128-token chunks prefill a 4,000-token prompt ~7% slower than 512-token ones on 2
+        threads). Short prompts are not held back."""
         cap = self.long_prefill_tokens
         if cap is None:
             return None
         if decoding or any(s.num_tokens - s.num_computed <= cap for s in self.waiting):
             return max(self.LONG_PREFILL_SHARED, decoding // 2)
         return cap
+
+    def _group_turns(self) -> dict[str, int] | None:
+        """How many of each group's sequences (`Request.group`: the choices of one API request)
+        may step now: `group_rows` each while any other request runs or waits, so that one
+        request's n = 16 choices do not make every other stream's step 3x longer (a CPU's
+        decode step costs about a row's share per sequence); None (no limit) while a group is
+        alone, or with no `group_rows`. A sequence past its group's turns holds its blocks and
+        waits a step; which sequences step never changes their tokens."""
+        if self.group_rows is None:
+            return None
+        owners = {s.group if s.group is not None else id(s) for s in self.running}
+        owners.update(s.group if s.group is not None else id(s) for s in self.waiting)
+        if len(owners) < 2:
+            return None
+        return {g: self.group_rows for g in owners if isinstance(g, str)}
+
+    def _takes_turn(self, seq: Request, turns: dict[str, int] | None) -> bool:
+        """Whether `seq` steps now (and if so, its group has one turn fewer)."""
+        if turns is None or seq.group is None:
+            return True
+        if turns[seq.group] == 0:
+            return False
+        turns[seq.group] -= 1
+        return True
+
+    @staticmethod
+    def _weight(seq: Request) -> int:
+        """A prompt token's share of a long-prompt budget: 2 for a request that keeps every
+        position's logits (echo with logprobs, perplexity: the LM head runs at each, about a
+        token's cost again), else 1."""
+        return 2 if seq.keep_prompt_logits else 1
 
     def _is_long(self, seq: Request) -> bool:
         return self.long_prefill_tokens is not None and seq.num_tokens - seq.num_computed > self.long_prefill_tokens
@@ -242,10 +278,13 @@ class Scheduler:
         prefilling = [s for s in self.running if s.num_tokens - s.num_computed > 1]
         spare = budget - len(decoding)
         long_budget = self._long_budget(len(decoding))
+        turns = self._group_turns()
         for seq in decoding + prefilling:
             if budget == 0:
                 break
             if seq.status != RUNNING:  # preempted earlier in this loop
+                continue
+            if not self._takes_turn(seq, turns):
                 continue
             if seq.draft:
                 del seq.draft[max(0, min(spare, budget - 1)):]
@@ -254,10 +293,10 @@ class Scheduler:
                     seq.draft_probs = None
             n = min(seq.num_tokens - seq.num_computed + len(seq.draft), budget)
             if self._is_long(seq):
-                n = min(n, long_budget)
+                n = min(n, long_budget // self._weight(seq))
                 if n == 0:  # long prompts have had this step's share
                     continue
-                long_budget -= n
+                long_budget -= n * self._weight(seq)
             if not make_room(seq, n):
                 continue
             self._reserve(seq, n, batch)
@@ -275,20 +314,22 @@ class Scheduler:
                 break
             if busy and seq.num_dropped == 0:
                 break
-            if long_budget == 0 and self._is_long(seq):
-                continue
+            if (self._is_long(seq) and long_budget < self._weight(seq)) or \
+                    (turns is not None and turns.get(seq.group) == 0):
+                continue  # (its group's turns are taken: admitted, it would hold blocks and wait)
             self._match_prefix(seq)
             n = min(seq.num_tokens - seq.num_computed, budget)
             long = self._is_long(seq)  # (after the prefix cache's hits)
             if long:
-                n = min(n, long_budget)
+                n = min(n, long_budget // self._weight(seq))
             if n == 0 or self.pool.num_free < self._blocks_needed(seq, n):
                 self._free(seq)  # give the prefix hits back; try again next step
                 if n == 0:
                     continue
                 break
             if long:
-                long_budget -= n
+                long_budget -= n * self._weight(seq)
+            self._takes_turn(seq, turns)
             self.waiting.remove(seq)
             seq.status = RUNNING
             self.running.append(seq)

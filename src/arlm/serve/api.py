@@ -404,12 +404,13 @@ class Server:
     # -- running choices --------------------------------------------------------------------------
 
     async def run_choice(self, index: int, prompt_ids: list[int], params: SamplingParams,
-                         arrival: float) -> AsyncIterator[Delta]:
-        """One sequence: stream its text pieces, cut at a stop string."""
+                         arrival: float, group: str | None = None) -> AsyncIterator[Delta]:
+        """One sequence: stream its text pieces, cut at a stop string. group: the API call's,
+        when it has several choices (they share its turns in the engine's steps)."""
         rid = self.engine.new_request_id("req")
         streamer = TextStreamer(self.llm.tokenizer, params.stop)
         # speculative decoding for every request where the server has it (arlm serve --speculative)
-        tokens = self.engine.generate(rid, prompt_ids, params, arrival, drafter=self.llm.drafter())
+        tokens = self.engine.generate(rid, prompt_ids, params, arrival, drafter=self.llm.drafter(), group=group)
         try:
             async for out in tokens:
                 text, hit = streamer.push(out.token_id, final=out.finish_reason is not None)
@@ -433,10 +434,11 @@ class Server:
                 yield d
             return
         queue: asyncio.Queue = asyncio.Queue()
+        group = self.engine.new_request_id("call")
 
         async def pump(job) -> None:
             try:
-                async for d in self.run_choice(*job, arrival):
+                async for d in self.run_choice(*job, arrival, group):
                     await queue.put(d)
             except Exception as e:  # noqa: BLE001 - handed to the consumer
                 await queue.put(e)

@@ -73,8 +73,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     for name in ("grammar_timeout", "health_step_timeout"):
         if not getattr(args, name) > 0:  # (also NaN)
             raise UsageError(f"arlm serve: error: --{name.replace('_', '-')} must be a positive number of seconds")
-    if args.long_prefill_tokens < 0:
-        raise UsageError("arlm serve: error: --long-prefill-tokens must be >= 0 (0: off)")
+    for name in ("long_prefill_tokens", "max_running_choices"):
+        if getattr(args, name) < 0:
+            raise UsageError(f"arlm serve: error: --{name.replace('_', '-')} must be >= 0 (0: off)")
     if args.kv_cache_tokens is not None and args.kv_cache_tokens < 1:
         raise UsageError("arlm serve: error: --kv-cache-tokens must be positive")
     check_device(args.device)
@@ -102,7 +103,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = EngineConfig(block_size=args.block_size, kv_cache_memory=memory, kv_cache_tokens=args.kv_cache_tokens,
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                           enable_prefix_caching=not args.no_prefix_caching,
-                          long_prefill_tokens=args.long_prefill_tokens or None)
+                          long_prefill_tokens=args.long_prefill_tokens or None, group_rows=args.max_running_choices or None)
     # (uvicorn, fastapi: ~0.5 s that the flags' usage errors above do without)
     import uvicorn
 
@@ -175,9 +176,14 @@ def add_serve(sub) -> None:
                    help="tokens per forward pass: decodes plus prompt chunks (default: 512)")
     p.add_argument("--long-prefill-tokens", type=int, default=128,
                    help="a prompt with more tokens than this left is long: it runs in chunks of at most this many, "
-                        "and while other requests decode, long prompts share ~8 tokens a step, so that one "
+                        "and while other requests decode, long prompts share ~4 tokens a step, so that one "
                         "client's long prompt slows its own first token, not every other stream (default: 128; "
                         "0: prompts take the whole --max-num-batched-tokens)")
+    p.add_argument("--max-running-choices", type=int, default=4,
+                   help="the choices of one request (n, several prompts) that step together while other requests "
+                        "run or wait; the rest wait their turn holding their KV blocks (default: 4; 0: no limit). A "
+                        "CPU's decode step costs about a row's share per sequence, so one request's n=16 would "
+                        "otherwise make every other stream's steps ~3x longer")
     p.add_argument("--no-prefix-caching", action="store_true", help="do not share KV blocks of common prompt prefixes")
     p.add_argument("--max-body-bytes", type=int, default=2 << 20, help="largest request body accepted (default: 2 MiB)")
     from ..structured import GrammarLimits  # (imports torch: as `arlm --help` does already, cli_common's doc)
