@@ -90,8 +90,14 @@ def main() -> int:
     p.add_argument("--top-p", type=float, default=1.0,
                    help="1 (default): temperature alone, the grammar checks each drawn token and masks only "
                         "when it refuses one; below 1 every step masks first (a filter must see the mask)")
+    p.add_argument("--no-prefetch", action="store_true",
+                   help="compute the masks of rows that mask first after the forward pass, on the engine's thread "
+                        "(the A side of the prefetch's A/B: by default they are computed on the mask thread during "
+                        "the forward pass, sampler.PrefetchedMasks)")
     args = p.parse_args()
-    print(f"machine: {machine()}")
+    if args.no_prefetch:
+        sampler.PrefetchedMasks.start = classmethod(lambda cls, batch, grammars: None)
+    print(f"machine: {machine()}, masks {'after' if args.no_prefetch else 'beside'} the forward pass")
     llm = LLM.load("smollm2")
     engine = llm.engine
     clock = GrammarClock()

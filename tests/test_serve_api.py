@@ -482,7 +482,7 @@ class FailingEngine:
     def abort(self, request_id: str, reason: str = "abort") -> None:
         pass
 
-    async def generate(self, request_id, prompt_ids, params, arrival_time=None, drafter=None):
+    async def generate(self, request_id, prompt_ids, params, arrival_time=None, drafter=None, group=None):
         from arlm.serve import api
 
         if self.dead:

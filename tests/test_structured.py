@@ -229,7 +229,7 @@ def test_specs_the_engine_cannot_enforce_are_errors(llm):
                        (StructuredOutput("json_schema", {"type": "frobnicate"}), "json schema"),
                        (StructuredOutput("grammar", "start: undefined_rule"), "grammar")):
         with pytest.raises(GrammarError, match=word):
-            llm.grammars.check(spec)
+            llm.grammars.compile(spec)
         with pytest.raises(ValueError):
             llm.engine.add_request([1, 2, 3], SamplingParams(structured=spec))
     for bad in (dict(kind="yaml"), dict(kind="choice", value=[]), dict(kind="json_schema", value="{}")):

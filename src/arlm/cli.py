@@ -39,7 +39,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         from .structured import GrammarError  # (imports torch)
 
         try:
-            llm.grammars.check(params.structured)
+            llm.grammars.compile(params.structured)
         except GrammarError as e:
             raise UsageError(f"arlm generate: error: {e}") from None
     if args.chat:

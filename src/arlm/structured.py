@@ -175,7 +175,8 @@ class Grammars:
     the last `CACHE` specs; `submit` runs it on the compiler's own thread, for servers, so that
     neither the event loop nor the engine's step ever waits for a grammar."""
 
-    CACHE = 64
+    CACHE = 64  # compiled specs kept
+    FORCED_PROBE = 256  # forced tokens a compilation's probe takes at most
 
     def __init__(self, tokenizer, vocab_size: int, limits: GrammarLimits | None = None) -> None:
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
@@ -247,8 +248,6 @@ class Grammars:
                 self._compiled.popitem(last=False)
         return compiled
 
-    FORCED_PROBE = 256
-
     def submit(self, spec: StructuredOutput) -> Future:
         """`compile` on the compiler's thread: a Future of the CompiledGrammar (GrammarError
         "busy" at once when `limits.max_pending` compilations are queued)."""
@@ -289,10 +288,6 @@ class Grammars:
             return self.stats.reject(GrammarError(
                 f"compiling the {spec.kind.replace('_', ' ')} took over {self.limits.timeout:g} s "
                 "(arlm serve --grammar-timeout)", "timeout"))
-
-    def check(self, spec: StructuredOutput) -> CompiledGrammar:
-        """`compile`, under the name the edges use: GrammarError if the spec cannot be enforced."""
-        return self.compile(spec)
 
     def matcher(self, spec: StructuredOutput):
         """A new matcher for `spec` at its start."""
