@@ -157,6 +157,38 @@ def hf_llama(seed: int = 0, n_head: int = 6, n_kv_heads: int = 2, tie: bool = Fa
     return randomize_(model, seed).eval()
 
 
+def hf_family(kind: str, seed: int = 0, **overrides):
+    """A random-init HF model of a later Llama-shaped family (float32, eval, eager attention):
+    "qwen2" (q/k/v biases), "qwen3" (q/k norms, head_dim 32 of hidden 96), "llama3" (llama3
+    RoPE scaling, short original context so every band is used), "gemma3" (Gemma 3's text
+    model: every switch, 7 layers with a sliding window of 8 on all but the 6th)."""
+    import transformers as tf
+
+    base = dict(vocab_size=199, hidden_size=96, intermediate_size=160, num_hidden_layers=3, num_attention_heads=6,
+                num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                bos_token_id=0, eos_token_id=1, pad_token_id=None, attn_implementation="eager")
+    if kind == "qwen2":
+        cls, cfg = tf.Qwen2ForCausalLM, tf.Qwen2Config(**{**base, "rope_parameters": {"rope_theta": 5000.0,
+                                                                                      "rope_type": "default"},
+                                                          **overrides})
+    elif kind == "qwen3":
+        cls, cfg = tf.Qwen3ForCausalLM, tf.Qwen3Config(**{**base, "head_dim": 32, "tie_word_embeddings": True,
+                                                          **overrides})
+    elif kind == "llama3":
+        rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+        cls, cfg = tf.LlamaForCausalLM, tf.LlamaConfig(**{**base, "rope_parameters": rope, **overrides})
+    elif kind == "gemma3":
+        gemma = {**base, "num_hidden_layers": 7, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 32,
+                 "sliding_window": 8, "query_pre_attn_scalar": 24, "tie_word_embeddings": True,
+                 "rms_norm_eps": 1e-6}
+        cls, cfg = tf.Gemma3ForCausalLM, tf.Gemma3TextConfig(**{**gemma, **overrides})
+    else:
+        raise ValueError(kind)
+    torch.manual_seed(seed)
+    return randomize_(cls(cfg), seed).eval()
+
+
 def arlm_from_hf(hf_model):
     """The same weights in an arlm Transformer, through the public loading path."""
     from arlm.loading import build_model

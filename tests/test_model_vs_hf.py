@@ -1,6 +1,8 @@
-"""arlm's Transformer against HF transformers on the same random weights (GPT-2 and Llama families).
+"""arlm's Transformer against HF transformers on the same random weights (GPT-2, Llama, and the
+later Llama-shaped families: Qwen 2, Qwen 3, Llama 3's scaled RoPE, Gemma 3).
 
-Reference: HF `GPT2LMHeadModel` / `LlamaForCausalLM` (float32, eager attention), random weights of
+Reference: HF `GPT2LMHeadModel` / `LlamaForCausalLM` / `Qwen2ForCausalLM` / `Qwen3ForCausalLM` /
+`Gemma3ForCausalLM` (float32, eager attention), random weights of
 a useful scale (see `conftest.randomize_`), converted by `hf_to_arlm` + `config_from_hf` and
 loaded by `build_model`. Tolerance: max |Δ logits| <= 1e-4 in float32, with logits of std > 1.
 """
@@ -15,7 +17,7 @@ from arlm.kv_cache import KVCache
 from arlm.loading import load_model
 from arlm.loading.hf import config_from_hf
 
-from conftest import arlm_from_hf, hf_gpt2, hf_llama
+from conftest import arlm_from_hf, hf_family, hf_gpt2, hf_llama
 
 
 ATOL = 1e-4
@@ -28,7 +30,12 @@ MODELS = {
     "llama-gqa-tied": lambda: hf_llama(seed=14, n_head=6, n_kv_heads=2, tie=True),
     "llama-mqa": lambda: hf_llama(seed=15, n_head=6, n_kv_heads=1),
     "llama-mha": lambda: hf_llama(seed=16, n_head=4, n_kv_heads=4),
+    "qwen2": lambda: hf_family("qwen2", seed=17),
+    "qwen3": lambda: hf_family("qwen3", seed=18),
+    "llama3-scaled-rope": lambda: hf_family("llama3", seed=19),
+    "gemma3": lambda: hf_family("gemma3", seed=20),
 }
+LATER = ("qwen2", "qwen3", "llama3-scaled-rope", "gemma3")
 
 
 @pytest.fixture(scope="module", params=list(MODELS))
@@ -45,6 +52,8 @@ def hf_logits(hf, ids: torch.Tensor) -> torch.Tensor:
 def test_config_maps_every_field(pair):
     name, hf, model = pair
     c, h = model.config, hf.config
+    if name in LATER:  # (their switches: test_later_families_switches)
+        return
     if name.startswith("gpt2"):
         expect = dict(vocab_size=h.vocab_size, n_layer=h.n_layer, n_head=h.n_head, n_kv_heads=h.n_head,
                       d_model=h.n_embd, d_ff=h.n_inner, max_seq_len=h.n_positions, norm_eps=h.layer_norm_epsilon,
@@ -108,7 +117,20 @@ def test_cached_decode_matches_hf_full_sequence(pair):
     assert worst <= ATOL, f"cached decode differs from HF by {worst:.2e}"
 
 
-@pytest.mark.parametrize("name", ["gpt2-untied", "gpt2-tied", "llama-gqa-tied", "llama-mqa"])
+def test_later_families_switches():
+    """config_from_hf switches on what each family has, and nothing else."""
+    got = {name: config_from_hf(MODELS[name]().config.to_dict()) for name in LATER}
+    q2, q3, l3, g3 = (got[n] for n in LATER)
+    assert q2.qkv_bias and not q2.bias and not q2.qk_norm and q2.plain_llama is False
+    assert q3.qk_norm and q3.head_dim == 32 and q3.head_size == 32 and not q3.qkv_bias
+    assert l3.rope_scaling["rope_type"] == "llama3" and l3.rope_theta == 500000.0
+    assert (g3.mlp, g3.gelu_approximate, g3.norm_plus_one, g3.embed_scale, g3.post_norms, g3.qk_norm) == \
+        ("geglu", "tanh", True, True, True, True)
+    assert g3.layer_types == ("sliding",) * 5 + ("full", "sliding") and g3.sliding_window == 8
+    assert g3.rope_theta == 1e6 and g3.rope_local_theta == 1e4 and g3.attn_scale == 24 ** -0.5
+
+
+@pytest.mark.parametrize("name", ["gpt2-untied", "gpt2-tied", "llama-gqa-tied", "llama-mqa", *LATER])
 def test_load_hf_directory(name, tmp_path):
     """save_pretrained (safetensors) -> arlm.loading.load_model(dir) gives the same logits."""
     hf = MODELS[name]()

@@ -17,6 +17,10 @@ class ModelConfig:
 
     The switches select the family: GPT-2 is learned positions + LayerNorm + GELU + biases + tied
     embeddings; Llama is RoPE + RMSNorm + SwiGLU + no biases, with GQA/MQA through `n_kv_heads`.
+    Later families are Llama with a few more switches, each off by default: Qwen 2 (`qkv_bias`),
+    Qwen 3 (`qk_norm`, `head_size`), Llama 3 (`rope_scaling`), Gemma 3 (`head_size`,
+    `embed_scale`, `norm_plus_one`, `qk_norm`, `post_norms`, `mlp="geglu"`, `attn_scale`, and
+    sliding-window layers: `layer_types`, `sliding_window`, `rope_local_theta`).
     """
 
     vocab_size: int = 50304
@@ -35,6 +39,23 @@ class ModelConfig:
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     dropout: float = 0.0
+    # -- later families (module doc) ------------------------------------------------------------
+    head_size: int | None = None  # None: d_model // n_head; else each head's width (q: n_head * head_size)
+    qkv_bias: bool = False  # biases on the q, k and v projections alone (Qwen 2)
+    qk_norm: bool = False  # an RMSNorm over each q and k head before RoPE (Qwen 3, Gemma 3)
+    norm_plus_one: bool = False  # RMSNorm scales by (1 + w), its weights stored as w (Gemma)
+    embed_scale: bool = False  # the embedding rows times sqrt(d_model) (Gemma)
+    post_norms: bool = False  # a norm on the attention's and the MLP's outputs, before each residual add (Gemma 2/3)
+    attn_scale: float | None = None  # attention's score scale; None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)
+    # Per layer, "full" or "sliding" (a query reads its last `sliding_window` positions, itself
+    # included, with RoPE base `rope_local_theta`); None: every layer full.
+    layer_types: tuple[str, ...] | None = None
+    sliding_window: int = 0
+    rope_local_theta: float | None = None
+    # RoPE frequency scaling of the full layers, as HF's rope_parameters: {"rope_type": "linear",
+    # "factor"} or {"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
+    # "original_max_position_embeddings"}; None: plain RoPE.
+    rope_scaling: dict | None = None
 
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:
@@ -44,14 +65,25 @@ class ModelConfig:
         for name in ("vocab_size", "n_layer", "n_head", "n_kv_heads", "d_model", "d_ff", "max_seq_len"):
             if int(getattr(self, name)) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.d_model % self.n_head:
+        if self.head_size is None and self.d_model % self.n_head:
             raise ConfigError(f"d_model ({self.d_model}) must be divisible by n_head ({self.n_head})")
+        if self.head_size is not None and int(self.head_size) <= 0:
+            raise ConfigError(f"head_size must be positive, got {self.head_size}")
+        if self.layer_types is not None:
+            self.layer_types = tuple(self.layer_types)
+            if len(self.layer_types) != self.n_layer or not set(self.layer_types) <= {"full", "sliding"}:
+                raise ConfigError(f"layer_types must give 'full' or 'sliding' for each of the {self.n_layer} layers")
+            if "sliding" in self.layer_types and self.sliding_window < 1:
+                raise ConfigError("sliding layers need sliding_window >= 1")
+        if self.rope_scaling is not None and self.rope_scaling.get("rope_type") not in ("linear", "llama3"):
+            raise ConfigError(f"rope_scaling type {self.rope_scaling.get('rope_type')!r} is not supported "
+                              "(linear, llama3)")
         if self.n_head % self.n_kv_heads:
             raise ConfigError(f"n_head ({self.n_head}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
         if self.pos_embedding == "rope" and self.head_dim % 2:
             raise ConfigError("rotary embeddings need an even head dimension")
         for name, allowed in (("pos_embedding", ("learned", "rope")), ("norm", ("layernorm", "rmsnorm")),
-                              ("mlp", ("gelu", "swiglu")), ("gelu_approximate", ("none", "tanh"))):
+                              ("mlp", ("gelu", "swiglu", "geglu")), ("gelu_approximate", ("none", "tanh"))):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if not 0.0 <= self.dropout < 1.0:
@@ -59,7 +91,21 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.n_head
+        return self.head_size if self.head_size is not None else self.d_model // self.n_head
+
+    def sliding(self, layer: int) -> bool:
+        """Whether `layer` is a sliding-window layer."""
+        return self.layer_types is not None and self.layer_types[layer] == "sliding"
+
+    @property
+    def plain_llama(self) -> bool:
+        """Whether this is the Llama shape alone (none of the later families' switches): what
+        the native layer stack computes (`kernels.llama.applies`)."""
+        return (self.pos_embedding == "rope" and self.norm == "rmsnorm" and self.mlp == "swiglu" and not self.bias
+                and self.head_size in (None, self.d_model // self.n_head) and not (
+                    self.qkv_bias or self.qk_norm or self.norm_plus_one or self.embed_scale or self.post_norms
+                    or self.rope_scaling or "sliding" in (self.layer_types or ()))
+                and self.attn_scale in (None, self.head_dim ** -0.5))
 
     @property
     def family(self) -> str:

@@ -384,25 +384,39 @@ class KVCache:
         self.block_table, self.seq_index = block_table, seq_index
 
     def attend(self, layer: int, input_pos: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-               v: torch.Tensor) -> torch.Tensor:
-        """Write the new K/V, then attend each token to its own sequence's positions 0..pos.
+               v: torch.Tensor, window: int = 0) -> torch.Tensor:
+        """Write the new K/V, then attend each token to its own sequence's positions 0..pos
+        (window > 0, a sliding-window layer's: only pos - window + 1 .. pos).
 
         input_pos [1, N]; q [1, H, N, d_head]; k, v [1, H_kv, N, d_head]. Returns [1, H, N, d_head].
         """
         assert q.shape[0] == 1, "a block-table forward takes a flattened batch: [1, N] tokens"
+        if window and self.window:
+            raise ValueError("a model with sliding-window layers runs without the cache's own window (kv_window)")
         pos = input_pos[0]
         q3, k3, v3 = (t[0].transpose(0, 1).contiguous() for t in (q, k, v))  # [N, heads, d_head]
         if self.use_kernel and q3.dtype == torch.float32:
-            cos, sin = self.rope if self.window else (None, None)
+            win, sinks, (cos, sin) = self.window, self.sinks, self.rope if self.window else (None, None)
+            if window:  # the kernel's window without sinks: its RoPE tables are never read, only sized
+                win, sinks, cos, sin = window, 0, *self._unread_rope(int(pos.max()) + 1, q.shape[-1])
             y = torch.ops.arlm.paged_attention(q3, k3, v3, self.k[layer], self.v[layer], self.block_table,
                                                self.seq_index, pos.contiguous(), q.shape[-1] ** -0.5, self.format,
-                                               self.window, self.sinks, cos, sin)
+                                               win, sinks, cos, sin)
         else:
-            y = self._attend_torch(layer, pos, q3, k3, v3)
+            y = self._attend_torch(layer, pos, q3, k3, v3, window)
         return y.transpose(0, 1).unsqueeze(0)
 
+    def _unread_rope(self, positions: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Zero cos/sin tables of at least `positions` rows (grown by doubling), for the kernel's
+        check: a window without sinks rotates nothing."""
+        table = getattr(self, "_zero_rope", None)
+        if table is None or table.shape[0] < positions or table.shape[1] != d:
+            table = torch.zeros(max(positions, 2 * (table.shape[0] if table is not None else 1024)), d)
+            self._zero_rope = table
+        return table, table
+
     def _attend_torch(self, layer: int, pos: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                      v: torch.Tensor) -> torch.Tensor:
+                      v: torch.Tensor, window: int = 0) -> torch.Tensor:
         """Reference path (any device and dtype): scatter, gather each token's keys, SDPA."""
         bs = self.block_size
         table = self.block_table[self.seq_index]  # [N, max_blocks]
@@ -420,7 +434,11 @@ class KVCache:
         if self.window:
             return self._attend_window(pos, q, keys, values)
         q = self.query(q)
-        mask = (torch.arange(n * bs, device=pos.device)[None, :] <= pos[:, None])[:, None, None, :]
+        slots = torch.arange(n * bs, device=pos.device)[None, :]
+        mask = slots <= pos[:, None]
+        if window:
+            mask = mask & (slots > pos[:, None] - window)
+        mask = mask[:, None, None, :]
         y = F.scaled_dot_product_attention(q[:, :, None, :], keys, values, attn_mask=mask,
                                            enable_gqa=q.shape[1] != H_kv)
         return y[:, :, 0, :]  # [N, H, d]

@@ -19,25 +19,53 @@ from .kv_cache import KVCache
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    """x / rms(x) times the weight w, or times (1 + w) with plus_one (Gemma, whose weights are
+    stored as the offset from 1)."""
+
+    def __init__(self, dim: int, eps: float, plus_one: bool = False) -> None:
         super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps, self.plus_one = eps, plus_one
+        self.weight = nn.Parameter(torch.zeros(dim) if plus_one else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalize in float32 like the reference implementations, then cast back.
-        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+        # Normalize in float32 like the reference implementations, then cast back (Gemma scales
+        # before the cast, Llama after: each as its reference does).
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        if self.plus_one:
+            return (normed * (1.0 + self.weight.float())).to(x.dtype)
+        return self.weight * normed.to(x.dtype)
 
 
-def make_norm(config: ModelConfig) -> nn.Module:
+def make_norm(config: ModelConfig, dim: int | None = None) -> nn.Module:
     if config.norm == "rmsnorm":
-        return RMSNorm(config.d_model, config.norm_eps)
-    return nn.LayerNorm(config.d_model, eps=config.norm_eps, bias=config.bias)
+        return RMSNorm(dim or config.d_model, config.norm_eps, config.norm_plus_one)
+    return nn.LayerNorm(dim or config.d_model, eps=config.norm_eps, bias=config.bias)
 
 
-def rope_table(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin, each [max_seq_len, head_dim], in the half-split ("rotate_half") layout."""
+def rope_frequencies(head_dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
+    """RoPE's inverse frequencies [head_dim / 2]; `scaling` (ModelConfig.rope_scaling) divides
+    them by its factor ("linear"), or, "llama3", the low frequencies (wavelengths past the
+    original context / low_freq_factor) by the factor, the high ones (below original /
+    high_freq_factor) not at all, and the band between by a blend of the two."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling is None:
+        return inv_freq
+    factor = float(scaling["factor"])
+    if scaling["rope_type"] == "linear":
+        return inv_freq / factor
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    original = float(scaling["original_max_position_embeddings"])
+    wavelength = 2 * math.pi / inv_freq
+    blend = ((original / wavelength - low) / (high - low)).clamp(0.0, 1.0)  # 0: scaled, 1: as it is
+    scaled = torch.where(wavelength > original / low, inv_freq / factor, inv_freq)
+    middle = (wavelength <= original / low) & (wavelength >= original / high)
+    return torch.where(middle, (1 - blend) * inv_freq / factor + blend * inv_freq, scaled)
+
+
+def rope_table(head_dim: int, max_seq_len: int, theta: float,
+               scaling: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin, each [max_seq_len, head_dim], in the half-split ("rotate_half") layout."""
+    inv_freq = rope_frequencies(head_dim, theta, scaling)
     angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inv_freq)  # [T, d/2]
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos(), angles.sin()
@@ -64,9 +92,15 @@ class Attention(nn.Module):
         d, hd = config.d_model, config.head_dim
         # One fused projection for q, k and v: one matmul (and, in decode, one weight stream)
         # instead of three; the output splits into n_head + 2 * n_kv_heads heads.
-        self.wqkv = nn.Linear(d, (self.n_head + 2 * self.n_kv_heads) * hd, bias=config.bias)
+        self.wqkv = nn.Linear(d, (self.n_head + 2 * self.n_kv_heads) * hd, bias=config.bias or config.qkv_bias)
         self.wo = nn.Linear(self.n_head * hd, d, bias=config.bias)
         self.dropout = config.dropout
+        self.window = config.sliding_window if config.sliding(layer) else 0  # 0: every earlier position
+        if config.qk_norm:  # per head, over head_dim, before RoPE
+            self.q_norm, self.k_norm = make_norm(config, hd), make_norm(config, hd)
+        # A score scale other than 1/sqrt(head_dim) goes into q, so that every attention path
+        # (SDPA, the cache's, the paged kernel) keeps its own default
+        self.q_scale = None if config.attn_scale in (None, hd ** -0.5) else config.attn_scale * hd ** 0.5
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 mask: torch.Tensor | None, kv_cache: KVCache | None, input_pos: torch.Tensor | None,
@@ -75,14 +109,18 @@ class Attention(nn.Module):
         H, H_kv = self.n_head, self.n_kv_heads
         qkv = project(self.wqkv, x, dense).view(B, T, H + 2 * H_kv, self.head_dim)
         qk, v = qkv[:, :, : H + H_kv], qkv[:, :, H + H_kv:]
+        if hasattr(self, "q_norm"):
+            qk = torch.cat([self.q_norm(qk[:, :, :H]), self.k_norm(qk[:, :, H:])], dim=2)
         if rope is not None:
             qk = apply_rope(qk, *rope)  # q and k heads rotated in one go
         q, k = qk[:, :, :H], qk[:, :, H:]
+        if self.q_scale is not None:
+            q = q * self.q_scale
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T, d_head]
         if kv_cache is not None and kv_cache.paged:
             # Through a block table (the engine's flattened batches), the cache writes K/V into its
             # blocks and attends through the table in one kernel; see arlm.kv_cache.
-            y = kv_cache.attend(self.layer, input_pos, q, k, v)
+            y = kv_cache.attend(self.layer, input_pos, q, k, v, window=self.window)
             return project(self.wo, y.transpose(1, 2).reshape(B, T, -1), dense)
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer, input_pos, k, v, kv_len)  # [B, H_kv, kv_len, d_head]
@@ -95,20 +133,23 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    """GELU (GPT-2), or gated: SwiGLU (Llama: silu(gate) * up) and GeGLU (Gemma: gelu(gate) * up)."""
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.swiglu = config.mlp == "swiglu"
+        self.kind = config.mlp
         self.approximate = config.gelu_approximate
-        if self.swiglu:  # gate and up projections fused: one matmul, split in half
+        if self.kind != "gelu":  # gate and up projections fused: one matmul, split in half
             self.gate_up = nn.Linear(config.d_model, 2 * config.d_ff, bias=config.bias)
         else:
             self.up = nn.Linear(config.d_model, config.d_ff, bias=config.bias)
         self.down = nn.Linear(config.d_ff, config.d_model, bias=config.bias)
 
     def forward(self, x: torch.Tensor, dense: bool = False) -> torch.Tensor:
-        if self.swiglu:
+        if self.kind != "gelu":
             gate, up = project(self.gate_up, x, dense).chunk(2, dim=-1)
-            return project(self.down, F.silu(gate) * up, dense)
+            act = F.silu(gate) if self.kind == "swiglu" else F.gelu(gate, approximate=self.approximate)
+            return project(self.down, act * up, dense)
         return project(self.down, F.gelu(project(self.up, x, dense), approximate=self.approximate), dense)
 
 
@@ -120,10 +161,18 @@ class Block(nn.Module):
         self.mlp_norm = make_norm(config)
         self.mlp = MLP(config)
         self.resid_dropout = nn.Dropout(config.dropout)
+        if config.post_norms:  # Gemma's "sandwich": each branch's output normed before its residual add
+            self.attn_post_norm, self.mlp_post_norm = make_norm(config), make_norm(config)
 
     def forward(self, x, rope, mask, kv_cache, input_pos, kv_len, dense: bool = False):
-        x = x + self.resid_dropout(self.attn(self.attn_norm(x), rope, mask, kv_cache, input_pos, kv_len, dense))
-        return x + self.resid_dropout(self.mlp(self.mlp_norm(x), dense))
+        h = self.attn(self.attn_norm(x), rope, mask, kv_cache, input_pos, kv_len, dense)
+        if hasattr(self, "attn_post_norm"):
+            h = self.attn_post_norm(h)
+        x = x + self.resid_dropout(h)
+        h = self.mlp(self.mlp_norm(x), dense)
+        if hasattr(self, "mlp_post_norm"):
+            h = self.mlp_post_norm(h)
+        return x + self.resid_dropout(h)
 
 
 @contextmanager
@@ -158,17 +207,33 @@ class Transformer(nn.Module):
         if config.pos_embedding == "learned":
             self.pos_emb = nn.Embedding(config.max_seq_len, config.d_model)
         else:
-            # A loader without init (skip_init) sets the tables itself, on the real device.
-            cos, sin = rope_table(config.head_dim, config.max_seq_len, config.rope_theta) if init else \
-                (torch.empty(0), torch.empty(0))
-            self.register_buffer("rope_cos", cos, persistent=False)
-            self.register_buffer("rope_sin", sin, persistent=False)
+            # A loader without init (skip_init) sets the tables itself (`set_rope_tables`), on the real device.
+            for name in ("rope_cos", "rope_sin") + (("rope_local_cos", "rope_local_sin") if self._local_rope else ()):
+                self.register_buffer(name, torch.empty(0), persistent=False)
+            if init:
+                self.set_rope_tables()
         self.emb_dropout = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layer))
         self.norm = make_norm(config)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
+
+    @property
+    def _local_rope(self) -> bool:
+        """Whether sliding layers rotate with tables of their own (a base of their own)."""
+        c = self.config
+        return "sliding" in (c.layer_types or ()) and c.rope_local_theta not in (None, c.rope_theta)
+
+    def set_rope_tables(self, device: torch.device | str = "cpu") -> None:
+        """RoPE's cos/sin tables for the context: the full layers' (rope_theta, rope_scaling)
+        and, where sliding layers have a base of their own, theirs (rope_local_theta, unscaled)."""
+        c = self.config
+        self.rope_cos, self.rope_sin = (t.to(device) for t in rope_table(c.head_dim, c.max_seq_len, c.rope_theta,
+                                                                         c.rope_scaling))
+        if self._local_rope:
+            self.rope_local_cos, self.rope_local_sin = (
+                t.to(device) for t in rope_table(c.head_dim, c.max_seq_len, c.rope_local_theta))
 
     def _init_all(self) -> None:
         config = self.config
@@ -205,6 +270,8 @@ class Transformer(nn.Module):
             part.pos_emb = self.pos_emb
         else:
             part.rope_cos, part.rope_sin = self.rope_cos, self.rope_sin
+            if self._local_rope:
+                part.rope_local_cos, part.rope_local_sin = self.rope_local_cos, self.rope_local_sin
         part.emb_dropout = self.emb_dropout
         part.blocks = nn.ModuleList(list(self.blocks)[:n_layers])
         part.norm, part.lm_head = self.norm, self.lm_head
@@ -232,22 +299,37 @@ class Transformer(nn.Module):
             if T > self.config.max_seq_len:
                 raise ValueError(f"sequence of {T} tokens exceeds the context window ({self.config.max_seq_len})")
             input_pos = torch.arange(T, device=idx.device).expand(B, T)
+        cfg = self.config
         x = self.tok_emb(idx)
-        if self.config.pos_embedding == "learned":
+        if cfg.embed_scale:  # (the factor rounded to the activations' dtype, as Gemma's reference does)
+            x = x * torch.tensor(cfg.d_model ** 0.5, dtype=x.dtype)
+        if cfg.pos_embedding == "learned":
             x = x + self.pos_emb(input_pos)
-            rope = None
+            rope = local_rope = None
         else:
-            rope = (self.rope_cos[input_pos].unsqueeze(2), self.rope_sin[input_pos].unsqueeze(2))
+            rope = local_rope = (self.rope_cos[input_pos].unsqueeze(2), self.rope_sin[input_pos].unsqueeze(2))
+            if self._local_rope:
+                local_rope = (self.rope_local_cos[input_pos].unsqueeze(2), self.rope_local_sin[input_pos].unsqueeze(2))
         x = self.emb_dropout(x)
 
-        mask = None  # no cache: plain causal attention within the sequence
+        # Which earlier positions each query reads: None is plain causal attention within the
+        # sequence (no cache); a cache's slots up to each query's position; a sliding layer's
+        # only its last `sliding_window` positions, itself included.
+        mask = local_mask = None
         if kv_cache is not None and not kv_cache.paged:
             kv_len = kv_cache.capacity if kv_len is None else kv_len
             slots = torch.arange(kv_len, device=idx.device)
             mask = (slots <= input_pos[:, :, None]).unsqueeze(1)  # [B, 1, T, kv_len]
+            if cfg.sliding_window:
+                local_mask = mask & (slots > input_pos[:, :, None] - cfg.sliding_window).unsqueeze(1)
+        elif kv_cache is None and cfg.sliding_window:
+            pos = input_pos[:, :, None]
+            local_mask = ((input_pos[:, None, :] <= pos) & (input_pos[:, None, :] > pos - cfg.sliding_window)).unsqueeze(1)
 
-        for block in self.blocks:
-            x = block(x, rope, mask, kv_cache, input_pos, kv_len, dense)
+        for i, block in enumerate(self.blocks):
+            sliding = cfg.sliding(i)
+            x = block(x, local_rope if sliding else rope, local_mask if sliding else mask, kv_cache, input_pos,
+                      kv_len, dense)
         if output_index is not None:
             x = x[torch.arange(B, device=x.device), output_index]  # [B, d_model]
         return project(self.lm_head, self.norm(x), dense).float()

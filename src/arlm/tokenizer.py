@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 # Pre-tokenizer splits named by llama.cpp's `tokenizer.ggml.pre`. The GPT-2 regex is the
@@ -103,17 +103,23 @@ class Tokenizer:
 
     @classmethod
     def from_gguf_fields(cls, fields: dict) -> "Tokenizer":
-        """Build from a GGUF file's `tokenizer.ggml.*` metadata (byte-level BPE only)."""
+        """Build from a GGUF file's `tokenizer.ggml.*` metadata: byte-level BPE ("gpt2": GPT-2,
+        SmolLM, Qwen, Llama 3) or SentencePiece's BPE ("llama": Gemma, Llama 2)."""
         kind = fields.get("tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise TokenizerError(f"unsupported GGUF tokenizer model {kind!r} (only byte-level BPE 'gpt2')")
         tokens: list[str] = fields["tokenizer.ggml.tokens"]
-        merges = [tuple(m.split(" ", 1)) for m in fields.get("tokenizer.ggml.merges", [])]
-        vocab = {tok: i for i, tok in enumerate(tokens)}
-        bpe = models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False)
-        backend = HFTokenizer(bpe)
-        backend.pre_tokenizer = _pre_tokenizer(fields.get("tokenizer.ggml.pre", "default"))
-        backend.decoder = decoders.ByteLevel()
+        if kind == "gpt2":
+            merges = [tuple(m.split(" ", 1)) for m in fields.get("tokenizer.ggml.merges", [])]
+            vocab = {tok: i for i, tok in enumerate(tokens)}
+            bpe = models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False)
+            backend = HFTokenizer(bpe)
+            backend.pre_tokenizer = _pre_tokenizer(fields.get("tokenizer.ggml.pre", "default"))
+            backend.decoder = decoders.ByteLevel()
+        elif kind == "llama":
+            backend = _sentencepiece_bpe(fields)
+            tokens = [backend.id_to_token(i) for i in range(len(tokens))]  # (as respelled there)
+        else:
+            raise TokenizerError(f"unsupported GGUF tokenizer model {kind!r} (byte-level BPE 'gpt2', "
+                                 "SentencePiece 'llama')")
         types = fields.get("tokenizer.ggml.token_type") or [1] * len(tokens)
         specials = [AddedToken(t, special=True, normalized=False)
                     for t, ty in zip(tokens, types) if ty == CONTROL_TOKEN]
@@ -161,6 +167,32 @@ class Tokenizer:
         data = json.loads(self.backend.to_str())
         data["arlm_meta"] = {"bos_id": self.bos_id, "eos_ids": self.eos_ids, "add_bos": self.add_bos}
         return json.dumps(data, ensure_ascii=False)
+
+
+def _sentencepiece_bpe(fields: dict) -> HFTokenizer:
+    """SentencePiece's BPE from a GGUF vocabulary: pieces with "▁" for a space, byte-fallback
+    pieces <0xNN> for what the vocabulary lacks, no prefix space (`add_space_prefix` false, as
+    Gemma's), and no merges in the file: they are recovered from the vocabulary. Each piece
+    splits into every pair of pieces the vocabulary holds; a piece's pairs merge in the order of
+    the piece in the file (the file lists Gemma's pieces in merge order; its scores do not follow
+    it), longer left pieces first. transformers rebuilds Gemma's tokenizer from a GGUF the same
+    way (tests/test_tokenizer.py holds the ids to it). A piece of spaces alone is stored with
+    real spaces: respelled with "▁" as the text is normalized."""
+    if fields.get("tokenizer.ggml.add_space_prefix", False):
+        raise TokenizerError("SentencePiece with a prefix space (add_space_prefix) is not supported yet")
+    tokens = ["\u2581" * len(t) if t and " " in t and not t.strip() else t for t in fields["tokenizer.ggml.tokens"]]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    merges = []
+    for t in tokens:
+        pairs = [(t[:k], t[k:]) for k in range(len(t) - 1, 0, -1) if t[:k] in vocab and t[k:] in vocab]
+        merges += pairs  # (in the file's order; within a piece, the longer left piece first)
+    unk_id = fields.get("tokenizer.ggml.unknown_token_id")
+    bpe = models.BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True,
+                     unk_token=tokens[unk_id] if unk_id is not None else None)
+    backend = HFTokenizer(bpe)
+    backend.normalizer = normalizers.Replace(" ", "\u2581")
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    return backend
 
 
 @functools.lru_cache(maxsize=1)

@@ -37,9 +37,8 @@ Transformer = nn.Module
 def applies(model: Transformer) -> bool:
     """Whether the native stack can run this model at all (architecture, device, kernels built)."""
     cfg = model.config
-    return not (cfg.pos_embedding != "rope" or cfg.norm != "rmsnorm" or cfg.mlp != "swiglu" or cfg.bias
-                or model.training or model.rope_cos.device.type != "cpu" or os.environ.get("ARLM_NO_FUSED")
-                or not native_available())
+    return cfg.plain_llama and not (model.training or model.rope_cos.device.type != "cpu"
+                                    or os.environ.get("ARLM_NO_FUSED") or not native_available())
 
 
 def linear_weights(layer: torch.nn.Module, dense: bool = False) -> tuple[list[torch.Tensor], bool] | None:

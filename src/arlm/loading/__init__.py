@@ -15,7 +15,7 @@ import torch
 
 from .. import kernels
 from ..config import ModelConfig
-from ..model import Transformer, rope_table
+from ..model import Transformer
 from ..quant import QuantizedEmbedding, QuantizedLinear, prepare
 from ..tokenizer import Tokenizer, TokenizerError
 from . import cache
@@ -76,7 +76,7 @@ def build_model(config: ModelConfig, state_dict: dict[str, torch.Tensor], device
     model = model.to_empty(device=device)
     # Buffers (RoPE tables) are not in the state dict: recompute them on the real device.
     if config.pos_embedding == "rope":
-        model.rope_cos, model.rope_sin = (t.to(device) for t in rope_table(config.head_dim, config.max_seq_len, config.rope_theta))
+        model.set_rope_tables(device)
     if config.tie_embeddings:
         state_dict = {k: v for k, v in state_dict.items() if k != "lm_head.weight"}
         model.lm_head.weight = model.tok_emb.weight

@@ -35,7 +35,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from ..config import ModelConfig
 from ..files import atomic_write_text
-from ..model import Transformer, rope_table
+from ..model import Transformer
 from ..quant import Int8Linear, Q4Linear, Q8Linear, QuantizedEmbedding, QuantizedLinear
 from ..tokenizer import Tokenizer
 
@@ -179,7 +179,7 @@ def load(path: Path, layout: str):
     with torch.device("meta"):
         model = Transformer(config, init=False)
     if config.pos_embedding == "rope":
-        model.rope_cos, model.rope_sin = rope_table(config.head_dim, config.max_seq_len, config.rope_theta)
+        model.set_rope_tables()
     kinds = {"Q4Linear": Q4Linear, "Q8Linear": Q8Linear, "Int8Linear": Int8Linear}
     modules: dict[str, torch.nn.Module] = {}
     entries = manifest["modules"]

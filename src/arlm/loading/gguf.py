@@ -1,4 +1,5 @@
-"""Read a Llama-family GGUF file: config, weights, tokenizer and chat template.
+"""Read a GGUF file of a Llama-shaped architecture (llama, qwen2, qwen3, gemma3): config,
+weights, tokenizer and chat template.
 
 The file is opened once with `gguf.GGUFReader` (a memory map). Two ways to its weights:
 
@@ -23,7 +24,7 @@ import numpy as np
 import torch
 
 from ..config import ModelConfig
-from ..model import Transformer, rope_table
+from ..model import Transformer
 from ..quant import Int8Linear, Q4Linear, Q8Linear, QuantizedEmbedding
 from .errors import LoadError
 
@@ -34,10 +35,17 @@ _LAYER_NAMES = {
     "attn_output.weight": "attn.wo.weight",
     "ffn_norm.weight": "mlp_norm.weight",
     "ffn_down.weight": "mlp.down.weight",
+    "attn_q_norm.weight": "attn.q_norm.weight",  # Qwen 3, Gemma 3
+    "attn_k_norm.weight": "attn.k_norm.weight",
+    "post_attention_norm.weight": "attn_post_norm.weight",  # Gemma 3
+    "post_ffw_norm.weight": "mlp_post_norm.weight",
 }
 # Tensors that our model holds fused: (parts in order) -> our name.
 _FUSED = {("attn_q.weight", "attn_k.weight", "attn_v.weight"): "attn.wqkv.weight",
+          ("attn_q.bias", "attn_k.bias", "attn_v.bias"): "attn.wqkv.bias",  # Qwen 2
           ("ffn_gate.weight", "ffn_up.weight"): "mlp.gate_up.weight"}
+# The architectures read (`general.architecture`): Llama's shape, with their switches (_config).
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 _PART_OF = {part: (parts, ours) for parts, ours in _FUSED.items() for part in parts}
 _GLOBAL_NAMES = {"token_embd.weight": "tok_emb.weight", "output_norm.weight": "norm.weight",
                  "output.weight": "lm_head.weight"}
@@ -78,6 +86,7 @@ class GGUFFile:
     tokenizer_fields: dict
     chat_template: str | None
     name: str
+    arch: str = "llama"
 
     def weights(self):
         """(our name, layer or None, GGUF tensor) for each tensor arlm uses, in file order."""
@@ -111,34 +120,58 @@ def open_gguf(path: str | Path) -> GGUFFile:
             raise LoadError(f"{path} is truncated: tensor {t.name} runs past the end of the file")
 
     arch = _field(reader, "general.architecture")
-    if arch != "llama":
-        raise LoadError(f"{path}: unsupported GGUF architecture {arch!r} (arlm reads 'llama' GGUFs)")
+    if arch not in ARCHITECTURES:
+        raise LoadError(f"{path}: unsupported GGUF architecture {arch!r} (arlm reads {', '.join(ARCHITECTURES)})")
+    try:
+        config = _config(reader, arch)
+    except (TypeError, ValueError) as e:
+        raise LoadError(f"{path}: incomplete or inconsistent {arch} metadata ({e})") from None
+    rope_dims = _field(reader, f"{arch}.rope.dimension_count")
+    if rope_dims is not None and int(rope_dims) != config.head_dim:
+        raise LoadError(f"{path}: partial rotary embeddings ({rope_dims} of {config.head_dim} dims) unsupported")
+    if arch == "llama" and any(t.name == "rope_freqs.weight" for t in reader.tensors):
+        raise LoadError(f"{path}: RoPE frequency factors (rope_freqs, Llama 3.1+) are not read from GGUF yet; "
+                        "an HF directory of the model loads (its rope_scaling)")
+    tok_fields = {k: _field(reader, k) for k in reader.fields if k.startswith("tokenizer.ggml.")}
+    return GGUFFile(path, reader, config, tok_fields, _field(reader, "tokenizer.chat_template"),
+                    _field(reader, "general.name") or path.stem, arch)
 
+
+def _config(reader, arch: str) -> ModelConfig:
+    """The ModelConfig of an `arch` file's metadata (llama.cpp's keys; where a key is absent,
+    the value llama.cpp and transformers assume)."""
     def meta(key, default=None):
         return _field(reader, f"{arch}.{key}", default)
 
     n_head = int(meta("attention.head_count"))
-    n_kv = int(meta("attention.head_count_kv", n_head))
     d_model = int(meta("embedding_length"))
+    head_dim = int(meta("attention.key_length", d_model // n_head))
     names = {t.name for t in reader.tensors}
     tokens = _field(reader, "tokenizer.ggml.tokens") or []
-    vocab_size = int(meta("vocab_size", len(tokens)))
-    try:
-        config = ModelConfig.llama(
-            vocab_size=vocab_size, n_layer=int(meta("block_count")), n_head=n_head, n_kv_heads=n_kv,
-            d_model=d_model, d_ff=int(meta("feed_forward_length")),
-            max_seq_len=int(meta("context_length", 2048)),
-            norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-5)),
-            rope_theta=float(meta("rope.freq_base", 10000.0)),
-            tie_embeddings="output.weight" not in names)
-    except (TypeError, ValueError) as e:
-        raise LoadError(f"{path}: incomplete or inconsistent llama metadata ({e})") from None
-    rope_dims = meta("rope.dimension_count")
-    if rope_dims is not None and int(rope_dims) != config.head_dim:
-        raise LoadError(f"{path}: partial rotary embeddings ({rope_dims} of {config.head_dim} dims) unsupported")
-    tok_fields = {k: _field(reader, k) for k in reader.fields if k.startswith("tokenizer.ggml.")}
-    return GGUFFile(path, reader, config, tok_fields, _field(reader, "tokenizer.chat_template"),
-                    _field(reader, "general.name") or path.stem)
+    n_layer = int(meta("block_count"))
+    extra: dict = {}
+    if arch == "qwen2":
+        extra = dict(qkv_bias=True)
+    elif arch == "qwen3":
+        extra = dict(qk_norm=True)
+    elif arch == "gemma3":
+        pattern = int(meta("attention.sliding_window_pattern", 6))
+        scaling = None
+        if meta("rope.scaling.type") == "linear" and float(meta("rope.scaling.factor", 1.0)) != 1.0:
+            scaling = {"rope_type": "linear", "factor": float(meta("rope.scaling.factor"))}
+        extra = dict(mlp="geglu", gelu_approximate="tanh", qk_norm=True, norm_plus_one=True, embed_scale=True,
+                     post_norms=True, sliding_window=int(meta("attention.sliding_window", 512)),
+                     layer_types=tuple("full" if (i + 1) % pattern == 0 else "sliding" for i in range(n_layer)),
+                     rope_local_theta=float(meta("rope.freq_base_swa", 10000.0)), rope_scaling=scaling,
+                     # query_pre_attn_scalar is not in the file: head_dim, but d_model / n_head for the
+                     # 27B (62 layers), as llama.cpp decides it
+                     attn_scale=(d_model / n_head) ** -0.5 if n_layer == 62 else None)
+    return ModelConfig.llama(
+        vocab_size=int(meta("vocab_size", len(tokens))), n_layer=n_layer, n_head=n_head,
+        n_kv_heads=int(meta("attention.head_count_kv", n_head)), d_model=d_model,
+        head_size=None if head_dim * n_head == d_model else head_dim, d_ff=int(meta("feed_forward_length")),
+        max_seq_len=int(meta("context_length", 2048)), norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(meta("rope.freq_base", 10000.0)), tie_embeddings="output.weight" not in names, **extra)
 
 
 def _dequantize(gf: GGUFFile, t) -> np.ndarray:
@@ -152,11 +185,14 @@ def _dequantize(gf: GGUFFile, t) -> np.ndarray:
     return np.asarray(w, dtype=np.float32).reshape([int(x) for x in reversed(t.shape)])
 
 
-def _unpermute(rest: str, w: np.ndarray, config: ModelConfig) -> np.ndarray:
-    if rest == "attn_q.weight":
-        return unpermute_rope_rows(w, config.n_head)
-    if rest == "attn_k.weight":
-        return unpermute_rope_rows(w, config.n_kv_heads)
+def _unpermute(rest: str, w: np.ndarray, gf: GGUFFile) -> np.ndarray:
+    """A tensor as arlm holds it: q/k rows un-permuted where llama.cpp's converter permuted them
+    (its Llama family; not Qwen's or Gemma's), and a Gemma norm's (1 + w) back to w (the
+    converter adds the 1 for ggml's plain multiply)."""
+    if gf.arch == "llama" and rest in ("attn_q.weight", "attn_k.weight"):
+        return unpermute_rope_rows(w, gf.config.n_head if rest == "attn_q.weight" else gf.config.n_kv_heads)
+    if gf.config.norm_plus_one and rest.endswith("norm.weight"):
+        return w - np.float32(1.0)
     return w
 
 
@@ -193,7 +229,7 @@ def read_gguf(path: str | Path) -> GGUFModel:
                 _dequantize_blocks(b, t.tensor_type.name, out[row:row + b.shape[0]])
                 row += b.shape[0]
             return torch.from_numpy(out)
-        ws = [_unpermute(rest, _dequantize(gf, t), gf.config) for rest, t in parts]
+        ws = [_unpermute(rest, _dequantize(gf, t), gf) for rest, t in parts]
         w = ws[0] if len(ws) == 1 else np.concatenate(ws)
         return torch.from_numpy(w if w.flags.writeable and w.flags.c_contiguous else w.copy())
 
@@ -210,7 +246,7 @@ def _blocks(gf: GGUFFile, rest: str, t) -> np.ndarray:
     """A Q4_1 / Q8_0 tensor's blocks [N, K/32, bytes per block], q/k rows un-permuted (a view of
     the memory map where nothing moves)."""
     data = np.asarray(t.data).reshape(int(t.shape[1]), -1, _BLOCK[t.tensor_type.name])
-    return _unpermute(rest, data, gf.config)
+    return _unpermute(rest, data, gf)
 
 
 def _dequantize_blocks(b: np.ndarray, kind: str, out: np.ndarray, rows: int = 2048) -> None:
@@ -248,7 +284,7 @@ def _quantized_layer(gf: GGUFFile, parts, requantized: list[str]):
         else:
             layer._set(torch.from_numpy(np.ascontiguousarray(b[..., 2:]).view(np.int8).reshape(N, 32 * G)), scale)
         return layer
-    ws = [_unpermute(rest, _dequantize(gf, t), gf.config) for rest, t in parts]
+    ws = [_unpermute(rest, _dequantize(gf, t), gf) for rest, t in parts]
     requantized += [t.name for _, t in parts]
     return Int8Linear.from_float(torch.from_numpy(np.concatenate(ws) if len(ws) > 1 else ws[0]))
 
@@ -262,18 +298,21 @@ def quantized_model(path: str | Path) -> tuple[GGUFFile, "torch.nn.Module", list
 
     def convert(parts):
         rest, t = parts[0]
-        if len(parts) == 1 and (len(t.shape) == 1 or (rest == "token_embd.weight" and t.tensor_type.name not in _BLOCK)):
-            return torch.from_numpy(_dequantize(gf, t).copy())  # norms, or a float table gathered as it is
+        if len(t.shape) == 1:  # norms, and biases (q, k and v's concatenated)
+            return torch.from_numpy(np.concatenate([_unpermute(r, _dequantize(gf, x), gf) for r, x in parts]))
+        if len(parts) == 1 and rest == "token_embd.weight" and t.tensor_type.name not in _BLOCK:
+            return torch.from_numpy(_dequantize(gf, t).copy())  # a float table, gathered as it is
         return _quantized_layer(gf, parts, requantized)
 
     tensors = _tensors_by_name(gf, convert)
     with torch.device("meta"):
         model = Transformer(cfg, init=False)
-    model.rope_cos, model.rope_sin = rope_table(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+    model.set_rope_tables()
     emb = tensors.pop("tok_emb.weight")
-    for name, value in tensors.items():
+    # the quantized layers in place of the nn.Linears first, then the norms' weights and biases
+    for name, value in sorted(tensors.items(), key=lambda kv: isinstance(kv[1], torch.Tensor)):
         owner_name, _, attr = name.rpartition(".")
-        if isinstance(value, torch.Tensor):  # a norm's weight
+        if isinstance(value, torch.Tensor):  # a norm's weight, a bias
             setattr(model.get_submodule(owner_name), attr, torch.nn.Parameter(value, requires_grad=False))
         else:  # a quantized layer in place of an nn.Linear
             parent, _, child = owner_name.rpartition(".")
