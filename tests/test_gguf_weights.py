@@ -379,3 +379,29 @@ def test_a_cache_written_meanwhile_is_kept(direct, monkeypatch):
     stamp = (directory / "weights.bin").stat().st_mtime_ns
     assert cache.save(built.path, layout, built) == directory
     assert (directory / "weights.bin").stat().st_mtime_ns == stamp
+
+
+@pytest.mark.parametrize("kind", ["Q5_0", "Q4_0", "Q8_0", "Q4_1"])
+def test_blocks_read_as_stored_dequantize_as_gguf_does(kind):
+    """Random blocks of each type arlm reads as stored (every byte random but the fp16 scales,
+    kept finite): Q5_0 and Q4_0 widened to Q8_0 blocks give gguf's dequantized values bit for
+    bit, as Q8_0's and Q4_1's own do; and a Q8Linear built from the widened blocks holds them."""
+    import gguf
+
+    from arlm.loading.gguf import _BLOCK, _as_q8_0, _dequantize_blocks
+
+    rng = np.random.default_rng(5)
+    N, G = 7, 5
+    b = rng.integers(0, 256, (N, G, _BLOCK[kind]), dtype=np.uint8)
+    scales = rng.standard_normal((N, G, 2 if kind == "Q4_1" else 1)).astype(np.float16)  # d (and m)
+    b[..., :2] = scales[..., :1].view(np.uint8).reshape(N, G, 2)
+    if kind == "Q4_1":
+        b[..., 2:4] = scales[..., 1:].view(np.uint8).reshape(N, G, 2)
+    want = gguf.quants.dequantize(b.reshape(N, -1), gguf.GGMLQuantizationType[kind]).reshape(N, 32 * G)
+    got = np.empty((N, 32 * G), np.float32)
+    _dequantize_blocks(b, kind, got)
+    assert np.array_equal(got, want)
+    if kind != "Q4_1":
+        q8 = _as_q8_0(b, kind)
+        assert np.array_equal(gguf.quants.dequantize(q8.reshape(N, -1), gguf.GGMLQuantizationType.Q8_0)
+                              .reshape(N, 32 * G), want)

@@ -175,3 +175,36 @@ def test_paged_engine_equals_full_sequences(name):
     engine = Engine(model, (), EngineConfig(block_size=4, kv_cache_tokens=256, max_num_batched_tokens=16))
     got = engine.generate(prompts, SamplingParams(max_new_tokens=12, temperature=0.0))
     assert got == expect
+
+
+@pytest.mark.parametrize("name", ["llama-gqa-untied", *LATER])
+def test_gguf_of_each_architecture_loads_as_transformers_computes(name, tmp_path):
+    """A GGUF written the way llama.cpp's converter writes one (tests/gguf_writer.py: its names,
+    Llama's permuted q/k rows, Gemma's 1 + w norms; F32) loads to transformers' logits; with
+    the matrices in Q8_0 the quantized path (the file's blocks as stored, the rest rounded to
+    int8) loads too, close to the file's float weights."""
+    from gguf_writer import write_gguf
+
+    from arlm.loading import load_model
+
+    if name == "llama3-scaled-rope":
+        pytest.skip("llama3 RoPE scaling is not written to GGUF as metadata (rope_freqs: not read yet)")
+    # (GGUF has no query_pre_attn_scalar: llama.cpp takes head_dim, so the file's model must too)
+    hf = hf_family("gemma3", seed=20, query_pre_attn_scalar=32) if name == "gemma3" else MODELS[name]()
+    ids = torch.randint(2, hf.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(104))
+    f32 = write_gguf(hf, tmp_path / "f32.gguf")
+    loaded = load_model(str(f32))
+    want = config_from_hf(hf.config.to_dict())
+    assert (loaded.config.layer_types, loaded.config.head_dim, loaded.config.qkv_bias, loaded.config.qk_norm) == \
+        (want.layer_types, want.head_dim, want.qkv_bias, want.qk_norm)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.model(ids), hf_logits(hf, ids), atol=ATOL, rtol=0)
+    q8 = write_gguf(hf, tmp_path / "q8.gguf", quantize={"attn_q.weight", "attn_k.weight", "attn_v.weight",
+                                                         "ffn_down.weight"})
+    quantized = load_model(str(q8), quantized=True)
+    floats = load_model(str(q8))
+    with torch.no_grad():
+        q, f = quantized.model(ids), floats.model(ids)
+    # (the F32 matrices are rounded to int8 per row on that path, and activations to 8 bits x 2:
+    # close, not equal)
+    assert (q - f).abs().max() < 0.05 * f.abs().max() and (q.argmax(-1) == f.argmax(-1)).float().mean() > 0.9

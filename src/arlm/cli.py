@@ -97,7 +97,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
                          f"--max-new-tokens ({params.max_new_tokens}): the reply must fit beside the prompt")
     llm = load_llm(args)
     if not llm.chat_template:
-        raise PromptError(f"model {llm.loaded.name} has no chat template (use `arlm generate` for plain text)")
+        raise PromptError(f"model {llm.loaded.name} has no chat template: give one with --chat-template "
+                          "FILE|TEMPLATE (or use `arlm generate` for plain text)")
     session = ChatSession(llm, params, system=args.system, max_context=args.max_context)
     interactive = sys.stdin.isatty()
     failed = 0  # turns that got no reply: a non-zero exit at the end

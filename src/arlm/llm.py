@@ -493,7 +493,8 @@ class LLM:
         """The conversation as the chat template renders it; `extra`: more template variables
         (e.g. `tools`, HF's convention)."""
         if not self.chat_template:
-            raise PromptError(f"model {self.loaded.name} has no chat template")
+            raise PromptError(f"model {self.loaded.name} has no chat template: give one with --chat-template "
+                              "FILE|TEMPLATE (LLM.chat_template in Python)")
         tok = self.tokenizer
         special = {"bos_token": tok.decode([tok.bos_id]) if tok.bos_id is not None else "",
                    "eos_token": tok.decode([tok.eos_id]) if tok.eos_id is not None else ""}

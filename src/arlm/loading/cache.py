@@ -39,7 +39,7 @@ from ..model import Transformer
 from ..quant import Int8Linear, Q4Linear, Q8Linear, QuantizedEmbedding, QuantizedLinear
 from ..tokenizer import Tokenizer
 
-FORMAT = 3
+FORMAT = 4  # (4: quantized layers may have biases; Q5_0 and Q4_0 blocks read as Q8_0 ones, not re-quantized)
 _ALIGN = 64
 _DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.int8, torch.uint8)}
 
@@ -85,11 +85,12 @@ def _describe(model: torch.nn.Module, add) -> list[dict]:
             continue
         first[id(module)] = name
         if isinstance(module, QuantizedLinear):
-            if module.bias is not None or module.dense_weight is not None:
-                raise ValueError(f"{name}: only bias-free quantized layers without dense copies are cached")
+            if module.dense_weight is not None:
+                raise ValueError(f"{name}: quantized layers with dense copies are not cached")
             entries.append({"name": name, "kind": type(module).__name__, "in": module.in_features,
                             "out": module.out_features, "int8_activations": module.int8_activations,
-                            "tensors": [add(t) for t in module.tensors()]})
+                            "tensors": [add(t) for t in module.tensors()],
+                            "bias": add(module.bias.detach()) if module.bias is not None else None})
         elif isinstance(module, QuantizedEmbedding):
             entries.append({"name": name, "kind": "QuantizedEmbedding", "table": f"{name}.table"})
         elif isinstance(module, (torch.nn.Embedding, torch.nn.Linear)) or name.endswith("norm"):
@@ -189,8 +190,10 @@ def load(path: Path, layout: str):
             setattr(model.get_submodule(owner), attr, torch.nn.Parameter(tensor(e["tensors"][0]), requires_grad=False))
         elif e["kind"] in kinds:
             with torch.device("meta"):
-                layer = kinds[e["kind"]](e["in"], e["out"])
+                layer = kinds[e["kind"]](e["in"], e["out"], bias=e.get("bias") is not None)
             layer._set(*(tensor(r) for r in e["tensors"]))
+            if e.get("bias") is not None:  # (Qwen 2's q/k/v)
+                layer.bias = torch.nn.Parameter(tensor(e["bias"]), requires_grad=False)
             layer.int8_activations = e["int8_activations"]
             modules[e["name"]] = layer
     for e in entries:  # then what refers to those

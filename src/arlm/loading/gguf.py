@@ -155,13 +155,20 @@ def _config(reader, arch: str) -> ModelConfig:
     elif arch == "qwen3":
         extra = dict(qk_norm=True)
     elif arch == "gemma3":
-        pattern = int(meta("attention.sliding_window_pattern", 6))
+        # every n-th layer full (an integer), or a flag per layer (true: sliding)
+        pattern = meta("attention.sliding_window_pattern", 6)
+        if isinstance(pattern, list):
+            if len(pattern) != n_layer:
+                raise ValueError(f"sliding_window_pattern has {len(pattern)} flags for {n_layer} layers")
+            types = tuple("sliding" if flag else "full" for flag in pattern)
+        else:
+            types = tuple("full" if (i + 1) % int(pattern) == 0 else "sliding" for i in range(n_layer))
         scaling = None
         if meta("rope.scaling.type") == "linear" and float(meta("rope.scaling.factor", 1.0)) != 1.0:
             scaling = {"rope_type": "linear", "factor": float(meta("rope.scaling.factor"))}
         extra = dict(mlp="geglu", gelu_approximate="tanh", qk_norm=True, norm_plus_one=True, embed_scale=True,
                      post_norms=True, sliding_window=int(meta("attention.sliding_window", 512)),
-                     layer_types=tuple("full" if (i + 1) % pattern == 0 else "sliding" for i in range(n_layer)),
+                     layer_types=types,
                      rope_local_theta=float(meta("rope.freq_base_swa", 10000.0)), rope_scaling=scaling,
                      # query_pre_attn_scalar is not in the file: head_dim, but d_model / n_head for the
                      # 27B (62 layers), as llama.cpp decides it
@@ -226,7 +233,8 @@ def read_gguf(path: str | Path) -> GGUFModel:
             out = np.empty((sum(b.shape[0] for b in blocks), 32 * blocks[0].shape[1]), np.float32)
             row = 0
             for (_, t), b in zip(parts, blocks):
-                _dequantize_blocks(b, t.tensor_type.name, out[row:row + b.shape[0]])
+                kind = t.tensor_type.name
+                _dequantize_blocks(b, kind, out[row:row + b.shape[0]])
                 row += b.shape[0]
             return torch.from_numpy(out)
         ws = [_unpermute(rest, _dequantize(gf, t), gf) for rest, t in parts]
@@ -238,25 +246,49 @@ def read_gguf(path: str | Path) -> GGUFModel:
                      chat_template=gf.chat_template, name=gf.name)
 
 
-# Bytes per block of 32 and the block's fields, for the types loaded as they are.
-_BLOCK = {"Q4_1": 20, "Q8_0": 34}
+# Bytes per block of 32, for the types loaded as they are: Q4_1 into Q4Linear, Q8_0 into
+# Q8Linear, and Q5_0 / Q4_0 into Q8Linear too, their values widened to int8 (exactly: the same
+# scale, the same d * q; `_as_q8_0`).
+_BLOCK = {"Q4_1": 20, "Q8_0": 34, "Q5_0": 22, "Q4_0": 18}
+_AS_Q8 = ("Q8_0", "Q5_0", "Q4_0")
 
 
 def _blocks(gf: GGUFFile, rest: str, t) -> np.ndarray:
-    """A Q4_1 / Q8_0 tensor's blocks [N, K/32, bytes per block], q/k rows un-permuted (a view of
-    the memory map where nothing moves)."""
+    """A tensor's blocks [N, K/32, bytes per block] (a type of _BLOCK), q/k rows un-permuted (a
+    view of the memory map where nothing moves)."""
     data = np.asarray(t.data).reshape(int(t.shape[1]), -1, _BLOCK[t.tensor_type.name])
     return _unpermute(rest, data, gf)
 
 
+def _as_q8_0(b: np.ndarray, kind: str) -> np.ndarray:
+    """Q8_0 / Q5_0 / Q4_0 blocks [N, G, bytes] as Q8_0 blocks [N, G, 34]: the fp16 scale d as
+    it is, each value q as an int8 (Q5_0: 4 low bits from qs, the 5th from the 32-bit qh,
+    minus 16; Q4_0: a nibble minus 8; element j < 16 in the low nibble of qs[j], j + 16 in its
+    high one). d * q is then gguf's dequantized value, bit for bit."""
+    if kind == "Q8_0":
+        return b
+    out = np.empty((*b.shape[:2], 34), np.uint8)
+    out[..., :2] = b[..., :2]
+    qs = b[..., 6:22] if kind == "Q5_0" else b[..., 2:18]
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.int16)  # [N, G, 32]
+    if kind == "Q5_0":
+        qh = np.ascontiguousarray(b[..., 2:6]).view("<u4")  # [N, G, 1]
+        q |= (((qh >> np.arange(32, dtype=np.uint32)) & 1) << 4).astype(np.int16)
+        q -= 16
+    else:
+        q -= 8
+    out[..., 2:] = q.astype(np.int8).view(np.uint8)
+    return out
+
+
 def _dequantize_blocks(b: np.ndarray, kind: str, out: np.ndarray, rows: int = 2048) -> None:
-    """Q4_1 / Q8_0 blocks [N, G, bytes] -> float32 out [N, 32 G], as gguf.quants.dequantize does
-    (d * q (+ m) in float32: the same values, bit for bit), `rows` rows at a time."""
+    """Blocks of a _BLOCK type [N, G, bytes] -> float32 out [N, 32 G], as gguf.quants.dequantize
+    does (d * q (+ m) in float32: the same values, bit for bit), `rows` rows at a time."""
     for i in range(0, b.shape[0], rows):
-        c = b[i:i + rows]
+        c = b[i:i + rows] if kind in ("Q4_1", "Q8_0") else _as_q8_0(b[i:i + rows], kind)
         n, G = c.shape[0], c.shape[1]
         d = np.ascontiguousarray(c[..., 0:2]).view(np.float16).astype(np.float32)  # [n, G, 1]
-        if kind == "Q8_0":
+        if kind != "Q4_1":
             q = np.ascontiguousarray(c[..., 2:]).view(np.int8).astype(np.float32)
             out[i:i + n] = (d * q).reshape(n, 32 * G)
         else:
@@ -267,12 +299,14 @@ def _dequantize_blocks(b: np.ndarray, kind: str, out: np.ndarray, rows: int = 20
 
 
 def _quantized_layer(gf: GGUFFile, parts, requantized: list[str]):
-    """A fused or single linear weight from its file tensors: Q4Linear / Q8Linear where every
-    part has that type (the file's bytes, split), else int8 per row from the dequantized values."""
+    """A fused or single linear weight from its file tensors: Q4Linear where every part is Q4_1
+    (the file's bytes, split), Q8Linear where every part is Q8_0, Q5_0 or Q4_0 (their values
+    exactly, `_as_q8_0`), else int8 per row from the dequantized values."""
     kinds = {t.tensor_type.name for _, t in parts}
-    if len(kinds) == 1 and (kind := kinds.pop()) in _BLOCK:
-        b = np.concatenate([_blocks(gf, rest, t) for rest, t in parts]) if len(parts) > 1 else \
-            np.ascontiguousarray(_blocks(gf, *parts[0]))
+    if kinds == {"Q4_1"} or kinds <= set(_AS_Q8):
+        kind = "Q4_1" if kinds == {"Q4_1"} else "Q8_0"
+        blocks = [_as_q8_0(_blocks(gf, rest, t), t.tensor_type.name) for rest, t in parts]
+        b = np.concatenate(blocks) if len(parts) > 1 else np.ascontiguousarray(blocks[0])
         N, G, _ = b.shape
         cls = Q4Linear if kind == "Q4_1" else Q8Linear
         with torch.device("meta"):
@@ -286,7 +320,7 @@ def _quantized_layer(gf: GGUFFile, parts, requantized: list[str]):
         return layer
     ws = [_unpermute(rest, _dequantize(gf, t), gf) for rest, t in parts]
     requantized += [t.name for _, t in parts]
-    return Int8Linear.from_float(torch.from_numpy(np.concatenate(ws) if len(ws) > 1 else ws[0]))
+    return Int8Linear.from_float(torch.from_numpy(np.concatenate(ws) if len(ws) > 1 else np.array(ws[0])))
 
 
 def quantized_model(path: str | Path) -> tuple[GGUFFile, "torch.nn.Module", list[str]]:
