@@ -265,7 +265,8 @@ def _as_q8_0(b: np.ndarray, kind: str) -> np.ndarray:
     it is, each value q as an int8 (Q5_0: 4 low bits from qs, the 5th from the 32-bit qh,
     minus 16; Q4_0: a nibble minus 8; element j < 16 in the low nibble of qs[j], j + 16 in its
     high one). d * q is then gguf's dequantized value, bit for bit."""
-    if kind == "Q8_0":
+    if kind not in ("Q5_0", "Q4_0"):
+        assert kind == "Q8_0", kind
         return b
     out = np.empty((*b.shape[:2], 34), np.uint8)
     out[..., :2] = b[..., :2]
@@ -305,7 +306,8 @@ def _quantized_layer(gf: GGUFFile, parts, requantized: list[str]):
     kinds = {t.tensor_type.name for _, t in parts}
     if kinds == {"Q4_1"} or kinds <= set(_AS_Q8):
         kind = "Q4_1" if kinds == {"Q4_1"} else "Q8_0"
-        blocks = [_as_q8_0(_blocks(gf, rest, t), t.tensor_type.name) for rest, t in parts]
+        blocks = [_blocks(gf, rest, t) if kind == "Q4_1" else _as_q8_0(_blocks(gf, rest, t), t.tensor_type.name)
+                  for rest, t in parts]
         b = np.concatenate(blocks) if len(parts) > 1 else np.ascontiguousarray(blocks[0])
         N, G, _ = b.shape
         cls = Q4Linear if kind == "Q4_1" else Q8Linear
