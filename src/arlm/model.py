@@ -264,7 +264,9 @@ class Transformer(nn.Module):
             raise ValueError(f"a self-draft takes 1..{self.config.n_layer - 1} of the target's "
                              f"{self.config.n_layer} layers, got {n_layers}")
         with torch.device("meta"):  # (every module and buffer built here is replaced by this model's)
-            part = Transformer(replace(self.config, n_layer=n_layers), init=False)
+            types = self.config.layer_types
+            part = Transformer(replace(self.config, n_layer=n_layers, layer_types=types[:n_layers] if types else None),
+                               init=False)
         part.tok_emb = self.tok_emb
         if self.config.pos_embedding == "learned":
             part.pos_emb = self.pos_emb
