@@ -50,6 +50,7 @@ def write_gguf(hf_model, path: Path, quantize: set[str] = frozenset()) -> Path:
         w.add_sliding_window_pattern([t == "sliding_attention" for t in c.layer_types])
     else:
         w.add_rope_freq_base(rope["rope_theta"])
+    scaled = kind == "llama" and rope.get("rope_type") == "llama3"
     byte_tokens = list(_byte_decoder())  # (GPT-2's byte-level characters)
     tokens = (byte_tokens + [f"<filler_{i}>" for i in range(max(0, c.vocab_size - len(byte_tokens)))])[:c.vocab_size]
     w.add_tokenizer_model("gpt2")
@@ -73,6 +74,12 @@ def write_gguf(hf_model, path: Path, quantize: set[str] = frozenset()) -> Path:
     def norm(a: np.ndarray) -> np.ndarray:
         return a + 1.0 if kind == "gemma3_text" else a  # (the converter folds Gemma's 1 + w in)
 
+    if scaled:  # as llama.cpp's converter writes Llama 3's scaled RoPE: a divisor per frequency
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        scaled_freq, _ = ROPE_INIT_FUNCTIONS["llama3"](c, "cpu")
+        plain = 1.0 / (rope["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        add("rope_freqs.weight", (plain / scaled_freq).numpy())
     add("token_embd.weight", sd["embed_tokens.weight"])
     add("output_norm.weight", norm(sd["norm.weight"]))
     if not c.tie_word_embeddings:

@@ -187,8 +187,6 @@ def test_gguf_of_each_architecture_loads_as_transformers_computes(name, tmp_path
 
     from arlm.loading import load_model
 
-    if name == "llama3-scaled-rope":
-        pytest.skip("llama3 RoPE scaling is not written to GGUF as metadata (rope_freqs: not read yet)")
     # (GGUF has no query_pre_attn_scalar: llama.cpp takes head_dim, so the file's model must too)
     hf = hf_family("gemma3", seed=20, query_pre_attn_scalar=32) if name == "gemma3" else MODELS[name]()
     ids = torch.randint(2, hf.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(104))

@@ -54,7 +54,8 @@ class ModelConfig:
     rope_local_theta: float | None = None
     # RoPE frequency scaling of the full layers, as HF's rope_parameters: {"rope_type": "linear",
     # "factor"} or {"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
-    # "original_max_position_embeddings"}; None: plain RoPE.
+    # "original_max_position_embeddings"}; or as a GGUF stores Llama 3's, {"rope_type":
+    # "freq_factors", "factors": [head_dim / 2 divisors]}; None: plain RoPE.
     rope_scaling: dict | None = None
 
     def __post_init__(self) -> None:
@@ -75,9 +76,10 @@ class ModelConfig:
                 raise ConfigError(f"layer_types must give 'full' or 'sliding' for each of the {self.n_layer} layers")
             if "sliding" in self.layer_types and self.sliding_window < 1:
                 raise ConfigError("sliding layers need sliding_window >= 1")
-        if self.rope_scaling is not None and self.rope_scaling.get("rope_type") not in ("linear", "llama3"):
+        if self.rope_scaling is not None and self.rope_scaling.get("rope_type") not in ("linear", "llama3",
+                                                                                      "freq_factors"):
             raise ConfigError(f"rope_scaling type {self.rope_scaling.get('rope_type')!r} is not supported "
-                              "(linear, llama3)")
+                              "(linear, llama3, freq_factors)")
         if self.n_head % self.n_kv_heads:
             raise ConfigError(f"n_head ({self.n_head}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
         if self.pos_embedding == "rope" and self.head_dim % 2:

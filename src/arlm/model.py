@@ -44,12 +44,14 @@ def make_norm(config: ModelConfig, dim: int | None = None) -> nn.Module:
 
 def rope_frequencies(head_dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
     """RoPE's inverse frequencies [head_dim / 2]; `scaling` (ModelConfig.rope_scaling) divides
-    them by its factor ("linear"), or, "llama3", the low frequencies (wavelengths past the
+    them by its factors ("freq_factors": one each), by its factor ("linear"), or, "llama3", the low frequencies (wavelengths past the
     original context / low_freq_factor) by the factor, the high ones (below original /
     high_freq_factor) not at all, and the band between by a blend of the two."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if scaling is None:
         return inv_freq
+    if scaling["rope_type"] == "freq_factors":  # (llama.cpp's rope_freqs: one divisor per frequency)
+        return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32)
     factor = float(scaling["factor"])
     if scaling["rope_type"] == "linear":
         return inv_freq / factor

@@ -129,9 +129,7 @@ def open_gguf(path: str | Path) -> GGUFFile:
     rope_dims = _field(reader, f"{arch}.rope.dimension_count")
     if rope_dims is not None and int(rope_dims) != config.head_dim:
         raise LoadError(f"{path}: partial rotary embeddings ({rope_dims} of {config.head_dim} dims) unsupported")
-    if arch == "llama" and any(t.name == "rope_freqs.weight" for t in reader.tensors):
-        raise LoadError(f"{path}: RoPE frequency factors (rope_freqs, Llama 3.1+) are not read from GGUF yet; "
-                        "an HF directory of the model loads (its rope_scaling)")
+
     tok_fields = {k: _field(reader, k) for k in reader.fields if k.startswith("tokenizer.ggml.")}
     return GGUFFile(path, reader, config, tok_fields, _field(reader, "tokenizer.chat_template"),
                     _field(reader, "general.name") or path.stem, arch)
@@ -173,6 +171,10 @@ def _config(reader, arch: str) -> ModelConfig:
                      # query_pre_attn_scalar is not in the file: head_dim, but d_model / n_head for the
                      # 27B (62 layers), as llama.cpp decides it
                      attn_scale=(d_model / n_head) ** -0.5 if n_layer == 62 else None)
+    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if freqs is not None:  # Llama 3.1+: the converter's per-frequency divisors of its scaled RoPE
+        extra["rope_scaling"] = {"rope_type": "freq_factors",
+                                 "factors": [float(f) for f in np.asarray(freqs.data, dtype=np.float32).ravel()]}
     return ModelConfig.llama(
         vocab_size=int(meta("vocab_size", len(tokens))), n_layer=n_layer, n_head=n_head,
         n_kv_heads=int(meta("attention.head_count_kv", n_head)), d_model=d_model,
