@@ -163,6 +163,7 @@ def load_model(spec: str = "smollm2", device: str | torch.device = "cpu",
     dequantized from the same cached blocks, the same values bit for bit as gguf's dequantizer
     gives (tests/test_gguf_weights.py), without parsing the file again (~3.5 s for SmolLM2)."""
     path = resolve_model_path(spec)
+    blocks = None  # the quantized load of a GGUF file, where one was made
     if path.is_file():
         with open(path, "rb") as fh:
             gguf_file = fh.read(4) == GGUF_MAGIC
@@ -187,9 +188,13 @@ def load_model(spec: str = "smollm2", device: str | torch.device = "cpu",
         return LoadedModel(build_model(config, state, device, dtype), tokenizer, template, path.name, "hf", path)
 
     g = read_gguf(path)
-    try:
-        tokenizer = Tokenizer.from_gguf_fields(g.tokenizer_fields)
-    except (TokenizerError, KeyError) as e:
-        raise LoadError(f"{path}: cannot build its tokenizer ({e})") from None
+    # the tokenizer the quantized load cached (a 262,144-piece SentencePiece vocabulary takes
+    # seconds to build), else built from the file
+    tokenizer = blocks.tokenizer if blocks is not None else None
+    if tokenizer is None:
+        try:
+            tokenizer = Tokenizer.from_gguf_fields(g.tokenizer_fields)
+        except (TokenizerError, KeyError) as e:
+            raise LoadError(f"{path}: cannot build its tokenizer ({e})") from None
     return LoadedModel(build_model(g.config, g.state_dict, device, dtype), tokenizer, g.chat_template,
                        g.name, "gguf", path)
