@@ -206,3 +206,13 @@ def test_gguf_of_each_architecture_loads_as_transformers_computes(name, tmp_path
     # (the F32 matrices are rounded to int8 per row on that path, and activations to 8 bits x 2:
     # close, not equal)
     assert (q - f).abs().max() < 0.05 * f.abs().max() and (q.argmax(-1) == f.argmax(-1)).float().mean() > 0.9
+
+
+def test_attention_biases_arlm_does_not_hold_are_refused():
+    from arlm.loading.errors import LoadError
+
+    for name in ("qwen3", "llama-mqa"):
+        cfg = MODELS[name]().config.to_dict()
+        cfg["attention_bias"] = True  # (o_proj's bias too, in both)
+        with pytest.raises(LoadError, match="attention biases"):
+            config_from_hf(cfg)

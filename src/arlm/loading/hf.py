@@ -85,9 +85,10 @@ def _llama_like(kind: str, hf: dict) -> ModelConfig:
         theta, scaling = _rope(rope, kind)
         if "sliding_attention" in (hf.get("layer_types") or ()) or hf.get("use_sliding_window"):
             raise LoadError(f"{kind}: sliding-window layers (use_sliding_window) are not supported")
-        if kind == "llama" and hf.get("attention_bias"):
-            raise LoadError("Llama checkpoints with biases are not supported")
-        extra = dict(qkv_bias=kind == "qwen2" or bool(hf.get("attention_bias")), qk_norm=kind == "qwen3",
+        if kind in ("llama", "qwen3") and hf.get("attention_bias"):
+            # (their output projection would carry one too: arlm's biases are q, k and v's alone)
+            raise LoadError(f"{kind} checkpoints with attention biases are not supported")
+        extra = dict(qkv_bias=kind == "qwen2", qk_norm=kind == "qwen3",
                      tie_embeddings=hf.get("tie_word_embeddings", False))
     return ModelConfig.llama(
         vocab_size=hf["vocab_size"], n_layer=hf["num_hidden_layers"], n_head=n_head,
