@@ -11,27 +11,18 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from arlm.llm import LLM  # noqa: E402
 from arlm.runtime import runtime  # noqa: E402
 from arlm.sampling import SamplingParams  # noqa: E402
-
-
-def median_ms(f, n: int = 50) -> float:
-    f()
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        f()
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[n // 2] * 1e3
+from sampling_ops import median_ms  # noqa: E402
 
 
 def main() -> int:
@@ -44,7 +35,7 @@ def main() -> int:
     m = llm.model
     x = torch.randn(1, m.config.d_model)
     with torch.inference_mode():
-        head = median_ms(lambda: m.lm_head(x))
+        head = median_ms(lambda: m.lm_head(x), 50)
     out = llm.generate(["The cat sat on the"], SamplingParams(max_new_tokens=64, temperature=0.0, ignore_eos=True))[0]
     step = 1e3 / out.stats.decode_tokens_per_s
     print(f"{args.model}, {args.threads} threads: lm_head ({type(m.lm_head).__name__}, {m.config.vocab_size} x "
