@@ -9,6 +9,7 @@ GIL was held.
 
 from __future__ import annotations
 
+import argparse
 import sys
 import threading
 import time
@@ -45,6 +46,7 @@ def longest_gap(fn) -> tuple[float, float]:
 
 
 def main() -> int:
+    argparse.ArgumentParser(description=__doc__.split("\n")[0]).parse_args()
     loaded = load_model("smollm2")
     tok = loaded.tokenizer.backend
     text = "hello world, this is a test of tokenization speed. " * 40000
