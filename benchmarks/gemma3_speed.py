@@ -2,11 +2,13 @@
 
     .venv/bin/python benchmarks/gemma3_speed.py [--rounds 3] [--threads 2]
 
-llama.cpp: `build/llama.cpp/bin/llama-bench` (`make bench-peers`), its tg (64 new tokens after
-an empty prompt: decode at batch 1) and pp (a 512-token prompt) in tokens/s. arlm: the default
-path (`LLM.load("gemma3-270m")`), 64 greedy tokens after a 4-token prompt (decode tokens/s from
-the engine's stats) and one 512-token prompt (prefill tokens/s). Each round runs both, arlm in
-this process and llama-bench in its own; medians, and arlm / llama.cpp.
+llama.cpp (`make bench-peers`): `llama-bench`'s tg (64 new tokens after an empty prompt: decode
+at batch 1) and pp (a 512-token prompt), and `llama-batched-bench`'s tg speed for 8 sequences of
+4 prompt tokens and 64 new ones each (decode at batch 8), in tokens/s. arlm: the default path
+(`LLM.load("gemma3-270m")`) through its engine, stepped (benchmarks/run.py's `engine_run`): 64
+greedy tokens after a 4-token prompt at batch 1 and at batch 8 (decode steps only), and one
+512-token prompt (its first step). Each round runs both, arlm in this process and the llama.cpp
+tools in their own; medians, and arlm / llama.cpp.
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ import json
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,24 +28,33 @@ from arlm.llm import LLM  # noqa: E402
 from arlm.loading import resolve_model_path  # noqa: E402
 from arlm.runtime import runtime  # noqa: E402
 from arlm.sampling import SamplingParams  # noqa: E402
-from run import machine  # noqa: E402
+from run import engine_run, machine  # noqa: E402
 
-BENCH = ROOT / "build" / "llama.cpp" / "bin" / "llama-bench"
+BIN = ROOT / "build" / "llama.cpp" / "bin"
+BENCH, BATCHED = BIN / "llama-bench", BIN / "llama-batched-bench"
+KINDS = ("decode", "decode_b8", "prefill")
 
 
 def llama_cpp(path: Path, threads: int) -> dict[str, float]:
     out = subprocess.run([str(BENCH), "-m", str(path), "-t", str(threads), "-p", "512", "-n", "64", "-r", "1",
                           "-o", "json"], capture_output=True, text=True, check=True).stdout
-    rows = json.loads(out)
-    return {("prefill" if r["n_prompt"] else "decode"): r["avg_ts"] for r in rows}
+    got = {("prefill" if r["n_prompt"] else "decode"): r["avg_ts"] for r in json.loads(out)}
+    out = subprocess.run([str(BATCHED), "-m", str(path), "-t", str(threads), "-c", "2048", "-npp", "4", "-ntg", "64",
+                          "-npl", "8", "--output-format", "jsonl"], capture_output=True, text=True, check=True).stdout
+    got["decode_b8"] = json.loads(out.strip().splitlines()[-1])["speed_tg"]
+    return got
 
 
 def arlm(llm: LLM) -> dict[str, float]:
-    out = llm.generate(["The cat sat on"], SamplingParams(max_new_tokens=64, temperature=0.0, ignore_eos=True))[0]
+    prompts = [llm.tokenizer.encode(f"The cat number {i} sat on")[:4] for i in range(8)]
+    params = SamplingParams(max_new_tokens=64, temperature=0.0, ignore_eos=True)
+    got = {}
+    for kind, batch in (("decode", prompts[:1]), ("decode_b8", prompts)):
+        r = engine_run(llm, batch, params)
+        got[kind] = r["decode_tokens"] / r["decode_s"]
     ids = (llm.tokenizer.encode("The quick brown fox jumps over the lazy dog. ") * 60)[:512]
-    t0 = time.perf_counter()
-    llm.engine.generate([ids], SamplingParams(max_new_tokens=1))
-    return {"decode": out.stats.decode_tokens_per_s, "prefill": 512 / (time.perf_counter() - t0)}
+    got["prefill"] = 512 / engine_run(llm, [ids], SamplingParams(max_new_tokens=1), steps=1)["prefill_s"]
+    return got
 
 
 def main() -> int:
@@ -52,9 +62,10 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
-    if not BENCH.exists():
-        print(f"{BENCH} is missing: make bench-peers builds it", file=sys.stderr)
-        return 1
+    for tool in (BENCH, BATCHED):
+        if not tool.exists():
+            print(f"{tool} is missing: make bench-peers builds it", file=sys.stderr)
+            return 1
     runtime().threads.pin(args.threads)
     path = resolve_model_path("gemma3-270m")
     print(f"machine: {machine()}")
@@ -67,9 +78,9 @@ def main() -> int:
                 got[name].setdefault(k, []).append(v)
         print(f"round {r}: " + json.dumps({n: {k: round(v[-1], 1) for k, v in d.items()} for n, d in got.items()}),
               flush=True)
-    for k in ("decode", "prefill"):
+    for k in KINDS:
         a, b = statistics.median(got["arlm"][k]), statistics.median(got["llama.cpp"][k])
-        print(f"{k:8} arlm {a:8.1f} tok/s   llama.cpp {b:8.1f} tok/s   arlm / llama.cpp {a / b:.2f}")
+        print(f"{k:9} arlm {a:8.1f} tok/s   llama.cpp {b:8.1f} tok/s   arlm / llama.cpp {a / b:.2f}")
     return 0
 
 

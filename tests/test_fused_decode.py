@@ -26,7 +26,7 @@ from arlm.kv_cache import KVCache
 from arlm.quant import quantize
 from arlm.sampling import SamplingParams
 
-from conftest import arlm_from_hf, hf_gpt2, hf_llama
+from conftest import arlm_from_hf, hf_family, hf_gpt2, hf_llama
 from cpu_flags import native_kernels_expected, packed_expected
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -90,6 +90,27 @@ def test_float_native_step_matches_modules(n_head, n_kv_heads):
     plain, _ = _greedy(model, prompts, 30, decode_step)
     fused, ran_native = _greedy(model, prompts, 30, None)
     assert ran_native and fused == plain
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama3", "gemma3"])
+def test_later_families_native_step_matches_modules(family):
+    # Every switch decode.cpp's Arch carries: q/k/v biases (qwen2), per-head q/k norms and a
+    # head_dim apart from d_model / n_head (qwen3), scaled RoPE tables (llama3), and Gemma 3's
+    # GeGLU, (1 + w) norms, post norms, embedding scale, query scale and sliding-window layers
+    # with their own RoPE base (window 8: the rows run past it). Both the contiguous cache (the
+    # rows path) and the paged pool (block tables) against the modules, tokens and logits.
+    model = arlm_from_hf(hf_family(family, seed=23))
+    prompts = [[3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23], [2, 4], [8, 8, 8, 1, 2, 3, 4, 5, 6]]
+    native = native_decode_fn(model)
+    assert native is not None
+    ref, got = _step_logits(model, prompts, 20, decode_step), _step_logits(model, prompts, 20, native)
+    assert (got - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
+    plain, _ = _greedy(model, prompts, 30, decode_step)
+    fused, ran_native = _greedy(model, prompts, 30, None)
+    assert ran_native and fused == plain
+    params = SamplingParams(max_new_tokens=30, temperature=0, ignore_eos=True)
+    paged = Engine(ModelRunner(model), (), EngineConfig(block_size=4, kv_cache_tokens=256, max_num_batched_tokens=8))
+    assert paged.runner.native is not None and paged.generate(prompts, params) == plain
 
 
 def test_float16_cache_native_step_matches_modules():

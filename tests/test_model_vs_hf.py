@@ -121,7 +121,7 @@ def test_later_families_switches():
     """config_from_hf switches on what each family has, and nothing else."""
     got = {name: config_from_hf(MODELS[name]().config.to_dict()) for name in LATER}
     q2, q3, l3, g3 = (got[n] for n in LATER)
-    assert q2.qkv_bias and not q2.bias and not q2.qk_norm and q2.plain_llama is False
+    assert q2.qkv_bias and not q2.bias and not q2.qk_norm
     assert q3.qk_norm and q3.head_dim == 32 and q3.head_size == 32 and not q3.qkv_bias
     assert l3.rope_scaling["rope_type"] == "llama3" and l3.rope_theta == 500000.0
     assert (g3.mlp, g3.gelu_approximate, g3.norm_plus_one, g3.embed_scale, g3.post_norms, g3.qk_norm) == \

@@ -100,16 +100,6 @@ class ModelConfig:
         return self.layer_types is not None and self.layer_types[layer] == "sliding"
 
     @property
-    def plain_llama(self) -> bool:
-        """Whether this is the Llama shape alone (none of the later families' switches): what
-        the native layer stack computes (`kernels.llama.applies`)."""
-        return (self.pos_embedding == "rope" and self.norm == "rmsnorm" and self.mlp == "swiglu" and not self.bias
-                and self.head_size in (None, self.d_model // self.n_head) and not (
-                    self.qkv_bias or self.qk_norm or self.norm_plus_one or self.embed_scale or self.post_norms
-                    or self.rope_scaling or "sliding" in (self.layer_types or ()))
-                and self.attn_scale in (None, self.head_dim ** -0.5))
-
-    @property
     def family(self) -> str:
         return "llama" if self.pos_embedding == "rope" else "gpt2"
 

@@ -729,9 +729,10 @@ inline void attend_scored(int64_t G, int64_t hd, int64_t n, Spans spans, float* 
     inv[h] = 1.f;  // x * 1 is exact: the chunk's sums as they are
   }
 #if defined(__AVX512F__)
-  if (hd == 64 || hd == 128) {
+  if (hd == 64 || hd == 128 || hd == 256) {  // (256: Gemma's heads)
     if (hd == 64) weighted_group<4, TK, TV>(s, n, G, spans, inv, hd, out);
-    else weighted_group<8, TK, TV>(s, n, G, spans, inv, hd, out);
+    else if (hd == 128) weighted_group<8, TK, TV>(s, n, G, spans, inv, hd, out);
+    else weighted_group<16, TK, TV>(s, n, G, spans, inv, hd, out);
     if (!stats) unrotate<TV>(out, G, hd);
     return;
   }

@@ -1,5 +1,7 @@
-// The decode step of a Llama-family model (RMSNorm, RoPE, grouped-query attention, SwiGLU, no
-// biases) as one native call over all layers: [B, d] embeddings in, [B, d] hidden state out.
+// The decode step of a Llama-family model (RMSNorm, RoPE, grouped-query attention, SwiGLU) as one
+// native call over all layers: [B, d] embeddings in, [B, d] hidden state out. The later families'
+// switches ride along (Arch): q/k/v biases (Qwen 2), per-head q/k norms (Qwen 3, Gemma 3), GeGLU,
+// norms on each branch's output, sliding-window layers with their own RoPE base (Gemma 3).
 //
 // It does the same math as `Transformer.forward` with a KV cache, op for op: the Python module
 // path is the reference (tests/test_fused_decode.py). What it removes is the overhead around the
@@ -250,10 +252,70 @@ inline void rope(float* v, const float* cos, const float* sin, int64_t hd) {
   }
 }
 
-// out[i, j] = SiLU(gu[i, j]) * gu[i, dff + j] for N rows of the fused gate/up output [N, 2 dff]
-// (quantized into xq too, when given). Every element takes the same instructions whatever N
-// (masked tail per row): batch-invariant.
-void silu_mul(const float* gu, int64_t N, int64_t dff, float* out, const arlm_kernels::Act8* xq) {
+// One head's RMSNorm in place (v [hd] / sqrt(mean(v^2) + eps) * w): Qwen 3's and Gemma 3's q/k
+// norms, before RoPE. The same operations as rms_norm on one row.
+inline void head_norm(float* v, const float* w, int64_t hd, float eps) {
+  float ss = 0.f;
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  __m512 acc = _mm512_setzero_ps();
+  for (; i + 16 <= hd; i += 16) {
+    const __m512 x = _mm512_loadu_ps(v + i);
+    acc = _mm512_fmadd_ps(x, x, acc);
+  }
+  ss = _mm512_reduce_add_ps(acc);
+#endif
+  for (; i < hd; ++i) ss += v[i] * v[i];
+  const float inv = 1.f / std::sqrt(ss / static_cast<float>(hd) + eps);
+  for (i = 0; i < hd; ++i) v[i] = w[i] * (v[i] * inv);
+}
+
+// What a layer of a later family adds to Llama's (see the file's head). Per layer: windows[l]
+// slots (a sliding layer reads its last windows[l] positions, itself included; 0: all) and, for
+// a sliding layer where local_cos is set, RoPE from the local tables [max_T, hd].
+struct Arch {
+  bool geglu = false;  // the MLP's gate through tanh-GELU instead of SiLU
+  float q_scale = 1.f;  // queries times this after RoPE (a score scale other than 1/sqrt(hd))
+  const int64_t* windows = nullptr;
+  const float *local_cos = nullptr, *local_sin = nullptr;
+  int64_t window(int64_t l) const { return windows ? windows[l] : 0; }
+  const float* cos(int64_t l, const float* global) const { return window(l) && local_cos ? local_cos : global; }
+  const float* sin(int64_t l, const float* global) const { return window(l) && local_sin ? local_sin : global; }
+};
+
+// A token's q and k heads before attention: per-head norms (where qn / kn are given), RoPE from the row
+// of (c, sn), then the queries scaled. qk [(H + Hkv) * hd]: H query heads, then Hkv key heads.
+inline void prepare_heads(float* qk, int64_t H, int64_t Hkv, int64_t hd, const float* qn, const float* kn,
+                          float eps, const float* c, const float* sn, float q_scale) {
+  for (int64_t j = 0; j < H + Hkv; ++j) {
+    float* v = qk + j * hd;
+    if (const float* w = j < H ? qn : kn) head_norm(v, w, hd, eps);
+    rope(v, c, sn, hd);
+    if (j < H && q_scale != 1.f)
+      for (int64_t i = 0; i < hd; ++i) v[i] *= q_scale;
+  }
+}
+
+// tanh-GELU (torch's approximate="tanh"): x/2 (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), tanh(u)
+// as 1 - 2 / (1 + e^{2u}).
+#if defined(__AVX512F__)
+inline __m512 gelu_tanh16(__m512 x) {
+  const __m512 u = _mm512_mul_ps(_mm512_set1_ps(0.7978845608028654f),
+                                 _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(0.044715f), x), _mm512_mul_ps(x, x), x));
+  const __m512 one = _mm512_set1_ps(1.f);
+  const __m512 e = arlm_kernels::exp16(_mm512_add_ps(u, u));
+  const __m512 t = _mm512_sub_ps(one, _mm512_div_ps(_mm512_set1_ps(2.f), _mm512_add_ps(one, e)));
+  return _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), x), _mm512_add_ps(one, t));
+}
+#endif
+inline float gelu_tanh(float x) {
+  return 0.5f * x * (1.f + std::tanh(0.7978845608028654f * (x + 0.044715f * x * x * x)));
+}
+
+// out[i, j] = SiLU(gu[i, j]) * gu[i, dff + j] for N rows of the fused gate/up output [N, 2 dff],
+// or GELU(...) * ... with geglu (quantized into xq too, when given). Every element takes the same
+// instructions whatever N (masked tail per row): batch-invariant.
+void gated_mul(const float* gu, int64_t N, int64_t dff, float* out, const arlm_kernels::Act8* xq, bool geglu) {
   at::parallel_for(0, N, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const float* g = gu + i * 2 * dff;
@@ -264,12 +326,17 @@ void silu_mul(const float* gu, int64_t N, int64_t dff, float* out, const arlm_ke
       for (int64_t j = 0; j < dff; j += 16) {
         const __mmask16 m = arlm_kernels::tail_mask(dff - j);
         const __m512 gv = _mm512_maskz_loadu_ps(m, g + j);
-        const __m512 e = arlm_kernels::exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
-        const __m512 s = _mm512_div_ps(gv, _mm512_add_ps(one, e));
+        __m512 s;
+        if (geglu) {
+          s = gelu_tanh16(gv);
+        } else {
+          const __m512 e = arlm_kernels::exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+          s = _mm512_div_ps(gv, _mm512_add_ps(one, e));
+        }
         _mm512_mask_storeu_ps(o + j, m, _mm512_mul_ps(s, _mm512_maskz_loadu_ps(m, u + j)));
       }
 #else
-      for (int64_t j = 0; j < dff; ++j) o[j] = g[j] / (1.f + std::exp(-g[j])) * u[j];
+      for (int64_t j = 0; j < dff; ++j) o[j] = (geglu ? gelu_tanh(g[j]) : g[j] / (1.f + std::exp(-g[j]))) * u[j];
 #endif
       if (xq) arlm_kernels::quantize_span(o, dff, *xq, i * dff);
     }
@@ -319,6 +386,14 @@ struct Shapes {
     for (int64_t l = 0; l < L; ++l) {
       const at::Tensor* W = weights.data() + kLayerWeights * l;
       TORCH_CHECK(out_features(op, W + kWqkv, d) == qkv_dim, op, ": wqkv has the wrong number of outputs");
+      for (auto [slot, n] : {std::pair<int64_t, int64_t>{kQNorm, hd}, {kKNorm, hd}, {kAttnPostNorm, d},
+                             {kMlpPostNorm, d}, {kQkvBias, qkv_dim}})  // each absent (empty) or [n] float32
+        TORCH_CHECK(W[slot].numel() == 0 || (W[slot].numel() == n && W[slot].scalar_type() == at::kFloat &&
+                                             W[slot].is_contiguous()), op, ": layer ", l, "'s extra weight ",
+                    slot, " is not a contiguous float32 [", n, "]");
+      TORCH_CHECK((W[kQNorm].numel() == 0) == (W[kKNorm].numel() == 0) &&
+                  (W[kAttnPostNorm].numel() == 0) == (W[kMlpPostNorm].numel() == 0),
+                  op, ": q/k norms and post norms come in pairs");
       TORCH_CHECK(out_features(op, W + kWo, H * hd) == d && out_features(op, W + kGateUp, d) == 2 * dff &&
                   out_features(op, W + kDown, dff) == d, op, ": layer ", l, " does not match the model's widths");
     }
@@ -377,26 +452,70 @@ template <typename F>
 inline void timed(Phase, F f) { f(); }
 #endif
 
+// x[i] += rms_norm(h[i]) * w for N rows of d (Gemma's norm on a branch's output before its
+// residual add); h is overwritten.
+void add_normed(float* x, float* h, const float* w, int64_t N, int64_t d, double eps) {
+  rms_norm(h, w, N, d, eps, h, nullptr);
+  at::parallel_for(0, N, kRowsPerTask, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0 * d; i < i1 * d; ++i) x[i] += h[i];
+  });
+}
+
 // residual: bit (1 << slot) set for each linear (kWqkv, kWo, kGateUp, kDown) whose 8-bit
-// activations are taken twice (linear_into); those read the float input, not buf.xq.
+// activations are taken twice (linear_into); those read the float input, not buf.xq. A branch
+// with a post norm (kAttnPostNorm, kMlpPostNorm) writes its output to buf.h, then adds it normed.
 template <typename Attend>
 void run_layers(float* x, const Shapes& s, at::TensorList weights, int64_t L, double eps, bool a8, int64_t residual,
-                Buffers& buf, Attend attend) {
+                const Arch& arch, Buffers& buf, Attend attend) {
   const int64_t N = s.N, d = s.d;
   auto twice = [&](LayerWeight slot) { return a8 && (residual >> slot & 1); };
   for (int64_t l = 0; l < L; ++l) {
     const at::Tensor* W = weights.data() + kLayerWeights * l;
+    const bool post = W[kAttnPostNorm].numel() > 0;
     auto quantized_for = [&](LayerWeight slot) { return packed(W + slot) && !twice(slot) ? &buf.xq : nullptr; };
     timed(kNorm1, [&] { rms_norm(x, W[kAttnNorm].data_ptr<float>(), N, d, eps, buf.h, quantized_for(kWqkv)); });
-    timed(kQkv, [&] { linear_into(buf.h, &buf.xq, N, d, W + kWqkv, a8, buf.qkv, s.qkv_dim, false, twice(kWqkv)); });
+    timed(kQkv, [&] {
+      linear_into(buf.h, &buf.xq, N, d, W + kWqkv, a8, buf.qkv, s.qkv_dim, false, twice(kWqkv));
+      if (W[kQkvBias].numel()) {
+        const float* bias = W[kQkvBias].data_ptr<float>();
+        for (int64_t i = 0; i < N; ++i)
+          for (int64_t j = 0; j < s.qkv_dim; ++j) buf.qkv[i * s.qkv_dim + j] += bias[j];
+      }
+    });
     timed(kAttention, [&] { attend(l, buf.qkv, quantized_for(kWo)); });
-    timed(kWoPass, [&] { linear_into(buf.attn, &buf.xq, N, s.H * s.hd, W + kWo, a8, x, d, true, twice(kWo)); });
+    timed(kWoPass, [&] {
+      linear_into(buf.attn, &buf.xq, N, s.H * s.hd, W + kWo, a8, post ? buf.h : x, d, !post, twice(kWo));
+      if (post) add_normed(x, buf.h, W[kAttnPostNorm].data_ptr<float>(), N, d, eps);
+    });
     timed(kNorm2, [&] { rms_norm(x, W[kMlpNorm].data_ptr<float>(), N, d, eps, buf.h, quantized_for(kGateUp)); });
     timed(kGateUpPass,
           [&] { linear_into(buf.h, &buf.xq, N, d, W + kGateUp, a8, buf.gu, 2 * s.dff, false, twice(kGateUp)); });
-    timed(kSilu, [&] { silu_mul(buf.gu, N, s.dff, buf.act, quantized_for(kDown)); });
-    timed(kDownPass, [&] { linear_into(buf.act, &buf.xq, N, s.dff, W + kDown, a8, x, d, true, twice(kDown)); });
+    timed(kSilu, [&] { gated_mul(buf.gu, N, s.dff, buf.act, quantized_for(kDown), arch.geglu); });
+    timed(kDownPass, [&] {
+      linear_into(buf.act, &buf.xq, N, s.dff, W + kDown, a8, post ? buf.h : x, d, !post, twice(kDown));
+      if (post) add_normed(x, buf.h, W[kMlpPostNorm].data_ptr<float>(), N, d, eps);
+    });
   }
+}
+
+// The Arch of an op's arguments, checked: windows one per layer (or none), the local RoPE tables
+// (or empty ones) shaped as the global.
+Arch make_arch(const char* op, int64_t L, bool geglu, double q_scale, at::IntArrayRef windows,
+               const at::Tensor& local_cos, const at::Tensor& local_sin, const at::Tensor& cos) {
+  Arch a;
+  a.geglu = geglu;
+  a.q_scale = static_cast<float>(q_scale);
+  TORCH_CHECK(windows.empty() || static_cast<int64_t>(windows.size()) == L, op, ": one window per layer");
+  for (int64_t w : windows) TORCH_CHECK(w >= 0, op, ": windows must be >= 0");
+  if (!windows.empty()) a.windows = windows.data();
+  if (local_cos.numel()) {
+    TORCH_CHECK(local_cos.sizes() == cos.sizes() && local_sin.sizes() == cos.sizes() &&
+                local_cos.scalar_type() == at::kFloat && local_sin.scalar_type() == at::kFloat &&
+                local_cos.is_contiguous() && local_sin.is_contiguous(), op, ": local cos/sin shaped as cos/sin");
+    a.local_cos = local_cos.data_ptr<float>();
+    a.local_sin = local_sin.data_ptr<float>();
+  }
+  return a;
 }
 
 void check_common(const char* op, const at::Tensor& x, at::TensorList weights, int64_t L, const at::Tensor& pos,
@@ -430,7 +549,9 @@ void check_common(const char* op, const at::Tensor& x, at::TensorList weights, i
 // 0..min(pos, kv_len - 1) of the row. cos, sin [max_T, hd].
 void decode_llama(const at::Tensor& x, at::TensorList weights, const at::Tensor& k_cache, const at::Tensor& v_cache,
                   const at::Tensor& pos, const at::Tensor& cos, const at::Tensor& sin, int64_t kv_len,
-                  int64_t n_head, int64_t n_kv_heads, double eps, bool a8, int64_t residual, int64_t kv_format) {
+                  int64_t n_head, int64_t n_kv_heads, double eps, bool a8, int64_t residual, int64_t kv_format,
+                  bool geglu, double q_scale, at::IntArrayRef windows, const at::Tensor& local_cos,
+                  const at::Tensor& local_sin) {
   TORCH_CHECK(k_cache.dim() == 5 && v_cache.dim() == 5 && cos.dim() == 2 && k_cache.sizes().slice(0, 4) ==
               v_cache.sizes().slice(0, 4), "decode_llama: caches [L, B, H_kv, T, row], cos [max_T, hd]");
   const int64_t L = k_cache.size(0), B = x.size(0), T = k_cache.size(3), hd = cos.size(1);
@@ -440,6 +561,7 @@ void decode_llama(const at::Tensor& x, at::TensorList weights, const at::Tensor&
   // (a finished row may sit past kv_len: written, never read)
   check_common("decode_llama", x, weights, L, pos, cos, sin, hd, T);
   const Shapes s("decode_llama", B, x.size(1), weights, L, n_head, n_kv_heads, hd);
+  const Arch arch = make_arch("decode_llama", L, geglu, q_scale, windows, local_cos, local_sin, cos);
   const int64_t* pp = pos.data_ptr<int64_t>();
   const int64_t H = n_head, Hkv = n_kv_heads, group = H / Hkv, qkv_dim = s.qkv_dim;
   const float scale = 1.f / std::sqrt(static_cast<float>(hd));
@@ -463,12 +585,20 @@ void decode_llama(const at::Tensor& x, at::TensorList weights, const at::Tensor&
     EK* kl = kc + l * B * Hkv * T * sk;
     EV* vl = vc + l * B * Hkv * T * sv;
     const bool fused = xq && group * hd % 32 == 0;  // the task's output is whole groups of 32
+    const at::Tensor* W = weights.data() + kLayerWeights * l;
+    const float* qn = W[kQNorm].numel() ? W[kQNorm].data_ptr<float>() : nullptr;
+    const float* kn = qn ? W[kKNorm].data_ptr<float>() : nullptr;
+    const float *lc = arch.cos(l, cp), *ls = arch.sin(l, sp);
+    const int64_t window = arch.window(l);
+    // the row's slots this layer reads: [first(b), first(b) + n(b)) (a sliding layer's last `window`)
+    auto end = [&](int64_t b) { return std::min(pp[b] + 1, kv_len); };
+    auto first = [&](int64_t b) { return window ? std::max<int64_t>(0, end(b) - window) : 0; };
     auto rope_and_store = [&](int64_t b, int64_t j) {
       float* row = qkv + b * qkv_dim;
       float *k = row + (H + j) * hd, *v = row + (H + Hkv + j) * hd;
-      const float *c = cp + pp[b] * hd, *sn = sp + pp[b] * hd;
-      rope(k, c, sn, hd);
-      for (int64_t h = 0; h < group; ++h) rope(row + (j * group + h) * hd, c, sn, hd);
+      const float *c = lc + pp[b] * hd, *sn = ls + pp[b] * hd;
+      prepare_heads(k, 0, 1, hd, nullptr, kn, eps, c, sn, 1.f);
+      prepare_heads(row + j * group * hd, group, 0, hd, qn, nullptr, eps, c, sn, arch.q_scale);
       arlm_kernels::KV<EK>::store(k, hd, kl + ((b * Hkv + j) * T + pp[b]) * sk);
       arlm_kernels::KV<EV>::store(v, hd, vl + ((b * Hkv + j) * T + pp[b]) * sv);
     };
@@ -480,10 +610,10 @@ void decode_llama(const at::Tensor& x, at::TensorList weights, const at::Tensor&
       at::parallel_for(0, B * Hkv, 1, [&](int64_t i0, int64_t i1) {
         float* scratch = buf.scores + at::get_thread_num() * group * (longest + 1);
         for (int64_t i = i0; i < i1; ++i) {
-          const int64_t b = i / Hkv, j = i % Hkv, n = std::min(pp[b] + 1, kv_len);
+          const int64_t b = i / Hkv, j = i % Hkv, n = end(b) - first(b);
           rope_and_store(b, j);
-          const EK* K = kl + (b * Hkv + j) * T * sk;
-          const EV* V = vl + (b * Hkv + j) * T * sv;
+          const EK* K = kl + ((b * Hkv + j) * T + first(b)) * sk;
+          const EV* V = vl + ((b * Hkv + j) * T + first(b)) * sv;
           arlm_kernels::attend_group<EK, EV>(qkv + b * qkv_dim + j * group * hd, group, hd, n, scale,
                                              [&](auto f) { f(K, V, n); }, scratch,
                                              buf.attn + (b * H + j * group) * hd);
@@ -506,10 +636,10 @@ void decode_llama(const at::Tensor& x, at::TensorList weights, const at::Tensor&
         float* scratch = buf.scores + at::get_thread_num() * group * (kChunk + 1);
         for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < tasks;) {
           const int64_t bj = i / chunks, c = i % chunks, b = bj / Hkv, j = bj % Hkv;
-          const int64_t n = std::min(pp[b] + 1, kv_len), t0 = c * kChunk, len = std::min(kChunk, n - t0);
+          const int64_t n = end(b) - first(b), t0 = c * kChunk, len = std::min(kChunk, n - t0);
           if (len <= 0) continue;  // this row has fewer chunks
-          const EK* K = kl + (bj * T + t0) * sk;
-          const EV* V = vl + (bj * T + t0) * sv;
+          const EK* K = kl + (bj * T + first(b) + t0) * sk;
+          const EV* V = vl + (bj * T + first(b) + t0) * sv;
           arlm_kernels::attend_group<EK, EV>(qkv + b * qkv_dim + j * group * hd, group, hd, len, scale,
                                              [&](auto f) { f(K, V, len); }, scratch, buf.partial + i * part,
                                              stats + i * stat);
@@ -517,7 +647,7 @@ void decode_llama(const at::Tensor& x, at::TensorList weights, const at::Tensor&
       });
       at::parallel_for(0, B * Hkv, 1, [&](int64_t i0, int64_t i1) {
         for (int64_t i = i0; i < i1; ++i) {
-          const int64_t b = i / Hkv, j = i % Hkv, n = std::min(pp[b] + 1, kv_len);
+          const int64_t b = i / Hkv, j = i % Hkv, n = end(b) - first(b);
           float* out = buf.attn + (b * H + j * group) * hd;
           arlm_kernels::combine_chunks(buf.partial + i * chunks * part, stats + i * chunks * stat,
                                        (n + kChunk - 1) / kChunk, group, hd, out);
@@ -533,7 +663,7 @@ void decode_llama(const at::Tensor& x, at::TensorList weights, const at::Tensor&
   };
   arlm_kernels::with_kv("decode_llama", k_cache, v_cache, kv_format, hd, [&](auto* kc, auto* vc) {
     auto attend = [&](int64_t l, float* qkv, const arlm_kernels::Act8* xq) { attend_in(kc, vc, l, qkv, xq); };
-    run_layers(x.data_ptr<float>(), s, weights, L, eps, a8, residual, buf, attend);
+    run_layers(x.data_ptr<float>(), s, weights, L, eps, a8, residual, arch, buf, attend);
   });
 }
 
@@ -545,7 +675,8 @@ void forward_llama_paged(const at::Tensor& x, at::TensorList weights, const at::
                          const at::Tensor& v_pool, const at::Tensor& block_table, const at::Tensor& seq_index,
                          const at::Tensor& pos, const at::Tensor& cos, const at::Tensor& sin, int64_t n_head,
                          int64_t n_kv_heads, double eps, bool a8, int64_t residual, int64_t kv_format,
-                         int64_t window, int64_t sinks) {
+                         int64_t window, int64_t sinks, bool geglu, double q_scale, at::IntArrayRef windows,
+                         const at::Tensor& local_cos, const at::Tensor& local_sin) {
   TORCH_CHECK(k_pool.dim() == 5 && v_pool.dim() == 5 && cos.dim() == 2 &&
               k_pool.sizes().slice(0, 4) == v_pool.sizes().slice(0, 4),
               "forward_llama_paged: pools [L, n_blocks, H_kv, block_size, row], cos [max_T, hd]");
@@ -564,6 +695,9 @@ void forward_llama_paged(const at::Tensor& x, at::TensorList weights, const at::
   arlm_kernels::check_block_table("forward_llama_paged", table, block_table.size(0), M, seq, pp, N, BS,
                                   k_pool.size(1));
   const Shapes s("forward_llama_paged", N, x.size(1), weights, L, H, Hkv, hd);
+  const Arch arch = make_arch("forward_llama_paged", L, geglu, q_scale, windows, local_cos, local_sin, cos);
+  TORCH_CHECK(!(arch.windows && window), "forward_llama_paged: a model with sliding-window layers runs without the "
+              "cache's own window");
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(hd)));  // as paged_cache.py's
   const int64_t qkv_dim = s.qkv_dim, group = H / Hkv;
   const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
@@ -573,9 +707,15 @@ void forward_llama_paged(const at::Tensor& x, at::TensorList weights, const at::
   // straight from the q/k/v rows; the pools hold the cache's format (attention.h)
   auto attend_in = [&](auto* k_base, auto* v_base, int64_t l, float* qkv, const arlm_kernels::Act8* xq) {
     auto *kp = k_base + l * k_layer, *vp = v_base + l * v_layer;
-    at::parallel_for(0, N, 8, [&](int64_t i0, int64_t i1) {  // RoPE, then every token's K/V into the pool
+    const at::Tensor* W = weights.data() + kLayerWeights * l;
+    const float* qn = W[kQNorm].numel() ? W[kQNorm].data_ptr<float>() : nullptr;
+    const float* kn = qn ? W[kKNorm].data_ptr<float>() : nullptr;
+    const float *lc = arch.cos(l, cp), *ls = arch.sin(l, sp);
+    // a sliding layer: its window without sinks (whose RoPE tables are then never read)
+    const arlm_kernels::Window layer_win = arch.window(l) ? arlm_kernels::Window{arch.window(l), 0, cp, sp} : win;
+    at::parallel_for(0, N, 8, [&](int64_t i0, int64_t i1) {  // norms, RoPE, then every token's K/V into the pool
       for (int64_t i = i0; i < i1; ++i) {
-        for (int64_t j = 0; j < H + Hkv; ++j) rope(qkv + i * qkv_dim + j * hd, cp + pp[i] * hd, sp + pp[i] * hd, hd);
+        prepare_heads(qkv + i * qkv_dim, H, Hkv, hd, qn, kn, eps, lc + pp[i] * hd, ls + pp[i] * hd, arch.q_scale);
         arlm_kernels::paged_write(qkv + H * hd, qkv + (H + Hkv) * hd, qkv_dim, kp, vp, table, M, seq, pp, i, Hkv,
                                   hd, BS);
       }
@@ -584,7 +724,7 @@ void forward_llama_paged(const at::Tensor& x, at::TensorList weights, const at::
     arlm_kernels::paged_attend(qkv, qkv_dim, kp, vp, table, M, seq, pp, N, H, Hkv, hd, BS, scale, buf.attn,
                                buf.scores, [&](const float* o, int64_t at) {
                                  if (fused) arlm_kernels::quantize_span(o, group * hd, *xq, at);
-                               }, win);
+                               }, layer_win);
     if (xq && !fused)
       at::parallel_for(0, N, 1, [&](int64_t i0, int64_t i1) {
         for (int64_t i = i0; i < i1; ++i) arlm_kernels::quantize_span(buf.attn + i * H * hd, H * hd, *xq, i * H * hd);
@@ -592,7 +732,7 @@ void forward_llama_paged(const at::Tensor& x, at::TensorList weights, const at::
   };
   arlm_kernels::with_kv("forward_llama_paged", k_pool, v_pool, kv_format, hd, [&](auto* kp, auto* vp) {
     auto attend = [&](int64_t l, float* qkv, const arlm_kernels::Act8* xq) { attend_in(kp, vp, l, qkv, xq); };
-    run_layers(x.data_ptr<float>(), s, weights, L, eps, a8, residual, buf, attend);
+    run_layers(x.data_ptr<float>(), s, weights, L, eps, a8, residual, arch, buf, attend);
   });
 }
 
@@ -727,11 +867,12 @@ TORCH_LIBRARY_FRAGMENT(arlm, m) {
   m.def("argmax_rows(Tensor x) -> Tensor");
   m.def("mask_rows(Tensor(a!) logits, Tensor rows, Tensor bits) -> ()");
   m.def("decode_llama(Tensor(c!) x, Tensor[] weights, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor pos, "
-        "Tensor cos, Tensor sin, int kv_len, int n_head, int n_kv_heads, float eps, bool a8, int residual=0, "
-        "int kv_format=0) -> ()");
+        "Tensor cos, Tensor sin, int kv_len, int n_head, int n_kv_heads, float eps, bool a8, int residual, "
+        "int kv_format, bool geglu, float q_scale, int[] windows, Tensor local_cos, Tensor local_sin) -> ()");
   m.def("forward_llama_paged(Tensor(c!) x, Tensor[] weights, Tensor(a!) k_pool, Tensor(b!) v_pool, "
         "Tensor block_table, Tensor seq_index, Tensor pos, Tensor cos, Tensor sin, int n_head, int n_kv_heads, "
-        "float eps, bool a8, int residual=0, int kv_format=0, int window=0, int sinks=0) -> ()");
+        "float eps, bool a8, int residual, int kv_format, int window, int sinks, bool geglu, float q_scale, "
+        "int[] windows, Tensor local_cos, Tensor local_sin) -> ()");
   m.def("llama_head(Tensor x, Tensor norm, Tensor[] head, float eps, bool a8, bool residual, Tensor(a!) out) -> ()");
 #ifdef ARLM_PROFILE
   m.def("decode_profile(bool on) -> Tensor", &decode_profile);

@@ -16,7 +16,9 @@ from enum import IntEnum
 class LayerWeight(IntEnum):
     """Where each of a layer's weights sits in its slice of the weight list the layer stack takes
     (`kernels.llama.layer_weights`, decode.cpp): a norm is one tensor, a linear three, (w, scale,
-    mins)."""
+    mins). The later families' extras are empty tensors where a model has none: the per-head
+    q/k norms [head_dim] (Qwen 3, Gemma 3), the norms on the attention's and the MLP's outputs
+    (Gemma), the q/k/v biases [(H + 2 H_kv) head_dim] (Qwen 2)."""
 
     ATTN_NORM = 0
     WQKV = 1
@@ -24,7 +26,12 @@ class LayerWeight(IntEnum):
     MLP_NORM = 7
     GATE_UP = 8
     DOWN = 11
-    COUNT = 14  # tensors per layer
+    Q_NORM = 14
+    K_NORM = 15
+    ATTN_POST_NORM = 16
+    MLP_POST_NORM = 17
+    QKV_BIAS = 18
+    COUNT = 19  # tensors per layer
 
 
 class KVFormat(IntEnum):

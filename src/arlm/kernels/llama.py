@@ -11,9 +11,11 @@ exposes the three calls the engine makes:
 - `head(x, out)`: the final norm and the LM head (`torch.ops.arlm.llama_head`).
 
 Both stacks do the math of `Transformer.forward` op for op (the module path is the reference,
-tests/test_fused_decode.py) without ~2,000 small tensor ops per step. They apply to RoPE +
-RMSNorm + SwiGLU models without biases on CPU, every linear float32 or quantized (arlm.quant)
-with one activation mode; `bind` returns None elsewhere and the engine runs the modules.
+tests/test_fused_decode.py) without ~2,000 small tensor ops per step. They apply to the
+Llama-shaped families on CPU (RoPE, RMSNorm, SwiGLU or tanh-GeGLU; no biases but Qwen 2's on q,
+k and v; per-head q/k norms, post norms, sliding-window layers with their own RoPE base: Qwen 3,
+Gemma 3), every linear float32 or quantized (arlm.quant) with one activation mode; `bind`
+returns None elsewhere and the engine runs the modules.
 
 The kernels sit below the model in the import graph: a model and its layers are taken by what
 they hold (`config`, `blocks`, a quantized layer's `tensors()`), not by their classes.
@@ -34,29 +36,46 @@ from .layout import LayerWeight
 Transformer = nn.Module
 
 
+def architecture_supported(cfg) -> bool:
+    """Whether decode.cpp computes this ModelConfig's layers (its `Arch` and `LayerWeight`'s
+    extras): GPT-2's learned positions, LayerNorm, GELU MLP and biases are the module path's."""
+    return (cfg.pos_embedding == "rope" and cfg.norm == "rmsnorm" and not cfg.bias
+            and (cfg.mlp == "swiglu" or cfg.mlp == "geglu" and cfg.gelu_approximate == "tanh"))
+
+
 def applies(model: Transformer) -> bool:
     """Whether the native stack can run this model at all (architecture, device, kernels built)."""
-    cfg = model.config
-    return cfg.plain_llama and not (model.training or model.rope_cos.device.type != "cpu"
-                                    or os.environ.get("ARLM_NO_FUSED") or not native_available())
+    return architecture_supported(model.config) and not (
+        model.training or model.rope_cos.device.type != "cpu" or os.environ.get("ARLM_NO_FUSED")
+        or not native_available())
 
 
-def linear_weights(layer: torch.nn.Module, dense: bool = False) -> tuple[list[torch.Tensor], bool] | None:
+def norm_weight(norm: nn.Module) -> torch.Tensor:
+    """An RMSNorm's weight as the kernels multiply by it: Gemma's (1 + w) formed here, in float32
+    as its module does (`model.RMSNorm`)."""
+    w = norm.weight.detach()
+    return 1.0 + w.float() if getattr(norm, "plus_one", False) else w
+
+
+def linear_weights(layer: torch.nn.Module, dense: bool = False,
+                   bias: bool = False) -> tuple[list[torch.Tensor], bool] | None:
     """A linear layer as the kernels take it, [w, scale, mins], and whether it wants 8-bit
-    activations; None for a layer they cannot run (biases, other dtypes). A quantized layer
-    (`quant.QuantizedLinear`) is one with `tensors()`, its weight in its current layout. dense: a
-    quantized layer's dense copy for the prompt (`QuantizedLinear.dense_weight`, float32 or
-    bfloat16)."""
+    activations; None for a layer they cannot run (other dtypes; a bias, unless `bias`: the
+    caller adds it). A quantized layer (`quant.QuantizedLinear`) is one with `tensors()`, its
+    weight in its current layout. dense: a quantized layer's dense copy for the prompt
+    (`QuantizedLinear.dense_weight`, float32 or bfloat16)."""
     none = torch.empty(0)
+    if layer.bias is not None and not bias:
+        return None
     if dense:
         w = getattr(layer, "dense_weight", None)
-        if w is None or layer.bias is not None or w.dtype not in (torch.float32, torch.bfloat16):
+        if w is None or w.dtype not in (torch.float32, torch.bfloat16):
             return None
         return [w.contiguous(), none, none], False
-    if callable(getattr(layer, "tensors", None)) and layer.bias is None:  # in its layout, packed or rows
+    if callable(getattr(layer, "tensors", None)):  # in its layout, packed or rows
         w = list(layer.tensors())
         return w + [none] * (3 - len(w)), layer.int8_activations
-    if type(layer) is torch.nn.Linear and layer.bias is None and layer.weight.dtype == torch.float32:
+    if type(layer) is torch.nn.Linear and layer.weight.dtype == torch.float32:
         return [layer.weight.detach().contiguous(), none, none], False
     return None
 
@@ -70,16 +89,25 @@ def layer_weights(model: Transformer, dense: bool = False) -> tuple[list[torch.T
     weights: list[torch.Tensor] = []
     a8: set[bool] = set()
     masks: set[int] = set()
+    none = torch.empty(0)
     for block in model.blocks:
-        norms = (block.attn_norm.weight, block.mlp_norm.weight)
-        if any(w.dtype != torch.float32 for w in norms):
+        norms = {LayerWeight.ATTN_NORM: block.attn_norm, LayerWeight.MLP_NORM: block.mlp_norm}
+        if hasattr(block.attn, "q_norm"):
+            norms |= {LayerWeight.Q_NORM: block.attn.q_norm, LayerWeight.K_NORM: block.attn.k_norm}
+        if hasattr(block, "attn_post_norm"):
+            norms |= {LayerWeight.ATTN_POST_NORM: block.attn_post_norm, LayerWeight.MLP_POST_NORM: block.mlp_post_norm}
+        if any(n.weight.dtype != torch.float32 for n in norms.values()):
             return None
-        layer: list[torch.Tensor | None] = [None] * LayerWeight.COUNT
+        layer: list[torch.Tensor | None] = [none] * LayerWeight.COUNT
         mask = 0
-        layer[LayerWeight.ATTN_NORM], layer[LayerWeight.MLP_NORM] = norms[0].detach(), norms[1].detach()
+        for slot, norm in norms.items():
+            layer[slot] = norm_weight(norm).contiguous()
+        bias = block.attn.wqkv.bias
+        if bias is not None:
+            layer[LayerWeight.QKV_BIAS] = bias.detach().float().contiguous()
         for slot, linear in ((LayerWeight.WQKV, block.attn.wqkv), (LayerWeight.WO, block.attn.wo),
                              (LayerWeight.GATE_UP, block.mlp.gate_up), (LayerWeight.DOWN, block.mlp.down)):
-            native = linear_weights(linear, dense)
+            native = linear_weights(linear, dense, bias=slot == LayerWeight.WQKV)
             if native is None:
                 return None
             layer[slot:slot + 3] = native[0]
@@ -102,10 +130,17 @@ class NativeLlama:
         self.model, self.weights, self.a8, self.residual = model, weights, a8, residual
         cfg = model.config
         self.n_head, self.n_kv_heads, self.eps = cfg.n_head, cfg.n_kv_heads, cfg.norm_eps
+        # decode.cpp's Arch: the MLP's gate, the queries' scale, each layer's window and RoPE tables
+        self.geglu = cfg.mlp == "geglu"
+        self.q_scale = model.blocks[0].attn.q_scale or 1.0
+        self.windows = [cfg.sliding_window if cfg.sliding(i) else 0 for i in range(cfg.n_layer)]
+        if not any(self.windows):
+            self.windows = []
+        self.embed_scale = torch.tensor(cfg.d_model ** 0.5) if cfg.embed_scale else None
         emb = getattr(model.tok_emb, "weight", None)  # None: gathered from quantized rows (quant.QuantizedEmbedding)
         self.emb = emb.detach() if isinstance(emb, torch.Tensor) else None
         self._head = head
-        self._norm = model.norm.weight.detach()
+        self._norm = norm_weight(model.norm).contiguous()
         # the layers' dense copies (float32 or bf16, `--matmul-path bf16|float32`) for prompt tokens.
         # The head stays quantized (8-bit activations twice): more faithful than its bf16 copy
         # (KL to float32 over every position 8.5e-5 vs 1.35e-4, docs/benchmarks.md), and a prompt
@@ -131,13 +166,21 @@ class NativeLlama:
         return native
 
     def embed(self, tokens: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Token embeddings [N, d] float32 for ids [N] (a fresh tensor, or `out`): the stacks run
-        in place on them."""
+        """Token embeddings [N, d] float32 for ids [N] (a fresh tensor, or `out`; times
+        sqrt(d_model) where the model scales them): the stacks run in place on them."""
         if self.emb is not None and self.emb.dtype == torch.float32:
-            return torch.index_select(self.emb, 0, tokens) if out is None else \
+            x = torch.index_select(self.emb, 0, tokens) if out is None else \
                 torch.index_select(self.emb, 0, tokens, out=out)
-        x = self.model.tok_emb(tokens).float()
-        return x.contiguous() if out is None else out.copy_(x)
+        else:
+            x = self.model.tok_emb(tokens).float()
+            x = x.contiguous() if out is None else out.copy_(x)
+        return x if self.embed_scale is None else x.mul_(self.embed_scale)
+
+    def _arch(self) -> tuple:
+        """decode.cpp's Arch arguments: geglu, q_scale, windows, local cos and sin (or empty)."""
+        m = self.model
+        local = (m.rope_local_cos, m.rope_local_sin) if self.windows and m._local_rope else (torch.empty(0),) * 2
+        return (self.geglu, self.q_scale, self.windows, *local)
 
     def decode(self, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, kv_len: int,
                kv_format: int = 0) -> None:
@@ -146,7 +189,8 @@ class NativeLlama:
         slots < kv_len."""
         m = self.model
         torch.ops.arlm.decode_llama(x, self.weights, k, v, pos, m.rope_cos, m.rope_sin, kv_len,
-                                    self.n_head, self.n_kv_heads, self.eps, self.a8, self.residual, kv_format)
+                                    self.n_head, self.n_kv_heads, self.eps, self.a8, self.residual, kv_format,
+                                    *self._arch())
 
     def forward(self, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_table: torch.Tensor,
                 seq_index: torch.Tensor, pos: torch.Tensor, kv_format: int = 0, window: int = 0,
@@ -157,9 +201,11 @@ class NativeLlama:
         layers' dense copies (`dense_weights`, float activations; torch's GEMMs)."""
         m = self.model
         weights, a8, residual = (self.dense_weights, False, 0) if dense else (self.weights, self.a8, self.residual)
+        if window and self.windows:
+            raise ValueError("a model with sliding-window layers runs without the cache's own window (kv_window)")
         torch.ops.arlm.forward_llama_paged(x, weights, k, v, block_table, seq_index, pos, m.rope_cos,
                                            m.rope_sin, self.n_head, self.n_kv_heads, self.eps, a8,
-                                           residual, kv_format, window, sinks)
+                                           residual, kv_format, window, sinks, *self._arch())
 
     def head(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Final norm + LM head: hidden states [N, d] -> float32 logits [N, vocab] (into `out`).
