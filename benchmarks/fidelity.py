@@ -1,8 +1,10 @@
 """How faithful each precision choice is to float32, beside llama.cpp on the same GGUF, in one run.
 
     LLAMA_CPP_LIB_PATH=build/llama.cpp/bin .venv/bin/python benchmarks/fidelity.py [--max-tokens N] [--json out]
+        [--model gemma3-270m --configs "float32;default (int8x2)"]
 
-Two measures, both against arlm's float32 path (`--quantize none`) on SmolLM2's own file:
+Two measures, both against arlm's float32 path (`--quantize none`) on the model's own file
+(SmolLM2's by default; `--model` any other GGUF, which skips the answers: they are SmolLM2's):
 
 1. Next-token distributions (`arlm perplexity --kl-divergence`'s code): over tiny Shakespeare's
    last 10% and a second text (Python's own textwrap.py: code and docstrings), sliding windows
@@ -133,6 +135,7 @@ def matches(answers: list[list[int]], reference: list[list[int]]) -> int:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="smollm2", help="a known model name or GGUF path (answers: smollm2 only)")
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--stride", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=None, help="only the first N tokens of each text")
@@ -146,7 +149,7 @@ def main() -> int:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    gguf = resolve_model_path("smollm2")
+    gguf = resolve_model_path(args.model)
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     names = [n.strip() for n in args.configs.split(";") if n.strip()]
@@ -155,7 +158,8 @@ def main() -> int:
         ap.error(f"unknown configs {unknown}")
     results: dict[str, dict] = {}
 
-    reference = json.loads(QUESTIONS.read_text())["questions"] if QUESTIONS.exists() else None
+    smollm2 = args.model == "smollm2"
+    reference = json.loads(QUESTIONS.read_text())["questions"] if QUESTIONS.exists() and smollm2 else None
     token_texts: dict[str, list[int]] = {}
     bases: dict[str, np.ndarray] = {}
     for name in ["float32"] + [n for n in names if n != "float32"]:
@@ -165,7 +169,7 @@ def main() -> int:
             for label, text in texts(args.max_tokens).items():
                 ids = llm.tokenizer.encode(text)
                 token_texts[label] = ids[:args.max_tokens] if args.max_tokens else ids
-        prompts = chat_prompts(llm) if reference or args.write_answers else []
+        prompts = chat_prompts(llm) if reference or (args.write_answers and smollm2) else []
         if prompts:
             answers = arlm_answers(llm, prompts)
             if name == "float32" and args.write_answers:

@@ -1,4 +1,5 @@
-"""Quantized weights for decode: the file's own blocks (4-bit Q4_1, 8-bit Q8_0), or int8 per row.
+"""Quantized weights for decode: the file's own blocks (4-bit Q4_1, 8-bit Q8_0, the K-quants Q4_K
+and Q6_K), or int8 per row.
 
 Decode reads every weight once per step, so its speed is bytes of weights / memory bandwidth:
 int8 weights move 4x fewer bytes than float32, 4-bit ones (Q4_1: a float16 scale and min per 32
@@ -310,6 +311,72 @@ class Q4Linear(QuantizedLinear):
             return kernels.q4_linear_a8p(x, self.weight, self.scale, self.mins)
         op = kernels.q4_linear_a8 if self.int8_activations else kernels.q4_linear
         return op(x, self.weight, self.scale, self.mins)
+
+
+class KQuantLinear(QuantizedLinear):
+    """A GGUF K-quant matrix (Q4_K or Q6_K: super-blocks of 256 weights) in the packed kernels'
+    layout (a8_linear.cpp, `kernels.pack_q4_k` / `pack_q6_k`): the file's values with their own
+    scales, not rounded again, in about the file's bytes (Q4_K 4.75 bits a weight, the file's 4.5;
+    Q6_K 8.6, the file's 6.6).
+
+    Q4_K: W[n, k] = d[n, k // 256] sc[n, k // 32] q[n, k] - dmin[n, k // 256] m[n, k // 32];
+    Q6_K: W[n, k] = d[n, k // 256] sc[n, k // 16] q[n, k] (gguf's dequantization, bit for bit:
+    `dequantize`). The kernels take 8-bit activations (once or twice, `residual_activations`) on
+    CPUs with AVX-512 VNNI, which is where the loader makes these layers (elsewhere it rounds the
+    file's values to int8 per row); with float32 activations the layer multiplies by its
+    dequantized matrix (slow: every call dequantizes it)."""
+
+    FIELDS = ("weight", "scale", "supers")
+
+    def __init__(self, kind: str, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__(in_features, out_features, bias)
+        if kind not in ("Q4_K", "Q6_K") or in_features % 256 or out_features % 16:
+            raise ValueError(f"{kind} layers need in_features divisible by 256 and out_features by 16")
+        self.kind = kind
+        NB, G, S = out_features // 16, in_features // 32, in_features // 256
+        q4 = kind == "Q4_K"
+        self.register_buffer("weight", torch.zeros(NB, in_features // (8 if q4 else 4), 64, dtype=torch.uint8))
+        self.register_buffer("scale", torch.zeros(NB, G, 32, dtype=torch.uint8) if q4
+                             else torch.zeros(NB, 2 * G, 16, dtype=torch.int8))
+        self.register_buffer("supers", torch.zeros(NB, S, 32 if q4 else 16, dtype=torch.float32))
+
+    @property
+    def packed(self) -> bool:
+        return True  # its one layout
+
+    def pack(self) -> None:
+        pass
+
+    def unpack(self) -> None:
+        pass
+
+    def rows(self):
+        return self.tensors()
+
+    def _pack(self, rows):
+        return rows
+
+    def dequantize_rows(self, index):
+        T, K = len(index), self.in_features
+        b, lane = index // 16, index % 16
+        if self.kind == "Q4_K":
+            wb = self.weight.view(self.weight.shape[0], -1, 16, 4)[b, :, lane, :]  # [T, K/8, 4]
+            q = torch.stack([wb & 0x0F, wb >> 4], dim=2).view(T, K // 32, 32).float()
+            sc, m = self.scale[b, :, lane].float(), self.scale[b, :, 16 + lane].float()  # [T, K/32]
+            d, dmin = (self.supers[b, :, lane + o].repeat_interleave(8, dim=1) for o in (0, 16))
+            return ((d * sc)[..., None] * q - (dmin * m)[..., None]).view(T, K)
+        u = self.weight.view(self.weight.shape[0], -1, 16, 4)[b, :, lane, :].reshape(T, K // 16, 16)
+        q = u.to(torch.int16).float() - 32.0
+        d = self.supers[b, :, lane].repeat_interleave(16, dim=1)  # [T, K/16]
+        return ((d * self.scale[b, :, lane].float())[..., None] * q).view(T, K)
+
+    def _matmul(self, x):
+        if self._a8 and kernels.packed_available():
+            return kernels.kquant_linear_a8p(x, *self.tensors())
+        return F.linear(x, self.dequantize())
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, {self.kind}"
 
 
 class QuantizedEmbedding(nn.Module):

@@ -189,7 +189,7 @@ def _register_fake() -> None:
     for op in ("int8_linear", "q4_linear", "int8_linear_a8", "q4_linear_a8"):  # all [M, K] x [N, .] -> [M, N]
         torch.library.register_fake(f"arlm::{op}")(lambda x, w, *scales: x.new_empty(x.shape[0], w.shape[0]))
     torch.library.register_fake("arlm::argmax_rows")(lambda x: x.new_empty(x.shape[0], dtype=torch.long))
-    for op in ("int8_linear_a8p", "q4_linear_a8p"):  # packed: [M, K] x [N / 16, ., 64] -> [M, N]
+    for op in ("int8_linear_a8p", "q4_linear_a8p", "kquant_linear_a8p"):  # packed: [M, K] x [N / 16, ., 64] -> [M, N]
         torch.library.register_fake(f"arlm::{op}")(lambda x, w, *scales: x.new_empty(x.shape[0], 16 * w.shape[0]))
 
 
@@ -305,6 +305,35 @@ def pack_q4(w: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor) -> tuple[t
     packed = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).permute(0, 2, 1, 3).contiguous().view(N // 16, K // 8, 64)
 
     return packed, pack_scales(scale), pack_scales(mins)
+
+
+def pack_q4_k(q: torch.Tensor, sc: torch.Tensor, m: torch.Tensor, d: torch.Tensor,
+              dmin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Q4_K's fields (w = d sc q - dmin m: q uint8 [N, K] in 0..15; sc, m uint8 [N, K/32], the
+    6-bit scale and min of each group of 32; d, dmin float32 [N, K/256], each super-block's) ->
+    a8_linear.cpp's Q4_K layout: the 4-bit packed weights of `pack_q4` [N/16, K/8, 64], scale
+    uint8 [N/16, K/32, 32] (16 channels' sc, then their m) and supers float32 [N/16, K/256, 32]
+    (d, then dmin)."""
+    N, K = q.shape
+    qq = q.view(N // 16, 16, K // 8, 2, 4)
+    wp = (qq[:, :, :, 0] | (qq[:, :, :, 1] << 4)).permute(0, 2, 1, 3).contiguous().view(N // 16, K // 8, 64)
+    return (wp, torch.cat([pack_scales(sc), pack_scales(m)], dim=2).contiguous(),
+            torch.cat([pack_scales(d), pack_scales(dmin)], dim=2).contiguous())
+
+
+def pack_q6_k(q: torch.Tensor, sc: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Q6_K's fields (w = d sc q: q int8 [N, K] in -32..31, sc int8 [N, K/16], d float32
+    [N, K/256]) -> a8_linear.cpp's Q6_K layout: q + 32 as bytes in `pack_int8`'s arrangement
+    (not offset by 128) [N/16, K/4, 64], scale int8 [N/16, K/16, 16], supers float32 [N/16, K/256, 16]."""
+    N, K = q.shape
+    u = (q.to(torch.int16) + 32).to(torch.uint8).view(N // 16, 16, K // 4, 4)
+    return u.permute(0, 2, 1, 3).contiguous().view(N // 16, K // 4, 64), pack_scales(sc), pack_scales(d)
+
+
+def kquant_linear_a8p(x: torch.Tensor, wp: torch.Tensor, scale: torch.Tensor, supers: torch.Tensor) -> torch.Tensor:
+    """x [M, K] float32 times a Q4_K or Q6_K layer in its packed layout (`pack_q4_k`, `pack_q6_k`),
+    x quantized to 8 bits per group of 32 (packed_available() must hold)."""
+    return torch.ops.arlm.kquant_linear_a8p(x.contiguous(), wp, scale, supers)
 
 
 def int8_linear_a8p(x: torch.Tensor, wp: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

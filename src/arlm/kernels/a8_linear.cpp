@@ -247,7 +247,15 @@ struct QuantizedX {
 //         product is taken off in integers (exact) before the convert. scale [N] float32.
 //   4-bit: wp [N/16, K/8, 16, 4] bytes, low nibble of byte (c, t) = q[c, 8p + t], high nibble
 //          = q[c, 8p + 4 + t]; scale and mins [N/16, K/32, 16] float16.
-// N a multiple of 16. arlm.kernels.pack_int8 / pack_q4 build them from the row layouts.
+// and GGUF's K-quants, their super-blocks of 256 K-values read as stored (K a multiple of 256):
+//   Q4_K:  the 4-bit wp (w = d sc q - dmin m, q 0..15); scale [N/16, K/32, 32] uint8, each group's
+//          6-bit sc for the 16 channels, then its m; mins [N/16, K/256, 32] float32, each
+//          super-block's d for the 16 channels, then its dmin (KScales).
+//   Q6_K:  the int8 wp with u = q + 32 in 0..63 (not offset by 128; w = d sc (u - 32)); scale
+//          [N/16, K/16, 16] int8, a scale per 16 K-values; mins [N/16, K/256, 16] float32, d
+//          (q6p_block).
+// N a multiple of 16. arlm.kernels.pack_int8 / pack_q4 / pack_q4_k / pack_q6_k build them from
+// the row layouts.
 
 
 // Accumulator tiles: MB rows of x by NB blocks of 16 channels.
@@ -319,12 +327,45 @@ inline void load_q4(const uint8_t* w, int64_t block, int64_t k, const uint8_t* p
   }
 }
 
+// A packed layer's per-group scales for 16 channels as vectors: ds[b] multiplies group g's integer
+// dot product, ms[b] (4-bit layouts) the activations' sum. Pointers start at the tile's first block.
+// F16Scales: Q4_1's (and Q8_0's: m null) float16 d and m per group, [blocks][G][16]; d null: none
+// (int8 with a scale per row, applied by the caller).
+struct F16Scales {
+  const at::Half *d, *m;
+  int64_t G;
+  bool scaled() const { return d != nullptr; }
+  void at(int b, int64_t g, __m512& ds, __m512& ms) const {
+    if (d) ds = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + (b * G + g) * kLanes)));
+    if (m) ms = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(m + (b * G + g) * kLanes)));
+  }
+};
+
+// Q4_K's: ds = d * sc and ms = -(dmin * m), sc and m the group's 6-bit bytes ([blocks][G][32]: sc
+// for the 16 channels, then m), d and dmin its super-block's floats ([blocks][G / 8][32]). The
+// products are exact in float32 (an 11-bit d times a 6-bit integer), as gguf dequantizes them.
+struct KScales {
+  const uint8_t* sm;
+  const float* dd;
+  int64_t G;
+  bool scaled() const { return true; }
+  void at(int b, int64_t g, __m512& ds, __m512& ms) const {
+    const uint8_t* s = sm + (b * G + g) * 2 * kLanes;
+    const float* super = dd + (b * (G / 8) + g / 8) * 2 * kLanes;
+    auto widen = [](const uint8_t* p) {
+      return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+    };
+    ds = _mm512_mul_ps(_mm512_loadu_ps(super), widen(s));
+    ms = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(_mm512_loadu_ps(super + kLanes), widen(s + kLanes)));
+  }
+};
+
 // MB rows of quantized x against NB blocks of 16 channels of packed 4-bit weights:
-// out = sum_g (d * dx_g) * dot_g(q, qx) + m * sx_g.
-template <int MB, int NB>
+// out = sum_g (d * dx_g) * dot_g(q, qx) + m * sx_g, d and m as `sc` gives them.
+template <int MB, int NB, typename Scales>
 void q4p_block(const int8_t* qx, const float* dx, const float* sx, int64_t K, const uint8_t* w,
-               const at::Half* d, const at::Half* mn, const uint8_t* pf, float* out) {
-  const int64_t G = K / kGroup, block = K / 2 * kLanes, sblock = G * kLanes;
+               const Scales& sc, const uint8_t* pf, float* out) {
+  const int64_t G = K / kGroup, block = K / 2 * kLanes;
   __m512 acc[MB][NB];
   zero(acc);
   for (int64_t g = 0; g < G; ++g) {
@@ -345,10 +386,7 @@ void q4p_block(const int8_t* qx, const float* dx, const float* sx, int64_t K, co
       }
     }
     __m512 ds[NB], ms[NB];
-    for (int b = 0; b < NB; ++b) {
-      ds[b] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + b * sblock + g * kLanes)));
-      ms[b] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mn + b * sblock + g * kLanes)));
-    }
+    for (int b = 0; b < NB; ++b) sc.at(b, g, ds[b], ms[b]);
     for (int i = 0; i < MB; ++i) {
       const __m512 dxi = _mm512_set1_ps(dx[i * G + g]), sxi = _mm512_set1_ps(sx[i * G + g]);
       for (int b = 0; b < NB; ++b) {
@@ -420,10 +458,11 @@ inline void quantize_group16(const float* src, int8_t* hi, int8_t* lo, float* e_
 // MB rows of 16-bit x (hi, lo bytes; e, sx or sums per group) against NB blocks of 16 channels
 // of packed weights. Q4: out = sum_g d e_g (256 dot_g(q, hi) + dot_g(q, lo)) + m sx_g. Int8 and
 // Q8_0 (w + 128 stored, as i8p_block): out = sum_g e_g [dw] (dot_g(w + 128, X) - 128 sum(X)).
-template <bool kQ4, int MB, int NB>
+// d and m as `sc` gives them (F16Scales, KScales).
+template <bool kQ4, int MB, int NB, typename Scales>
 void x16p_block(const int8_t* hi, const int8_t* lo, const float* e, const float* sx, const int32_t* sums,
-                int64_t K, const uint8_t* w, const at::Half* d, const at::Half* mn, const uint8_t* pf, float* out) {
-  const int64_t G = K / kGroup, block = (kQ4 ? K / 2 : K) * kLanes, sblock = G * kLanes;
+                int64_t K, const uint8_t* w, const Scales& sc, const uint8_t* pf, float* out) {
+  const int64_t G = K / kGroup, block = (kQ4 ? K / 2 : K) * kLanes;
   __m512 acc[MB][NB];
   zero(acc);
   for (int64_t g = 0; g < G; ++g) {
@@ -467,17 +506,14 @@ void x16p_block(const int8_t* hi, const int8_t* lo, const float* e, const float*
       }
     }
     __m512 ds[NB], ms[NB];
-    for (int b = 0; b < NB; ++b) {
-      if (d) ds[b] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + b * sblock + g * kLanes)));
-      if (kQ4) ms[b] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mn + b * sblock + g * kLanes)));
-    }
+    for (int b = 0; b < NB; ++b) sc.at(b, g, ds[b], ms[b]);
     for (int i = 0; i < MB; ++i) {
       const __m512 ei = _mm512_set1_ps(e[i * G + g]);
       const __m512i offset = _mm512_set1_epi32(kQ4 ? 0 : 128 * sums[i * G + g]);
       for (int b = 0; b < NB; ++b) {
         __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(dh[i][b], 8), dl[i][b]);
         if (!kQ4) dot = _mm512_sub_epi32(dot, offset);
-        acc[i][b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), d ? _mm512_mul_ps(ds[b], ei) : ei, acc[i][b]);
+        acc[i][b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), sc.scaled() ? _mm512_mul_ps(ds[b], ei) : ei, acc[i][b]);
         if (kQ4) acc[i][b] = _mm512_fmadd_ps(ms[b], _mm512_set1_ps(sx[i * G + g]), acc[i][b]);
       }
     }
@@ -485,7 +521,85 @@ void x16p_block(const int8_t* hi, const int8_t* lo, const float* e, const float*
   store(acc, out);
 }
 
+// Q6_K's layout (above: u = q + 32 as bytes of the int8 packed layout, a signed scale per 16
+// K-values, a float d per 256) against MB rows of 8-bit x (kX16 false: codes a, scale e per group
+// of 32) or of 16-bit x in two bytes (a = hi, b = lo). Each half group has its own scale:
+// out = sum_g sum_h d sc_h e_g (dot_h(u, X) - 32 sum_h X), hs holding the rows' sums of X per 16
+// K-values (16-bit: 256 sum(hi) + sum(lo)); the -32 is taken off in integers, exactly.
+template <bool kX16, int MB, int NB>
+void q6p_block(const int8_t* a, const int8_t* bl, const float* e, const int32_t* hs, int64_t K, const uint8_t* w,
+               const int8_t* sc, const float* dd, const uint8_t* pf, float* out) {
+  const int64_t G = K / kGroup, H = K / 16, S = K / 256, block = K * kLanes;
+  __m512 acc[MB][NB];
+  zero(acc);
+  for (int64_t g = 0; g < G; ++g) {
+    __m512 dv[NB];
+    for (int b = 0; b < NB; ++b) dv[b] = _mm512_loadu_ps(dd + (b * S + g / 8) * kLanes);
+    for (int64_t h = 0; h < 2; ++h) {
+      __m512i dh[MB][NB], dl[MB][NB];
+      zero(dh);
+      zero(dl);
+#pragma GCC unroll 4
+      for (int64_t j = 0; j < 4; ++j) {
+        const int64_t k = g * kGroup + 16 * h + 4 * j;
+        __m512i wv[NB];
+        for (int b = 0; b < NB; ++b) {
+          wv[b] = _mm512_loadu_si512(w + b * block + k * kLanes);
+          if (pf) _mm_prefetch(reinterpret_cast<const char*>(pf + b * block + k * kLanes), _MM_HINT_T0);
+        }
+        for (int i = 0; i < MB; ++i) {
+          const __m512i xa = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(a + i * K + k));
+          for (int b = 0; b < NB; ++b) dh[i][b] = _mm512_dpbusd_epi32(dh[i][b], wv[b], xa);
+          if constexpr (kX16) {
+            const __m512i xb = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(bl + i * K + k));
+            for (int b = 0; b < NB; ++b) dl[i][b] = _mm512_dpbusd_epi32(dl[i][b], wv[b], xb);
+          }
+        }
+      }
+      const int64_t s16 = 2 * g + h;
+      __m512 sv[NB];
+      for (int b = 0; b < NB; ++b)
+        sv[b] = _mm512_mul_ps(dv[b], _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                         _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + (b * H + s16) * kLanes)))));
+      for (int i = 0; i < MB; ++i) {
+        const __m512 ei = _mm512_set1_ps(e[i * G + g]);
+        const __m512i corr = _mm512_set1_epi32(32 * hs[i * H + s16]);
+        for (int b = 0; b < NB; ++b) {
+          __m512i dot = kX16 ? _mm512_add_epi32(_mm512_slli_epi32(dh[i][b], 8), dl[i][b]) : dh[i][b];
+          dot = _mm512_sub_epi32(dot, corr);
+          acc[i][b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(sv[b], ei), acc[i][b]);
+        }
+      }
+    }
+  }
+  store(acc, out);
+}
+
 #endif
+
+// The packed layouts (above), told apart by their tensors' shapes and types.
+enum class Packed { kInt8, kQ8_0, kQ4_1, kQ4_K, kQ6_K };
+
+Packed packed_kind(int64_t K, const at::Tensor& wp, const at::Tensor& scale) {
+  if (scale.dim() == 1) return Packed::kInt8;
+  if (wp.size(1) == K / 8) return scale.scalar_type() == at::kByte ? Packed::kQ4_K : Packed::kQ4_1;
+  return scale.scalar_type() == at::kChar ? Packed::kQ6_K : Packed::kQ8_0;
+}
+
+// Each row's sums of x per 16 values (Q6_K's half groups): x as 8-bit codes q, or 16 bits as
+// 256 hi + lo (lo given).
+void half_sums(const int8_t* q, const int8_t* lo, int64_t M, int64_t K, int32_t* out) {
+  at::parallel_for(0, M * (K / 16), 1024, [&](int64_t s0, int64_t s1) {
+    for (int64_t s = s0; s < s1; ++s) {
+      int32_t hi_sum = 0, lo_sum = 0;
+      for (int64_t j = 0; j < 16; ++j) {
+        hi_sum += q[s * 16 + j];
+        if (lo) lo_sum += lo[s * 16 + j];
+      }
+      out[s] = lo ? 256 * hi_sum + lo_sum : hi_sum;
+    }
+  });
+}
 }  // namespace
 
 at::Tensor q4_linear_a8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, const at::Tensor& mins) {
@@ -586,6 +700,17 @@ int64_t arlm_kernels::packed_out_features(const char* op, int64_t K, const at::T
   TORCH_CHECK(K % kGroup == 0 && wp.dim() == 3 && wp.scalar_type() == at::kByte && wp.is_contiguous() &&
               wp.size(2) == 4 * kLanes, op, ": packed weights [N/16, ., 64] uint8 and K a multiple of 32");
   const int64_t NB = wp.size(0), G = K / kGroup;
+  const Packed kind = packed_kind(K, wp, scale);
+  if (kind == Packed::kQ4_K || kind == Packed::kQ6_K) {
+    const bool q4 = kind == Packed::kQ4_K;
+    TORCH_CHECK(K % 256 == 0 && wp.size(1) == (q4 ? K / 8 : K / 4) && scale.dim() == 3 && scale.is_contiguous() &&
+                scale.size(0) == NB && scale.size(1) == (q4 ? G : K / 16) && scale.size(2) == (q4 ? 2 : 1) * kLanes &&
+                mins.dim() == 3 && mins.scalar_type() == at::kFloat && mins.is_contiguous() && mins.size(0) == NB &&
+                mins.size(1) == K / 256 && mins.size(2) == (q4 ? 2 : 1) * kLanes,
+                op, q4 ? ": Q4_K wp [N/16, K/8, 64] uint8, scale [N/16, K/32, 32] uint8, mins [N/16, K/256, 32] float32"
+                       : ": Q6_K wp [N/16, K/4, 64] uint8, scale [N/16, K/16, 16] int8, mins [N/16, K/256, 16] float32");
+    return NB * kLanes;
+  }
   if (scale.dim() == 1) {
     TORCH_CHECK(wp.size(1) == K / 4 && scale.size(0) == NB * kLanes && scale.scalar_type() == at::kFloat &&
                 scale.is_contiguous(), op, ": int8 wp [N/16, K/4, 64] uint8, scale [N] float32");
@@ -605,13 +730,23 @@ int64_t arlm_kernels::packed_out_features(const char* op, int64_t K, const at::T
 void arlm_kernels::linear_a8p(const Act8& a, int64_t M, int64_t K, const at::Tensor& wp, const at::Tensor& scale,
                               const at::Tensor& mins, float* y, int64_t ldy, bool accumulate) {
 #ifdef ARLM_AVX512
-  const int64_t G = K / kGroup, NB = wp.size(0);
-  const bool q4 = wp.size(1) == K / 8, q8 = !q4 && scale.dim() == 3;  // else int8 with a scale per row
+  const int64_t G = K / kGroup, NB = wp.size(0), H = K / 16, S = K / 256;
+  const Packed kind = packed_kind(K, wp, scale);
+  const bool q4 = kind == Packed::kQ4_1 || kind == Packed::kQ4_K, q8 = kind == Packed::kQ8_0;
   const int64_t block = q4 ? K / 2 * kLanes : K * kLanes;  // bytes of one block of 16 channels
   const uint8_t* wpp = wp.data_ptr<uint8_t>();
-  const float* sp = q4 || q8 ? nullptr : scale.data_ptr<float>();
-  const at::Half* dp = q4 || q8 ? scale.data_ptr<at::Half>() : nullptr;
-  const at::Half* mp = q4 ? mins.data_ptr<at::Half>() : nullptr;
+  const float* sp = kind == Packed::kInt8 ? scale.data_ptr<float>() : nullptr;
+  const at::Half* dp = kind == Packed::kQ4_1 || q8 ? scale.data_ptr<at::Half>() : nullptr;
+  const at::Half* mp = kind == Packed::kQ4_1 ? mins.data_ptr<at::Half>() : nullptr;
+  const bool kq = kind == Packed::kQ4_K || kind == Packed::kQ6_K;
+  const void* kscale = kq ? scale.data_ptr() : nullptr;
+  const float* supers = kq ? mins.data_ptr<float>() : nullptr;
+  thread_local std::vector<int32_t> halves;  // Q6_K: the rows' sums per 16 codes
+  if (kind == Packed::kQ6_K) {
+    halves.resize(std::max<size_t>(halves.size(), M * H));
+    half_sums(a.q, nullptr, M, K, halves.data());
+  }
+  const int32_t* hs = halves.data();
   at::parallel_for(0, (NB + 1) / 2, 4, [&](int64_t t0, int64_t t1) {
     float out[kBlockRows * 2 * kLanes];
     for (int64_t t = t0; t < t1; ++t) {  // a tile: 2 blocks of 16 channels (1 at the end)
@@ -623,10 +758,19 @@ void arlm_kernels::linear_a8p(const Act8& a, int64_t M, int64_t K, const at::Ten
         const int8_t* q = a.q + m * K;
         const float* dx = a.d + m * G;
         const uint8_t* pf = m == 0 ? next : nullptr;
-        if (q4) {
-          const at::Half *d = dp + b0 * G * kLanes, *mn = mp + b0 * G * kLanes;
-          if (nb == 2) q4p_block<MB, 2>(q, dx, a.s + m * G, K, wt, d, mn, pf, out);
-          else q4p_block<MB, 1>(q, dx, a.s + m * G, K, wt, d, mn, pf, out);
+        if (kind == Packed::kQ4_1) {
+          const F16Scales sc{dp + b0 * G * kLanes, mp + b0 * G * kLanes, G};
+          if (nb == 2) q4p_block<MB, 2>(q, dx, a.s + m * G, K, wt, sc, pf, out);
+          else q4p_block<MB, 1>(q, dx, a.s + m * G, K, wt, sc, pf, out);
+        } else if (kind == Packed::kQ4_K) {
+          const KScales sc{static_cast<const uint8_t*>(kscale) + b0 * G * 2 * kLanes, supers + b0 * S * 2 * kLanes, G};
+          if (nb == 2) q4p_block<MB, 2>(q, dx, a.s + m * G, K, wt, sc, pf, out);
+          else q4p_block<MB, 1>(q, dx, a.s + m * G, K, wt, sc, pf, out);
+        } else if (kind == Packed::kQ6_K) {
+          const int8_t* sc = static_cast<const int8_t*>(kscale) + b0 * H * kLanes;
+          const float* dd = supers + b0 * S * kLanes;
+          if (nb == 2) q6p_block<false, MB, 2>(q, nullptr, dx, hs + m * H, K, wt, sc, dd, pf, out);
+          else q6p_block<false, MB, 1>(q, nullptr, dx, hs + m * H, K, wt, sc, dd, pf, out);
         } else {
           const at::Half* dw = q8 ? dp + b0 * G * kLanes : nullptr;
           if (nb == 2) i8p_block<MB, 2>(q, dx, a.sum + m * G, K, wt, pf, out, dw);
@@ -681,12 +825,22 @@ void arlm_kernels::linear_a8p_residual(const float* x, int64_t M, int64_t K, con
     for (int64_t b = b0; b < b1; ++b)
       quantize_group16(x + b * kGroup, hi + b * kGroup, lo + b * kGroup, e + b, sx + b, sp + b);
   });
-  const bool q4 = wp.size(1) == K / 8, q8 = !q4 && scale.dim() == 3;  // else int8 with a scale per row
-  const int64_t block = q4 ? K / 2 * kLanes : K * kLanes;
+  const Packed kind = packed_kind(K, wp, scale);
+  const bool q4 = kind == Packed::kQ4_1 || kind == Packed::kQ4_K, q8 = kind == Packed::kQ8_0;
+  const int64_t block = q4 ? K / 2 * kLanes : K * kLanes, H = K / 16, S = K / 256;
   const uint8_t* wpp = wp.data_ptr<uint8_t>();
-  const float* rs = q4 || q8 ? nullptr : scale.data_ptr<float>();  // int8's scale per row
-  const at::Half* dp = q4 || q8 ? scale.data_ptr<at::Half>() : nullptr;
-  const at::Half* mp = q4 ? mins.data_ptr<at::Half>() : nullptr;
+  const float* rs = kind == Packed::kInt8 ? scale.data_ptr<float>() : nullptr;  // int8's scale per row
+  const at::Half* dp = kind == Packed::kQ4_1 || q8 ? scale.data_ptr<at::Half>() : nullptr;
+  const at::Half* mp = kind == Packed::kQ4_1 ? mins.data_ptr<at::Half>() : nullptr;
+  const bool kq = kind == Packed::kQ4_K || kind == Packed::kQ6_K;
+  const void* kscale = kq ? scale.data_ptr() : nullptr;
+  const float* supers = kq ? mins.data_ptr<float>() : nullptr;
+  thread_local std::vector<int32_t> halves;  // Q6_K: the rows' sums of X per 16
+  if (kind == Packed::kQ6_K) {
+    halves.resize(std::max<size_t>(halves.size(), M * H));
+    half_sums(hi, lo, M, K, halves.data());
+  }
+  const int32_t* hs = halves.data();
   // Each thread's tiles are taken a chunk of rows at a time: the chunk's codes (64 rows: 74 KB at
   // K = 576, 197 KB at 1,536) stay in L2 across the tiles, where all M rows would be read again
   // from L3 for every tile. A row's products do not depend on the chunking.
@@ -698,7 +852,7 @@ void arlm_kernels::linear_a8p_residual(const float* x, int64_t M, int64_t K, con
         const int64_t b0 = 2 * t, nb = std::min<int64_t>(2, NB - b0);
         const uint8_t* wt = wpp + b0 * block;
         const uint8_t* next = t + 1 < t1 ? wt + 2 * block : nullptr;  // prefetched during the first rows
-        const at::Half *d = dp ? dp + b0 * G * kLanes : nullptr, *mn = mp ? mp + b0 * G * kLanes : nullptr;
+        const F16Scales fs{dp ? dp + b0 * G * kLanes : nullptr, mp ? mp + b0 * G * kLanes : nullptr, G};
         row_blocks(std::min(kChunkRows, M - c0), [&](auto mb, int64_t r) {
           constexpr int MB = decltype(mb)::value;
           const int64_t m = c0 + r;
@@ -706,12 +860,22 @@ void arlm_kernels::linear_a8p_residual(const float* x, int64_t M, int64_t K, con
           const int8_t *h = hi + m * K, *l = lo + m * K;
           const float *em = e + m * G, *sm = sx + m * G;
           const int32_t* um = sp + m * G;
-          if (q4) {
-            if (nb == 2) x16p_block<true, MB, 2>(h, l, em, sm, um, K, wt, d, mn, pf, out);
-            else x16p_block<true, MB, 1>(h, l, em, sm, um, K, wt, d, mn, pf, out);
+          if (kind == Packed::kQ4_K) {
+            const KScales ks{static_cast<const uint8_t*>(kscale) + b0 * G * 2 * kLanes, supers + b0 * S * 2 * kLanes,
+                             G};
+            if (nb == 2) x16p_block<true, MB, 2>(h, l, em, sm, um, K, wt, ks, pf, out);
+            else x16p_block<true, MB, 1>(h, l, em, sm, um, K, wt, ks, pf, out);
+          } else if (kind == Packed::kQ6_K) {
+            const int8_t* sc = static_cast<const int8_t*>(kscale) + b0 * H * kLanes;
+            const float* dd = supers + b0 * S * kLanes;
+            if (nb == 2) q6p_block<true, MB, 2>(h, l, em, hs + m * H, K, wt, sc, dd, pf, out);
+            else q6p_block<true, MB, 1>(h, l, em, hs + m * H, K, wt, sc, dd, pf, out);
+          } else if (q4) {
+            if (nb == 2) x16p_block<true, MB, 2>(h, l, em, sm, um, K, wt, fs, pf, out);
+            else x16p_block<true, MB, 1>(h, l, em, sm, um, K, wt, fs, pf, out);
           } else {
-            if (nb == 2) x16p_block<false, MB, 2>(h, l, em, sm, um, K, wt, d, nullptr, pf, out);
-            else x16p_block<false, MB, 1>(h, l, em, sm, um, K, wt, d, nullptr, pf, out);
+            if (nb == 2) x16p_block<false, MB, 2>(h, l, em, sm, um, K, wt, fs, pf, out);
+            else x16p_block<false, MB, 1>(h, l, em, sm, um, K, wt, fs, pf, out);
           }
           for (int i = 0; i < MB; ++i)
             for (int64_t b = 0; b < nb; ++b) {  // into y, or added to it
@@ -751,6 +915,20 @@ at::Tensor q4_linear_a8p(const at::Tensor& x, const at::Tensor& wp, const at::Te
   return y;
 }
 
+// The K-quants' packed layouts (Q4_K, Q6_K: above) times 8-bit x, one pass.
+at::Tensor kquant_linear_a8p(const at::Tensor& x, const at::Tensor& wp, const at::Tensor& scale,
+                             const at::Tensor& supers) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "kquant_linear_a8p: x [M, K] contiguous float32");
+  TORCH_CHECK(scale.dim() == 3 && (scale.scalar_type() == at::kByte || scale.scalar_type() == at::kChar),
+              "kquant_linear_a8p: a Q4_K or Q6_K layout");
+  const int64_t N = arlm_kernels::packed_out_features("kquant_linear_a8p", x.size(1), wp, scale, supers);
+  const QuantizedX xq(x);
+  at::Tensor y = at::empty({x.size(0), N}, x.options());
+  arlm_kernels::linear_a8p(xq.view(), x.size(0), x.size(1), wp, scale, supers, y.data_ptr<float>(), N, false);
+  return y;
+}
+
 bool packed_a8_available() {
 #ifdef ARLM_AVX512
   return true;
@@ -782,6 +960,7 @@ TORCH_LIBRARY_FRAGMENT(arlm, m) {
   m.def("int8_linear_a8(Tensor x, Tensor w, Tensor scale) -> Tensor");
   m.def("int8_linear_a8p(Tensor x, Tensor wp, Tensor scale) -> Tensor");
   m.def("q4_linear_a8p(Tensor x, Tensor wp, Tensor scale, Tensor mins) -> Tensor");
+  m.def("kquant_linear_a8p(Tensor x, Tensor wp, Tensor scale, Tensor supers) -> Tensor");
   m.def("packed_a8_available() -> bool", &packed_a8_available);
 }
 
@@ -791,5 +970,6 @@ TORCH_LIBRARY_IMPL(arlm, CPU, m) {
   m.impl("int8_linear_a8p", &int8_linear_a8p);
   m.impl("q4_linear_a8p", &q4_linear_a8p);
   m.impl("linear_a8p_residual", &linear_a8p_residual);
+  m.impl("kquant_linear_a8p", &kquant_linear_a8p);
 }
 

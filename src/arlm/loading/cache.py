@@ -36,10 +36,10 @@ from tokenizers import Tokenizer as HFTokenizer
 from ..config import ModelConfig
 from ..files import atomic_write_text
 from ..model import Transformer
-from ..quant import Int8Linear, Q4Linear, Q8Linear, QuantizedEmbedding, QuantizedLinear
+from ..quant import Int8Linear, KQuantLinear, Q4Linear, Q8Linear, QuantizedEmbedding, QuantizedLinear
 from ..tokenizer import Tokenizer
 
-FORMAT = 4  # (4: quantized layers may have biases; Q5_0 and Q4_0 blocks read as Q8_0 ones, not re-quantized)
+FORMAT = 5  # (5: Q4_K and Q6_K blocks as they are, KQuantLinear; 4: quantized layers may have biases)
 _ALIGN = 64
 _DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.int8, torch.uint8)}
 
@@ -89,6 +89,7 @@ def _describe(model: torch.nn.Module, add) -> list[dict]:
                 raise ValueError(f"{name}: quantized layers with dense copies are not cached")
             entries.append({"name": name, "kind": type(module).__name__, "in": module.in_features,
                             "out": module.out_features, "int8_activations": module.int8_activations,
+                            "kquant": getattr(module, "kind", None),
                             "tensors": [add(t) for t in module.tensors()],
                             "bias": add(module.bias.detach()) if module.bias is not None else None})
         elif isinstance(module, QuantizedEmbedding):
@@ -188,9 +189,11 @@ def load(path: Path, layout: str):
         if e["kind"] == "parameter":  # into the module that holds it (a norm, an embedding)
             owner, _, attr = e["name"].rpartition(".")
             setattr(model.get_submodule(owner), attr, torch.nn.Parameter(tensor(e["tensors"][0]), requires_grad=False))
-        elif e["kind"] in kinds:
+        elif e["kind"] in kinds or e["kind"] == "KQuantLinear":
             with torch.device("meta"):
-                layer = kinds[e["kind"]](e["in"], e["out"], bias=e.get("bias") is not None)
+                bias = e.get("bias") is not None
+                layer = KQuantLinear(e["kquant"], e["in"], e["out"], bias=bias) if e["kind"] == "KQuantLinear" \
+                    else kinds[e["kind"]](e["in"], e["out"], bias=bias)
             layer._set(*(tensor(r) for r in e["tensors"]))
             if e.get("bias") is not None:  # (Qwen 2's q/k/v)
                 layer.bias = torch.nn.Parameter(tensor(e["bias"]), requires_grad=False)

@@ -5,9 +5,12 @@ The file is opened once with `gguf.GGUFReader` (a memory map). Two ways to its w
 
 - `quantized_model`: the file's Q4_1 and Q8_0 blocks go into arlm's quantized layers as they are
   (`arlm.quant.Q4Linear`, `Q8Linear`: the same bytes, split into weights and scales), block by
-  block, without a float32 copy of the model; the token embedding is gathered from its quantized
-  rows. Tensors of other types are dequantized and re-quantized to int8 per row (see
-  `requantized`: the one place arlm adds rounding the file did not have).
+  block, without a float32 copy of the model; Q5_0 and Q4_0 values widened exactly into Q8_0's;
+  on CPUs with AVX-512 VNNI the K-quants Q4_K and Q6_K into `KQuantLinear` (their integer fields
+  and scales, the values not rounded again); the token embedding is gathered from its quantized
+  rows. Tensors of other types, and a fused weight whose parts differ in kind, are dequantized
+  and re-quantized to int8 per row (see `requantized`: the one place arlm adds rounding the file
+  did not have).
 - `read_gguf`: every tensor dequantized to float32 (`--quantize none`, the reference path).
 
 Dequantization is `gguf.quants.dequantize` (F32, F16, BF16, Q8_0, Q4_0, Q4_1, the K-quants...);
@@ -25,7 +28,8 @@ import torch
 
 from ..config import ModelConfig
 from ..model import Transformer
-from ..quant import Int8Linear, Q4Linear, Q8Linear, QuantizedEmbedding
+from .. import kernels
+from ..quant import Int8Linear, KQuantLinear, Q4Linear, Q8Linear, QuantizedEmbedding
 from .errors import LoadError
 
 GGUF_MAGIC = b"GGUF"
@@ -253,13 +257,64 @@ def read_gguf(path: str | Path) -> GGUFModel:
 # scale, the same d * q; `_as_q8_0`).
 _BLOCK = {"Q4_1": 20, "Q8_0": 34, "Q5_0": 22, "Q4_0": 18}
 _AS_Q8 = ("Q8_0", "Q5_0", "Q4_0")
+# Bytes per super-block of 256, for the K-quants read as they are (KQuantLinear).
+_K_BLOCK = {"Q4_K": 144, "Q6_K": 210}
 
 
 def _blocks(gf: GGUFFile, rest: str, t) -> np.ndarray:
-    """A tensor's blocks [N, K/32, bytes per block] (a type of _BLOCK), q/k rows un-permuted (a
-    view of the memory map where nothing moves)."""
-    data = np.asarray(t.data).reshape(int(t.shape[1]), -1, _BLOCK[t.tensor_type.name])
+    """A tensor's blocks [N, K/32 (K/256 for a K-quant), bytes per block] (a type of _BLOCK or
+    _K_BLOCK), q/k rows un-permuted (a view of the memory map where nothing moves)."""
+    kind = t.tensor_type.name
+    data = np.asarray(t.data).reshape(int(t.shape[1]), -1, _BLOCK.get(kind) or _K_BLOCK[kind])
     return _unpermute(rest, data, gf)
+
+
+def k_quant_fields(b: np.ndarray, kind: str) -> dict[str, np.ndarray]:
+    """K-quant super-blocks [N, S, bytes] (S = K / 256) -> their integer fields and scales, rows
+    [N, K] in element order (ggml's block layouts, as gguf.quants reads them):
+
+    - Q4_K (d, dmin float16; 12 bytes of 6-bit scales and mins for 8 groups of 32; 128 bytes of
+      nibbles, each 32 bytes holding two groups: low nibbles the first, high the second):
+      q uint8 [N, K] 0..15, sc and m uint8 [N, K/32], d and dmin float32 [N, S];
+      w = d sc q - dmin m.
+    - Q6_K (128 bytes of low nibbles, 64 of 2-bit high parts, 16 int8 scales, d float16): q int8
+      [N, K] -32..31, sc int8 [N, K/16], d float32 [N, S]; w = d sc q.
+    """
+    N, S, _ = b.shape
+    if kind == "Q4_K":
+        d = np.ascontiguousarray(b[..., 0:2]).view(np.float16).astype(np.float32)[..., 0]
+        dmin = np.ascontiguousarray(b[..., 2:4]).view(np.float16).astype(np.float32)[..., 0]
+        raw = b[..., 4:16].astype(np.uint8)  # [N, S, 12]
+        lo6 = np.uint8(0x3F)
+        sc = np.concatenate([raw[..., 0:4] & lo6, (raw[..., 8:12] & 0x0F) | ((raw[..., 0:4] >> 6) << 4)], axis=-1)
+        m = np.concatenate([raw[..., 4:8] & lo6, (raw[..., 8:12] >> 4) | ((raw[..., 4:8] >> 6) << 4)], axis=-1)
+        qs = b[..., 16:144].reshape(N, S, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 1, 2, 1)
+        q = (qs & np.uint8(0x0F)).reshape(N, S * 256)
+        return {"q": q, "sc": sc.reshape(N, S * 8), "m": m.reshape(N, S * 8), "d": d, "dmin": dmin}
+    assert kind == "Q6_K", kind
+    ql = b[..., 0:128].reshape(N, S, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 1, 2, 1)
+    ql = (ql & np.uint8(0x0F)).reshape(N, S, 2, 128)
+    qh = b[..., 128:192].reshape(N, S, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 1, 4, 1)
+    qh = (qh & np.uint8(0x03)).reshape(N, S, 2, 128)
+    q = ((ql | (qh << np.uint8(4))).astype(np.int16) - 32).astype(np.int8).reshape(N, S * 256)
+    sc = np.ascontiguousarray(b[..., 192:208]).view(np.int8).reshape(N, S * 16)
+    d = np.ascontiguousarray(b[..., 208:210]).view(np.float16).astype(np.float32)[..., 0]
+    return {"q": q, "sc": sc, "d": d}
+
+
+def _k_quant_layer(gf: GGUFFile, parts, kind: str) -> KQuantLinear:
+    """A KQuantLinear from file tensors of one K-quant kind (their rows stacked: a fused weight)."""
+    fields = [k_quant_fields(_blocks(gf, rest, t), kind) for rest, t in parts]
+    f = {k: torch.from_numpy(np.ascontiguousarray(np.concatenate([x[k] for x in fields]))) for k in fields[0]}
+    N, K = f["q"].shape
+    with torch.device("meta"):
+        layer = KQuantLinear(kind, K, N)
+    if kind == "Q4_K":
+        layer._set(*kernels.pack_q4_k(f["q"], f["sc"], f["m"], f["d"], f["dmin"]))
+    else:
+        layer._set(*kernels.pack_q6_k(f["q"], f["sc"], f["d"]))
+    return layer
+
 
 
 def _as_q8_0(b: np.ndarray, kind: str) -> np.ndarray:
@@ -306,6 +361,9 @@ def _quantized_layer(gf: GGUFFile, parts, requantized: list[str]):
     (the file's bytes, split), Q8Linear where every part is Q8_0, Q5_0 or Q4_0 (their values
     exactly, `_as_q8_0`), else int8 per row from the dequantized values."""
     kinds = {t.tensor_type.name for _, t in parts}
+    N = sum(int(t.shape[1]) for _, t in parts)
+    if len(kinds) == 1 and kinds <= set(_K_BLOCK) and N % 16 == 0 and kernels.packed_available():
+        return _k_quant_layer(gf, parts, kinds.pop())
     if kinds == {"Q4_1"} or kinds <= set(_AS_Q8):
         kind = "Q4_1" if kinds == {"Q4_1"} else "Q8_0"
         blocks = [_blocks(gf, rest, t) if kind == "Q4_1" else _as_q8_0(_blocks(gf, rest, t), t.tensor_type.name)
