@@ -29,7 +29,6 @@ import os
 import statistics
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import numpy as np

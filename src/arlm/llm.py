@@ -10,6 +10,7 @@ own whose prefix cache holds the earlier turns, so each turn prefills only what 
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -304,7 +305,13 @@ class LLM:
         default speculative decoding of `generate` and `stream` (see `drafter`)."""
         # "auto" on CPU: the file's quantized blocks as they are, straight into the kernels' layout
         direct = quantize == "auto" and device == "cpu" and dtype == torch.float32 and kernels.native_available()
-        llm = cls(load_model(spec, device=device, dtype=dtype, quantized=direct))
+        loaded = load_model(spec, device=device, dtype=dtype, quantized=direct)
+        if direct and loaded.requantized:  # the one rounding arlm adds: said, not silent
+            names = loaded.requantized
+            print(f"arlm: {len(names)} of the file's tensors have no kernel here and run re-quantized to int8 "
+                  f"per row ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}); their cost: `arlm "
+                  "perplexity --kl-divergence` against `--quantize none`", file=sys.stderr)
+        llm = cls(loaded)
         llm.configure(quantize=quantize, compile=compile, matmul_path=matmul_path, kv_dtype=kv_dtype,
                       activations=activations, kv_window=kv_window, kv_sinks=kv_sinks, prefill_dtype=prefill_dtype)
         if speculative is not None:

@@ -150,17 +150,17 @@ def read_hf_dir(directory: str | Path) -> tuple[ModelConfig, dict[str, torch.Ten
             raise LoadError(f"{directory} is a training run, not a model: pass {directory / 'latest'} "
                             f"(or {directory / 'best'})")
         raise LoadError(f"{directory} has no config.json (expected an HF-format model directory)")
-    files = sorted(directory.glob("*.safetensors"))
-    if not files:
-        raise LoadError(f"{directory} has no *.safetensors weights")
     try:
         hf_cfg = json.loads(cfg_path.read_text())
     except json.JSONDecodeError as e:
         raise LoadError(f"{cfg_path} is not valid JSON ({e})") from None
-    try:
+    try:  # (the config first: an architecture arlm does not read is the news, not missing weights)
         config = config_from_hf(hf_cfg)
     except KeyError as e:
         raise LoadError(f"{cfg_path} lacks the key {e}") from None
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise LoadError(f"{directory} has no *.safetensors weights")
     state: dict[str, torch.Tensor] = {}
     for f in files:
         try:
