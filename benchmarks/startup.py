@@ -1,6 +1,6 @@
 """Start-up and memory: arlm beside llama.cpp (llama-cpp-python) on the same GGUF, one run.
 
-    LLAMA_CPP_LIB_PATH=build/llama.cpp/bin .venv/bin/python benchmarks/startup.py [--repeat 5]
+    LLAMA_CPP_LIB_PATH=build/llama.cpp/bin .venv/bin/python benchmarks/startup.py [--repeat 5] [--model gemma3-270m]
 
 Each measure is a fresh process, run --repeat times alternating arlm and the peer, medians
 reported (the file and the caches warm: every run after the first):
@@ -63,11 +63,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve_ready(env: dict | None = None) -> tuple[float, int]:
+def serve_ready(model: str, env: dict | None = None) -> tuple[float, int]:
     """Seconds from `arlm serve` starting to /health answering 200, and its RSS then (MB)."""
     port = free_port()
     t0 = time.perf_counter()
-    proc = subprocess.Popen(ARLM + ["serve", "--port", str(port)], stdout=subprocess.DEVNULL,
+    proc = subprocess.Popen(ARLM + ["serve", "--model", model, "--port", str(port)], stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, env=env)
     try:
         while True:
@@ -96,9 +96,10 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--skip-first-run", action="store_true")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--model", default="smollm2", help="a known model name or GGUF path")
     args = ap.parse_args()
-    gguf = str(resolve_model_path("smollm2"))
-    generate = ARLM + ["generate", PROMPT, "--max-new-tokens", "1", "--temperature", "0"]
+    gguf = str(resolve_model_path(args.model))  # (a path: the first-run measures move ARLM_CACHE)
+    generate = ARLM + ["generate", PROMPT, "--model", gguf, "--max-new-tokens", "1", "--temperature", "0"]
     peer = [sys.executable, "-c", LLAMA_CPP.format(threads=args.threads), gguf, PROMPT]
     try:
         subprocess.run(peer, check=True, capture_output=True)
@@ -114,7 +115,7 @@ def main() -> int:
         if peer:
             runs["llama.cpp"].append(timed(peer))
         runs["arlm --quantize none"].append(timed(generate + ["--quantize", "none"]))
-        runs["arlm serve"].append(serve_ready())
+        runs["arlm serve"].append(serve_ready(gguf))
     results = {name: {"seconds": statistics.median(r[0] for r in v), "peak_rss_mb": statistics.median(r[1] for r in v),
                       "runs": v} for name, v in runs.items() if v}
     if not args.skip_first_run:
