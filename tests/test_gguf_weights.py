@@ -410,14 +410,19 @@ def test_blocks_read_as_stored_dequantize_as_gguf_does(kind):
 # -- the K-quants (Q4_K, Q6_K) read as stored: KQuantLinear -----------------------------------------
 
 def _k_blocks(kind: str, N: int, S: int, seed: int) -> np.ndarray:
-    """Random K-quant super-blocks [N, S, bytes]: every byte random (every 6-bit scale and min,
-    every high bit) but the float16 d (and dmin), kept finite."""
-    from arlm.loading.gguf import _K_BLOCK
+    """Random K-quant super-blocks [N, S, bytes] (Q5_0: its blocks of 32, [N, 8 S, 22]): every
+    byte random (every 6-bit scale and min, every high bit) but the float16 d (and dmin), kept
+    finite."""
+    from arlm.loading.gguf import _BLOCK, _K_BLOCK
 
     rng = np.random.default_rng(seed)
-    b = rng.integers(0, 256, (N, S, _K_BLOCK[kind]), dtype=np.uint8)
+    if kind == "Q5_0":
+        S *= 8
+    b = rng.integers(0, 256, (N, S, _K_BLOCK.get(kind) or _BLOCK[kind]), dtype=np.uint8)
     halves = rng.uniform(1e-3, 5e-2, (N, S, 2)).astype(np.float16).view(np.uint8).reshape(N, S, 2, 2)
-    if kind == "Q4_K":
+    if kind == "Q5_0":
+        b[..., 0:2] = halves[:, :, 0]
+    elif kind != "Q6_K":  # (Q4_K, Q5_K: d and dmin first)
         b[..., 0:2], b[..., 2:4] = halves[:, :, 0], halves[:, :, 1]
     else:
         b[..., 208:210] = halves[:, :, 0]
@@ -425,18 +430,20 @@ def _k_blocks(kind: str, N: int, S: int, seed: int) -> np.ndarray:
 
 
 def _k_layer(kind: str, b: np.ndarray):
-    from arlm.loading.gguf import k_quant_fields
+    from arlm.loading.gguf import k_quant_fields, q5_0_layer
     from arlm.quant import KQuantLinear
 
+    if kind == "Q5_0":
+        return q5_0_layer(b)
     f = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in k_quant_fields(b, kind).items()}
     N, K = f["q"].shape
     layer = KQuantLinear(kind, K, N)
-    layer._set(*(kernels.pack_q4_k(f["q"], f["sc"], f["m"], f["d"], f["dmin"]) if kind == "Q4_K"
-                 else kernels.pack_q6_k(f["q"], f["sc"], f["d"])))
+    layer._set(*(kernels.pack_q6_k(f["q"], f["sc"], f["d"]) if kind == "Q6_K"
+                 else kernels.pack_q4_k(f["q"], f["sc"], f["m"], f["d"], f["dmin"], five_bit=kind == "Q5_K")))
     return layer
 
 
-@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K", "Q5_0"])
 def test_k_quant_layers_hold_ggufs_values_bit_for_bit(kind):
     """A K-quant layer's values (its fields as the loader splits them, in the kernels' packed
     layout) are gguf's dequantization of the same random super-blocks, bit for bit, whole or
@@ -454,7 +461,7 @@ def test_k_quant_layers_hold_ggufs_values_bit_for_bit(kind):
 
 
 @needs_packed
-@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K", "Q5_0"])
 @pytest.mark.parametrize("M", [1, 2, 3, 5, 9])
 def test_k_quant_kernels_match_float64(kind, M):
     """The packed K-quant kernels (a8_linear.cpp) against float64 products of gguf's values: with
@@ -470,12 +477,14 @@ def test_k_quant_kernels_match_float64(kind, M):
                          .reshape(N, 256 * S)).double()
     layer = _k_layer(kind, b)
     x = torch.randn(M, 256 * S, generator=torch.Generator().manual_seed(M)) * 3
-    y = kernels.kquant_linear_a8p(x, *layer.tensors())
+    layer.int8_activations = True
+    y = layer(x)  # (one 8-bit pass: residual_activations off)
     want = _dequantized_x(x) @ W.T
     assert ((y.double() - want).abs().max() / want.abs().max()).item() < 1e-5
     y16 = kernels.linear_a8p_residual(x, *layer.tensors())
     want16 = x.double() @ W.T
     assert ((y16.double() - want16).abs().max() / want16.abs().max()).item() < 2e-4
     for i in range(M):
-        assert torch.equal(kernels.kquant_linear_a8p(x[i:i + 1], *layer.tensors()), y[i:i + 1])
+        assert torch.equal(layer(x[i:i + 1]), y[i:i + 1])
         assert torch.equal(kernels.linear_a8p_residual(x[i:i + 1], *layer.tensors()), y16[i:i + 1])
+

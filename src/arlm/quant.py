@@ -313,32 +313,11 @@ class Q4Linear(QuantizedLinear):
         return op(x, self.weight, self.scale, self.mins)
 
 
-class KQuantLinear(QuantizedLinear):
-    """A GGUF K-quant matrix (Q4_K or Q6_K: super-blocks of 256 weights) in the packed kernels'
-    layout (a8_linear.cpp, `kernels.pack_q4_k` / `pack_q6_k`): the file's values with their own
-    scales, not rounded again, in about the file's bytes (Q4_K 4.75 bits a weight, the file's 4.5;
-    Q6_K 8.6, the file's 6.6).
-
-    Q4_K: W[n, k] = d[n, k // 256] sc[n, k // 32] q[n, k] - dmin[n, k // 256] m[n, k // 32];
-    Q6_K: W[n, k] = d[n, k // 256] sc[n, k // 16] q[n, k] (gguf's dequantization, bit for bit:
-    `dequantize`). The kernels take 8-bit activations (once or twice, `residual_activations`) on
-    CPUs with AVX-512 VNNI, which is where the loader makes these layers (elsewhere it rounds the
-    file's values to int8 per row); with float32 activations the layer multiplies by its
-    dequantized matrix (slow: every call dequantizes it)."""
-
-    FIELDS = ("weight", "scale", "supers")
-
-    def __init__(self, kind: str, in_features: int, out_features: int, bias: bool = False) -> None:
-        super().__init__(in_features, out_features, bias)
-        if kind not in ("Q4_K", "Q6_K") or in_features % 256 or out_features % 16:
-            raise ValueError(f"{kind} layers need in_features divisible by 256 and out_features by 16")
-        self.kind = kind
-        NB, G, S = out_features // 16, in_features // 32, in_features // 256
-        q4 = kind == "Q4_K"
-        self.register_buffer("weight", torch.zeros(NB, in_features // (8 if q4 else 4), 64, dtype=torch.uint8))
-        self.register_buffer("scale", torch.zeros(NB, G, 32, dtype=torch.uint8) if q4
-                             else torch.zeros(NB, 2 * G, 16, dtype=torch.int8))
-        self.register_buffer("supers", torch.zeros(NB, S, 32 if q4 else 16, dtype=torch.float32))
+class PackedOnlyLinear(QuantizedLinear):
+    """A layer whose matrix has one layout, the packed kernels' (AVX-512 VNNI, 8-bit
+    activations), where a file's block type has no row-layout kernel: the loader makes these only
+    where the packed kernels are built. With float32 activations it multiplies by its dequantized
+    matrix (slow: every call dequantizes it)."""
 
     @property
     def packed(self) -> bool:
@@ -356,12 +335,78 @@ class KQuantLinear(QuantizedLinear):
     def _pack(self, rows):
         return rows
 
+    def _matmul(self, x):
+        if self._a8 and kernels.packed_available():
+            return self._packed_matmul(x)
+        return F.linear(x, self.dequantize())
+
+    @abstractmethod
+    def _packed_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] float32 -> [M, N] on the packed kernel, 8-bit activations."""
+
+
+class Q5Linear(PackedOnlyLinear):
+    """5-bit weights per group of 32, W[n, k] = scale[n, k // 32] q[n, k] + mins[n, k // 32], q in
+    0..31 (GGUF's Q5_0: mins = -16 scale, exact in float16; Q5_1), in `kernels.pack_q5`'s layout
+    [N/16, K/8, 80] with scale and mins float16 [N/16, K/32, 16]: 6 bits a weight (the file's
+    5.5), its values bit for bit as gguf dequantizes them."""
+
+    FIELDS = ("weight", "scale", "mins")
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__(in_features, out_features, bias)
+        if in_features % self.GROUP or out_features % 16:
+            raise ValueError("5-bit layers need in_features divisible by 32 and out_features by 16")
+        NB, G = out_features // 16, in_features // self.GROUP
+        self.register_buffer("weight", torch.zeros(NB, in_features // 8, 80, dtype=torch.uint8))
+        self.register_buffer("scale", torch.zeros(NB, G, 16, dtype=torch.float16))
+        self.register_buffer("mins", torch.zeros(NB, G, 16, dtype=torch.float16))
+
+    def dequantize_rows(self, index):
+        T, K = len(index), self.in_features
+        q = kernels.unpack_q5_rows(self.weight, index).view(T, -1, self.GROUP).float()
+        d, m = self.scale[index // 16, :, index % 16].float(), self.mins[index // 16, :, index % 16].float()
+        return (q * d[..., None] + m[..., None]).view(T, K)
+
+    def _packed_matmul(self, x):
+        return kernels.q4_linear_a8p(x, *self.tensors())
+
+
+class KQuantLinear(PackedOnlyLinear):
+    """A GGUF K-quant matrix (Q4_K, Q5_K or Q6_K: super-blocks of 256 weights) in the packed
+    kernels' layout (a8_linear.cpp, `kernels.pack_q4_k` / `pack_q6_k`): the file's values with
+    their own scales, not rounded again, in about the file's bytes (Q4_K 4.75 bits a weight, the
+    file's 4.5; Q5_K 5.75, the file's 5.5; Q6_K 8.6, the file's 6.6).
+
+    Q4_K, Q5_K: W[n, k] = d[n, k // 256] sc[n, k // 32] q[n, k] - dmin[n, k // 256] m[n, k // 32];
+    Q6_K: W[n, k] = d[n, k // 256] sc[n, k // 16] q[n, k] (gguf's dequantization, bit for bit:
+    `dequantize`)."""
+
+    FIELDS = ("weight", "scale", "supers")
+    KINDS = ("Q4_K", "Q5_K", "Q6_K")
+
+    def __init__(self, kind: str, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__(in_features, out_features, bias)
+        if kind not in self.KINDS or in_features % 256 or out_features % 16:
+            raise ValueError(f"{kind} layers need in_features divisible by 256 and out_features by 16")
+        self.kind = kind
+        NB, G, S = out_features // 16, in_features // 32, in_features // 256
+        q6 = kind == "Q6_K"
+        shape = (NB, in_features // 4, 64) if q6 else (NB, in_features // 8, 80 if kind == "Q5_K" else 64)
+        self.register_buffer("weight", torch.zeros(*shape, dtype=torch.uint8))
+        self.register_buffer("scale", torch.zeros(NB, 2 * G, 16, dtype=torch.int8) if q6
+                             else torch.zeros(NB, G, 32, dtype=torch.uint8))
+        self.register_buffer("supers", torch.zeros(NB, S, 16 if q6 else 32, dtype=torch.float32))
+
     def dequantize_rows(self, index):
         T, K = len(index), self.in_features
         b, lane = index // 16, index % 16
-        if self.kind == "Q4_K":
-            wb = self.weight.view(self.weight.shape[0], -1, 16, 4)[b, :, lane, :]  # [T, K/8, 4]
-            q = torch.stack([wb & 0x0F, wb >> 4], dim=2).view(T, K // 32, 32).float()
+        if self.kind != "Q6_K":
+            if self.kind == "Q5_K":
+                q = kernels.unpack_q5_rows(self.weight, index).view(T, K // 32, 32).float()
+            else:
+                wb = self.weight.view(self.weight.shape[0], -1, 16, 4)[b, :, lane, :]  # [T, K/8, 4]
+                q = torch.stack([wb & 0x0F, wb >> 4], dim=2).view(T, K // 32, 32).float()
             sc, m = self.scale[b, :, lane].float(), self.scale[b, :, 16 + lane].float()  # [T, K/32]
             d, dmin = (self.supers[b, :, lane + o].repeat_interleave(8, dim=1) for o in (0, 16))
             return ((d * sc)[..., None] * q - (dmin * m)[..., None]).view(T, K)
@@ -370,10 +415,8 @@ class KQuantLinear(QuantizedLinear):
         d = self.supers[b, :, lane].repeat_interleave(16, dim=1)  # [T, K/16]
         return ((d * self.scale[b, :, lane].float())[..., None] * q).view(T, K)
 
-    def _matmul(self, x):
-        if self._a8 and kernels.packed_available():
-            return kernels.kquant_linear_a8p(x, *self.tensors())
-        return F.linear(x, self.dequantize())
+    def _packed_matmul(self, x):
+        return kernels.kquant_linear_a8p(x, *self.tensors())
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, {self.kind}"

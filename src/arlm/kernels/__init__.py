@@ -308,17 +308,44 @@ def pack_q4(w: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor) -> tuple[t
 
 
 def pack_q4_k(q: torch.Tensor, sc: torch.Tensor, m: torch.Tensor, d: torch.Tensor,
-              dmin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+              dmin: torch.Tensor, five_bit: bool = False) -> tuple[torch.Tensor, ...]:
     """Q4_K's fields (w = d sc q - dmin m: q uint8 [N, K] in 0..15; sc, m uint8 [N, K/32], the
     6-bit scale and min of each group of 32; d, dmin float32 [N, K/256], each super-block's) ->
     a8_linear.cpp's Q4_K layout: the 4-bit packed weights of `pack_q4` [N/16, K/8, 64], scale
     uint8 [N/16, K/32, 32] (16 channels' sc, then their m) and supers float32 [N/16, K/256, 32]
-    (d, then dmin)."""
+    (d, then dmin). five_bit: Q5_K's, q in 0..31, in `pack_q5`'s layout."""
     N, K = q.shape
-    qq = q.view(N // 16, 16, K // 8, 2, 4)
-    wp = (qq[:, :, :, 0] | (qq[:, :, :, 1] << 4)).permute(0, 2, 1, 3).contiguous().view(N // 16, K // 8, 64)
+    if five_bit:
+        wp = pack_q5(q)
+    else:
+        qq = q.view(N // 16, 16, K // 8, 2, 4)
+        wp = (qq[:, :, :, 0] | (qq[:, :, :, 1] << 4)).permute(0, 2, 1, 3).contiguous().view(N // 16, K // 8, 64)
     return (wp, torch.cat([pack_scales(sc), pack_scales(m)], dim=2).contiguous(),
             torch.cat([pack_scales(d), pack_scales(dmin)], dim=2).contiguous())
+
+
+def pack_q5(q: torch.Tensor) -> torch.Tensor:
+    """5-bit values q uint8 [N, K] (0..31) -> a8_linear.cpp's 5-bit layout [N/16, K/8, 80]: per 8
+    K-values of 16 channels, `pack_q4`'s 64 bytes of their low 4 bits, then two 64-bit masks
+    (little-endian) of their 5th bits, bit i for byte i of the low-nibble vector, then of the high."""
+    N, K = q.shape
+    qq = (q & 0x0F).view(N // 16, 16, K // 8, 2, 4)
+    low = (qq[:, :, :, 0] | (qq[:, :, :, 1] << 4)).permute(0, 2, 1, 3).reshape(N // 16, K // 8, 64)
+    bits = (q >> 4).view(N // 16, 16, K // 8, 2, 4).permute(0, 2, 3, 1, 4).reshape(N // 16, K // 8, 2, 8, 8)
+    masks = (bits.to(torch.int32) << torch.arange(8, dtype=torch.int32)).sum(-1).to(torch.uint8)
+    return torch.cat([low, masks.view(N // 16, K // 8, 16)], dim=2).contiguous()
+
+
+def unpack_q5_rows(wp: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Output rows `index` [T] of `pack_q5`'s layout as their values, uint8 [T, K]."""
+    NB, C, _ = wp.shape
+    b, lane = index // 16, index % 16
+    nib = wp[:, :, :64].reshape(NB, C, 16, 4)[b, :, lane, :]  # [T, K/8, 4]
+    bits = ((wp[b, :, 64:].reshape(len(index), C, 2, 8, 1) >> torch.arange(8, dtype=torch.uint8)) & 1)
+    bits = bits.reshape(len(index), C, 2, 64)
+    at = (lane[:, None] * 4 + torch.arange(4))[:, None, None, :].expand(len(index), C, 2, 4)
+    high = torch.gather(bits, 3, at)  # [T, K/8, 2, 4]
+    return (torch.stack([nib & 0x0F, nib >> 4], dim=2) | (high << 4)).reshape(len(index), C * 8)
 
 
 def pack_q6_k(q: torch.Tensor, sc: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -24,6 +24,7 @@
 #include "common.h"
 
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <memory>
 #include <type_traits>
@@ -251,6 +252,9 @@ struct QuantizedX {
 //   Q4_K:  the 4-bit wp (w = d sc q - dmin m, q 0..15); scale [N/16, K/32, 32] uint8, each group's
 //          6-bit sc for the 16 channels, then its m; mins [N/16, K/256, 32] float32, each
 //          super-block's d for the 16 channels, then its dmin (KScales).
+//   5-bit: wp [N/16, K/8, 80] bytes, per 8 K-values the 4-bit layout's 64 bytes of low bits, then
+//          two 64-bit masks of the 5th bits (load_q4); with Q4_1's float16 scale and mins (Q5_0:
+//          m = -16 d; Q5_1) or Q4_K's (Q5_K).
 //   Q6_K:  the int8 wp with u = q + 32 in 0..63 (not offset by 128; w = d sc (u - 32)); scale
 //          [N/16, K/16, 16] int8, a scale per 16 K-values; mins [N/16, K/256, 16] float32, d
 //          (q6p_block).
@@ -313,17 +317,37 @@ void i8p_block(const int8_t* qx, const float* dx, const int32_t* qs, int64_t K, 
   store(acc, out);
 }
 
-// NB blocks' packed 4-bit weights for K-values k .. k + 7 (block: bytes per block), split into
-// their low nibbles (k .. k + 3 per channel) and high nibbles (k + 4 .. k + 7); pf: prefetched alike.
-template <int NB>
+// Bytes of 8 K-values of one block of 16 channels: 4-bit (64), or 5-bit (k5: the 64 bytes of low
+// 4 bits, then two 64-bit masks of the 5th: bit i of the first is byte i of the low-nibble vector,
+// of the second the high-nibble one's).
+template <bool k5>
+constexpr int64_t chunk_bytes() { return k5 ? 80 : 64; }
+
+// NB blocks' packed 4-bit (or, k5, 5-bit) weights for K-values k .. k + 7 (block: bytes per
+// block), split into their low nibbles (k .. k + 3 per channel) and high nibbles (k + 4 .. k + 7),
+// each byte 16 more where its 5th bit is set; pf: prefetched alike.
+template <int NB, bool k5 = false>
 inline void load_q4(const uint8_t* w, int64_t block, int64_t k, const uint8_t* pf, __m512i (&lo)[NB],
                     __m512i (&hi)[NB]) {
   const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const int64_t at = k / 8 * chunk_bytes<k5>();
   for (int b = 0; b < NB; ++b) {
-    const __m512i v = _mm512_loadu_si512(w + b * block + k / 2 * kLanes);
-    if (pf) _mm_prefetch(reinterpret_cast<const char*>(pf + b * block + k / 2 * kLanes), _MM_HINT_T0);
+    const uint8_t* p = w + b * block + at;
+    const __m512i v = _mm512_loadu_si512(p);
+    if (pf) {
+      _mm_prefetch(reinterpret_cast<const char*>(pf + b * block + at), _MM_HINT_T0);
+      if (k5) _mm_prefetch(reinterpret_cast<const char*>(pf + b * block + at + 64), _MM_HINT_T0);
+    }
     lo[b] = _mm512_and_si512(v, low4);
     hi[b] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+    if constexpr (k5) {
+      uint64_t m0, m1;
+      std::memcpy(&m0, p + 64, 8);
+      std::memcpy(&m1, p + 72, 8);
+      const __m512i sixteen = _mm512_set1_epi8(16);
+      lo[b] = _mm512_mask_add_epi8(lo[b], _cvtu64_mask64(m0), lo[b], sixteen);
+      hi[b] = _mm512_mask_add_epi8(hi[b], _cvtu64_mask64(m1), hi[b], sixteen);
+    }
   }
 }
 
@@ -362,10 +386,10 @@ struct KScales {
 
 // MB rows of quantized x against NB blocks of 16 channels of packed 4-bit weights:
 // out = sum_g (d * dx_g) * dot_g(q, qx) + m * sx_g, d and m as `sc` gives them.
-template <int MB, int NB, typename Scales>
+template <int MB, int NB, typename Scales, bool k5 = false>
 void q4p_block(const int8_t* qx, const float* dx, const float* sx, int64_t K, const uint8_t* w,
                const Scales& sc, const uint8_t* pf, float* out) {
-  const int64_t G = K / kGroup, block = K / 2 * kLanes;
+  const int64_t G = K / kGroup, block = K / 8 * chunk_bytes<k5>();
   __m512 acc[MB][NB];
   zero(acc);
   for (int64_t g = 0; g < G; ++g) {
@@ -375,7 +399,7 @@ void q4p_block(const int8_t* qx, const float* dx, const float* sx, int64_t K, co
     for (int64_t p = 0; p < kGroup / 8; ++p) {
       const int64_t k = g * kGroup + 8 * p;
       __m512i lo[NB], hi[NB];
-      load_q4(w, block, k, pf, lo, hi);
+      load_q4<NB, k5>(w, block, k, pf, lo, hi);
       for (int i = 0; i < MB; ++i) {
         const __m512i x0 = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(qx + i * K + k));
         const __m512i x1 = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(qx + i * K + k + 4));
@@ -459,10 +483,10 @@ inline void quantize_group16(const float* src, int8_t* hi, int8_t* lo, float* e_
 // of packed weights. Q4: out = sum_g d e_g (256 dot_g(q, hi) + dot_g(q, lo)) + m sx_g. Int8 and
 // Q8_0 (w + 128 stored, as i8p_block): out = sum_g e_g [dw] (dot_g(w + 128, X) - 128 sum(X)).
 // d and m as `sc` gives them (F16Scales, KScales).
-template <bool kQ4, int MB, int NB, typename Scales>
+template <bool kQ4, int MB, int NB, typename Scales, bool k5 = false>
 void x16p_block(const int8_t* hi, const int8_t* lo, const float* e, const float* sx, const int32_t* sums,
                 int64_t K, const uint8_t* w, const Scales& sc, const uint8_t* pf, float* out) {
-  const int64_t G = K / kGroup, block = (kQ4 ? K / 2 : K) * kLanes;
+  const int64_t G = K / kGroup, block = kQ4 ? K / 8 * chunk_bytes<k5>() : K * kLanes;
   __m512 acc[MB][NB];
   zero(acc);
   for (int64_t g = 0; g < G; ++g) {
@@ -474,7 +498,7 @@ void x16p_block(const int8_t* hi, const int8_t* lo, const float* e, const float*
       for (int64_t p = 0; p < kGroup / 8; ++p) {
         const int64_t k = g * kGroup + 8 * p;
         __m512i w0[NB], w1[NB];
-        load_q4(w, block, k, pf, w0, w1);
+        load_q4<NB, k5>(w, block, k, pf, w0, w1);
         for (int i = 0; i < MB; ++i) {
           const __m512i h0 = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(hi + i * K + k));
           const __m512i h1 = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(hi + i * K + k + 4));
@@ -578,9 +602,10 @@ void q6p_block(const int8_t* a, const int8_t* bl, const float* e, const int32_t*
 #endif
 
 // The packed layouts (above), told apart by their tensors' shapes and types.
-enum class Packed { kInt8, kQ8_0, kQ4_1, kQ4_K, kQ6_K };
+enum class Packed { kInt8, kQ8_0, kQ4_1, kQ4_K, kQ6_K, kQ5, kQ5_K };
 
 Packed packed_kind(int64_t K, const at::Tensor& wp, const at::Tensor& scale) {
+  if (wp.size(2) == 5 * kLanes) return scale.scalar_type() == at::kByte ? Packed::kQ5_K : Packed::kQ5;
   if (scale.dim() == 1) return Packed::kInt8;
   if (wp.size(1) == K / 8) return scale.scalar_type() == at::kByte ? Packed::kQ4_K : Packed::kQ4_1;
   return scale.scalar_type() == at::kChar ? Packed::kQ6_K : Packed::kQ8_0;
@@ -698,16 +723,18 @@ void arlm_kernels::quantize_span(const float* x, int64_t n, const Act8& a, int64
 int64_t arlm_kernels::packed_out_features(const char* op, int64_t K, const at::Tensor& wp, const at::Tensor& scale,
                                           const at::Tensor& mins) {
   TORCH_CHECK(K % kGroup == 0 && wp.dim() == 3 && wp.scalar_type() == at::kByte && wp.is_contiguous() &&
-              wp.size(2) == 4 * kLanes, op, ": packed weights [N/16, ., 64] uint8 and K a multiple of 32");
+              (wp.size(2) == 4 * kLanes || wp.size(2) == 5 * kLanes),
+              op, ": packed weights [N/16, ., 64 (80: 5-bit)] uint8 and K a multiple of 32");
   const int64_t NB = wp.size(0), G = K / kGroup;
   const Packed kind = packed_kind(K, wp, scale);
-  if (kind == Packed::kQ4_K || kind == Packed::kQ6_K) {
-    const bool q4 = kind == Packed::kQ4_K;
+  if (kind == Packed::kQ4_K || kind == Packed::kQ5_K || kind == Packed::kQ6_K) {
+    const bool q4 = kind == Packed::kQ4_K || kind == Packed::kQ5_K;
     TORCH_CHECK(K % 256 == 0 && wp.size(1) == (q4 ? K / 8 : K / 4) && scale.dim() == 3 && scale.is_contiguous() &&
                 scale.size(0) == NB && scale.size(1) == (q4 ? G : K / 16) && scale.size(2) == (q4 ? 2 : 1) * kLanes &&
                 mins.dim() == 3 && mins.scalar_type() == at::kFloat && mins.is_contiguous() && mins.size(0) == NB &&
                 mins.size(1) == K / 256 && mins.size(2) == (q4 ? 2 : 1) * kLanes,
-                op, q4 ? ": Q4_K wp [N/16, K/8, 64] uint8, scale [N/16, K/32, 32] uint8, mins [N/16, K/256, 32] float32"
+                op, q4 ? ": Q4_K / Q5_K wp [N/16, K/8, 64 or 80] uint8, scale [N/16, K/32, 32] uint8, mins "
+                         "[N/16, K/256, 32] float32"
                        : ": Q6_K wp [N/16, K/4, 64] uint8, scale [N/16, K/16, 16] int8, mins [N/16, K/256, 16] float32");
     return NB * kLanes;
   }
@@ -732,13 +759,14 @@ void arlm_kernels::linear_a8p(const Act8& a, int64_t M, int64_t K, const at::Ten
 #ifdef ARLM_AVX512
   const int64_t G = K / kGroup, NB = wp.size(0), H = K / 16, S = K / 256;
   const Packed kind = packed_kind(K, wp, scale);
-  const bool q4 = kind == Packed::kQ4_1 || kind == Packed::kQ4_K, q8 = kind == Packed::kQ8_0;
-  const int64_t block = q4 ? K / 2 * kLanes : K * kLanes;  // bytes of one block of 16 channels
+  const bool k5 = kind == Packed::kQ5 || kind == Packed::kQ5_K, f16 = kind == Packed::kQ4_1 || kind == Packed::kQ5;
+  const bool q4 = f16 || kind == Packed::kQ4_K || kind == Packed::kQ5_K, q8 = kind == Packed::kQ8_0;
+  const int64_t block = k5 ? K / 8 * 80 : q4 ? K / 2 * kLanes : K * kLanes;  // bytes of one block of 16 channels
   const uint8_t* wpp = wp.data_ptr<uint8_t>();
   const float* sp = kind == Packed::kInt8 ? scale.data_ptr<float>() : nullptr;
-  const at::Half* dp = kind == Packed::kQ4_1 || q8 ? scale.data_ptr<at::Half>() : nullptr;
-  const at::Half* mp = kind == Packed::kQ4_1 ? mins.data_ptr<at::Half>() : nullptr;
-  const bool kq = kind == Packed::kQ4_K || kind == Packed::kQ6_K;
+  const at::Half* dp = f16 || q8 ? scale.data_ptr<at::Half>() : nullptr;
+  const at::Half* mp = f16 ? mins.data_ptr<at::Half>() : nullptr;
+  const bool kq = kind == Packed::kQ4_K || kind == Packed::kQ5_K || kind == Packed::kQ6_K;
   const void* kscale = kq ? scale.data_ptr() : nullptr;
   const float* supers = kq ? mins.data_ptr<float>() : nullptr;
   thread_local std::vector<int32_t> halves;  // Q6_K: the rows' sums per 16 codes
@@ -758,14 +786,24 @@ void arlm_kernels::linear_a8p(const Act8& a, int64_t M, int64_t K, const at::Ten
         const int8_t* q = a.q + m * K;
         const float* dx = a.d + m * G;
         const uint8_t* pf = m == 0 ? next : nullptr;
-        if (kind == Packed::kQ4_1) {
+        if (f16) {
           const F16Scales sc{dp + b0 * G * kLanes, mp + b0 * G * kLanes, G};
-          if (nb == 2) q4p_block<MB, 2>(q, dx, a.s + m * G, K, wt, sc, pf, out);
-          else q4p_block<MB, 1>(q, dx, a.s + m * G, K, wt, sc, pf, out);
-        } else if (kind == Packed::kQ4_K) {
+          if (k5) {
+            if (nb == 2) q4p_block<MB, 2, F16Scales, true>(q, dx, a.s + m * G, K, wt, sc, pf, out);
+            else q4p_block<MB, 1, F16Scales, true>(q, dx, a.s + m * G, K, wt, sc, pf, out);
+          } else {
+            if (nb == 2) q4p_block<MB, 2>(q, dx, a.s + m * G, K, wt, sc, pf, out);
+            else q4p_block<MB, 1>(q, dx, a.s + m * G, K, wt, sc, pf, out);
+          }
+        } else if (kind == Packed::kQ4_K || kind == Packed::kQ5_K) {
           const KScales sc{static_cast<const uint8_t*>(kscale) + b0 * G * 2 * kLanes, supers + b0 * S * 2 * kLanes, G};
-          if (nb == 2) q4p_block<MB, 2>(q, dx, a.s + m * G, K, wt, sc, pf, out);
-          else q4p_block<MB, 1>(q, dx, a.s + m * G, K, wt, sc, pf, out);
+          if (k5) {
+            if (nb == 2) q4p_block<MB, 2, KScales, true>(q, dx, a.s + m * G, K, wt, sc, pf, out);
+            else q4p_block<MB, 1, KScales, true>(q, dx, a.s + m * G, K, wt, sc, pf, out);
+          } else {
+            if (nb == 2) q4p_block<MB, 2>(q, dx, a.s + m * G, K, wt, sc, pf, out);
+            else q4p_block<MB, 1>(q, dx, a.s + m * G, K, wt, sc, pf, out);
+          }
         } else if (kind == Packed::kQ6_K) {
           const int8_t* sc = static_cast<const int8_t*>(kscale) + b0 * H * kLanes;
           const float* dd = supers + b0 * S * kLanes;
@@ -826,13 +864,14 @@ void arlm_kernels::linear_a8p_residual(const float* x, int64_t M, int64_t K, con
       quantize_group16(x + b * kGroup, hi + b * kGroup, lo + b * kGroup, e + b, sx + b, sp + b);
   });
   const Packed kind = packed_kind(K, wp, scale);
-  const bool q4 = kind == Packed::kQ4_1 || kind == Packed::kQ4_K, q8 = kind == Packed::kQ8_0;
-  const int64_t block = q4 ? K / 2 * kLanes : K * kLanes, H = K / 16, S = K / 256;
+  const bool k5 = kind == Packed::kQ5 || kind == Packed::kQ5_K, f16 = kind == Packed::kQ4_1 || kind == Packed::kQ5;
+  const bool q4 = f16 || kind == Packed::kQ4_K || kind == Packed::kQ5_K, q8 = kind == Packed::kQ8_0;
+  const int64_t block = k5 ? K / 8 * 80 : q4 ? K / 2 * kLanes : K * kLanes, H = K / 16, S = K / 256;
   const uint8_t* wpp = wp.data_ptr<uint8_t>();
   const float* rs = kind == Packed::kInt8 ? scale.data_ptr<float>() : nullptr;  // int8's scale per row
-  const at::Half* dp = kind == Packed::kQ4_1 || q8 ? scale.data_ptr<at::Half>() : nullptr;
-  const at::Half* mp = kind == Packed::kQ4_1 ? mins.data_ptr<at::Half>() : nullptr;
-  const bool kq = kind == Packed::kQ4_K || kind == Packed::kQ6_K;
+  const at::Half* dp = f16 || q8 ? scale.data_ptr<at::Half>() : nullptr;
+  const at::Half* mp = f16 ? mins.data_ptr<at::Half>() : nullptr;
+  const bool kq = kind == Packed::kQ4_K || kind == Packed::kQ5_K || kind == Packed::kQ6_K;
   const void* kscale = kq ? scale.data_ptr() : nullptr;
   const float* supers = kq ? mins.data_ptr<float>() : nullptr;
   thread_local std::vector<int32_t> halves;  // Q6_K: the rows' sums of X per 16
@@ -860,11 +899,19 @@ void arlm_kernels::linear_a8p_residual(const float* x, int64_t M, int64_t K, con
           const int8_t *h = hi + m * K, *l = lo + m * K;
           const float *em = e + m * G, *sm = sx + m * G;
           const int32_t* um = sp + m * G;
-          if (kind == Packed::kQ4_K) {
+          if (kind == Packed::kQ4_K || kind == Packed::kQ5_K) {
             const KScales ks{static_cast<const uint8_t*>(kscale) + b0 * G * 2 * kLanes, supers + b0 * S * 2 * kLanes,
                              G};
-            if (nb == 2) x16p_block<true, MB, 2>(h, l, em, sm, um, K, wt, ks, pf, out);
-            else x16p_block<true, MB, 1>(h, l, em, sm, um, K, wt, ks, pf, out);
+            if (k5) {
+              if (nb == 2) x16p_block<true, MB, 2, KScales, true>(h, l, em, sm, um, K, wt, ks, pf, out);
+              else x16p_block<true, MB, 1, KScales, true>(h, l, em, sm, um, K, wt, ks, pf, out);
+            } else {
+              if (nb == 2) x16p_block<true, MB, 2>(h, l, em, sm, um, K, wt, ks, pf, out);
+              else x16p_block<true, MB, 1>(h, l, em, sm, um, K, wt, ks, pf, out);
+            }
+          } else if (kind == Packed::kQ5) {
+            if (nb == 2) x16p_block<true, MB, 2, F16Scales, true>(h, l, em, sm, um, K, wt, fs, pf, out);
+            else x16p_block<true, MB, 1, F16Scales, true>(h, l, em, sm, um, K, wt, fs, pf, out);
           } else if (kind == Packed::kQ6_K) {
             const int8_t* sc = static_cast<const int8_t*>(kscale) + b0 * H * kLanes;
             const float* dd = supers + b0 * S * kLanes;

@@ -36,10 +36,10 @@ from tokenizers import Tokenizer as HFTokenizer
 from ..config import ModelConfig
 from ..files import atomic_write_text
 from ..model import Transformer
-from ..quant import Int8Linear, KQuantLinear, Q4Linear, Q8Linear, QuantizedEmbedding, QuantizedLinear
+from ..quant import Int8Linear, KQuantLinear, Q4Linear, Q5Linear, Q8Linear, QuantizedEmbedding, QuantizedLinear
 from ..tokenizer import Tokenizer
 
-FORMAT = 5  # (5: Q4_K and Q6_K blocks as they are, KQuantLinear; 4: quantized layers may have biases)
+FORMAT = 6  # (6: Q5_0 and Q5_K as they are; 5: Q4_K and Q6_K, KQuantLinear; 4: quantized layers may have biases)
 _ALIGN = 64
 _DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.int8, torch.uint8)}
 
@@ -182,7 +182,7 @@ def load(path: Path, layout: str):
         model = Transformer(config, init=False)
     if config.pos_embedding == "rope":
         model.set_rope_tables()
-    kinds = {"Q4Linear": Q4Linear, "Q8Linear": Q8Linear, "Int8Linear": Int8Linear}
+    kinds = {"Q4Linear": Q4Linear, "Q8Linear": Q8Linear, "Int8Linear": Int8Linear, "Q5Linear": Q5Linear}
     modules: dict[str, torch.nn.Module] = {}
     entries = manifest["modules"]
     for e in entries:

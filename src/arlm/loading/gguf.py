@@ -29,7 +29,7 @@ import torch
 from ..config import ModelConfig
 from ..model import Transformer
 from .. import kernels
-from ..quant import Int8Linear, KQuantLinear, Q4Linear, Q8Linear, QuantizedEmbedding
+from ..quant import Int8Linear, KQuantLinear, Q4Linear, Q5Linear, Q8Linear, QuantizedEmbedding
 from .errors import LoadError
 
 GGUF_MAGIC = b"GGUF"
@@ -258,7 +258,7 @@ def read_gguf(path: str | Path) -> GGUFModel:
 _BLOCK = {"Q4_1": 20, "Q8_0": 34, "Q5_0": 22, "Q4_0": 18}
 _AS_Q8 = ("Q8_0", "Q5_0", "Q4_0")
 # Bytes per super-block of 256, for the K-quants read as they are (KQuantLinear).
-_K_BLOCK = {"Q4_K": 144, "Q6_K": 210}
+_K_BLOCK = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 
 
 def _blocks(gf: GGUFFile, rest: str, t) -> np.ndarray:
@@ -277,19 +277,26 @@ def k_quant_fields(b: np.ndarray, kind: str) -> dict[str, np.ndarray]:
       nibbles, each 32 bytes holding two groups: low nibbles the first, high the second):
       q uint8 [N, K] 0..15, sc and m uint8 [N, K/32], d and dmin float32 [N, S];
       w = d sc q - dmin m.
+    - Q5_K: Q4_K's with 32 bytes of 5th bits before the nibbles (bit g of byte j: element j of
+      group g); q 0..31.
     - Q6_K (128 bytes of low nibbles, 64 of 2-bit high parts, 16 int8 scales, d float16): q int8
       [N, K] -32..31, sc int8 [N, K/16], d float32 [N, S]; w = d sc q.
     """
     N, S, _ = b.shape
-    if kind == "Q4_K":
+    if kind in ("Q4_K", "Q5_K"):
         d = np.ascontiguousarray(b[..., 0:2]).view(np.float16).astype(np.float32)[..., 0]
         dmin = np.ascontiguousarray(b[..., 2:4]).view(np.float16).astype(np.float32)[..., 0]
         raw = b[..., 4:16].astype(np.uint8)  # [N, S, 12]
         lo6 = np.uint8(0x3F)
         sc = np.concatenate([raw[..., 0:4] & lo6, (raw[..., 8:12] & 0x0F) | ((raw[..., 0:4] >> 6) << 4)], axis=-1)
         m = np.concatenate([raw[..., 4:8] & lo6, (raw[..., 8:12] >> 4) | ((raw[..., 4:8] >> 6) << 4)], axis=-1)
-        qs = b[..., 16:144].reshape(N, S, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 1, 2, 1)
-        q = (qs & np.uint8(0x0F)).reshape(N, S * 256)
+        nibbles = b[..., 16:144] if kind == "Q4_K" else b[..., 48:176]
+        qs = nibbles.reshape(N, S, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 1, 2, 1)
+        q = (qs & np.uint8(0x0F)).reshape(N, S, 8, 32)
+        if kind == "Q5_K":
+            qh = b[..., 16:48].reshape(N, S, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)
+            q = q | ((qh & np.uint8(1)) << np.uint8(4))
+        q = q.reshape(N, S * 256)
         return {"q": q, "sc": sc.reshape(N, S * 8), "m": m.reshape(N, S * 8), "d": d, "dmin": dmin}
     assert kind == "Q6_K", kind
     ql = b[..., 0:128].reshape(N, S, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 1, 2, 1)
@@ -309,8 +316,8 @@ def _k_quant_layer(gf: GGUFFile, parts, kind: str) -> KQuantLinear:
     N, K = f["q"].shape
     with torch.device("meta"):
         layer = KQuantLinear(kind, K, N)
-    if kind == "Q4_K":
-        layer._set(*kernels.pack_q4_k(f["q"], f["sc"], f["m"], f["d"], f["dmin"]))
+    if kind != "Q6_K":
+        layer._set(*kernels.pack_q4_k(f["q"], f["sc"], f["m"], f["d"], f["dmin"], five_bit=kind == "Q5_K"))
     else:
         layer._set(*kernels.pack_q6_k(f["q"], f["sc"], f["d"]))
     return layer
@@ -356,14 +363,38 @@ def _dequantize_blocks(b: np.ndarray, kind: str, out: np.ndarray, rows: int = 20
             out[i:i + n] = (d * q + m).reshape(n, 32 * G)
 
 
+def _q5_layer(gf: GGUFFile, parts) -> Q5Linear | None:
+    """A Q5Linear from Q5_0 tensors (rows stacked), or None (`q5_0_layer`)."""
+    return q5_0_layer(np.concatenate([_blocks(gf, rest, t) for rest, t in parts]))
+
+
+def q5_0_layer(blocks: np.ndarray) -> Q5Linear | None:
+    """A Q5Linear from Q5_0 blocks [N, K/32, 22]: q = the value + 16, scale d, mins -16 d (float16,
+    exact); None where -16 d overflows float16 (then the caller widens to Q8_0)."""
+    b = _as_q8_0(blocks, "Q5_0")
+    N, G, _ = b.shape
+    d = torch.from_numpy(np.ascontiguousarray(b[..., 0:2]).view(np.float16).reshape(N, G))
+    mins = (d.float() * -16.0).half()
+    if not torch.isfinite(mins).all():
+        return None
+    q = (torch.from_numpy(np.ascontiguousarray(b[..., 2:]).view(np.int8).reshape(N, 32 * G)).to(torch.int16) + 16)
+    with torch.device("meta"):
+        layer = Q5Linear(32 * G, N)
+    layer._set(kernels.pack_q5(q.to(torch.uint8)), kernels.pack_scales(d), kernels.pack_scales(mins))
+    return layer
+
+
 def _quantized_layer(gf: GGUFFile, parts, requantized: list[str]):
     """A fused or single linear weight from its file tensors: Q4Linear where every part is Q4_1
     (the file's bytes, split), Q8Linear where every part is Q8_0, Q5_0 or Q4_0 (their values
     exactly, `_as_q8_0`), else int8 per row from the dequantized values."""
     kinds = {t.tensor_type.name for _, t in parts}
     N = sum(int(t.shape[1]) for _, t in parts)
-    if len(kinds) == 1 and kinds <= set(_K_BLOCK) and N % 16 == 0 and kernels.packed_available():
+    packed = N % 16 == 0 and kernels.packed_available()
+    if len(kinds) == 1 and kinds <= set(_K_BLOCK) and packed:
         return _k_quant_layer(gf, parts, kinds.pop())
+    if kinds == {"Q5_0"} and packed and (layer := _q5_layer(gf, parts)) is not None:
+        return layer
     if kinds == {"Q4_1"} or kinds <= set(_AS_Q8):
         kind = "Q4_1" if kinds == {"Q4_1"} else "Q8_0"
         blocks = [_blocks(gf, rest, t) if kind == "Q4_1" else _as_q8_0(_blocks(gf, rest, t), t.tensor_type.name)
