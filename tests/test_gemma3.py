@@ -109,3 +109,21 @@ def test_generate_command_runs_the_default_path(capfd):
                  "--max-new-tokens", "8")
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("The cat sat on the") and len(r.stdout) > len("The cat sat on the") + 8
+
+
+def test_trace_counts_the_sliding_layers_reads():
+    """`arlm trace` on Gemma 3 names its sliding-window layers, and a step past the window counts
+    their K/V reads at 512 slots (15 layers) beside the full layers' every slot (3)."""
+    from arlm.llm import LLM
+    from arlm.sampling import SamplingParams
+    from arlm.trace import run_trace
+
+    llm = LLM.load("gemma3-270m")
+    ids = torch.randint(1000, 200000, (600,), generator=torch.Generator().manual_seed(3)).tolist()
+    trace = run_trace(llm, [ids], SamplingParams(max_new_tokens=2, temperature=0.0), measure=False)
+    mod = trace["model"]
+    assert mod["sliding_window"] == 512 and mod["sliding_layers"] == [i for i in range(18) if i % 6 != 5]
+    per_layer = trace["cache"]["bytes_per_token"] / 18
+    decode = trace["steps"][-1]
+    cached = decode["sequences"][0]["slots_occupied"]
+    assert cached == 601 and decode["bytes_kv"] == int(per_layer * (3 * cached + 15 * 512))

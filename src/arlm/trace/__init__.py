@@ -215,9 +215,10 @@ class Tracer(StepHook):
             start = p["computed"]
             end = start + n
             tokens += n
-            kv_read += end * per_token  # every slot attended over, read once for the sequence
+            # every slot attended over, read once for the sequence (a sliding layer's last `window`)
+            kv_read += int(per_token * _slots_read(cfg, end) / cfg.n_layer)
             # scores and the weighted sum: 2 * 2 * d_head multiply-adds per head, layer, query and slot
-            attn_flops += 4 * cfg.n_head * cfg.head_dim * cfg.n_layer * sum(range(start + 1, end + 1))
+            attn_flops += 4 * cfg.n_head * cfg.head_dim * sum(_slots_read(cfg, q) for q in range(start + 1, end + 1))
             new = sampled.get(i, [])
             heads += len(by_row.get(i, []))
             dists = []
@@ -257,12 +258,21 @@ class Tracer(StepHook):
         self.steps.append(step)
 
 
+def _slots_read(cfg, positions: int) -> int:
+    """Cached slots a query at `positions` - 1 reads over all layers: every earlier one in a full
+    layer, at most `sliding_window` in a sliding one."""
+    sliding = sum(cfg.sliding(layer) for layer in range(cfg.n_layer))
+    return (cfg.n_layer - sliding) * positions + sliding * min(positions, cfg.sliding_window or positions)
+
+
 def model_info(llm) -> dict:
     cfg = llm.model.config
     return {"name": llm.loaded.name, "n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_kv_heads": cfg.n_kv_heads,
             "head_dim": cfg.head_dim, "d_model": cfg.d_model, "d_ff": cfg.d_ff, "vocab_size": cfg.vocab_size,
             "context": cfg.max_seq_len, "quantization": llm.quantization or "none",
-            "kv_dtype": str(llm.kv_dtype).removeprefix("torch.")}
+            "kv_dtype": str(llm.kv_dtype).removeprefix("torch."),
+            # layers that attend over their last `sliding_window` positions only (Gemma 3)
+            "sliding_layers": [i for i in range(cfg.n_layer) if cfg.sliding(i)], "sliding_window": cfg.sliding_window}
 
 
 def run_trace(llm, prompts: list[list[int]], params: SamplingParams, engine=None, drafter=None,

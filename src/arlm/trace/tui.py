@@ -72,6 +72,9 @@ def print_trace(trace: dict, console: Console | None = None) -> None:
     console.print(Panel(
         f"{mod['name']}: {mod['n_layer']} layers, {mod['n_head']} heads ({mod['n_kv_heads']} KV) of {mod['head_dim']}, "
         f"d_model {mod['d_model']}, vocab {mod['vocab_size']} · weights {mod['quantization']}\n"
+        + (f"sliding-window layers: {len(mod['sliding_layers'])} of {mod['n_layer']} read only their last "
+           f"{mod['sliding_window']} positions (layers {', '.join(map(str, mod['sliding_layers']))}); their K/V "
+           "reads are counted so\n" if mod.get("sliding_layers") else "") +
         f"KV cache: {c['layout']}, {c['dtype']}, shape {c['shape']} ([L, {'B' if c['layout'] == 'contiguous' else 'blocks'}, "
         f"H_kv, {'T' if c['layout'] == 'contiguous' else 'block'}, d_head]), {c['bytes_per_token']} bytes/token\n"
         f"machine: {m['cpu']}, {m.get('threads', '?')} threads, memory {m.get('bandwidth', 0) / 1e9:.1f} GB/s, "
