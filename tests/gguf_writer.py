@@ -20,9 +20,28 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(hf_model, path: Path, quantize: set[str] = frozenset()) -> Path:
+def random_k_blocks(kind: str, rows: int, cols: int, seed: int) -> np.ndarray:
+    """Random K-quant blocks (Q4_K, Q5_K, Q6_K) for a [rows, cols] matrix, as raw bytes [rows,
+    cols / 256 * bytes]: every byte random but the float16 scales, small enough for weights of
+    ~0.1 (gguf cannot quantize to these types, so a test's K-quant matrices are random)."""
+    from arlm.loading.gguf import _K_BLOCK
+
+    rng = np.random.default_rng(seed)
+    S = cols // 256
+    b = rng.integers(0, 256, (rows, S, _K_BLOCK[kind]), dtype=np.uint8)
+    scales = rng.uniform(1e-5, 1e-4 if kind == "Q6_K" else 2e-4, (rows, S, 2)).astype(np.float16)
+    halves = scales.view(np.uint8).reshape(rows, S, 2, 2)
+    if kind == "Q6_K":
+        b[..., 208:210] = halves[:, :, 0]
+    else:
+        b[..., 0:2], b[..., 2:4] = halves[:, :, 0], halves[:, :, 1]
+    return b.reshape(rows, -1)
+
+
+def write_gguf(hf_model, path: Path, quantize: set[str] = frozenset(), kquant: dict[str, str] | None = None) -> Path:
     """`hf_model` (transformers, float32) as a GGUF file at `path`; matrices whose GGUF name
-    ends with one of `quantize` stored as Q8_0 (the rest F32)."""
+    ends with one of `quantize` stored as Q8_0 (the rest F32); those ending with a key of
+    `kquant` replaced by random blocks of its K-quant kind (`random_k_blocks`)."""
     import gguf
 
     from arlm.tokenizer import _byte_decoder
@@ -65,7 +84,11 @@ def write_gguf(hf_model, path: Path, quantize: set[str] = frozenset()) -> Path:
 
     def add(name: str, a: np.ndarray) -> None:
         a = np.ascontiguousarray(a, dtype=np.float32)
-        if a.ndim == 2 and any(name.endswith(q) for q in quantize):
+        kind = next((k for suffix, k in (kquant or {}).items() if name.endswith(suffix)), None)
+        if a.ndim == 2 and kind is not None:
+            w.add_tensor(name, random_k_blocks(kind, *a.shape, seed=sum(map(ord, name))),
+                         raw_dtype=gguf.GGMLQuantizationType[kind])
+        elif a.ndim == 2 and any(name.endswith(q) for q in quantize):
             w.add_tensor(name, gguf.quants.quantize(a, gguf.GGMLQuantizationType.Q8_0),
                          raw_dtype=gguf.GGMLQuantizationType.Q8_0)
         else:

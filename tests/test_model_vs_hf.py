@@ -216,3 +216,47 @@ def test_attention_biases_arlm_does_not_hold_are_refused():
         cfg["attention_bias"] = True  # (o_proj's bias too, in both)
         with pytest.raises(LoadError, match="attention biases"):
             config_from_hf(cfg)
+
+
+def test_a_q4_k_m_style_file_runs_every_block_as_stored(tmp_path):
+    """Q4_K_M's mix, as llama.cpp writes it for Llama and Qwen: q and k in Q4_K beside v in Q6_K
+    (one fused q/k/v of two kinds), gate in Q4_K beside up in Q5_K, Q5_K and Q6_K elsewhere, the
+    head in Q6_K. On the packed kernels nothing is re-quantized: the fused weights are held in
+    parts (SplitLinear), each as stored, and the native stack runs them (its WK, WV, UP slots);
+    logits next to the float load's of the same file (gguf's dequantization), the same after the
+    kernel-layout cache, greedy tokens on the engine equal to the module path's."""
+    from gguf_writer import write_gguf
+
+    from arlm.engine import Engine, EngineConfig, ModelRunner, decode_step
+    from arlm.kernels import packed_available
+    from arlm.quant import KQuantLinear, SplitLinear
+    from arlm.sampling import SamplingParams
+
+    if not packed_available():
+        pytest.skip("K-quants are re-quantized without the packed kernels (AVX-512 VNNI)")
+    hf = hf_family("qwen2", seed=31, hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                   num_key_value_heads=2, vocab_size=208)
+    path = write_gguf(hf, tmp_path / "q4km.gguf", kquant={
+        "attn_q.weight": "Q4_K", "attn_k.weight": "Q4_K", "attn_v.weight": "Q6_K", "attn_output.weight": "Q5_K",
+        "ffn_gate.weight": "Q4_K", "ffn_up.weight": "Q5_K", "ffn_down.weight": "Q6_K", "output.weight": "Q6_K"})
+    quantized = load_model(str(path), quantized=True)
+    assert quantized.requantized == []
+    block = quantized.model.blocks[0]
+    assert isinstance(block.attn.wqkv, SplitLinear) and [p.kind for p in block.attn.wqkv.parts] == \
+        ["Q4_K", "Q4_K", "Q6_K"] and block.attn.wqkv.bias is not None
+    assert isinstance(block.mlp.gate_up, SplitLinear) and isinstance(block.mlp.down, KQuantLinear)
+    floats = load_model(str(path))
+    ids = torch.randint(2, 208, (2, 24), generator=torch.Generator().manual_seed(32))
+    with torch.no_grad():
+        q, f = quantized.model(ids), floats.model(ids)
+    assert f.std() > 0.1 and (q - f).abs().max() < 1e-3 * f.abs().max()
+    cached = load_model(str(path), quantized=True)  # (from the kernel-layout cache)
+    with torch.no_grad():
+        assert torch.equal(cached.model(ids), q)
+    runner = ModelRunner(quantized.model)
+    assert runner.native is not None
+    params = SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True)
+    prompts = [ids[0].tolist(), ids[1, :9].tolist()]
+    native = Engine(runner, (), EngineConfig(block_size=4, kv_cache_tokens=128)).generate(prompts, params)
+    modules = Engine(ModelRunner(quantized.model, decode_step), (), EngineConfig(block_size=None)).generate(prompts, params)
+    assert native == modules

@@ -422,6 +422,28 @@ class KQuantLinear(PackedOnlyLinear):
         return f"{super().extra_repr()}, {self.kind}"
 
 
+class SplitLinear(nn.Module):
+    """A fused projection (q/k/v, gate/up) whose parts a file stores in different block types
+    (Q4_K_M's Q6_K attn_v beside Q4_K q and k): each part its own quantized layer, as stored, their
+    outputs side by side, then the fused bias (Qwen 2's). The native layer stack takes the parts
+    as they are (kernels.layout.LayerWeight's WK, WV, UP); prompt tokens take the quantized parts
+    too (no dense copies for prefill's GEMMs on the bf16 / float32 matrix paths)."""
+
+    def __init__(self, parts: list[nn.Module], bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self.in_features = parts[0].in_features
+        self.out_features = sum(p.out_features for p in parts)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def forward(self, x: torch.Tensor, dense: bool = False) -> torch.Tensor:
+        y = torch.cat([p(x, dense=dense) for p in self.parts], dim=-1)
+        return y if self.bias is None else y + self.bias
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.cat([p.dequantize() for p in self.parts])
+
+
 class QuantizedEmbedding(nn.Module):
     """A token embedding gathered from a quantized matrix's rows, dequantized as they are looked
     up: the tied LM head's own weights (one copy of the matrix for both), or a table of its own."""

@@ -28,6 +28,7 @@
 #endif
 #include <cmath>
 #include <cstdlib>
+#include <initializer_list>
 #include <memory>
 #include <type_traits>
 #include <vector>
@@ -375,6 +376,15 @@ class Arena {
 // linear (kWqkv, kWo, kGateUp, kDown) is three, (w, scale, mins), in any layout `linear_into`
 // takes, unused ones empty.
 
+// A projection's output width: one linear, or its parts side by side (kWk, kWv after kWqkv; kUp
+// after kGateUp), each part empty where the projection is one matrix.
+int64_t parts_out(const char* op, const at::Tensor* W, std::initializer_list<int64_t> slots, int64_t K) {
+  int64_t n = 0;
+  for (int64_t s : slots)
+    if (s == *slots.begin() || W[s].numel()) n += out_features(op, W + s, K);
+  return n;
+}
+
 // The layer stack's shapes, read off the weights and checked.
 struct Shapes {
   int64_t N, d, H, Hkv, hd, qkv_dim, dff, kmax;
@@ -382,10 +392,10 @@ struct Shapes {
          int64_t hd)
       : N(N), d(d), H(H), Hkv(Hkv), hd(hd), qkv_dim((H + 2 * Hkv) * hd) {
     TORCH_CHECK(L > 0, op, ": no layers");
-    dff = out_features(op, weights.data() + kGateUp, d) / 2;
+    dff = parts_out(op, weights.data(), {kGateUp, kUp}, d) / 2;
     for (int64_t l = 0; l < L; ++l) {
       const at::Tensor* W = weights.data() + kLayerWeights * l;
-      TORCH_CHECK(out_features(op, W + kWqkv, d) == qkv_dim, op, ": wqkv has the wrong number of outputs");
+      TORCH_CHECK(parts_out(op, W, {kWqkv, kWk, kWv}, d) == qkv_dim, op, ": wqkv has the wrong number of outputs");
       for (auto [slot, n] : {std::pair<int64_t, int64_t>{kQNorm, hd}, {kKNorm, hd}, {kAttnPostNorm, d},
                              {kMlpPostNorm, d}, {kQkvBias, qkv_dim}})  // each absent (empty) or [n] float32
         TORCH_CHECK(W[slot].numel() == 0 || (W[slot].numel() == n && W[slot].scalar_type() == at::kFloat &&
@@ -394,7 +404,7 @@ struct Shapes {
       TORCH_CHECK((W[kQNorm].numel() == 0) == (W[kKNorm].numel() == 0) &&
                   (W[kAttnPostNorm].numel() == 0) == (W[kMlpPostNorm].numel() == 0),
                   op, ": q/k norms and post norms come in pairs");
-      TORCH_CHECK(out_features(op, W + kWo, H * hd) == d && out_features(op, W + kGateUp, d) == 2 * dff &&
+      TORCH_CHECK(out_features(op, W + kWo, H * hd) == d && parts_out(op, W, {kGateUp, kUp}, d) == 2 * dff &&
                   out_features(op, W + kDown, dff) == d, op, ": layer ", l, " does not match the model's widths");
     }
     kmax = std::max({d, H * hd, dff});
@@ -472,10 +482,25 @@ void run_layers(float* x, const Shapes& s, at::TensorList weights, int64_t L, do
   for (int64_t l = 0; l < L; ++l) {
     const at::Tensor* W = weights.data() + kLayerWeights * l;
     const bool post = W[kAttnPostNorm].numel() > 0;
-    auto quantized_for = [&](LayerWeight slot) { return packed(W + slot) && !twice(slot) ? &buf.xq : nullptr; };
+    // the 8-bit copy of a linear's input, where it (or one of its parts) is packed
+    auto quantized_for = [&](LayerWeight slot) {
+      const bool any = packed(W + slot) || (slot == kWqkv && ((W[kWk].numel() && packed(W + kWk)) ||
+                                                              (W[kWv].numel() && packed(W + kWv)))) ||
+                       (slot == kGateUp && W[kUp].numel() && packed(W + kUp));
+      return any && !twice(slot) ? &buf.xq : nullptr;
+    };
+    // a projection's parts (first, then the others where given) side by side in y's columns
+    auto project = [&](std::initializer_list<int64_t> slots, const float* in, int64_t K, float* y, int64_t ldy) {
+      int64_t col = 0;
+      for (int64_t slot : slots) {
+        if (slot != *slots.begin() && !W[slot].numel()) continue;
+        linear_into(in, &buf.xq, N, K, W + slot, a8, y + col, ldy, false, twice(static_cast<LayerWeight>(*slots.begin())));
+        col += out_features("decode", W + slot, K);
+      }
+    };
     timed(kNorm1, [&] { rms_norm(x, W[kAttnNorm].data_ptr<float>(), N, d, eps, buf.h, quantized_for(kWqkv)); });
     timed(kQkv, [&] {
-      linear_into(buf.h, &buf.xq, N, d, W + kWqkv, a8, buf.qkv, s.qkv_dim, false, twice(kWqkv));
+      project({kWqkv, kWk, kWv}, buf.h, d, buf.qkv, s.qkv_dim);
       if (W[kQkvBias].numel()) {
         const float* bias = W[kQkvBias].data_ptr<float>();
         for (int64_t i = 0; i < N; ++i)
@@ -488,8 +513,7 @@ void run_layers(float* x, const Shapes& s, at::TensorList weights, int64_t L, do
       if (post) add_normed(x, buf.h, W[kAttnPostNorm].data_ptr<float>(), N, d, eps);
     });
     timed(kNorm2, [&] { rms_norm(x, W[kMlpNorm].data_ptr<float>(), N, d, eps, buf.h, quantized_for(kGateUp)); });
-    timed(kGateUpPass,
-          [&] { linear_into(buf.h, &buf.xq, N, d, W + kGateUp, a8, buf.gu, 2 * s.dff, false, twice(kGateUp)); });
+    timed(kGateUpPass, [&] { project({kGateUp, kUp}, buf.h, d, buf.gu, 2 * s.dff); });
     timed(kSilu, [&] { gated_mul(buf.gu, N, s.dff, buf.act, quantized_for(kDown), arch.geglu); });
     timed(kDownPass, [&] {
       linear_into(buf.act, &buf.xq, N, s.dff, W + kDown, a8, post ? buf.h : x, d, !post, twice(kDown));

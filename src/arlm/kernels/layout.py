@@ -16,7 +16,8 @@ from enum import IntEnum
 class LayerWeight(IntEnum):
     """Where each of a layer's weights sits in its slice of the weight list the layer stack takes
     (`kernels.llama.layer_weights`, decode.cpp): a norm is one tensor, a linear three, (w, scale,
-    mins). The later families' extras are empty tensors where a model has none: the per-head
+    mins). The later families' extras are empty tensors where a model has none (as are WK, WV, UP
+    where a projection is one matrix): the per-head
     q/k norms [head_dim] (Qwen 3, Gemma 3), the norms on the attention's and the MLP's outputs
     (Gemma), the q/k/v biases [(H + 2 H_kv) head_dim] (Qwen 2)."""
 
@@ -31,7 +32,12 @@ class LayerWeight(IntEnum):
     ATTN_POST_NORM = 16
     MLP_POST_NORM = 17
     QKV_BIAS = 18
-    COUNT = 19  # tensors per layer
+    # A fused projection whose parts the file stores in different block types (`quant.SplitLinear`):
+    # q in WQKV, k and v here; gate in GATE_UP, up here. Empty where the projection is one matrix.
+    WK = 19
+    WV = 22
+    UP = 25
+    COUNT = 28  # tensors per layer
 
 
 class KVFormat(IntEnum):

@@ -107,16 +107,28 @@ def layer_weights(model: Transformer, dense: bool = False) -> tuple[list[torch.T
         bias = block.attn.wqkv.bias
         if bias is not None:
             layer[LayerWeight.QKV_BIAS] = bias.detach().float().contiguous()
+        # a fused projection held in parts (quant.SplitLinear): the first part in its slot, the
+        # others in theirs
+        rest = {LayerWeight.WQKV: (LayerWeight.WK, LayerWeight.WV), LayerWeight.GATE_UP: (LayerWeight.UP,)}
+        linears = []
         for slot, linear in ((LayerWeight.WQKV, block.attn.wqkv), (LayerWeight.WO, block.attn.wo),
                              (LayerWeight.GATE_UP, block.mlp.gate_up), (LayerWeight.DOWN, block.mlp.down)):
-            native = linear_weights(linear, dense, bias=slot == LayerWeight.WQKV)
+            parts = list(getattr(linear, "parts", ()))
+            if not parts:
+                linears.append((slot, slot, linear, slot == LayerWeight.WQKV))
+            elif dense or len(parts) != 1 + len(rest.get(slot, ())):
+                return None
+            else:
+                linears += [(s, slot, p, False) for s, p in zip((slot, *rest[slot]), parts)]
+        for slot, projection, linear, with_bias in linears:
+            native = linear_weights(linear, dense, bias=with_bias)
             if native is None:
                 return None
             layer[slot:slot + 3] = native[0]
             if native[0][1].numel():  # float32 layers run in either mode
                 a8.add(native[1])
             if getattr(linear, "residual_activations", False) and not dense:
-                mask |= 1 << slot
+                mask |= 1 << projection  # (a projection's parts take their activations alike)
         masks.add(mask)
         weights.extend(layer)  # type: ignore[arg-type]
     if len(a8) > 1 or len(masks) > 1:

@@ -17,7 +17,7 @@ from .. import kernels
 from ..config import ModelConfig
 from ..files import create_tmp, replace_durably
 from ..model import Transformer
-from ..quant import QuantizedEmbedding, QuantizedLinear, prepare
+from ..quant import QuantizedEmbedding, QuantizedLinear, SplitLinear, prepare
 from ..tokenizer import Tokenizer, TokenizerError
 from . import cache
 from .checkpoint import is_checkpoint_dir, read_checkpoint
@@ -149,7 +149,9 @@ def dequantized_state(model: Transformer, rows: int = 4096) -> dict[str, torch.T
     for name, m in model.named_modules():  # a tied head is the embedding's table: listed once
         if isinstance(m, QuantizedEmbedding):
             state[f"{name}.weight"] = dequantize(m.table)
-        elif isinstance(m, QuantizedLinear) and not name.endswith(".table"):
+        elif isinstance(m, SplitLinear):  # its parts' rows, stacked as the fused matrix
+            state[f"{name}.weight"] = torch.cat([dequantize(p) for p in m.parts])
+        elif isinstance(m, QuantizedLinear) and not name.endswith(".table") and ".parts." not in name:
             state[f"{name}.weight"] = dequantize(m)
     return state
 

@@ -36,10 +36,11 @@ from tokenizers import Tokenizer as HFTokenizer
 from ..config import ModelConfig
 from ..files import atomic_write_text
 from ..model import Transformer
-from ..quant import Int8Linear, KQuantLinear, Q4Linear, Q5Linear, Q8Linear, QuantizedEmbedding, QuantizedLinear
+from ..quant import (Int8Linear, KQuantLinear, Q4Linear, Q5Linear, Q8Linear, QuantizedEmbedding, QuantizedLinear,
+                     SplitLinear)
 from ..tokenizer import Tokenizer
 
-FORMAT = 6  # (6: Q5_0 and Q5_K as they are; 5: Q4_K and Q6_K, KQuantLinear; 4: quantized layers may have biases)
+FORMAT = 7  # (7: fused weights of mixed kinds in parts, SplitLinear; 6: Q5_0 and Q5_K as they are; 5: Q4_K, Q6_K)
 _ALIGN = 64
 _DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.int8, torch.uint8)}
 
@@ -94,6 +95,9 @@ def _describe(model: torch.nn.Module, add) -> list[dict]:
                             "bias": add(module.bias.detach()) if module.bias is not None else None})
         elif isinstance(module, QuantizedEmbedding):
             entries.append({"name": name, "kind": "QuantizedEmbedding", "table": f"{name}.table"})
+        elif isinstance(module, SplitLinear):  # (its parts are entries of their own, name.parts.i)
+            entries.append({"name": name, "kind": "SplitLinear", "parts": len(module.parts),
+                            "bias": add(module.bias.detach()) if module.bias is not None else None})
         elif isinstance(module, (torch.nn.Embedding, torch.nn.Linear)) or name.endswith("norm"):
             for pname, p in module.named_parameters(recurse=False):
                 entries.append({"name": f"{name}.{pname}", "kind": "parameter", "tensors": [add(p.detach())]})
@@ -202,6 +206,9 @@ def load(path: Path, layout: str):
     for e in entries:  # then what refers to those
         if e["kind"] == "QuantizedEmbedding":
             modules[e["name"]] = QuantizedEmbedding(modules[e["table"]])
+        elif e["kind"] == "SplitLinear":
+            parts = [modules.pop(f"{e['name']}.parts.{i}") for i in range(e["parts"])]
+            modules[e["name"]] = SplitLinear(parts, tensor(e["bias"]) if e.get("bias") is not None else None)
     for e in entries:
         if e["kind"] == "alias":
             modules[e["name"]] = modules[e["of"]]

@@ -29,7 +29,7 @@ import torch
 from ..config import ModelConfig
 from ..model import Transformer
 from .. import kernels
-from ..quant import Int8Linear, KQuantLinear, Q4Linear, Q5Linear, Q8Linear, QuantizedEmbedding
+from ..quant import Int8Linear, KQuantLinear, Q4Linear, Q5Linear, Q8Linear, QuantizedEmbedding, SplitLinear
 from .errors import LoadError
 
 GGUF_MAGIC = b"GGUF"
@@ -391,6 +391,9 @@ def _quantized_layer(gf: GGUFFile, parts, requantized: list[str]):
     kinds = {t.tensor_type.name for _, t in parts}
     N = sum(int(t.shape[1]) for _, t in parts)
     packed = N % 16 == 0 and kernels.packed_available()
+    if len(kinds) > 1 and not kinds <= set(_AS_Q8) and kernels.packed_available():
+        # parts of different kinds (Q4_K_M's Q6_K v beside Q4_K q and k): each as it is stored
+        return SplitLinear([_quantized_layer(gf, [part], requantized) for part in parts])
     if len(kinds) == 1 and kinds <= set(_K_BLOCK) and packed:
         return _k_quant_layer(gf, parts, kinds.pop())
     if kinds == {"Q5_0"} and packed and (layer := _q5_layer(gf, parts)) is not None:
