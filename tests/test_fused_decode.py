@@ -79,6 +79,17 @@ def _step_logits(model, prompts, steps, fn, kv_dtype=torch.float32):
     return torch.stack(out)
 
 
+def test_sliding_layers_over_split_k_rows():
+    # Gemma 3's sliding layers (window 8) on rows long enough for decode.cpp's split-K (over 1,024
+    # slots): the full layers read every chunk, the sliding ones only their window's slots: the
+    # modules' result (1e-4 of the logits' scale).
+    model = arlm_from_hf(hf_family("gemma3", seed=29, max_position_embeddings=1200))
+    prompts = [[(7 * i) % 190 + 2 for i in range(1100)], [5, 9, 11]]
+    native = native_decode_fn(model)
+    ref, got = _step_logits(model, prompts, 3, decode_step), _step_logits(model, prompts, 3, native)
+    assert (got - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
+
+
 @pytest.mark.parametrize("n_head,n_kv_heads", [(6, 2), (4, 1), (4, 4)])
 def test_float_native_step_matches_modules(n_head, n_kv_heads):
     model = arlm_from_hf(hf_llama(seed=n_head + n_kv_heads, n_head=n_head, n_kv_heads=n_kv_heads))

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from arlm import kernels
-from arlm.quant import Int8Linear, Q4Linear, Q8Linear, QuantizedEmbedding, QuantizedLinear, quantize
+from arlm.quant import Int8Linear, KQuantLinear, Q4Linear, Q8Linear, QuantizedEmbedding, QuantizedLinear, quantize
 from cpu_flags import packed_expected
 
 needs_packed = pytest.mark.skipif(not packed_expected(),
@@ -431,7 +431,6 @@ def _k_blocks(kind: str, N: int, S: int, seed: int) -> np.ndarray:
 
 def _k_layer(kind: str, b: np.ndarray):
     from arlm.loading.gguf import k_quant_fields, q5_0_layer
-    from arlm.quant import KQuantLinear
 
     if kind == "Q5_0":
         return q5_0_layer(b)

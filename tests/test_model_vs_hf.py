@@ -218,22 +218,27 @@ def test_attention_biases_arlm_does_not_hold_are_refused():
             config_from_hf(cfg)
 
 
-def test_a_q4_k_m_style_file_runs_every_block_as_stored(tmp_path):
+def test_a_q4_k_m_style_file_runs_every_block_as_stored(tmp_path, monkeypatch):
     """Q4_K_M's mix, as llama.cpp writes it for Llama and Qwen: q and k in Q4_K beside v in Q6_K
     (one fused q/k/v of two kinds), gate in Q4_K beside up in Q5_K, Q5_K and Q6_K elsewhere, the
     head in Q6_K. On the packed kernels nothing is re-quantized: the fused weights are held in
     parts (SplitLinear), each as stored, and the native stack runs them (its WK, WV, UP slots);
-    logits next to the float load's of the same file (gguf's dequantization), the same after the
-    kernel-layout cache, greedy tokens on the engine equal to the module path's."""
+    logits next to those of the file's float weights as gguf dequantizes them (read_gguf), the
+    same after the kernel-layout cache, greedy tokens on the engine equal to the module path's."""
+    from cpu_flags import packed_expected
     from gguf_writer import write_gguf
 
-    from arlm.engine import Engine, EngineConfig, ModelRunner, decode_step
+    from arlm.engine import Engine, EngineConfig, ModelRunner
     from arlm.kernels import packed_available
+    from arlm.loading import build_model, cache
+    from arlm.loading.gguf import read_gguf
     from arlm.quant import KQuantLinear, SplitLinear
     from arlm.sampling import SamplingParams
 
-    if not packed_available():
+    if not packed_expected():
         pytest.skip("K-quants are re-quantized without the packed kernels (AVX-512 VNNI)")
+    assert packed_available()  # (the kernels loaded from their own cache before the models' moves)
+    monkeypatch.setenv("ARLM_CACHE", str(tmp_path / "cache"))
     hf = hf_family("qwen2", seed=31, hidden_size=256, intermediate_size=512, num_attention_heads=4,
                    num_key_value_heads=2, vocab_size=208)
     path = write_gguf(hf, tmp_path / "q4km.gguf", kquant={
@@ -245,11 +250,13 @@ def test_a_q4_k_m_style_file_runs_every_block_as_stored(tmp_path):
     assert isinstance(block.attn.wqkv, SplitLinear) and [p.kind for p in block.attn.wqkv.parts] == \
         ["Q4_K", "Q4_K", "Q6_K"] and block.attn.wqkv.bias is not None
     assert isinstance(block.mlp.gate_up, SplitLinear) and isinstance(block.mlp.down, KQuantLinear)
-    floats = load_model(str(path))
+    g = read_gguf(path)  # gguf's dequantization, not arlm's layers
+    floats = build_model(g.config, g.state_dict)
     ids = torch.randint(2, 208, (2, 24), generator=torch.Generator().manual_seed(32))
     with torch.no_grad():
-        q, f = quantized.model(ids), floats.model(ids)
+        q, f = quantized.model(ids), floats(ids)
     assert f.std() > 0.1 and (q - f).abs().max() < 1e-3 * f.abs().max()
+    assert cache.cache_dir(path, "packed").is_dir()
     cached = load_model(str(path), quantized=True)  # (from the kernel-layout cache)
     with torch.no_grad():
         assert torch.equal(cached.model(ids), q)

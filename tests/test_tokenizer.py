@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from arlm.tokenizer import IncrementalDetokenizer
+from arlm.tokenizer import IncrementalDetokenizer, Tokenizer
 
 CORPUS = [
     "Hello, world!",
@@ -200,10 +200,8 @@ def test_byte_level_pre_tokenizers_match_transformers(gguf_tokenizer_fields, pre
     Llama 3's groups of three, ...): arlm's tokenizer gives the ids transformers builds from the
     same file, on text that tells the splits apart (digits, contractions, runs of spaces and
     newlines, unicode, code)."""
-    import gguf
+    import gguf  # (gguf and transformers: the costly imports only this test needs)
     from transformers import AutoTokenizer
-
-    from arlm.tokenizer import Tokenizer
 
     fields = {**gguf_tokenizer_fields, "tokenizer.ggml.pre": pre}
     path = tmp_path / "tok.gguf"

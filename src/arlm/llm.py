@@ -10,7 +10,7 @@ own whose prefix cache holds the earlier turns, so each turn prefills only what 
 from __future__ import annotations
 
 import json
-import sys
+import logging
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -30,6 +30,8 @@ from .sampling import SamplingParams
 from .structured import GrammarError, Grammars
 from .text import TextStreamer
 from .tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 
 class PromptError(ValueError):
@@ -308,9 +310,9 @@ class LLM:
         loaded = load_model(spec, device=device, dtype=dtype, quantized=direct)
         if direct and loaded.requantized:  # the one rounding arlm adds: said, not silent
             names = loaded.requantized
-            print(f"arlm: {len(names)} of the file's tensors have no kernel here and run re-quantized to int8 "
-                  f"per row ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}); their cost: `arlm "
-                  "perplexity --kl-divergence` against `--quantize none`", file=sys.stderr)
+            log.warning("%d of the file's tensors have no kernel here and run re-quantized to int8 per row "
+                        "(%s%s); their cost: `arlm perplexity --kl-divergence` against `--quantize none`",
+                        len(names), ", ".join(names[:3]), ", ..." if len(names) > 3 else "")
         llm = cls(loaded)
         llm.configure(quantize=quantize, compile=compile, matmul_path=matmul_path, kv_dtype=kv_dtype,
                       activations=activations, kv_window=kv_window, kv_sinks=kv_sinks, prefill_dtype=prefill_dtype)

@@ -1,11 +1,13 @@
-"""Quantized weights for decode: the file's own blocks (4-bit Q4_1, 8-bit Q8_0, the K-quants Q4_K
-and Q6_K), or int8 per row.
+"""Quantized weights for decode: the file's own blocks (4-bit Q4_1, 8-bit Q8_0; on AVX-512 VNNI
+CPUs 5-bit Q5_0 and the K-quants Q4_K, Q5_K, Q6_K), or int8 per row.
 
 Decode reads every weight once per step, so its speed is bytes of weights / memory bandwidth:
 int8 weights move 4x fewer bytes than float32, 4-bit ones (Q4_1: a float16 scale and min per 32
 weights) 6.4x fewer. A GGUF file's Q4_1 and Q8_0 tensors are loaded as they are stored
-(`arlm.loading.gguf`, no float32 copy and no second rounding): `Q4Linear`, `Q8Linear`, and for a
-tied model the token embedding gathered from the head's Q8_0 rows (`QuantizedEmbedding`).
+(`arlm.loading.gguf`, no float32 copy and no second rounding): `Q4Linear`, `Q8Linear`, on the
+packed kernels `Q5Linear` and `KQuantLinear` (a fused weight of mixed kinds in parts:
+`SplitLinear`), and for a tied model the token embedding gathered from the head's rows
+(`QuantizedEmbedding`).
 
 With 8-bit activations each layer also quantizes its input per group of 32, as llama.cpp does,
 and the kernels multiply in integers (one VNNI instruction per 32 weights): 4-bit decode then runs
@@ -316,12 +318,14 @@ class Q4Linear(QuantizedLinear):
 class PackedOnlyLinear(QuantizedLinear):
     """A layer whose matrix has one layout, the packed kernels' (AVX-512 VNNI, 8-bit
     activations), where a file's block type has no row-layout kernel: the loader makes these only
-    where the packed kernels are built. With float32 activations it multiplies by its dequantized
-    matrix (slow: every call dequantizes it)."""
+    where the packed kernels are built. With float32 activations, or where the kernels are not
+    built, it multiplies by its dequantized matrix (slow: every call dequantizes it)."""
+
+    packed_only = True  # (kernels.llama: the layer stack takes it only packed, with 8-bit activations)
 
     @property
     def packed(self) -> bool:
-        return True  # its one layout
+        return kernels.packed_available()  # its one layout, where the kernels that read it exist
 
     def pack(self) -> None:
         pass
@@ -347,7 +351,7 @@ class PackedOnlyLinear(QuantizedLinear):
 
 class Q5Linear(PackedOnlyLinear):
     """5-bit weights per group of 32, W[n, k] = scale[n, k // 32] q[n, k] + mins[n, k // 32], q in
-    0..31 (GGUF's Q5_0: mins = -16 scale, exact in float16; Q5_1), in `kernels.pack_q5`'s layout
+    0..31 (GGUF's Q5_0: mins = -16 scale, exact in float16), in `kernels.pack_q5`'s layout
     [N/16, K/8, 80] with scale and mins float16 [N/16, K/32, 16]: 6 bits a weight (the file's
     5.5), its values bit for bit as gguf dequantizes them."""
 
@@ -387,7 +391,9 @@ class KQuantLinear(PackedOnlyLinear):
 
     def __init__(self, kind: str, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__(in_features, out_features, bias)
-        if kind not in self.KINDS or in_features % 256 or out_features % 16:
+        if kind not in self.KINDS:
+            raise ValueError(f"unknown K-quant kind {kind!r} (expected {', '.join(self.KINDS)})")
+        if in_features % 256 or out_features % 16:
             raise ValueError(f"{kind} layers need in_features divisible by 256 and out_features by 16")
         self.kind = kind
         NB, G, S = out_features // 16, in_features // 32, in_features // 256

@@ -358,7 +358,7 @@ def pack_q6_k(q: torch.Tensor, sc: torch.Tensor, d: torch.Tensor) -> tuple[torch
 
 
 def kquant_linear_a8p(x: torch.Tensor, wp: torch.Tensor, scale: torch.Tensor, supers: torch.Tensor) -> torch.Tensor:
-    """x [M, K] float32 times a Q4_K or Q6_K layer in its packed layout (`pack_q4_k`, `pack_q6_k`),
+    """x [M, K] float32 times a Q4_K, Q5_K or Q6_K layer in its packed layout (`pack_q4_k`, `pack_q6_k`),
     x quantized to 8 bits per group of 32. Only where packed_available() holds (it loads the kernels)."""
     if not packed_available():
         raise RuntimeError("K-quant layers need the packed kernels (a CPU with AVX-512 VNNI)")

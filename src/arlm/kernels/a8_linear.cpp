@@ -962,13 +962,13 @@ at::Tensor q4_linear_a8p(const at::Tensor& x, const at::Tensor& wp, const at::Te
   return y;
 }
 
-// The K-quants' packed layouts (Q4_K, Q6_K: above) times 8-bit x, one pass.
+// The K-quants' packed layouts (Q4_K, Q5_K, Q6_K: above) times 8-bit x, one pass.
 at::Tensor kquant_linear_a8p(const at::Tensor& x, const at::Tensor& wp, const at::Tensor& scale,
                              const at::Tensor& supers) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "kquant_linear_a8p: x [M, K] contiguous float32");
   TORCH_CHECK(scale.dim() == 3 && (scale.scalar_type() == at::kByte || scale.scalar_type() == at::kChar),
-              "kquant_linear_a8p: a Q4_K or Q6_K layout");
+              "kquant_linear_a8p: a Q4_K, Q5_K or Q6_K layout");
   const int64_t N = arlm_kernels::packed_out_features("kquant_linear_a8p", x.size(1), wp, scale, supers);
   const QuantizedX xq(x);
   at::Tensor y = at::empty({x.size(0), N}, x.options());

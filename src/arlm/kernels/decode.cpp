@@ -735,7 +735,7 @@ void forward_llama_paged(const at::Tensor& x, at::TensorList weights, const at::
     const float* qn = W[kQNorm].numel() ? W[kQNorm].data_ptr<float>() : nullptr;
     const float* kn = qn ? W[kKNorm].data_ptr<float>() : nullptr;
     const float *lc = arch.cos(l, cp), *ls = arch.sin(l, sp);
-    // a sliding layer: its window without sinks (whose RoPE tables are then never read)
+    // a sliding layer: its window without sinks (nothing is rotated back into place)
     const arlm_kernels::Window layer_win = arch.window(l) ? arlm_kernels::Window{arch.window(l), 0, cp, sp} : win;
     at::parallel_for(0, N, 8, [&](int64_t i0, int64_t i1) {  // norms, RoPE, then every token's K/V into the pool
       for (int64_t i = i0; i < i1; ++i) {

@@ -73,8 +73,8 @@ def linear_weights(layer: torch.nn.Module, dense: bool = False,
             return None
         return [w.contiguous(), none, none], False
     if callable(getattr(layer, "tensors", None)):  # in its layout, packed or rows
-        if layer.packed and not layer.int8_activations:  # (a K-quant layer's one layout: 8-bit activations only)
-            return None
+        if getattr(layer, "packed_only", False) and not (layer.packed and layer.int8_activations):
+            return None  # (quant.PackedOnlyLinear: its one layout, read with 8-bit activations only)
         w = list(layer.tensors())
         return w + [none] * (3 - len(w)), layer.int8_activations
     if type(layer) is torch.nn.Linear and layer.weight.dtype == torch.float32:

@@ -40,7 +40,7 @@ from ..quant import (Int8Linear, KQuantLinear, Q4Linear, Q5Linear, Q8Linear, Qua
                      SplitLinear)
 from ..tokenizer import Tokenizer
 
-FORMAT = 7  # (7: fused weights of mixed kinds in parts, SplitLinear; 6: Q5_0 and Q5_K as they are; 5: Q4_K, Q6_K)
+FORMAT = 7  # (a layer kind or field the loader adds is a new format: the old directories are rebuilt)
 _ALIGN = 64
 _DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.int8, torch.uint8)}
 

@@ -5,16 +5,18 @@ The file is opened once with `gguf.GGUFReader` (a memory map). Two ways to its w
 
 - `quantized_model`: the file's Q4_1 and Q8_0 blocks go into arlm's quantized layers as they are
   (`arlm.quant.Q4Linear`, `Q8Linear`: the same bytes, split into weights and scales), block by
-  block, without a float32 copy of the model; Q5_0 and Q4_0 values widened exactly into Q8_0's;
-  on CPUs with AVX-512 VNNI the K-quants Q4_K and Q6_K into `KQuantLinear` (their integer fields
-  and scales, the values not rounded again); the token embedding is gathered from its quantized
-  rows. Tensors of other types, and a fused weight whose parts differ in kind, are dequantized
-  and re-quantized to int8 per row (see `requantized`: the one place arlm adds rounding the file
-  did not have).
+  block, without a float32 copy of the model; Q4_0 values widened exactly into Q8_0's; on CPUs
+  with AVX-512 VNNI, Q5_0 into `Q5Linear` and the K-quants Q4_K, Q5_K, Q6_K into `KQuantLinear`
+  (their integer fields and scales, the values not rounded again; elsewhere Q5_0 is widened to
+  Q8_0 too), and a fused weight whose parts differ in kind into `SplitLinear`, each part as it is
+  stored; the token embedding is gathered from its quantized rows. Tensors of other types are
+  dequantized and re-quantized to int8 per row (see `requantized`: the one place arlm adds
+  rounding the file did not have).
 - `read_gguf`: every tensor dequantized to float32 (`--quantize none`, the reference path).
 
 Dequantization is `gguf.quants.dequantize` (F32, F16, BF16, Q8_0, Q4_0, Q4_1, the K-quants...);
-nothing here parses GGUF by hand beyond splitting a block into its scale and values.
+nothing here parses GGUF by hand beyond splitting blocks into their values and scales
+(`_as_q8_0`, `k_quant_fields`).
 """
 
 from __future__ import annotations
@@ -385,9 +387,11 @@ def q5_0_layer(blocks: np.ndarray) -> Q5Linear | None:
 
 
 def _quantized_layer(gf: GGUFFile, parts, requantized: list[str]):
-    """A fused or single linear weight from its file tensors: Q4Linear where every part is Q4_1
-    (the file's bytes, split), Q8Linear where every part is Q8_0, Q5_0 or Q4_0 (their values
-    exactly, `_as_q8_0`), else int8 per row from the dequantized values."""
+    """A fused or single linear weight from its file tensors. On the packed kernels: parts of
+    different kinds (not all widenable to Q8_0) each as their own layer (SplitLinear); a K-quant
+    kind as KQuantLinear; Q5_0 as Q5Linear. Everywhere: Q4Linear where every part is Q4_1 (the
+    file's bytes, split), Q8Linear where every part is Q8_0, Q5_0 or Q4_0 (their values exactly,
+    `_as_q8_0`), else int8 per row from the dequantized values (listed in `requantized`)."""
     kinds = {t.tensor_type.name for _, t in parts}
     N = sum(int(t.shape[1]) for _, t in parts)
     packed = N % 16 == 0 and kernels.packed_available()
@@ -430,7 +434,9 @@ def quantized_model(path: str | Path) -> tuple[GGUFFile, "torch.nn.Module", list
         rest, t = parts[0]
         if len(t.shape) == 1:  # norms, and biases (q, k and v's concatenated)
             return torch.from_numpy(np.concatenate([_unpermute(r, _dequantize(gf, x), gf) for r, x in parts]))
-        if len(parts) == 1 and rest == "token_embd.weight" and t.tensor_type.name not in _BLOCK:
+        kind = t.tensor_type.name
+        as_stored = kind in _BLOCK or (kind in _K_BLOCK and int(t.shape[1]) % 16 == 0 and kernels.packed_available())
+        if len(parts) == 1 and rest == "token_embd.weight" and not as_stored:
             return torch.from_numpy(_dequantize(gf, t).copy())  # a float table, gathered as it is
         return _quantized_layer(gf, parts, requantized)
 
