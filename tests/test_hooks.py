@@ -161,3 +161,17 @@ def test_window_rope_hook_grows_the_tables_on_demand(tiny):
     batch.seqs[0].num_computed = 5 * n
     hook.scheduled(engine, batch)
     assert m.rope_cos.shape[0] == 5 * n + 1
+
+
+def test_window_rope_hook_keeps_the_models_rope_scaling():
+    """A model with Llama 3's scaled RoPE: the grown tables are its own, scaled, longer (the
+    first rows unchanged), not plain RoPE's."""
+    from conftest import arlm_from_hf, hf_family
+
+    model = arlm_from_hf(hf_family("llama3", seed=5))
+    engine = Engine(model, (), EngineConfig(block_size=8, kv_cache_tokens=512, kv_window=16, kv_sinks=4,
+                                            max_num_batched_tokens=16))
+    m = engine.model
+    cos, n = m.rope_cos.clone(), m.rope_cos.shape[0]
+    WindowRopeHook().scheduled(engine, SimpleNamespace(seqs=[SimpleNamespace(num_computed=n + 3)], num_tokens=[1]))
+    assert m.rope_cos.shape[0] == 2 * n and torch.equal(m.rope_cos[:n], cos)

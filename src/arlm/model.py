@@ -227,15 +227,16 @@ class Transformer(nn.Module):
         c = self.config
         return "sliding" in (c.layer_types or ()) and c.rope_local_theta not in (None, c.rope_theta)
 
-    def set_rope_tables(self, device: torch.device | str = "cpu") -> None:
-        """RoPE's cos/sin tables for the context: the full layers' (rope_theta, rope_scaling)
-        and, where sliding layers have a base of their own, theirs (rope_local_theta, unscaled)."""
+    def set_rope_tables(self, device: torch.device | str = "cpu", positions: int | None = None) -> None:
+        """RoPE's cos/sin tables for `positions` rows (default: the context): the full layers'
+        (rope_theta, rope_scaling) and, where sliding layers have a base of their own, theirs
+        (rope_local_theta, unscaled). A longer table's first rows are a shorter one's."""
         c = self.config
-        self.rope_cos, self.rope_sin = (t.to(device) for t in rope_table(c.head_dim, c.max_seq_len, c.rope_theta,
-                                                                         c.rope_scaling))
+        n = positions or c.max_seq_len
+        self.rope_cos, self.rope_sin = (t.to(device) for t in rope_table(c.head_dim, n, c.rope_theta, c.rope_scaling))
         if self._local_rope:
             self.rope_local_cos, self.rope_local_sin = (
-                t.to(device) for t in rope_table(c.head_dim, c.max_seq_len, c.rope_local_theta))
+                t.to(device) for t in rope_table(c.head_dim, n, c.rope_local_theta))
 
     def _init_all(self) -> None:
         config = self.config

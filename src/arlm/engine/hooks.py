@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..model import rope_table
 from .request import RequestOutput
 from .scheduler import ScheduledBatch
 
@@ -153,7 +152,6 @@ class WindowRopeHook(StepHook):
         m = engine.model
         if positions <= m.rope_cos.shape[0]:
             return
-        n = max(positions, 2 * m.rope_cos.shape[0])
-        cos, sin = rope_table(m.config.head_dim, n, m.config.rope_theta)
-        m.rope_cos, m.rope_sin = cos.to(m.rope_cos.device), sin.to(m.rope_sin.device)
+        # (the model's own tables, longer: its RoPE scaling and any sliding layers' base kept)
+        m.set_rope_tables(m.rope_cos.device, max(positions, 2 * m.rope_cos.shape[0]))
         engine.cache.set_window(engine.cache.window, engine.cache.sinks, (m.rope_cos, m.rope_sin))
