@@ -79,6 +79,30 @@ def _step_logits(model, prompts, steps, fn, kv_dtype=torch.float32):
     return torch.stack(out)
 
 
+def test_rope_table_rows_are_computed_as_positions_reach_them(monkeypatch):
+    # A long context's RoPE tables are computed ROPE_ROWS rows at first (here 64), the rest as
+    # positions reach them, in place: the rows are those of a table computed at once, bit for
+    # bit, and steps past the first rows give the logits they give with every row computed up
+    # front, on the modules and on the native stack.
+    from arlm import model as model_module
+    from arlm.model import rope_table
+
+    monkeypatch.setattr(model_module, "ROPE_ROWS", 64)
+    model = arlm_from_hf(hf_llama(seed=19, max_position_embeddings=600))
+    c = model.config
+    assert model._rope_rows == 64 < model.rope_cos.shape[0] == c.max_seq_len
+    full = copy.deepcopy(model)
+    full.ensure_rope(c.max_seq_len)
+    prompts = [[(7 * i) % 190 + 2 for i in range(300)], [3, 4, 5]]
+    for native in (False, True):
+        lazy = copy.deepcopy(model)
+        fns = [native_decode_fn(m) if native else decode_step for m in (lazy, full)]
+        assert torch.equal(_step_logits(lazy, prompts, 2, fns[0]), _step_logits(full, prompts, 2, fns[1]))
+        assert lazy._rope_rows >= 302
+    cos, sin = rope_table(c.head_dim, c.max_seq_len, c.rope_theta, c.rope_scaling)
+    assert torch.equal(full.rope_cos, cos) and torch.equal(full.rope_sin, sin)
+
+
 def test_sliding_layers_over_split_k_rows():
     # Gemma 3's sliding layers (window 8) on rows long enough for decode.cpp's split-K (over 1,024
     # slots): the full layers read every chunk, the sliding ones only their window's slots: the

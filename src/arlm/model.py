@@ -42,6 +42,11 @@ def make_norm(config: ModelConfig, dim: int | None = None) -> nn.Module:
     return nn.LayerNorm(dim or config.d_model, eps=config.norm_eps, bias=config.bias)
 
 
+# RoPE table rows a CPU model computes when it is built; the rest as positions reach them
+# (`Transformer.ensure_rope`).
+ROPE_ROWS = 4096
+
+
 def rope_frequencies(head_dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
     """RoPE's inverse frequencies [head_dim / 2]; `scaling` (ModelConfig.rope_scaling) divides
     them by its factors ("freq_factors": one each), by its factor ("linear"), or, "llama3", the low frequencies (wavelengths past the
@@ -65,10 +70,11 @@ def rope_frequencies(head_dim: int, theta: float, scaling: dict | None = None) -
 
 
 def rope_table(head_dim: int, max_seq_len: int, theta: float,
-               scaling: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin, each [max_seq_len, head_dim], in the half-split ("rotate_half") layout."""
+               scaling: dict | None = None, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin, each [max_seq_len - start, head_dim], of positions start .. max_seq_len - 1,
+    in the half-split ("rotate_half") layout. A row's values do not depend on `start`."""
     inv_freq = rope_frequencies(head_dim, theta, scaling)
-    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inv_freq)  # [T, d/2]
+    angles = torch.outer(torch.arange(start, max_seq_len, dtype=torch.float32), inv_freq)  # [T, d/2]
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos(), angles.sin()
 
@@ -230,13 +236,44 @@ class Transformer(nn.Module):
     def set_rope_tables(self, device: torch.device | str = "cpu", positions: int | None = None) -> None:
         """RoPE's cos/sin tables for `positions` rows (default: the context): the full layers'
         (rope_theta, rope_scaling) and, where sliding layers have a base of their own, theirs
-        (rope_local_theta, unscaled). A longer table's first rows are a shorter one's."""
+        (rope_local_theta, unscaled). A longer table's first rows are a shorter one's.
+
+        On CPU only the first ROPE_ROWS rows are computed now, the rest as positions reach them
+        (`ensure_rope`, in place: the tensors stay the same objects); a row not yet computed is
+        memory never touched, so a long context's tables (Gemma 3's 32,768 positions: 134 MB)
+        cost what is used. Elsewhere every row is computed at once."""
         c = self.config
         n = positions or c.max_seq_len
-        self.rope_cos, self.rope_sin = (t.to(device) for t in rope_table(c.head_dim, n, c.rope_theta, c.rope_scaling))
+        names = ("rope_cos", "rope_sin") + (("rope_local_cos", "rope_local_sin") if self._local_rope else ())
+        for name in names:
+            setattr(self, name, torch.empty(n, c.head_dim, device=device))
+        self._rope_rows = 0
+        self.ensure_rope(n if torch.device(device).type != "cpu" else min(n, ROPE_ROWS))
+
+    def ensure_rope(self, positions: int) -> None:
+        """The RoPE tables' rows computed up to `positions` (at least doubling what is, at most the
+        tables' length), in place."""
+        filled, n = getattr(self, "_rope_rows", 0), self.rope_cos.shape[0]
+        if positions <= filled or filled >= n:
+            return
+        stop = min(n, max(positions, 2 * filled))
+        c = self.config
+        tables = [((self.rope_cos, self.rope_sin), c.rope_theta, c.rope_scaling)]
         if self._local_rope:
-            self.rope_local_cos, self.rope_local_sin = (
-                t.to(device) for t in rope_table(c.head_dim, n, c.rope_local_theta))
+            tables.append(((self.rope_local_cos, self.rope_local_sin), c.rope_local_theta, None))
+        for (cos, sin), theta, scaling in tables:
+            rows_cos, rows_sin = rope_table(c.head_dim, stop, theta, scaling, start=filled)
+            cos[filled:stop] = rows_cos
+            sin[filled:stop] = rows_sin
+        self._rope_rows = stop
+
+    def _apply(self, fn, recurse: bool = True):
+        # tables leaving the CPU take every row with them (ensure_rope computes rows on demand on CPU only)
+        out = super()._apply(fn, recurse)
+        cos = getattr(self, "rope_cos", None)
+        if cos is not None and cos.numel() and cos.device.type not in ("cpu", "meta"):
+            self.ensure_rope(cos.shape[0])
+        return out
 
     def _init_all(self) -> None:
         config = self.config
@@ -277,6 +314,7 @@ class Transformer(nn.Module):
             part.rope_cos, part.rope_sin = self.rope_cos, self.rope_sin
             if self._local_rope:
                 part.rope_local_cos, part.rope_local_sin = self.rope_local_cos, self.rope_local_sin
+            part._rope_rows = getattr(self, "_rope_rows", 0)  # (the same tensors: rows either fills serve both)
         part.emb_dropout = self.emb_dropout
         part.blocks = nn.ModuleList(list(self.blocks)[:n_layers])
         part.norm, part.lm_head = self.norm, self.lm_head
@@ -305,6 +343,9 @@ class Transformer(nn.Module):
                 raise ValueError(f"sequence of {T} tokens exceeds the context window ({self.config.max_seq_len})")
             input_pos = torch.arange(T, device=idx.device).expand(B, T)
         cfg = self.config
+        if cfg.pos_embedding == "rope" and not torch.compiler.is_compiling() \
+                and getattr(self, "_rope_rows", 0) < self.rope_cos.shape[0]:  # (CPU tables, filled on demand)
+            self.ensure_rope(int(input_pos.max()) + 1)
         x = self.tok_emb(idx)
         if cfg.embed_scale:  # (the factor rounded to the activations' dtype, as Gemma's reference does)
             x = x * torch.tensor(cfg.d_model ** 0.5, dtype=x.dtype)

@@ -154,4 +154,5 @@ class WindowRopeHook(StepHook):
             return
         # (the model's own tables, longer: its RoPE scaling and any sliding layers' base kept)
         m.set_rope_tables(m.rope_cos.device, max(positions, 2 * m.rope_cos.shape[0]))
+        m.ensure_rope(positions)
         engine.cache.set_window(engine.cache.window, engine.cache.sinks, (m.rope_cos, m.rope_sin))

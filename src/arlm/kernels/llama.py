@@ -190,6 +190,12 @@ class NativeLlama:
             x = x.contiguous() if out is None else out.copy_(x)
         return x if self.embed_scale is None else x.mul_(self.embed_scale)
 
+    def _rope_rows_for(self, pos: torch.Tensor) -> None:
+        """The model's RoPE table rows computed up to these positions (`Transformer.ensure_rope`)."""
+        m = self.model
+        if getattr(m, "_rope_rows", 0) < m.rope_cos.shape[0] and pos.numel():
+            m.ensure_rope(int(pos.max()) + 1)
+
     def _arch(self) -> tuple:
         """decode.cpp's Arch arguments: geglu, q_scale, windows, local cos and sin (or empty)."""
         m = self.model
@@ -202,6 +208,7 @@ class NativeLlama:
         contiguous cache k, v [L, B, H_kv, T, row] (kv_format: `KVCache.format`); attention reads
         slots < kv_len."""
         m = self.model
+        self._rope_rows_for(pos)
         torch.ops.arlm.decode_llama(x, self.weights, k, v, pos, m.rope_cos, m.rope_sin, kv_len,
                                     self.n_head, self.n_kv_heads, self.eps, self.a8, self.residual, kv_format,
                                     *self._arch())
@@ -217,6 +224,7 @@ class NativeLlama:
         weights, a8, residual = (self.dense_weights, False, 0) if dense else (self.weights, self.a8, self.residual)
         if window and self.windows:
             raise ValueError("a model with sliding-window layers runs without the cache's own window (kv_window)")
+        self._rope_rows_for(pos)
         torch.ops.arlm.forward_llama_paged(x, weights, k, v, block_table, seq_index, pos, m.rope_cos,
                                            m.rope_sin, self.n_head, self.n_kv_heads, self.eps, a8,
                                            residual, kv_format, window, sinks, *self._arch())
