@@ -232,7 +232,7 @@ def test_a_q4_k_m_style_file_runs_every_block_as_stored(tmp_path, monkeypatch):
     from arlm.kernels import packed_available
     from arlm.loading import build_model, cache
     from arlm.loading.gguf import read_gguf
-    from arlm.quant import KQuantLinear, SplitLinear
+    from arlm.quant import KQuantLinear, SplitLinear, prepare
     from arlm.sampling import SamplingParams
 
     if not packed_expected():
@@ -262,6 +262,9 @@ def test_a_q4_k_m_style_file_runs_every_block_as_stored(tmp_path, monkeypatch):
         assert torch.equal(cached.model(ids), q)
     runner = ModelRunner(quantized.model)
     assert runner.native is not None
+    prepare(cached.model, keep_dense=True)  # (--matmul-path float32: the parts keep no dense copy they never use)
+    assert all(p.dense_weight is None for p in cached.model.blocks[0].attn.wqkv.parts)
+    assert cached.model.blocks[0].mlp.down.dense_weight is not None
     params = SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True)
     prompts = [ids[0].tolist(), ids[1, :9].tolist()]
     native = Engine(runner, (), EngineConfig(block_size=4, kv_cache_tokens=128)).generate(prompts, params)

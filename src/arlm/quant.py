@@ -496,13 +496,15 @@ def prepare(model: Transformer, activations: str = "int8x2", keep_dense: bool = 
     if activations not in ACTIVATIONS:
         raise ValueError(f"unknown activation precision {activations!r} (expected {', '.join(ACTIVATIONS)})")
     head = getattr(model, "lm_head", None)
+    # a SplitLinear's parts keep no dense copy: its prompt tokens take the quantized parts
+    parts = {id(p) for m in model.modules() if isinstance(m, SplitLinear) for p in m.parts}
     for layer in model.modules():
         if not isinstance(layer, QuantizedLinear):
             continue
         layer.allow_packed = packed
         layer.int8_activations = activations != "float32"  # and the layout with it
         layer.residual_activations = activations == "int8x2" or (activations == "int8" and layer is head)
-        if not keep_dense:
+        if not keep_dense or id(layer) in parts:
             layer.dense_weight = None
             continue
         dtype = prefill_dtype or torch.float32
