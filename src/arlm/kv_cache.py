@@ -5,6 +5,14 @@ blocks (its block table): position `p` lives in slot `p % block_size` of block
 `table[p // block_size]`, so memory is handed out `block_size` tokens at a time as a sequence
 grows (`arlm serve`: many requests of unknown length share one pool).
 
+A model with sliding-window layers (Gemma 3: 5 of every 6 read only their last 512 positions)
+keeps, in a pool, those layers' K/V in blocks of their own (`split`: `k_local`, `v_local`
+`[n_sliding, n_local_blocks, H_kv, block_size, d_head]`, read through a table of their own,
+`local_table`): a sequence holds them only for its window's positions (engine/scheduler.py gives
+the rest back), so a token of context costs the full layers' bytes alone (`bytes_per_token`) and
+a long context stops growing in 15 of Gemma 3 270M's 18 layers. `self.store` says where each
+layer's K/V are.
+
 The textbook contiguous cache `[n_layer, B, H_kv, T, d_head]` is the same tensor with one block of
 `T` slots per sequence: `KVCache.contiguous(config, B, T)`. Row `b` is block `b`, slot `t` holds
 position `t`, and rows of a batch may sit at different positions. It is what a static batch
@@ -225,22 +233,35 @@ class KVCache:
 
     def __init__(self, n_layer: int, n_blocks: int, block_size: int, n_kv_heads: int, head_dim: int,
                  dtype: KVDtype = torch.float32, device: torch.device | str = "cpu",
-                 use_kernel: bool | None = None) -> None:
+                 use_kernel: bool | None = None, sliding: list[bool] | None = None,
+                 n_local_blocks: int = 0) -> None:
         if n_blocks < 1 or block_size < 1:
             raise ValueError(f"need at least one block of at least one slot, got {n_blocks} x {block_size}")
         dtype = parse_kv_dtype(dtype)
         check_head_dim(dtype, head_dim)
         self.kv_dtype, self.head_dim = dtype, head_dim
         self.format = int(_FORMAT.get(dtype, KVFormat.FLOAT) if isinstance(dtype, str) else KVFormat.FLOAT)
-        shape = (n_layer, n_blocks, n_kv_heads, block_size)
+        # Split (a pool's sliding-window layers in blocks of their own): layer l's K/V are
+        # (local, index) = self.store[l] of self.k (full layers) or self.k_local (sliding layers).
+        split = bool(n_local_blocks) and sliding is not None and any(sliding) and not all(sliding)
+        if split and (len(sliding) != n_layer or n_local_blocks < 1):
+            raise ValueError(f"a split pool needs one sliding flag per layer ({n_layer}) and local blocks")
+        flags = list(sliding) if split else [False] * n_layer
+        self.store = [(f, flags[:l].count(f)) for l, f in enumerate(flags)]
         kb, vb = row_bytes(dtype, head_dim)
-        # zeros, not empty: the memory is committed at start-up, so an over-large budget fails now.
-        if isinstance(dtype, str):
-            self.k = torch.zeros(*shape, kb, dtype=torch.uint8, device=device)
-            self.v = torch.zeros(*shape, vb, dtype=torch.uint8, device=device)
-        else:
-            self.k = torch.zeros(*shape, head_dim, dtype=dtype, device=device)
-            self.v = torch.zeros(*shape, head_dim, dtype=dtype, device=device)
+
+        def zeros(layers: int, blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+            # zeros, not empty: the memory is committed at start-up, so an over-large budget fails now.
+            shape = (layers, blocks, n_kv_heads, block_size)
+            if isinstance(dtype, str):
+                return (torch.zeros(*shape, kb, dtype=torch.uint8, device=device),
+                        torch.zeros(*shape, vb, dtype=torch.uint8, device=device))
+            return (torch.zeros(*shape, head_dim, dtype=dtype, device=device),
+                    torch.zeros(*shape, head_dim, dtype=dtype, device=device))
+
+        self.k, self.v = zeros(flags.count(False), n_blocks)
+        self.k_local, self.v_local = zeros(flags.count(True), n_local_blocks) if split else (None, None)
+        self.local_table: torch.Tensor | None = None  # a split pool's sliding layers' block table
         if use_kernel is None:
             use_kernel = (self.k.device.type == "cpu" and dtype in (torch.float32, torch.float16, *QUANTIZED)
                           and kernels.native_available())
@@ -253,10 +274,15 @@ class KVCache:
 
     @classmethod
     def pool(cls, config: ModelConfig, n_blocks: int, block_size: int = 16, dtype: KVDtype = torch.float32,
-             device: torch.device | str = "cpu", use_kernel: bool | None = None) -> "KVCache":
-        """A pool of `n_blocks` blocks of `block_size` slots for `config`'s layers and heads."""
+             device: torch.device | str = "cpu", use_kernel: bool | None = None,
+             n_local_blocks: int = 0) -> "KVCache":
+        """A pool of `n_blocks` blocks of `block_size` slots for `config`'s layers and heads.
+        n_local_blocks: a model's sliding-window layers (`ModelConfig.sliding`) keep their K/V in
+        a pool of that many blocks of their own (`split`), which a sequence holds only for its
+        window's positions (engine/scheduler.py gives back the blocks behind it)."""
+        sliding = [config.sliding(l) for l in range(config.n_layer)]
         return cls(config.n_layer, n_blocks, block_size, config.n_kv_heads, config.head_dim, dtype, device,
-                   use_kernel)
+                   use_kernel, sliding, n_local_blocks)
 
     @classmethod
     def contiguous(cls, config: ModelConfig, batch_size: int, capacity: int | None = None,
@@ -268,10 +294,11 @@ class KVCache:
         return cls.pool(config, batch_size, capacity, dtype, device)
 
     @staticmethod
-    def bytes_per_block(config: ModelConfig, block_size: int, dtype: KVDtype = torch.float32) -> int:
-        """n_layer * H_kv * block_size * (bytes of a key row + of a value row)."""
-        return config.n_layer * config.n_kv_heads * block_size * sum(row_bytes(parse_kv_dtype(dtype),
-                                                                               config.head_dim))
+    def bytes_per_block(config: ModelConfig, block_size: int, dtype: KVDtype = torch.float32,
+                        layers: int | None = None) -> int:
+        """layers (default n_layer) * H_kv * block_size * (bytes of a key row + of a value row)."""
+        layers = config.n_layer if layers is None else layers
+        return layers * config.n_kv_heads * block_size * sum(row_bytes(parse_kv_dtype(dtype), config.head_dim))
 
     @property
     def n_blocks(self) -> int:
@@ -296,23 +323,54 @@ class KVCache:
 
     @property
     def bytes_per_token(self) -> int:
-        """n_layer * H_kv * (bytes of a key row + of a value row), scales included."""
+        """The bytes a token of context adds: n_layer * H_kv * (bytes of a key row + of a value
+        row), scales included; of a split pool, its full layers' only (a sequence's sliding layers
+        hold `window_bytes` at most, however long it grows)."""
         n_layer, _, h_kv, _, _ = self.k.shape
         return n_layer * h_kv * (self.k.shape[-1] * self.k.element_size() + self.v.shape[-1] * self.v.element_size())
 
     @property
+    def bytes_per_layer_token(self) -> int:
+        """One layer's K and V rows of one token (H_kv heads, scales included)."""
+        h_kv = self.k.shape[2]
+        return h_kv * (self.k.shape[-1] * self.k.element_size() + self.v.shape[-1] * self.v.element_size())
+
+    @property
+    def split(self) -> bool:
+        """Whether the sliding-window layers keep their K/V in blocks of their own (`pool`)."""
+        return self.k_local is not None
+
+    @property
+    def n_local_blocks(self) -> int:
+        return self.k_local.shape[1] if self.split else 0
+
+    @property
+    def local_bytes_per_block(self) -> int:
+        return (self.k_local[:, 0].nbytes + self.v_local[:, 0].nbytes) if self.split else 0
+
+    @property
     def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
+        return self.k.nbytes + self.v.nbytes + (self.k_local.nbytes + self.v_local.nbytes if self.split else 0)
+
+    def layer_pools(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Layer `layer`'s K and V pools [n_blocks, H_kv, bs, row] and the block table a
+        block-table forward reads them through."""
+        local, i = self.store[layer]
+        if local:
+            return self.k_local[i], self.v_local[i], self.local_table
+        return self.k[i], self.v[i], self.block_table
 
     @property
     def paged(self) -> bool:
         """Whether the next forward reads through a block table (`set_batch`) rather than by rows."""
         return self.block_table is not None
 
-    def copy_block(self, src: int, dst: int) -> None:
-        """Copy one block's K/V in every layer (copy-on-write of a shared block)."""
-        self.k[:, dst].copy_(self.k[:, src])
-        self.v[:, dst].copy_(self.v[:, src])
+    def copy_block(self, src: int, dst: int, local: bool = False) -> None:
+        """Copy one block's K/V in every layer (copy-on-write of a shared block); local: a block
+        of a split pool's sliding layers."""
+        k, v = (self.k_local, self.v_local) if local else (self.k, self.v)
+        k[:, dst].copy_(k[:, src])
+        v[:, dst].copy_(v[:, src])
 
     # -- by rows: the contiguous cache's textbook path ------------------------------------------
 
@@ -321,6 +379,7 @@ class KVCache:
         written there lands here."""
         view = KVCache.__new__(KVCache)
         view.__dict__.update(self.__dict__)
+        assert not self.split, "a split pool has no rows"
         view.k, view.v = self.k[:, b0:b1], self.v[:, b0:b1]
         view.block_table, view.seq_index = None, None
         return view
@@ -354,6 +413,7 @@ class KVCache:
 
         Returns views of slots `0 .. kv_len - 1` of this layer: ([B, H_kv, kv_len, d_head]) * 2.
         """
+        assert not self.split, "a split pool is read through block tables"
         B = k.shape[0]
         k_rows, v_rows = self._store(k, v)
         k_layer, v_layer = self.k[layer, :B], self.v[layer, :B]
@@ -377,11 +437,14 @@ class KVCache:
             raise ValueError("a KV window needs window >= 1, sinks >= 0 and the model's RoPE tables")
         self.window, self.sinks, self.rope = window, sinks, rope if window else None
 
-    def set_batch(self, block_table: torch.Tensor | None, seq_index: torch.Tensor | None) -> None:
+    def set_batch(self, block_table: torch.Tensor | None, seq_index: torch.Tensor | None,
+                  local_table: torch.Tensor | None = None) -> None:
         """The next forward's layout: block_table [S, max_blocks] (a row per sequence, unused
-        entries 0), seq_index [N] (the row of each of the N flattened tokens); None, None goes
-        back to rows."""
-        self.block_table, self.seq_index = block_table, seq_index
+        entries 0), seq_index [N] (the row of each of the N flattened tokens), and a split pool's
+        sliding layers' table of the same shape (`local_table`); None, None goes back to rows."""
+        if self.split and block_table is not None and (local_table is None or local_table.shape != block_table.shape):
+            raise ValueError("a split pool's forward needs its sliding layers' block table, shaped as the other")
+        self.block_table, self.seq_index, self.local_table = block_table, seq_index, local_table
 
     def attend(self, layer: int, input_pos: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor, window: int = 0) -> torch.Tensor:
@@ -399,9 +462,10 @@ class KVCache:
             win, sinks, (cos, sin) = self.window, self.sinks, self.rope if self.window else (None, None)
             if window:  # the kernel's window without sinks: its RoPE tables are never read, only sized
                 win, sinks, cos, sin = window, 0, *self._unread_rope(int(pos.max()) + 1, q.shape[-1])
-            y = torch.ops.arlm.paged_attention(q3, k3, v3, self.k[layer], self.v[layer], self.block_table,
-                                               self.seq_index, pos.contiguous(), q.shape[-1] ** -0.5, self.format,
-                                               win, sinks, cos, sin)
+            k_pool, v_pool, table = self.layer_pools(layer)
+            y = torch.ops.arlm.paged_attention(q3, k3, v3, k_pool, v_pool, table, self.seq_index,
+                                               pos.contiguous(), q.shape[-1] ** -0.5, self.format, win, sinks,
+                                               cos, sin)
         else:
             y = self._attend_torch(layer, pos, q3, k3, v3, window)
         return y.transpose(0, 1).unsqueeze(0)
@@ -419,10 +483,10 @@ class KVCache:
                       v: torch.Tensor, window: int = 0) -> torch.Tensor:
         """Reference path (any device and dtype): scatter, gather each token's keys, SDPA."""
         bs = self.block_size
-        table = self.block_table[self.seq_index]  # [N, max_blocks]
+        k_pool, v_pool, table = self.layer_pools(layer)  # [n_blocks, H_kv, bs, row] * 2, [S, max_blocks]
+        table = table[self.seq_index]  # [N, max_blocks]
         rows = torch.arange(len(pos), device=pos.device)
         blocks = table[rows, pos // bs]
-        k_pool, v_pool = self.k[layer], self.v[layer]  # [n_blocks, H_kv, bs, row]
         k_rows, v_rows = self._store(k, v)
         k_pool[blocks, :, pos % bs] = k_rows
         v_pool[blocks, :, pos % bs] = v_rows

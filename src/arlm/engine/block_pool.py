@@ -90,6 +90,10 @@ class BlockPool:
         self.ref_count[block] += 1
         return block
 
+    def peek(self, h: bytes) -> bool:
+        """Whether a block caches hash `h` (`lookup` without taking it)."""
+        return self.enable_prefix_caching and h in self.cached
+
     def register(self, block: int, h: bytes) -> None:
         """Record that full block `block` holds the tokens named by `h` (first writer wins)."""
         if self.enable_prefix_caching and h not in self.cached and self.hash_of[block] is None:

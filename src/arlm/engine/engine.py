@@ -155,18 +155,53 @@ class Engine:
         if n_blocks < 2:
             raise ValueError(f"the KV cache budget holds {n_blocks} block(s) of {bs} tokens; it needs at least 2 "
                              f"({2 * block_bytes} bytes, {2 * bs} tokens)")
-        check_pool_fits(n_blocks * block_bytes, self.device)
+        n_blocks, n_local = self._split_pool(n_blocks)
+        check_pool_fits(n_blocks * block_bytes if not n_local else
+                        n_blocks * KVCache.bytes_per_block(cfg, bs, self.kv_dtype, self._full_layers)
+                        + n_local * KVCache.bytes_per_block(cfg, bs, self.kv_dtype, cfg.n_layer - self._full_layers),
+                        self.device)
         window = self._window_blocks(n_blocks) if config.kv_window else None
-        self.cache = KVCache.pool(cfg, n_blocks, bs, self.kv_dtype, self.device)
+        self.cache = KVCache.pool(cfg, n_blocks, bs, self.kv_dtype, self.device, n_local_blocks=n_local)
         # One block in reserve: copy-on-write takes a block before it gives one back.
         self.max_model_len = min(cfg.max_seq_len, (n_blocks - 1) * bs) if window is None else WINDOWED_MAX_LEN
         self.scheduler = Scheduler(n_blocks, bs, self.max_model_len, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.enable_prefix_caching and window is None,
                                    long_prefill_tokens=config.long_prefill_tokens, group_rows=config.group_rows)
+        if n_local:
+            self.scheduler.split(n_local, cfg.sliding_window)
         if window is not None:
             self.scheduler.window = window
             self.cache.set_window(config.kv_window, config.kv_sinks, (self.model.rope_cos, self.model.rope_sin))
             self.hooks.add(WindowRopeHook())
+
+    @property
+    def _full_layers(self) -> int:
+        cfg = self.model.config
+        return sum(not cfg.sliding(l) for l in range(cfg.n_layer))
+
+    def _split_pool(self, n_blocks: int) -> tuple[int, int]:
+        """(blocks, sliding-layer blocks) of a pool of the memory of `n_blocks` blocks of every
+        layer. A model with sliding-window layers (Gemma 3: 5 of every 6) keeps theirs in blocks
+        of their own, which a sequence holds only for its window (`Scheduler.split`): enough of
+        them for max_num_seqs sequences at their window and one step's tokens besides, and the
+        memory left over goes to the full layers' blocks, so the context the pool holds grows by
+        up to n_layer / full layers (6x for Gemma 3). (0 sliding-layer blocks: one pool, as
+        other models, where the sliding layers are all there is, there are none, or the pool
+        has a window of its own.)"""
+        cfg, config = self.model.config, self.config
+        full = self._full_layers
+        if not cfg.layer_types or full in (0, cfg.n_layer) or config.kv_window:
+            return n_blocks, 0
+        bs = config.block_size
+        per_seq = -(-cfg.sliding_window // bs) + 3  # the window's blocks, its edge's, the write's, a draft's
+        need = config.max_num_seqs * per_seq + -(-config.max_num_batched_tokens // bs)
+        if need >= n_blocks:  # no smaller than the other pool: nothing to gain
+            return n_blocks, n_blocks
+        g = KVCache.bytes_per_block(cfg, bs, self.kv_dtype, full)
+        s = KVCache.bytes_per_block(cfg, bs, self.kv_dtype, cfg.n_layer - full)
+        if config.kv_cache_tokens is not None:  # a budget in tokens: the tokens of context it holds
+            return n_blocks, need
+        return (n_blocks * (g + s) - need * s) // g, need
 
     def _window_blocks(self, n_blocks: int) -> tuple[int, int]:
         """Check a windowed pool (config.kv_window) and return (window, sinks)."""

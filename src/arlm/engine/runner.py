@@ -94,6 +94,8 @@ class ModelRunner:
         by_rows: the cache is contiguous, a block per request (its block id is its row)."""
         for src, dst in batch.copies:
             cache.copy_block(src, dst)
+        for src, dst in batch.local_copies:
+            cache.copy_block(src, dst, local=True)
         if by_rows and all(batch.decodes(i) and not batch.drafts[i] for i in range(len(batch.seqs))) and (
                 len(batch.seqs) == cache.n_blocks or not self._native_table(cache)):
             return self._decode_rows(cache, batch), list(range(len(batch.seqs)))
@@ -178,23 +180,29 @@ class ModelRunner:
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def forward_flat(self, cache: KVCache, tokens: list[int], positions: list[int], seq_index: list[int],
-                     tables: list[list[int]], out_index: list[int], dense: bool = False) -> torch.Tensor:
+                     tables: list[list[int]], out_index: list[int], dense: bool = False,
+                     local_tables: list[list[int]] | None = None) -> torch.Tensor:
         """A flattened batch through block tables: token j of sequence seq_index[j] (whose blocks
-        are tables[seq_index[j]]) at positions[j]; the logits [len(out_index), vocab] of the
-        flat positions out_index (at least one row). dense: through the dense weights."""
+        are tables[seq_index[j]]; in a split pool's sliding layers local_tables[seq_index[j]]) at
+        positions[j]; the logits [len(out_index), vocab] of the flat positions out_index (at
+        least one row). dense: through the dense weights."""
         dev = self.device
-        width = max(len(t) for t in tables)
-        if cache.window:  # entries behind a window (scheduler.FREED) are never read: any block will do
-            tables = [[max(b, 0) for b in t] for t in tables]
-        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=dev)
+        width = max(len(t) for t in tables + (local_tables or []))
+
+        def tensor(tables: list[list[int]]) -> torch.Tensor:
+            # entries behind a window (scheduler.FREED) are never read: any block will do
+            return torch.tensor([[max(b, 0) for b in t] + [0] * (width - len(t)) for t in tables], device=dev)
+
+        table = tensor(tables)
+        local = tensor(local_tables) if cache.split else None
         tokens_t, pos_t = torch.tensor(tokens, device=dev), torch.tensor(positions, device=dev)
         seq_t, out_t = torch.tensor(seq_index, device=dev), torch.tensor(out_index or [0], device=dev)
         if self.native is not None and (not dense or self.native.dense_weights is not None) and cache.use_kernel:
             x = self.native.embed(tokens_t)
             self.native.forward(x, cache.k, cache.v, table, seq_t, pos_t, cache.format, cache.window, cache.sinks,
-                                dense=dense)
+                                dense=dense, local=(cache.k_local, cache.v_local, local) if cache.split else None)
             return self.native.head(x[out_t])  # (the quantized head: 8 bits twice, the more faithful)
-        cache.set_batch(table, seq_t)
+        cache.set_batch(table, seq_t, local)
         try:
             return self.model(tokens_t[None], pos_t[None], kv_cache=cache, output_index=out_t, dense=dense)
         finally:
@@ -229,8 +237,9 @@ class ModelRunner:
                 out_rows.append(i)
                 sample_at.append(len(out_index) - 1)
         tables = [batch.seqs[i].blocks for i in rows]
+        local_tables = [batch.seqs[i].local_blocks for i in rows] if cache.split else None
         logits = self.forward_flat(cache, tokens, positions, seq_index, tables, out_index,
-                                   dense and self.dense_prefill)
+                                   dense and self.dense_prefill, local_tables)
         if not kept:  # out_index holds exactly the sampling rows
             return logits[:len(out_rows)], out_rows
         dev = self.device

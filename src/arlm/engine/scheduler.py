@@ -41,6 +41,7 @@ class ScheduledBatch:
     num_tokens: list[int] = field(default_factory=list)
     drafts: list[list[int]] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) copy-on-write blocks
+    local_copies: list[tuple[int, int]] = field(default_factory=list)  # ... of a split pool's sliding layers
     preempted: list[Request] = field(default_factory=list)
     drafted: list[Request] = field(default_factory=list)  # requests given a draft this step (Engine._schedule)
     prompt_tokens: int = 0  # tokens of rows that are not decodes (`decodes` reads state the step moves on)
@@ -107,6 +108,17 @@ class Scheduler:
         # (window, sinks) of a windowed engine (EngineConfig.kv_window): blocks no query reads again
         # go back to the pool as the window moves, their places in `blocks` left as FREED
         self.window: tuple[int, int] | None = None
+        # A split pool (KVCache.split): the sliding-window layers' blocks come from `local`, and a
+        # sequence gives back those behind its last `sliding_window` positions as it goes
+        self.local: BlockPool | None = None
+        self.sliding_window = 0
+
+    def split(self, n_local_blocks: int, sliding_window: int) -> None:
+        """Hand out a split pool's sliding-layer blocks too: `n_local_blocks` of them, each
+        sequence holding those its next query's window reads (nothing may be running)."""
+        assert not self.running, "split with requests running"
+        self.local = BlockPool(n_local_blocks, self.pool.enable_prefix_caching)
+        self.sliding_window = sliding_window
 
     def resize(self, n_blocks: int, block_size: int) -> None:
         """A new pool (nothing may be running): a contiguous cache re-sized for the next batch."""
@@ -134,11 +146,16 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def _free(self, seq: Request) -> None:
-        for b in reversed(seq.blocks):  # the tail first: a prefix's last blocks are evicted first
-            if b != FREED:
-                self.pool.release(b)
-        seq.blocks = []
-        seq.num_computed = seq.num_registered = 0
+        for pool, blocks in self._tables(seq):
+            for b in reversed(blocks):  # the tail first: a prefix's last blocks are evicted first
+                if b != FREED:
+                    pool.release(b)
+        seq.blocks, seq.local_blocks = [], []
+        seq.num_computed = seq.num_registered = seq.num_local_registered = 0
+
+    def _tables(self, seq: Request) -> list[tuple[BlockPool, list[int]]]:
+        """(pool, the sequence's blocks from it): the pool's, and a split pool's sliding layers'."""
+        return [(self.pool, seq.blocks)] + ([(self.local, seq.local_blocks)] if self.local is not None else [])
 
     def _preempt(self, seq: Request, batch: ScheduledBatch) -> None:
         self.running.remove(seq)
@@ -151,28 +168,41 @@ class Scheduler:
 
     # -- one step -------------------------------------------------------------------------------
 
-    def _blocks_needed(self, seq: Request, n: int) -> int:
-        """New blocks to hold `n` more tokens, plus one if the first write needs a private copy."""
+    def _blocks_needed(self, seq: Request, n: int) -> list[int]:
+        """New blocks to hold `n` more tokens, plus one if the first write needs a private copy:
+        of each pool (`_tables`)."""
         bs = self.block_size
-        need = -(-(seq.num_computed + n) // bs) - len(seq.blocks)
         first = seq.num_computed // bs
-        if first < len(seq.blocks) and self.pool.is_shared_or_cached(seq.blocks[first]):
-            need += 1
-        return need
+        needs = []
+        for pool, blocks in self._tables(seq):
+            need = -(-(seq.num_computed + n) // bs) - len(blocks)
+            if first < len(blocks) and pool.is_shared_or_cached(blocks[first]):
+                need += 1
+            needs.append(need)
+        return needs
+
+    def _fits(self, seq: Request, n: int) -> bool:
+        """Whether the pools have the free blocks `n` more tokens of `seq` need."""
+        pools = [pool for pool, _ in self._tables(seq)]
+        return all(pool.num_free >= need for pool, need in zip(pools, self._blocks_needed(seq, n)))
 
     def _reserve(self, seq: Request, n: int, batch: ScheduledBatch) -> None:
         """Allocate the blocks for `n` more tokens (caller checked there are enough)."""
         bs = self.block_size
         first = seq.num_computed // bs
-        if first < len(seq.blocks) and self.pool.is_shared_or_cached(seq.blocks[first]):
-            old, new = seq.blocks[first], self.pool.allocate()  # copy-on-write
-            batch.copies.append((old, new))
-            self.stats.copies_on_write += 1
-            seq.blocks[first] = new
-            self.pool.release(old)
-            seq.num_registered = min(seq.num_registered, first)  # the copy is not a cached block
-        while len(seq.blocks) * bs < seq.num_computed + n:
-            seq.blocks.append(self.pool.allocate())
+        for pool, blocks in self._tables(seq):
+            if first < len(blocks) and pool.is_shared_or_cached(blocks[first]):
+                old, new = blocks[first], pool.allocate()  # copy-on-write
+                (batch.copies if pool is self.pool else batch.local_copies).append((old, new))
+                self.stats.copies_on_write += 1
+                blocks[first] = new
+                pool.release(old)
+                if pool is self.pool:  # the copy is not a cached block
+                    seq.num_registered = min(seq.num_registered, first)
+                else:
+                    seq.num_local_registered = min(seq.num_local_registered, first)
+            while len(blocks) * bs < seq.num_computed + n:
+                blocks.append(pool.allocate())
 
     def _hash(self, seq: Request, i: int) -> bytes:
         """Content hash of full block i of the request's window (it only grows: hashes stay valid)."""
@@ -193,6 +223,8 @@ class Scheduler:
                 if block is None:
                     break
                 seq.blocks.append(block)
+        if self.local is not None:
+            self._match_local(seq)
         seq.num_registered = len(seq.blocks)
         seq.num_computed = len(seq.blocks) * bs
         if seq.num_computed == seq.num_tokens:
@@ -200,6 +232,30 @@ class Scheduler:
         seq.num_cached_tokens = seq.num_computed
         self.stats.prefix_queries += seq.num_tokens
         self.stats.prefix_hits += seq.num_computed
+
+    def _local_start(self, computed: int) -> int:
+        """The first sliding-layer block a sequence's queries read once `computed` tokens have
+        their K/V: the next query, at that position, reads its last `sliding_window` positions."""
+        return max(0, computed - self.sliding_window + 1) // self.block_size
+
+    def _match_local(self, seq: Request) -> None:
+        """A prefix hit in a split pool: its sliding layers' blocks too, those the continuation
+        reads (the window before it; the earlier ones were given back). The longest prefix the
+        global hits hold whose window's sliding blocks are all cached; the global hits past it
+        are given back."""
+        bs, hit = self.block_size, len(seq.blocks)
+        while hit:
+            computed = hit * bs - (hit * bs == seq.num_tokens)  # (as below: a whole prompt runs its last token)
+            start = self._local_start(computed)
+            if all(self.local.peek(self._hash(seq, i)) for i in range(start, hit)):
+                break
+            hit -= 1
+        for b in seq.blocks[hit:]:
+            self.pool.release(b)
+        del seq.blocks[hit:]
+        start = self._local_start(hit * bs - (hit * bs == seq.num_tokens)) if hit else 0
+        seq.local_blocks = [FREED] * start + [self.local.lookup(self._hash(seq, i)) for i in range(start, hit)]
+        seq.num_local_registered = hit
 
     # While others decode: a step's long-prompt tokens at most this, or half the decoding rows
     LONG_PREFILL_SHARED = 4
@@ -264,7 +320,7 @@ class Scheduler:
         def make_room(seq: Request, n: int) -> bool:
             """Preempt the latest admitted unscheduled sequences until `seq` fits; False if it
             had to preempt itself."""
-            while self.pool.num_free < self._blocks_needed(seq, n):
+            while not self._fits(seq, n):
                 victims = [s for s in self.running if id(s) not in scheduled]
                 victim = victims[-1]  # `seq` itself is running and unscheduled, so never empty
                 self._preempt(victim, batch)
@@ -322,7 +378,7 @@ class Scheduler:
             long = self._is_long(seq)  # (after the prefix cache's hits)
             if long:
                 n = min(n, long_budget // self._weight(seq))
-            if n == 0 or self.pool.num_free < self._blocks_needed(seq, n):
+            if n == 0 or not self._fits(seq, n):
                 self._free(seq)  # give the prefix hits back; try again next step
                 if n == 0:
                     continue
@@ -371,10 +427,13 @@ class Scheduler:
             seq.num_computed += computed
             self.stats.computed_tokens += computed
             keep = -(-seq.num_computed // bs)
-            while len(seq.blocks) > keep:  # blocks that held only rejected draft tokens
-                self.pool.release(seq.blocks.pop())
+            for pool, blocks in self._tables(seq):
+                while len(blocks) > keep:  # blocks that held only rejected draft tokens
+                    pool.release(blocks.pop())
             if self.window is not None:
                 self._drop_behind_window(seq)
+            if self.local is not None:
+                self._slide(seq)
             full = min(seq.num_computed // bs, len(seq.blocks))
             while self.pool.enable_prefix_caching and seq.num_registered < full:
                 self.pool.register(seq.blocks[seq.num_registered], self._hash(seq, seq.num_registered))
@@ -398,6 +457,22 @@ class Scheduler:
             if seq.blocks[b] != FREED:
                 self.pool.release(seq.blocks[b])
                 seq.blocks[b] = FREED
+
+    def _slide(self, seq: Request) -> None:
+        """A split pool's sliding-layer blocks: the newly full ones join the prefix cache, then
+        those wholly behind the next query's window go back to the pool (cached, until evicted:
+        a later prompt with this prefix may still take them)."""
+        bs, blocks = self.block_size, seq.local_blocks
+        full = min(seq.num_computed // bs, len(blocks))
+        while seq.num_local_registered < full:
+            i = seq.num_local_registered
+            if self.local.enable_prefix_caching and blocks[i] != FREED:
+                self.local.register(blocks[i], self._hash(seq, i))
+            seq.num_local_registered += 1
+        for i in range(min(self._local_start(seq.num_computed), len(blocks))):
+            if blocks[i] != FREED:
+                self.local.release(blocks[i])
+                blocks[i] = FREED
 
     def _ends(self, seq: Request, tok: int, nth: int) -> FinishReason | str | None:
         """Whether appending `tok` as the nth new token of this step ends the request (a reason),

@@ -700,11 +700,12 @@ void forward_llama_paged(const at::Tensor& x, at::TensorList weights, const at::
                          const at::Tensor& pos, const at::Tensor& cos, const at::Tensor& sin, int64_t n_head,
                          int64_t n_kv_heads, double eps, bool a8, int64_t residual, int64_t kv_format,
                          int64_t window, int64_t sinks, bool geglu, double q_scale, at::IntArrayRef windows,
-                         const at::Tensor& local_cos, const at::Tensor& local_sin) {
+                         const at::Tensor& local_cos, const at::Tensor& local_sin, const at::Tensor& local_k,
+                         const at::Tensor& local_v, const at::Tensor& local_table) {
   TORCH_CHECK(k_pool.dim() == 5 && v_pool.dim() == 5 && cos.dim() == 2 &&
               k_pool.sizes().slice(0, 4) == v_pool.sizes().slice(0, 4),
               "forward_llama_paged: pools [L, n_blocks, H_kv, block_size, row], cos [max_T, hd]");
-  const int64_t L = k_pool.size(0), N = x.size(0), hd = cos.size(1);
+  const int64_t L = static_cast<int64_t>(weights.size()) / kLayerWeights, N = x.size(0), hd = cos.size(1);
   const int64_t H = n_head, Hkv = n_kv_heads;
   TORCH_CHECK(k_pool.size(2) == Hkv && Hkv > 0 && H % Hkv == 0 && hd % 2 == 0,
               "forward_llama_paged: heads do not match");
@@ -722,6 +723,28 @@ void forward_llama_paged(const at::Tensor& x, at::TensorList weights, const at::
   const Arch arch = make_arch("forward_llama_paged", L, geglu, q_scale, windows, local_cos, local_sin, cos);
   TORCH_CHECK(!(arch.windows && window), "forward_llama_paged: a model with sliding-window layers runs without the "
               "cache's own window");
+  // A split pool (kv_cache.py): the sliding layers' K/V in pools of their own, read through a
+  // table of their own; layer l is layer `index[l]` of its pool.
+  const bool split = local_k.numel() > 0;
+  std::vector<int64_t> index(L);
+  int64_t n_local = 0, n_full = 0;
+  for (int64_t l = 0; l < L; ++l) index[l] = split && arch.window(l) ? n_local++ : n_full++;
+  const int64_t* ltable = split ? local_table.data_ptr<int64_t>() : nullptr;
+  TORCH_CHECK(k_pool.size(0) == n_full, "forward_llama_paged: the pools do not hold every layer");
+  if (split) {
+    TORCH_CHECK(local_k.dim() == 5 && local_v.dim() == 5 && local_k.size(0) == n_local &&
+                local_k.sizes().slice(0, 4) == local_v.sizes().slice(0, 4) && local_k.size(2) == Hkv &&
+                local_k.size(3) == BS && local_k.size(4) == k_pool.size(4) && local_v.size(4) == v_pool.size(4) &&
+                local_k.scalar_type() == k_pool.scalar_type() && local_v.scalar_type() == v_pool.scalar_type() &&
+                local_k.is_contiguous() && local_v.is_contiguous(),
+                "forward_llama_paged: the sliding layers' pools [L_sliding, n_blocks, H_kv, block_size, row] as the "
+                "others");
+    TORCH_CHECK(local_table.scalar_type() == at::kLong && local_table.is_contiguous() &&
+                local_table.sizes() == block_table.sizes(),
+                "forward_llama_paged: the sliding layers' block table [S, M] int64, as the other");
+    arlm_kernels::check_block_table("forward_llama_paged", ltable, block_table.size(0), M, seq, pp, N, BS,
+                                    local_k.size(1));
+  }
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(hd)));  // as paged_cache.py's
   const int64_t qkv_dim = s.qkv_dim, group = H / Hkv;
   const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
@@ -729,8 +752,17 @@ void forward_llama_paged(const at::Tensor& x, at::TensorList weights, const at::
   TORCH_CHECK(window >= 0 && sinks >= 0, "forward_llama_paged: window and sinks must be >= 0");
   const arlm_kernels::Window win{window, sinks, cp, sp};  // (window 0: every slot; paged_attention.h)
   // straight from the q/k/v rows; the pools hold the cache's format (attention.h)
+  const int64_t lk_layer = split ? local_k[0].numel() : 0, lv_layer = split ? local_v[0].numel() : 0;
   auto attend_in = [&](auto* k_base, auto* v_base, int64_t l, float* qkv, const arlm_kernels::Act8* xq) {
-    auto *kp = k_base + l * k_layer, *vp = v_base + l * v_layer;
+    const bool local = split && arch.window(l);
+    auto *kp = k_base + index[l] * k_layer, *vp = v_base + index[l] * v_layer;
+    const int64_t* table = ltable;
+    if (local) {
+      kp = reinterpret_cast<decltype(kp)>(local_k.data_ptr()) + index[l] * lk_layer;
+      vp = reinterpret_cast<decltype(vp)>(local_v.data_ptr()) + index[l] * lv_layer;
+    } else {
+      table = block_table.data_ptr<int64_t>();
+    }
     const at::Tensor* W = weights.data() + kLayerWeights * l;
     const float* qn = W[kQNorm].numel() ? W[kQNorm].data_ptr<float>() : nullptr;
     const float* kn = qn ? W[kKNorm].data_ptr<float>() : nullptr;
@@ -896,7 +928,8 @@ TORCH_LIBRARY_FRAGMENT(arlm, m) {
   m.def("forward_llama_paged(Tensor(c!) x, Tensor[] weights, Tensor(a!) k_pool, Tensor(b!) v_pool, "
         "Tensor block_table, Tensor seq_index, Tensor pos, Tensor cos, Tensor sin, int n_head, int n_kv_heads, "
         "float eps, bool a8, int residual, int kv_format, int window, int sinks, bool geglu, float q_scale, "
-        "int[] windows, Tensor local_cos, Tensor local_sin) -> ()");
+        "int[] windows, Tensor local_cos, Tensor local_sin, Tensor(d!) local_k, Tensor(e!) local_v, "
+        "Tensor local_table) -> ()");
   m.def("llama_head(Tensor x, Tensor norm, Tensor[] head, float eps, bool a8, bool residual, Tensor(a!) out) -> ()");
 #ifdef ARLM_PROFILE
   m.def("decode_profile(bool on) -> Tensor", &decode_profile);

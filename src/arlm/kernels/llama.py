@@ -31,6 +31,9 @@ from torch import nn
 from . import native_available
 from .layout import LayerWeight
 
+# forward's "no split pool": empty sliding-layer pools and table
+_EMPTY, _EMPTY_TABLE = torch.empty(0), torch.empty(0, dtype=torch.long)
+
 # A model this binds: an arlm.model.Transformer (not imported: the kernels sit below the model,
 # which calls them through its quantized layers).
 Transformer = nn.Module
@@ -215,11 +218,13 @@ class NativeLlama:
 
     def forward(self, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_table: torch.Tensor,
                 seq_index: torch.Tensor, pos: torch.Tensor, kv_format: int = 0, window: int = 0,
-                sinks: int = 0, dense: bool = False) -> None:
+                sinks: int = 0, dense: bool = False,
+                local: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
         """A flattened batch in place on x [N, d]: token i of sequence seq_index[i] (a row of
         block_table [S, M]) at position pos[i], K/V in the pools k, v [L, n_blocks, H_kv, bs, row]
         (kv_format: `KVCache.format`; window, sinks: `KVCache.set_window`). dense: through the
-        layers' dense copies (`dense_weights`, float activations; torch's GEMMs)."""
+        layers' dense copies (`dense_weights`, float activations; torch's GEMMs). local: a split
+        pool's sliding layers' (k, v, block table) (`KVCache.split`; then k, v hold the others)."""
         m = self.model
         weights, a8, residual = (self.dense_weights, False, 0) if dense else (self.weights, self.a8, self.residual)
         if window and self.windows:
@@ -227,7 +232,8 @@ class NativeLlama:
         self._rope_rows_for(pos)
         torch.ops.arlm.forward_llama_paged(x, weights, k, v, block_table, seq_index, pos, m.rope_cos,
                                            m.rope_sin, self.n_head, self.n_kv_heads, self.eps, a8,
-                                           residual, kv_format, window, sinks, *self._arch())
+                                           residual, kv_format, window, sinks, *self._arch(),
+                                           *(local or (_EMPTY, _EMPTY, _EMPTY_TABLE)))
 
     def head(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Final norm + LM head: hidden states [N, d] -> float32 logits [N, vocab] (into `out`).

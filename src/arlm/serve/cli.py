@@ -138,8 +138,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     cache = engine.cache
     host, port = sock.getsockname()[:2]  # the port --port 0 was given
     url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+    sliding = (f" + {cache.n_local_blocks} blocks of its {cache.k_local.shape[0]} sliding-window layers "
+               f"(a window's each)" if cache.split else "")
     print(f"arlm serve: model {name} ({llm.quantization or 'no quantization'}), KV pool {cache.n_blocks} blocks x "
-          f"{cache.block_size} tokens = {cache.nbytes / 2**20:.0f} MiB ({kv_dtype_name(cache.dtype)}, "
+          f"{cache.block_size} tokens{sliding} = {cache.nbytes / 2**20:.0f} MiB ({kv_dtype_name(cache.dtype)}, "
           f"{cache.bytes_per_token} bytes/token), "
           f"context {engine.max_model_len} tokens, "
           f"paged-attention kernel {'native' if cache.use_kernel else 'PyTorch fallback'}, "

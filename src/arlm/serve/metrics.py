@@ -78,11 +78,16 @@ def render(engine: AsyncEngine, http_requests: dict[tuple[str, int], int], time_
     if cache is not None:  # (a contiguous engine has none until its first batch; arlm serve's is paged)
         dtype = {"dtype": kv_dtype_name(cache.dtype)}
         _metric(out, "arlm_kv_cache_bytes_per_token", "gauge",
-                "Bytes one cached token takes (K and V, every layer, scales included), by element type.",
+                "Bytes a token of context adds (K and V of every layer but the sliding-window ones, which hold "
+                "a window each: arlm_kv_sliding_blocks; scales included), by element type.",
                 [(cache.bytes_per_token, dtype)])
+        used = pool.num_used * sched.block_size * cache.bytes_per_token
+        if cache.split:
+            _metric(out, "arlm_kv_sliding_blocks", "gauge", "Blocks of the sliding-window layers' pool, by state.",
+                    [(sched.local.num_used, {"state": "used"}), (sched.local.num_free, {"state": "free"})])
+            used += sched.local.num_used * cache.local_bytes_per_block
         _metric(out, "arlm_kv_cache_bytes", "gauge", "Bytes of the KV pool, allocated and held by sequences.",
-                [(cache.nbytes, {**dtype, "state": "allocated"}),
-                 (pool.num_used * sched.block_size * cache.bytes_per_token, {**dtype, "state": "used"})])
+                [(cache.nbytes, {**dtype, "state": "allocated"}), (used, {**dtype, "state": "used"})])
     _metric(out, "arlm_prefix_cache_queries_total", "counter", "Prompt tokens looked up in the prefix cache.",
             [(sched.stats.prefix_queries, None)])
     _metric(out, "arlm_prefix_cache_hits_total", "counter", "Prompt tokens found in the prefix cache (not recomputed).",

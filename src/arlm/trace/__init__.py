@@ -205,7 +205,7 @@ class Tracer(StepHook):
         cfg = engine.model.config
         cache = engine.cache
         per_token = cache.bytes_per_token
-        pool_bytes = cache.k.nbytes + cache.v.nbytes
+        pool_bytes = cache.nbytes
         by_row: dict[int, list[int]] = {}
         for j, i in enumerate(rows):
             by_row.setdefault(i, []).append(j)
@@ -216,7 +216,7 @@ class Tracer(StepHook):
             end = start + n
             tokens += n
             # every slot attended over, read once for the sequence (a sliding layer's last `window`)
-            kv_read += int(per_token * _slots_read(cfg, end) / cfg.n_layer)
+            kv_read += cache.bytes_per_layer_token * _slots_read(cfg, end)
             # scores and the weighted sum: 2 * 2 * d_head multiply-adds per head, layer, query and slot
             attn_flops += 4 * cfg.n_head * cfg.head_dim * sum(_slots_read(cfg, q) for q in range(start + 1, end + 1))
             new = sampled.get(i, [])
@@ -299,6 +299,8 @@ def run_trace(llm, prompts: list[list[int]], params: SamplingParams, engine=None
         "cache": {"layout": "contiguous" if engine.config.contiguous else "paged",
                   "block_size": cache.block_size, "blocks": cache.n_blocks, "bytes_per_token": cache.bytes_per_token,
                   "shape": list(cache.k.shape),  # [L, blocks (rows), H_kv, block size, d_head or row bytes]
+                  # a paged pool's sliding-window layers in blocks of their own (kv_cache.py: split)
+                  "sliding_shape": list(cache.k_local.shape) if cache.split else None,
                   "dtype": str(cache.dtype).removeprefix("torch.")},
         "machine": ceilings,
         "weights_bytes": {"layers": tracer.layer_bytes, "head": tracer.head_bytes},
