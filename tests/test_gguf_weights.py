@@ -487,3 +487,46 @@ def test_k_quant_kernels_match_float64(kind, M):
         assert torch.equal(layer(x[i:i + 1]), y[i:i + 1])
         assert torch.equal(kernels.linear_a8p_residual(x[i:i + 1], *layer.tensors()), y16[i:i + 1])
 
+
+
+def _row_layer(kind: str, b: np.ndarray):
+    """The row layout's exact form of Q4_K / Q6_K blocks (CPUs without the packed kernels)."""
+    from arlm.loading.gguf import k_quant_fields
+
+    f = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in k_quant_fields(b, kind).items()}
+    if kind == "Q4_K":
+        return Q4Linear.from_q4_k(f["q"], f["sc"], f["m"], f["d"], f["dmin"])
+    return Q8Linear.from_q6_k(f["q"], f["sc"], f["d"])
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("M", [1, 2, 3, 5])
+def test_k_quants_in_the_row_layout(kind, M):
+    """Where the packed kernels are not built (AVX2 CPUs; ARLM_MARCH=znver3 here), Q4_K and Q6_K
+    go into the row layout with float32 scales (Q4_K: d sc and -dmin m per 32, Q6_K: d sc per 16):
+    gguf's values bit for bit, and the row kernels against float64 at both activation
+    precisions: float32 (1e-5 of the largest output) and 8-bit (the quantized activations'
+    product, 1e-5), each row's result the one it gets alone. 4 tiles of 4 rows and one of 2, 2
+    super-blocks."""
+    import gguf
+
+    N, S = 18, 2
+    b = _k_blocks(kind, N, S, seed=5 + M)
+    want = gguf.quants.dequantize(b.reshape(N, -1), gguf.GGMLQuantizationType[kind]).reshape(N, 256 * S)
+    layer = _row_layer(kind, b)
+    layer.allow_packed = False
+    assert not layer.packed and layer.scale.dtype == torch.float32
+    got = layer.dequantize().numpy()
+    assert np.array_equal(got.view(np.uint32), want.astype(np.float32).view(np.uint32))
+    rows = torch.tensor([17, 0, 4, 9])
+    assert torch.equal(layer.dequantize_rows(rows), torch.from_numpy(want)[rows])
+    W = torch.from_numpy(want).double()
+    x = torch.randn(M, 256 * S, generator=torch.Generator().manual_seed(M)) * 3
+    for a8 in (False, True):
+        layer.int8_activations = a8
+        assert not layer.packed
+        y = layer(x)
+        ref = (_dequantized_x(x) if a8 else x.double()) @ W.T
+        assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5, a8
+        for i in range(M):
+            assert torch.equal(layer(x[i:i + 1]), y[i:i + 1])

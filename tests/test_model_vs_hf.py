@@ -221,10 +221,12 @@ def test_attention_biases_arlm_does_not_hold_are_refused():
 def test_a_q4_k_m_style_file_runs_every_block_as_stored(tmp_path, monkeypatch):
     """Q4_K_M's mix, as llama.cpp writes it for Llama and Qwen: q and k in Q4_K beside v in Q6_K
     (one fused q/k/v of two kinds), gate in Q4_K beside up in Q5_K, Q5_K and Q6_K elsewhere, the
-    head in Q6_K. On the packed kernels nothing is re-quantized: the fused weights are held in
-    parts (SplitLinear), each as stored, and the native stack runs them (its WK, WV, UP slots);
-    logits next to those of the file's float weights as gguf dequantizes them (read_gguf), the
-    same after the kernel-layout cache, greedy tokens on the engine equal to the module path's."""
+    head in Q6_K. On the packed kernels nothing is re-quantized; on the row layout (AVX2 CPUs)
+    Q4_K and Q6_K are held exactly too (Q4Linear, Q8Linear with float32 scales) and only Q5_K is
+    re-quantized. The fused weights are held in parts (SplitLinear), each as stored, and the
+    native stack runs them (its WK, WV, UP slots); logits next to those of the file's float
+    weights as gguf dequantizes them (read_gguf), the same after the kernel-layout cache, greedy
+    tokens on the engine equal to the module path's."""
     from cpu_flags import packed_expected
     from gguf_writer import write_gguf
 
@@ -232,12 +234,11 @@ def test_a_q4_k_m_style_file_runs_every_block_as_stored(tmp_path, monkeypatch):
     from arlm.kernels import packed_available
     from arlm.loading import build_model, cache
     from arlm.loading.gguf import read_gguf
-    from arlm.quant import KQuantLinear, SplitLinear, prepare
+    from arlm.quant import Int8Linear, KQuantLinear, Q4Linear, Q8Linear, SplitLinear, prepare
     from arlm.sampling import SamplingParams
 
-    if not packed_expected():
-        pytest.skip("K-quants are re-quantized without the packed kernels (AVX-512 VNNI)")
-    assert packed_available()  # (the kernels loaded from their own cache before the models' moves)
+    packed = packed_expected()
+    assert packed_available() == packed  # (the kernels loaded from their own cache before the models' moves)
     monkeypatch.setenv("ARLM_CACHE", str(tmp_path / "cache"))
     hf = hf_family("qwen2", seed=31, hidden_size=256, intermediate_size=512, num_attention_heads=4,
                    num_key_value_heads=2, vocab_size=208)
@@ -245,18 +246,33 @@ def test_a_q4_k_m_style_file_runs_every_block_as_stored(tmp_path, monkeypatch):
         "attn_q.weight": "Q4_K", "attn_k.weight": "Q4_K", "attn_v.weight": "Q6_K", "attn_output.weight": "Q5_K",
         "ffn_gate.weight": "Q4_K", "ffn_up.weight": "Q5_K", "ffn_down.weight": "Q6_K", "output.weight": "Q6_K"})
     quantized = load_model(str(path), quantized=True)
-    assert quantized.requantized == []
     block = quantized.model.blocks[0]
-    assert isinstance(block.attn.wqkv, SplitLinear) and [p.kind for p in block.attn.wqkv.parts] == \
-        ["Q4_K", "Q4_K", "Q6_K"] and block.attn.wqkv.bias is not None
-    assert isinstance(block.mlp.gate_up, SplitLinear) and isinstance(block.mlp.down, KQuantLinear)
+    assert isinstance(block.attn.wqkv, SplitLinear) and block.attn.wqkv.bias is not None
+    assert isinstance(block.mlp.gate_up, SplitLinear)
+    if packed:
+        assert quantized.requantized == []
+        assert [p.kind for p in block.attn.wqkv.parts] == ["Q4_K", "Q4_K", "Q6_K"]
+        assert isinstance(block.mlp.down, KQuantLinear)
+    else:
+        n = len(quantized.model.blocks)
+        assert sorted(quantized.requantized) == sorted(f"blk.{i}.{t}.weight" for i in range(n)
+                                                       for t in ("attn_output", "ffn_up"))
+        assert [type(p) for p in block.attn.wqkv.parts] == [Q4Linear, Q4Linear, Q8Linear]
+        assert isinstance(block.mlp.down, Q8Linear) and isinstance(block.mlp.gate_up.parts[1], Int8Linear)
     g = read_gguf(path)  # gguf's dequantization, not arlm's layers
-    floats = build_model(g.config, g.state_dict)
+    state = dict(g.state_dict)
+    if not packed:  # the re-quantized Q5_K matrices as their int8 rows hold them
+        for i, blk in enumerate(quantized.model.blocks):
+            state[f"blocks.{i}.attn.wo.weight"] = blk.attn.wo.dequantize()
+            gate_up = state[f"blocks.{i}.mlp.gate_up.weight"].clone()
+            gate_up[gate_up.shape[0] // 2:] = blk.mlp.gate_up.parts[1].dequantize()
+            state[f"blocks.{i}.mlp.gate_up.weight"] = gate_up
+    floats = build_model(g.config, state)
     ids = torch.randint(2, 208, (2, 24), generator=torch.Generator().manual_seed(32))
     with torch.no_grad():
         q, f = quantized.model(ids), floats(ids)
     assert f.std() > 0.1 and (q - f).abs().max() < 1e-3 * f.abs().max()
-    assert cache.cache_dir(path, "packed").is_dir()
+    assert cache.cache_dir(path, "packed" if packed else "rows").is_dir()
     cached = load_model(str(path), quantized=True)  # (from the kernel-layout cache)
     with torch.no_grad():
         assert torch.equal(cached.model(ids), q)

@@ -207,7 +207,23 @@ class Int8Linear(QuantizedLinear):
 class Q8Linear(QuantizedLinear):
     """Q8_0, as a GGUF file stores it: W[n, k] = scale[n, k // 32] * w[n, k], w int8 [out, in],
     scale float16 [out, in / 32]. A scale per 32 weights, not per row: what a Q8_0 tensor (SmolLM2's
-    token embedding and tied head) holds, kept as it is."""
+    token embedding and tied head) holds, kept as it is. In the row layout the scale may also be
+    float32 [out, in / 32] or [out, in / 16] (`from_q6_k`: a Q6_K matrix's values exactly, where
+    the packed kernels are not built)."""
+
+    @classmethod
+    def from_q6_k(cls, q: torch.Tensor, sc: torch.Tensor, d: torch.Tensor) -> "Q8Linear":
+        """Q6_K's fields (`loading.gguf.k_quant_fields`: q int8 [N, K] -32..31, sc int8 [N, K/16],
+        d float32 [N, K/256]) as int8 rows with a float32 scale d sc per 16, exact (an 11-bit
+        float16 times a 7-bit integer): gguf's values, bit for bit. 10 bits a weight (the file's 6.6)."""
+        N, K = q.shape
+        with torch.device("meta"):
+            layer = cls(K, N)
+        layer._set(q.contiguous(), (d.repeat_interleave(16, dim=1) * sc.float()).contiguous())
+        return layer
+
+    def can_pack(self) -> bool:
+        return self.scale.dtype == torch.float16 and super().can_pack()
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__(in_features, out_features, bias)
@@ -246,7 +262,7 @@ class Q8Linear(QuantizedLinear):
             d = self.scale[index // 16, :, index % 16]  # [T, K/32]
         else:
             q, d = self.weight[index], self.scale[index]
-        return (q.float().view(T, -1, self.GROUP) * d.float()[..., None]).view(T, K)
+        return (q.float().view(T, d.shape[1], -1) * d.float()[..., None]).view(T, K)
 
     def _matmul(self, x):
         if self.packed:
@@ -273,7 +289,24 @@ class Q4Linear(QuantizedLinear):
 
     def can_pack(self) -> bool:
         return (self.allow_packed and self.out_features % 16 == 0 and self.weight.device.type == "cpu"
-                and kernels.packed_available())
+                and self.scale.dtype == torch.float16 and kernels.packed_available())
+
+    @classmethod
+    def from_q4_k(cls, q: torch.Tensor, sc: torch.Tensor, m: torch.Tensor, d: torch.Tensor,
+                  dmin: torch.Tensor) -> "Q4Linear":
+        """Q4_K's fields (`loading.gguf.k_quant_fields`: q uint8 [N, K] 0..15, sc and m uint8
+        [N, K/32], d and dmin float32 [N, K/256]) in the row layout with float32 scale d sc and
+        mins -dmin m per group of 32, exact: gguf's values, bit for bit (its d sc q - dmin m; d sc
+        q is exact in float32). 6 bits a weight (the file's 4.5), where the packed kernels are
+        not built."""
+        N, K = q.shape
+        g = q.view(N, K // cls.GROUP, cls.GROUP)
+        with torch.device("meta"):
+            layer = cls(K, N)
+        layer._set((g[..., :16] | (g[..., 16:] << 4)).reshape(N, K // 2).contiguous(),
+                   (d.repeat_interleave(8, dim=1) * sc.float()).contiguous(),
+                   (-(dmin.repeat_interleave(8, dim=1) * m.float())).contiguous())
+        return layer
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> "Q4Linear":

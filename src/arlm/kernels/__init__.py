@@ -194,8 +194,8 @@ def _register_fake() -> None:
 
 
 def _fallback(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    if scale.dim() == 2:  # Q8_0: a scale per group of 32
-        return torch.nn.functional.linear(x, (w.float().view(*scale.shape, 32) * scale.float()[..., None]).view(w.shape))
+    if scale.dim() == 2:  # Q8_0: a scale per group of 32 (per 16: Q6_K's d sc)
+        return torch.nn.functional.linear(x, (w.float().view(*scale.shape, -1) * scale.float()[..., None]).view(w.shape))
     return torch.nn.functional.linear(x, w.to(x.dtype)) * scale
 
 
@@ -208,15 +208,16 @@ def unpack_q4(w: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor) -> torch
 
 
 def q4_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
-    """x [M, K] float32, w [N, K/2] uint8, scale and mins [N, K/32] float16 -> [M, N] float32."""
+    """x [M, K] float32, w [N, K/2] uint8, scale and mins [N, K/32] float16 (or float32: Q4_K's
+    d sc and -dmin m) -> [M, N] float32."""
     if x.device.type == "cpu" and native_available():
         return torch.ops.arlm.q4_linear(x.contiguous(), w, scale, mins)
     return torch.nn.functional.linear(x, unpack_q4(w, scale, mins).to(x.dtype))
 
 
 def int8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x [M, K] float32, w [N, K] int8, scale [N] float32 (per row) or [N, K/32] float16 (Q8_0,
-    per group of 32) -> [M, N] float32."""
+    """x [M, K] float32, w [N, K] int8, scale [N] float32 (per row), [N, K/32] float16 (Q8_0, per
+    group of 32) or float32 [N, K/32] or [N, K/16] (Q6_K's d sc, per 16) -> [M, N] float32."""
     if x.device.type == "cpu" and native_available():
         return torch.ops.arlm.int8_linear(x.contiguous(), w, scale)
     return _fallback(x, w, scale)

@@ -151,8 +151,10 @@ void q4_block(const int8_t* qx, const float* dx, const float* sx, int64_t K, con
 }
 
 // MB rows of quantized x against kRows int8 weight rows: a per-row scale is applied by the caller;
-// group scales (Q8_0: dw [kRows, K/32], widened) multiply each group's dot product here.
-template <int MB, bool kGrouped = false>
+// group scales (Q8_0: dw [kRows, K/32], widened) multiply each group's dot product here; kHalf16:
+// a scale per 16 (dw [kRows, K/16]: Q6_K's d sc), the dot's lanes 0-3 holding the first 16
+// products of a group and lanes 4-7 the others.
+template <int MB, bool kGrouped = false, bool kHalf16 = false>
 void i8_block(const int8_t* qx, const float* dx, int64_t K, const int8_t* w, float* out,
               const float* dw = nullptr) {
   const int64_t G = K / kGroup;
@@ -170,7 +172,9 @@ void i8_block(const int8_t* qx, const float* dx, int64_t K, const int8_t* w, flo
       const __m256 dxv = _mm256_set1_ps(dx[i * G + g]);
       for (int r = 0; r < kRows; ++r) {
         const __m256 dot = _mm256_cvtepi32_ps(dot_u8s8(wa[r], _mm256_sign_epi8(xq, ws[r])));
-        const __m256 sv = kGrouped ? _mm256_set1_ps(dx[i * G + g] * dw[r * G + g]) : dxv;
+        const __m256 sv = kHalf16 ? _mm256_set_m128(_mm_set1_ps(dx[i * G + g] * dw[r * 2 * G + 2 * g + 1]),
+                                                    _mm_set1_ps(dx[i * G + g] * dw[r * 2 * G + 2 * g]))
+                          : kGrouped ? _mm256_set1_ps(dx[i * G + g] * dw[r * G + g]) : dxv;
         acc[i][r] = _mm256_fmadd_ps(dot, sv, acc[i][r]);
       }
     }
@@ -196,10 +200,19 @@ float q4_scalar(const int8_t* qx, const float* dx, const float* sx, int64_t K, c
   return acc + dot_f32(mn, sx, G);
 }
 
-float i8_scalar(const int8_t* qx, const float* dx, int64_t K, const int8_t* w, const float* dw = nullptr) {
+float i8_scalar(const int8_t* qx, const float* dx, int64_t K, const int8_t* w, const float* dw = nullptr,
+                bool half16 = false) {
   const int64_t G = K / kGroup;
   float acc = 0.f;
   for (int64_t g = 0; g < G; ++g) {
+    if (half16) {  // a weight scale per 16: the two halves' dots scaled on their own
+      for (int h = 0; h < 2; ++h) {
+        int dot = 0;
+        for (int j = 16 * h; j < 16 * h + 16; ++j) dot += w[g * kGroup + j] * qx[g * kGroup + j];
+        acc += static_cast<float>(dot) * (dx[g] * dw[2 * g + h]);
+      }
+      continue;
+    }
     int dot = 0;
     for (int j = 0; j < kGroup; ++j) dot += w[g * kGroup + j] * qx[g * kGroup + j];
     acc += static_cast<float>(dot) * (dw ? dx[g] * dw[g] : dx[g]);
@@ -633,16 +646,14 @@ at::Tensor q4_linear_a8(const at::Tensor& x, const at::Tensor& w, const at::Tens
   const QuantizedX xq(x);
   at::Tensor y = at::empty({M, N}, x.options());
   const uint8_t* wp = w.data_ptr<uint8_t>();
-  const at::Half* sp = scale.data_ptr<at::Half>();
-  const at::Half* mp = mins.data_ptr<at::Half>();
   float* yp = y.data_ptr<float>();
   const int64_t tiles = (N + kRows - 1) / kRows;
   at::parallel_for(0, tiles, 16, [&](int64_t t0, int64_t t1) {
     std::vector<float> d(kRows * G), mn(kRows * G);  // one tile's scales, widened once
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t n = t * kRows, rows = std::min(kRows, N - n);
-      widen(sp + n * G, rows * G, d.data());
-      widen(mp + n * G, rows * G, mn.data());
+      arlm_kernels::scales_f32(scale, n * G, rows * G, d.data());
+      arlm_kernels::scales_f32(mins, n * G, rows * G, mn.data());
       const uint8_t* wt = wp + n * (K / 2);
       const int8_t* q = xq.q.get();
       const float *dx = xq.d.get(), *sx = xq.s.get();
@@ -675,19 +686,21 @@ at::Tensor int8_linear_a8(const at::Tensor& x, const at::Tensor& w, const at::Te
   const QuantizedX xq(x);
   at::Tensor y = at::empty({M, N}, x.options());
   const int8_t* wp = w.data_ptr<int8_t>();
-  const bool grouped = arlm_kernels::group_scales(scale);  // Q8_0: scale [N, G] float16
+  // Q8_0: scale [N, G] float16; float32 [N, G] or [N, 2G] (Q6_K's d sc per 16: half16)
+  const bool grouped = arlm_kernels::group_scales(scale);
+  const bool half16 = grouped && arlm_kernels::scale_group(scale, K) == 16;
+  const int64_t GS = half16 ? 2 * G : G;  // group scales per row
   const float* sp = grouped ? nullptr : scale.data_ptr<float>();
-  const at::Half* gp = grouped ? scale.data_ptr<at::Half>() : nullptr;
   float* yp = y.data_ptr<float>();
   const int64_t tiles = (N + kRows - 1) / kRows;
   at::parallel_for(0, tiles, 16, [&](int64_t t0, int64_t t1) {
-    std::vector<float> dw(grouped ? kRows * G : 0);  // one tile's group scales, widened once
+    std::vector<float> dw(grouped ? kRows * GS : 0);  // one tile's group scales, widened once
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t n = t * kRows, rows = std::min(kRows, N - n);
       const int8_t* wt = wp + n * K;
       const int8_t* q = xq.q.get();
       const float* dx = xq.d.get();
-      if (grouped) widen(gp + n * G, rows * G, dw.data());
+      if (grouped) arlm_kernels::scales_f32(scale, n * GS, rows * GS, dw.data());
       auto row_scale = [&](int64_t r) { return grouped ? 1.f : sp[n + r]; };
 #if defined(__AVX2__) && defined(__FMA__)
       if (rows == kRows) {
@@ -698,7 +711,8 @@ at::Tensor int8_linear_a8(const at::Tensor& x, const at::Tensor& w, const at::Te
               yp[(m + i) * N + n + r] = grouped ? out[i * kRows + r] : out[i * kRows + r] * sp[n + r];
         };
         row_blocks(M, [&](auto mb, int64_t m) {
-          if (grouped) i8_block<decltype(mb)::value, true>(q + m * K, dx + m * G, K, wt, out, dw.data());
+          if (half16) i8_block<decltype(mb)::value, true, true>(q + m * K, dx + m * G, K, wt, out, dw.data());
+          else if (grouped) i8_block<decltype(mb)::value, true>(q + m * K, dx + m * G, K, wt, out, dw.data());
           else i8_block<decltype(mb)::value>(q + m * K, dx + m * G, K, wt, out);
           store(m, decltype(mb)::value);
         });
@@ -707,7 +721,7 @@ at::Tensor int8_linear_a8(const at::Tensor& x, const at::Tensor& w, const at::Te
 #endif
       for (int64_t m = 0; m < M; ++m)
         for (int64_t r = 0; r < rows; ++r)
-          yp[m * N + n + r] = grouped ? i8_scalar(q + m * K, dx + m * G, K, wt + r * K, dw.data() + r * G)
+          yp[m * N + n + r] = grouped ? i8_scalar(q + m * K, dx + m * G, K, wt + r * K, dw.data() + r * GS, half16)
                                       : i8_scalar(q + m * K, dx + m * G, K, wt + r * K) * row_scale(r);
     }
   });

@@ -16,8 +16,9 @@ inline void check_q4(const char* op, const at::Tensor& x, const at::Tensor& w, c
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && scale.dim() == 2 && mins.dim() == 2,
               op, ": x [M,K], w [N,K/2], scale and mins [N,K/32]");
   TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kByte &&
-              scale.scalar_type() == at::kHalf && mins.scalar_type() == at::kHalf,
-              op, ": x float32, w uint8, scale and mins float16");
+              (scale.scalar_type() == at::kHalf || scale.scalar_type() == at::kFloat) &&
+              mins.scalar_type() == scale.scalar_type(),
+              op, ": x float32, w uint8, scale and mins float16 (Q4_1) or float32 (Q4_K's d sc and -dmin m)");
   TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && scale.is_contiguous() && mins.is_contiguous(),
               op, ": contiguous inputs");
   const int64_t K = x.size(1), N = w.size(0);
@@ -30,18 +31,31 @@ inline void check_q4(const char* op, const at::Tensor& x, const at::Tensor& w, c
 // float16 (K a multiple of 32 where the kernel works in groups, and for group scales).
 inline bool group_scales(const at::Tensor& scale) { return scale.dim() == 2; }
 
+// Weights per group scale: 32 (Q8_0's float16, or float32), or 16 (float32: Q6_K's d sc).
+inline int64_t scale_group(const at::Tensor& scale, int64_t K) {
+  return group_scales(scale) && scale.size(1) > 0 ? K / scale.size(1) : K;
+}
+
 inline void check_int8(const char* op, const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
                        bool groups_of_32) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && (scale.dim() == 1 || scale.dim() == 2),
-              op, ": x [M,K], w [N,K], scale [N] or [N,K/32]");
+              op, ": x [M,K], w [N,K], scale [N] or [N,K/32] or [N,K/16]");
+  const bool grouped = group_scales(scale);
   TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kChar &&
-              scale.scalar_type() == (group_scales(scale) ? at::kHalf : at::kFloat),
-              op, ": x float32, w int8, scale float32 [N] or float16 [N,K/32]");
+              (scale.scalar_type() == at::kFloat || (grouped && scale.scalar_type() == at::kHalf)),
+              op, ": x float32, w int8, scale float32 [N], float16 [N,K/32] or float32 [N,K/32] or [N,K/16]");
   TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && scale.is_contiguous(), op, ": contiguous inputs");
-  const bool grouped = groups_of_32 || group_scales(scale);
-  TORCH_CHECK(w.size(1) == x.size(1) && scale.size(0) == w.size(0) && (!grouped || x.size(1) % 32 == 0) &&
-              (!group_scales(scale) || scale.size(1) == x.size(1) / 32),
-              op, grouped ? ": shape mismatch (K must be a multiple of 32)" : ": shape mismatch");
+  const int64_t K = x.size(1);
+  TORCH_CHECK(w.size(1) == K && scale.size(0) == w.size(0) && (!(groups_of_32 || grouped) || K % 32 == 0) &&
+              (!grouped || scale.size(1) * 32 == K || (scale.size(1) * 16 == K && scale.scalar_type() == at::kFloat)),
+              op, groups_of_32 || grouped ? ": shape mismatch (K must be a multiple of 32)" : ": shape mismatch");
+}
+
+// A tile's group scales as float32: float16 widened (below), float32 copied.
+inline void widen(const at::Half* src, int64_t n, float* dst);
+inline void scales_f32(const at::Tensor& scale, int64_t first, int64_t n, float* dst) {
+  if (scale.scalar_type() == at::kHalf) return widen(scale.data_ptr<at::Half>() + first, n, dst);
+  std::copy(scale.data_ptr<float>() + first, scale.data_ptr<float>() + first + n, dst);
 }
 
 // float16 -> float32, n values, 8 at a time where the CPU has F16C (scalar conversion costs more

@@ -79,13 +79,13 @@ inline void tile(const float* x, int64_t M, const int8_t* w, int64_t K, int64_t 
     }
 }
 
-// Group scales (Q8_0): MB x rows against kRows weight rows, each group of 32 summed on its own and
-// scaled by d[r * G + g] (the tile's scales widened to float32).
-template <int MB>
+// Group scales (Q8_0; Q6_K's per 16): MB x rows against kRows weight rows, each group of GS summed
+// on its own and scaled by d[r * G + g] (the tile's scales as float32).
+template <int MB, int GS = 32>
 inline void block_rows_grouped(const float* x, int64_t ldx, const int8_t* w, int64_t K, const float* d,
                                float* acc_out) {
 #if defined(__AVX2__) && defined(__FMA__)
-  const int64_t G = K / 32;
+  const int64_t G = K / GS;
   __m256 acc[MB][kRows];
   for (int i = 0; i < MB; ++i)
     for (int r = 0; r < kRows; ++r) acc[i][r] = _mm256_setzero_ps();
@@ -93,7 +93,7 @@ inline void block_rows_grouped(const float* x, int64_t ldx, const int8_t* w, int
     __m256 part[MB][kRows];
     for (int i = 0; i < MB; ++i)
       for (int r = 0; r < kRows; ++r) part[i][r] = _mm256_setzero_ps();
-    for (int64_t k = g * 32; k < g * 32 + 32; k += 8) {
+    for (int64_t k = g * GS; k < g * GS + GS; k += 8) {
       __m256 wv[kRows];
       for (int r = 0; r < kRows; ++r) wv[r] = widen8(w + r * K + k);
       for (int i = 0; i < MB; ++i) {
@@ -110,25 +110,28 @@ inline void block_rows_grouped(const float* x, int64_t ldx, const int8_t* w, int
 }
 
 #if defined(__AVX512F__)
-// The same with 16 weights to a vector: a group of 32 is two widened loads and two FMAs per row.
-template <int MB>
+// The same with 16 weights to a vector: a group of 32 is two widened loads and two FMAs per row
+// (a group of 16, GS = 16: one, its second half's weights and FMA skipped).
+template <int MB, int GS = 32>
 inline void block_rows_grouped16(const float* x, int64_t ldx, const int8_t* w, int64_t K, const float* d,
                                  float* acc_out) {
-  const int64_t G = K / 32;
+  const int64_t G = K / GS;
   __m512 acc[MB][kRows];
   for (int i = 0; i < MB; ++i)
     for (int r = 0; r < kRows; ++r) acc[i][r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
     __m512 w0[kRows], w1[kRows];
     for (int r = 0; r < kRows; ++r) {
-      const int8_t* p = w + r * K + g * 32;
+      const int8_t* p = w + r * K + g * GS;
       w0[r] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-      w1[r] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
+      if constexpr (GS == 32)
+        w1[r] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
     }
     for (int i = 0; i < MB; ++i) {
-      const __m512 x0 = _mm512_loadu_ps(x + i * ldx + g * 32), x1 = _mm512_loadu_ps(x + i * ldx + g * 32 + 16);
+      const __m512 x0 = _mm512_loadu_ps(x + i * ldx + g * GS);
       for (int r = 0; r < kRows; ++r) {
-        const __m512 part = _mm512_fmadd_ps(w1[r], x1, _mm512_mul_ps(w0[r], x0));
+        __m512 part = _mm512_mul_ps(w0[r], x0);
+        if constexpr (GS == 32) part = _mm512_fmadd_ps(w1[r], _mm512_loadu_ps(x + i * ldx + g * GS + 16), part);
         acc[i][r] = _mm512_fmadd_ps(part, _mm512_set1_ps(d[r * G + g]), acc[i][r]);
       }
     }
@@ -138,10 +141,11 @@ inline void block_rows_grouped16(const float* x, int64_t ldx, const int8_t* w, i
 }
 #endif
 
-// All M rows of x against one tile of `rows` weight rows with group scales d [rows, K/32].
+// All M rows of x against one tile of `rows` weight rows with group scales d [rows, K/GS].
+template <int GS>
 inline void tile_grouped(const float* x, int64_t M, const int8_t* w, int64_t K, int64_t rows, float* y, int64_t N,
                          const float* d) {
-  const int64_t G = K / 32;
+  const int64_t G = K / GS;
 #if defined(__AVX512F__)
   if (rows == kRows) {  // x rows 4, 2, 1 at a time: each widened weight vector serves them all
     float out[4 * kRows];
@@ -150,9 +154,9 @@ inline void tile_grouped(const float* x, int64_t M, const int8_t* w, int64_t K, 
       for (int i = 0; i < mb; ++i)
         for (int r = 0; r < kRows; ++r) y[(m + i) * N + r] = out[i * kRows + r];
     };
-    for (; m + 4 <= M; m += 4) { block_rows_grouped16<4>(x + m * K, K, w, K, d, out); put(4); }
-    for (; m + 2 <= M; m += 2) { block_rows_grouped16<2>(x + m * K, K, w, K, d, out); put(2); }
-    for (; m < M; ++m) { block_rows_grouped16<1>(x + m * K, K, w, K, d, out); put(1); }
+    for (; m + 4 <= M; m += 4) { block_rows_grouped16<4, GS>(x + m * K, K, w, K, d, out); put(4); }
+    for (; m + 2 <= M; m += 2) { block_rows_grouped16<2, GS>(x + m * K, K, w, K, d, out); put(2); }
+    for (; m < M; ++m) { block_rows_grouped16<1, GS>(x + m * K, K, w, K, d, out); put(1); }
     return;
   }
 #endif
@@ -160,7 +164,7 @@ inline void tile_grouped(const float* x, int64_t M, const int8_t* w, int64_t K, 
   if (rows == kRows) {
     float out[kRows];
     for (int64_t m = 0; m < M; ++m) {
-      block_rows_grouped<1>(x + m * K, K, w, K, d, out);
+      block_rows_grouped<1, GS>(x + m * K, K, w, K, d, out);
       for (int r = 0; r < kRows; ++r) y[m * N + r] = out[r];
     }
     return;
@@ -171,7 +175,7 @@ inline void tile_grouped(const float* x, int64_t M, const int8_t* w, int64_t K, 
       float acc = 0.f;
       for (int64_t g = 0; g < G; ++g) {
         float part = 0.f;
-        for (int64_t k = g * 32; k < g * 32 + 32; ++k) part += x[m * K + k] * static_cast<float>(w[r * K + k]);
+        for (int64_t k = g * GS; k < g * GS + GS; ++k) part += x[m * K + k] * static_cast<float>(w[r * K + k]);
         acc += part * d[r * G + g];
       }
       y[m * N + r] = acc;
@@ -189,14 +193,15 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   float* yp = y.data_ptr<float>();
   const int64_t tiles = (N + kRows - 1) / kRows;
   if (arlm_kernels::group_scales(scale)) {
-    const int64_t G = K / 32;
-    const at::Half* sp = scale.data_ptr<at::Half>();
+    const int64_t G = scale.size(1);
+    const bool half16 = arlm_kernels::scale_group(scale, K) == 16;
     at::parallel_for(0, tiles, 16, [&](int64_t t0, int64_t t1) {
       std::vector<float> d(kRows * G);  // one tile's scales, widened once
       for (int64_t t = t0; t < t1; ++t) {
         const int64_t n = t * kRows, rows = std::min(kRows, N - n);
-        arlm_kernels::widen(sp + n * G, rows * G, d.data());
-        tile_grouped(xp, M, wp + n * K, K, rows, yp + n, N, d.data());
+        arlm_kernels::scales_f32(scale, n * G, rows * G, d.data());
+        if (half16) tile_grouped<16>(xp, M, wp + n * K, K, rows, yp + n, N, d.data());
+        else tile_grouped<32>(xp, M, wp + n * K, K, rows, yp + n, N, d.data());
       }
     });
     return y;

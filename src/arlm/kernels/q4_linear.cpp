@@ -1,7 +1,8 @@
 // 4-bit grouped linear layer for CPU decode, the Q4_1 layout of llama.cpp:
 //   w[n, k] = scale[n, g] * q[n, k] + min[n, g],  q in 0..15,  g = k / 32
 // q is packed two per byte: in group g of row n, byte j (of 16) holds element 32g + j in its low
-// nibble and element 32g + 16 + j in its high nibble. scale and min are float16 [N, K / 32].
+// nibble and element 32g + 16 + j in its high nibble. scale and min are float16 [N, K / 32], or
+// float32 (a Q4_K matrix's d sc and -dmin m per group: its values exactly, in the row layout).
 // That is 0.625 bytes a weight against int8's 1 (and float32's 4); decode streams every weight
 // once a step, so fewer bytes is faster steps. Each 4-bit value is widened and dequantized in
 // registers (one FMA), then multiplied into the activations with float32 accumulation.
@@ -109,18 +110,14 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   at::Tensor y = at::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
   const uint8_t* wp = w.data_ptr<uint8_t>();
-  const at::Half* sp = scale.data_ptr<at::Half>();
-  const at::Half* mp = mins.data_ptr<at::Half>();
   float* yp = y.data_ptr<float>();
   const int64_t tiles = (N + kRows - 1) / kRows;
   at::parallel_for(0, tiles, 16, [&](int64_t t0, int64_t t1) {
     std::vector<float> d(kRows * G), mn(kRows * G);  // one tile's scales, widened once
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t n = t * kRows, rows = std::min(kRows, N - n);
-      for (int64_t i = 0; i < rows * G; ++i) {
-        d[i] = static_cast<float>(sp[n * G + i]);
-        mn[i] = static_cast<float>(mp[n * G + i]);
-      }
+      arlm_kernels::scales_f32(scale, n * G, rows * G, d.data());
+      arlm_kernels::scales_f32(mins, n * G, rows * G, mn.data());
       tile(xp, M, K, wp + n * (K / 2), d.data(), mn.data(), rows, yp + n, N);
     }
   });

@@ -8,8 +8,10 @@ The file is opened once with `gguf.GGUFReader` (a memory map). Two ways to its w
   block, without a float32 copy of the model; Q4_0 values widened exactly into Q8_0's; on CPUs
   with AVX-512 VNNI, Q5_0 into `Q5Linear` and the K-quants Q4_K, Q5_K, Q6_K into `KQuantLinear`
   (their integer fields and scales, the values not rounded again; elsewhere Q5_0 is widened to
-  Q8_0 too), and a fused weight whose parts differ in kind into `SplitLinear`, each part as it is
-  stored; the token embedding is gathered from its quantized rows. Tensors of other types are
+  Q8_0 too, Q4_K goes into the row layout's `Q4Linear` and Q6_K into `Q8Linear` with float32
+  scales, their values exactly, and Q5_K is re-quantized), and a fused weight whose parts differ
+  in kind into `SplitLinear`, each part as it is stored; the token embedding is gathered from its
+  quantized rows. Tensors of other types are
   dequantized and re-quantized to int8 per row (see `requantized`: the one place arlm adds
   rounding the file did not have).
 - `read_gguf`: every tensor dequantized to float32 (`--quantize none`, the reference path).
@@ -326,6 +328,21 @@ def _k_quant_layer(gf: GGUFFile, parts, kind: str) -> KQuantLinear:
 
 
 
+# The K-quants the row layout holds exactly (Q4_K as Q4Linear, Q6_K as Q8Linear, float32 scales);
+# Q5_K has no row-layout form: int8 rows where the packed kernels are not built.
+_ROW_K_BLOCK = ("Q4_K", "Q6_K")
+
+
+def _k_quant_rows(gf: GGUFFile, parts, kind: str):
+    """A Q4_K or Q6_K weight in the row layout, its values exactly (`Q4Linear.from_q4_k`,
+    `Q8Linear.from_q6_k`): where the packed kernels are not built (AVX2 CPUs)."""
+    fields = [k_quant_fields(_blocks(gf, rest, t), kind) for rest, t in parts]
+    f = {k: torch.from_numpy(np.ascontiguousarray(np.concatenate([x[k] for x in fields]))) for k in fields[0]}
+    if kind == "Q4_K":
+        return Q4Linear.from_q4_k(f["q"], f["sc"], f["m"], f["d"], f["dmin"])
+    return Q8Linear.from_q6_k(f["q"], f["sc"], f["d"])
+
+
 def _as_q8_0(b: np.ndarray, kind: str) -> np.ndarray:
     """Q8_0 / Q5_0 / Q4_0 blocks [N, G, bytes] as Q8_0 blocks [N, G, 34]: the fp16 scale d as
     it is, each value q as an int8 (Q5_0: 4 low bits from qs, the 5th from the 32-bit qh,
@@ -395,11 +412,13 @@ def _quantized_layer(gf: GGUFFile, parts, requantized: list[str]):
     kinds = {t.tensor_type.name for _, t in parts}
     N = sum(int(t.shape[1]) for _, t in parts)
     packed = N % 16 == 0 and kernels.packed_available()
-    if len(kinds) > 1 and not kinds <= set(_AS_Q8) and kernels.packed_available():
+    if len(kinds) > 1 and not kinds <= set(_AS_Q8) and (kernels.packed_available() or kinds & set(_ROW_K_BLOCK)):
         # parts of different kinds (Q4_K_M's Q6_K v beside Q4_K q and k): each as it is stored
         return SplitLinear([_quantized_layer(gf, [part], requantized) for part in parts])
     if len(kinds) == 1 and kinds <= set(_K_BLOCK) and packed:
         return _k_quant_layer(gf, parts, kinds.pop())
+    if len(kinds) == 1 and kinds <= set(_ROW_K_BLOCK):  # the row layout's exact forms
+        return _k_quant_rows(gf, parts, kinds.pop())
     if kinds == {"Q5_0"} and packed and (layer := _q5_layer(gf, parts)) is not None:
         return layer
     if kinds == {"Q4_1"} or kinds <= set(_AS_Q8):
@@ -435,7 +454,8 @@ def quantized_model(path: str | Path) -> tuple[GGUFFile, "torch.nn.Module", list
         if len(t.shape) == 1:  # norms, and biases (q, k and v's concatenated)
             return torch.from_numpy(np.concatenate([_unpermute(r, _dequantize(gf, x), gf) for r, x in parts]))
         kind = t.tensor_type.name
-        as_stored = kind in _BLOCK or (kind in _K_BLOCK and int(t.shape[1]) % 16 == 0 and kernels.packed_available())
+        as_stored = kind in _BLOCK or kind in _ROW_K_BLOCK or (
+            kind in _K_BLOCK and int(t.shape[1]) % 16 == 0 and kernels.packed_available())
         if len(parts) == 1 and rest == "token_embd.weight" and not as_stored:
             return torch.from_numpy(_dequantize(gf, t).copy())  # a float table, gathered as it is
         return _quantized_layer(gf, parts, requantized)
