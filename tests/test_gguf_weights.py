@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from arlm import kernels
-from arlm.quant import Int8Linear, KQuantLinear, Q4Linear, Q8Linear, QuantizedEmbedding, QuantizedLinear, quantize
+from arlm.quant import (Int8Linear, KQuantLinear, Q4Linear, Q8Linear, Q8MinsLinear, QuantizedEmbedding,
+                        QuantizedLinear, quantize)
 from cpu_flags import packed_expected
 
 needs_packed = pytest.mark.skipif(not packed_expected(),
@@ -496,14 +497,17 @@ def _row_layer(kind: str, b: np.ndarray):
     f = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in k_quant_fields(b, kind).items()}
     if kind == "Q4_K":
         return Q4Linear.from_q4_k(f["q"], f["sc"], f["m"], f["d"], f["dmin"])
+    if kind == "Q5_K":
+        return Q8MinsLinear.from_q5_k(f["q"], f["sc"], f["m"], f["d"], f["dmin"])
     return Q8Linear.from_q6_k(f["q"], f["sc"], f["d"])
 
 
-@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K"])
 @pytest.mark.parametrize("M", [1, 2, 3, 5])
 def test_k_quants_in_the_row_layout(kind, M):
-    """Where the packed kernels are not built (AVX2 CPUs; ARLM_MARCH=znver3 here), Q4_K and Q6_K
-    go into the row layout with float32 scales (Q4_K: d sc and -dmin m per 32, Q6_K: d sc per 16):
+    """Where the packed kernels are not built (AVX2 CPUs; ARLM_MARCH=znver3 here), the K-quants
+    go into the row layout with float32 scales (Q4_K: d sc and -dmin m per 32 on 4-bit codes; Q5_K
+    the same on int8 codes, Q8MinsLinear; Q6_K: d sc per 16):
     gguf's values bit for bit, and the row kernels against float64 at both activation
     precisions: float32 (1e-5 of the largest output) and 8-bit (the quantized activations'
     product, 1e-5), each row's result the one it gets alone. 4 tiles of 4 rows and one of 2, 2

@@ -272,6 +272,51 @@ class Q8Linear(QuantizedLinear):
         return kernels.int8_linear(x, self.weight, self.scale)
 
 
+class Q8MinsLinear(Q8Linear):
+    """Int8 codes with a float32 scale and a float32 minimum per group of 32, in the row layout:
+    W[n, k] = scale[n, k // 32] w[n, k] + mins[n, k // 32]. A Q5_K matrix (`from_q5_k`: codes
+    0..31, d sc and -dmin m) where the packed kernels are not built: gguf's values exactly, 10 bits
+    a weight (the file's 5.5). The minimum's term is the group sums of the activations the codes
+    multiply (8-bit ones: their dequantized values) times mins (decode.cpp's `linear_into` alike)."""
+
+    FIELDS = ("weight", "scale", "mins")
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__(in_features, out_features, bias)
+        self.scale = torch.zeros(out_features, in_features // self.GROUP, dtype=torch.float32)
+        self.register_buffer("mins", torch.zeros(out_features, in_features // self.GROUP, dtype=torch.float32))
+
+    @classmethod
+    def from_q5_k(cls, q: torch.Tensor, sc: torch.Tensor, m: torch.Tensor, d: torch.Tensor,
+                  dmin: torch.Tensor) -> "Q8MinsLinear":
+        """Q5_K's fields (`loading.gguf.k_quant_fields`: q uint8 [N, K] 0..31, sc and m uint8
+        [N, K/32], d and dmin float32 [N, K/256]); gguf's d sc q - dmin m bit for bit (d sc q is
+        exact in float32)."""
+        N, K = q.shape
+        with torch.device("meta"):
+            layer = cls(K, N)
+        layer._set(q.to(torch.int8).contiguous(), (d.repeat_interleave(8, dim=1) * sc.float()).contiguous(),
+                   (-(dmin.repeat_interleave(8, dim=1) * m.float())).contiguous())
+        return layer
+
+    def can_pack(self) -> bool:
+        return False
+
+    def rows(self):
+        return self.tensors()
+
+    def dequantize_rows(self, index):
+        T, K = len(index), self.in_features
+        q, d, m = self.weight[index].float().view(T, -1, self.GROUP), self.scale[index], self.mins[index]
+        return (q * d[..., None] + m[..., None]).view(T, K)
+
+    def _matmul(self, x):
+        a = kernels._dequantized_activations(x) if self.int8_activations else x
+        sums = a.view(x.shape[0], -1, self.GROUP).sum(-1)
+        # row by row (a matrix-vector product each): a row's result does not depend on its batch
+        return super()._matmul(x) + torch.stack([self.mins @ s for s in sums])
+
+
 class Q4Linear(QuantizedLinear):
     """y = x @ W.T + bias, W[n, k] = scale[n, k // 32] * q[n, k] + mins[n, k // 32], q in 0..15
     (Q4_1's blocks: byte j of a group holds q[j] in its low nibble and q[16 + j] in its high)."""

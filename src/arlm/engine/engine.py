@@ -185,9 +185,10 @@ class Engine:
         of their own, which a sequence holds only for its window (`Scheduler.split`): enough of
         them for max_num_seqs sequences at their window and one step's tokens besides, and the
         memory left over goes to the full layers' blocks, so the context the pool holds grows by
-        up to n_layer / full layers (6x for Gemma 3). (0 sliding-layer blocks: one pool, as
-        other models, where the sliding layers are all there is, there are none, or the pool
-        has a window of its own.)"""
+        up to n_layer / full layers (6x for Gemma 3); a budget too small for that many splits
+        it evenly (as many blocks in each: the sliding pool then never runs out first). (0
+        sliding-layer blocks: one pool, as other models, where the sliding layers are all there
+        is, there are none, or the pool has a window of its own.)"""
         cfg, config = self.model.config, self.config
         full = self._full_layers
         if not cfg.layer_types or full in (0, cfg.n_layer) or config.kv_window:
@@ -195,7 +196,7 @@ class Engine:
         bs = config.block_size
         per_seq = -(-cfg.sliding_window // bs) + 3  # the window's blocks, its edge's, the write's, a draft's
         need = config.max_num_seqs * per_seq + -(-config.max_num_batched_tokens // bs)
-        if need >= n_blocks:  # no smaller than the other pool: nothing to gain
+        if need >= n_blocks:  # no smaller than the other pool: as many blocks in each
             return n_blocks, n_blocks
         g = KVCache.bytes_per_block(cfg, bs, self.kv_dtype, full)
         s = KVCache.bytes_per_block(cfg, bs, self.kv_dtype, cfg.n_layer - full)

@@ -69,6 +69,7 @@ class Request:
     # num_local_registered are known to that pool's prefix cache (or FREED)
     local_blocks: list[int] = field(default_factory=list)
     num_local_registered: int = 0
+    num_local_freed: int = 0  # leading local_blocks given back (FREED)
     num_computed: int = 0  # window tokens whose K/V are in `blocks`
     num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache at the last admission
     num_dropped: int = 0  # tokens before the window (context shift)

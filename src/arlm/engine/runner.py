@@ -189,9 +189,12 @@ class ModelRunner:
         dev = self.device
         width = max(len(t) for t in tables + (local_tables or []))
 
+        freed = bool(cache.window or cache.split)
+
         def tensor(tables: list[list[int]]) -> torch.Tensor:
             # entries behind a window (scheduler.FREED) are never read: any block will do
-            return torch.tensor([[max(b, 0) for b in t] + [0] * (width - len(t)) for t in tables], device=dev)
+            return torch.tensor([([max(b, 0) for b in t] if freed else t) + [0] * (width - len(t)) for t in tables],
+                                device=dev)
 
         table = tensor(tables)
         local = tensor(local_tables) if cache.split else None

@@ -151,7 +151,7 @@ class Scheduler:
                 if b != FREED:
                     pool.release(b)
         seq.blocks, seq.local_blocks = [], []
-        seq.num_computed = seq.num_registered = seq.num_local_registered = 0
+        seq.num_computed = seq.num_registered = seq.num_local_registered = seq.num_local_freed = 0
 
     def _tables(self, seq: Request) -> list[tuple[BlockPool, list[int]]]:
         """(pool, the sequence's blocks from it): the pool's, and a split pool's sliding layers'."""
@@ -250,12 +250,12 @@ class Scheduler:
             if all(self.local.peek(self._hash(seq, i)) for i in range(start, hit)):
                 break
             hit -= 1
-        for b in seq.blocks[hit:]:
+        for b in reversed(seq.blocks[hit:]):  # (the tail first, as _free)
             self.pool.release(b)
         del seq.blocks[hit:]
         start = self._local_start(hit * bs - (hit * bs == seq.num_tokens)) if hit else 0
         seq.local_blocks = [FREED] * start + [self.local.lookup(self._hash(seq, i)) for i in range(start, hit)]
-        seq.num_local_registered = hit
+        seq.num_local_registered, seq.num_local_freed = hit, start
 
     # While others decode: a step's long-prompt tokens at most this, or half the decoding rows
     LONG_PREFILL_SHARED = 4
@@ -469,10 +469,12 @@ class Scheduler:
             if self.local.enable_prefix_caching and blocks[i] != FREED:
                 self.local.register(blocks[i], self._hash(seq, i))
             seq.num_local_registered += 1
-        for i in range(min(self._local_start(seq.num_computed), len(blocks))):
+        end = min(self._local_start(seq.num_computed), len(blocks))
+        for i in range(seq.num_local_freed, end):  # (those before num_local_freed are FREED already)
             if blocks[i] != FREED:
                 self.local.release(blocks[i])
                 blocks[i] = FREED
+        seq.num_local_freed = max(seq.num_local_freed, end)
 
     def _ends(self, seq: Request, tok: int, nth: int) -> FinishReason | str | None:
         """Whether appending `tok` as the nth new token of this step ends the request (a reason),

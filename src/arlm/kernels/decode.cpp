@@ -201,6 +201,29 @@ void linear_into(const float* x, const arlm_kernels::Act8* xq, int64_t M, int64_
   else if (w.scalar_type() == at::kChar)
     r = a8 && K % 32 == 0 ? int8_linear_a8(xt, w, scale) : int8_linear(xt, w, scale);
   else TORCH_CHECK(false, "decode: unsupported weight dtype ", w.scalar_type());
+  if (w.scalar_type() == at::kChar && mins.numel()) {
+    // int8 codes with mins (Q5_K in the row layout, quant.Q8MinsLinear): + sum_g mins[n, g] times
+    // the group-g sum of the activations the codes were multiplied by (8-bit ones: dequantized)
+    at::Tensor xa = xt;
+    if (a8 && K % 32 == 0) {
+      at::Tensor resid = at::empty_like(xt);
+      for (int64_t m = 0; m < M; ++m) arlm_kernels::activation_residual(x + m * K, K, resid.data_ptr<float>() + m * K);
+      xa = xt - resid;
+    }
+    // (each row in its own fixed order, whatever M: a row's result does not depend on its batch)
+    const at::Tensor xs = xa.view({M, mins.size(1), K / mins.size(1)}).sum(-1).contiguous();
+    const int64_t G = mins.size(1), Nm = mins.size(0);
+    const float *sp = xs.data_ptr<float>(), *mp = mins.data_ptr<float>();
+    float* rw = r.data_ptr<float>();
+    at::parallel_for(0, Nm, 64, [&](int64_t n0, int64_t n1) {
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t n = n0; n < n1; ++n) {
+          float acc = 0.f;
+          for (int64_t g = 0; g < G; ++g) acc += mp[n * G + g] * sp[m * G + g];
+          rw[m * Nm + n] += acc;
+        }
+    });
+  }
   const float* rp = r.data_ptr<float>();
   const int64_t N = r.size(1);
   for (int64_t m = 0; m < M; ++m)

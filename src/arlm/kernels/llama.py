@@ -31,8 +31,8 @@ from torch import nn
 from . import native_available
 from .layout import LayerWeight
 
-# forward's "no split pool": empty sliding-layer pools and table
-_EMPTY, _EMPTY_TABLE = torch.empty(0), torch.empty(0, dtype=torch.long)
+# forward's "no split pool": empty sliding-layer pools (two tensors: the op writes both) and table
+_NO_SPLIT = (torch.empty(0), torch.empty(0), torch.empty(0, dtype=torch.long))
 
 # A model this binds: an arlm.model.Transformer (not imported: the kernels sit below the model,
 # which calls them through its quantized layers).
@@ -233,7 +233,7 @@ class NativeLlama:
         torch.ops.arlm.forward_llama_paged(x, weights, k, v, block_table, seq_index, pos, m.rope_cos,
                                            m.rope_sin, self.n_head, self.n_kv_heads, self.eps, a8,
                                            residual, kv_format, window, sinks, *self._arch(),
-                                           *(local or (_EMPTY, _EMPTY, _EMPTY_TABLE)))
+                                           *(local or _NO_SPLIT))
 
     def head(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Final norm + LM head: hidden states [N, d] -> float32 logits [N, vocab] (into `out`).

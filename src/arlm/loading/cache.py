@@ -36,11 +36,11 @@ from tokenizers import Tokenizer as HFTokenizer
 from ..config import ModelConfig
 from ..files import atomic_write_text
 from ..model import Transformer
-from ..quant import (Int8Linear, KQuantLinear, Q4Linear, Q5Linear, Q8Linear, QuantizedEmbedding, QuantizedLinear,
-                     SplitLinear)
+from ..quant import (Int8Linear, KQuantLinear, Q4Linear, Q5Linear, Q8Linear, Q8MinsLinear, QuantizedEmbedding,
+                     QuantizedLinear, SplitLinear)
 from ..tokenizer import Tokenizer
 
-FORMAT = 8  # (a layer kind or field the loader adds is a new format: the old directories are rebuilt)
+FORMAT = 9  # (a layer kind or field the loader adds is a new format: the old directories are rebuilt)
 _ALIGN = 64
 _DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.int8, torch.uint8)}
 
@@ -186,7 +186,8 @@ def load(path: Path, layout: str):
         model = Transformer(config, init=False)
     if config.pos_embedding == "rope":
         model.set_rope_tables()
-    kinds = {"Q4Linear": Q4Linear, "Q8Linear": Q8Linear, "Int8Linear": Int8Linear, "Q5Linear": Q5Linear}
+    kinds = {"Q4Linear": Q4Linear, "Q8Linear": Q8Linear, "Int8Linear": Int8Linear, "Q5Linear": Q5Linear,
+             "Q8MinsLinear": Q8MinsLinear}
     modules: dict[str, torch.nn.Module] = {}
     entries = manifest["modules"]
     for e in entries:

@@ -8,12 +8,12 @@ The file is opened once with `gguf.GGUFReader` (a memory map). Two ways to its w
   block, without a float32 copy of the model; Q4_0 values widened exactly into Q8_0's; on CPUs
   with AVX-512 VNNI, Q5_0 into `Q5Linear` and the K-quants Q4_K, Q5_K, Q6_K into `KQuantLinear`
   (their integer fields and scales, the values not rounded again; elsewhere Q5_0 is widened to
-  Q8_0 too, Q4_K goes into the row layout's `Q4Linear` and Q6_K into `Q8Linear` with float32
-  scales, their values exactly, and Q5_K is re-quantized), and a fused weight whose parts differ
+  Q8_0 too, and the K-quants go into the row layout with float32 scales, their values exactly:
+  Q4_K into `Q4Linear`, Q5_K into `Q8MinsLinear`, Q6_K into `Q8Linear`), and a fused weight whose parts differ
   in kind into `SplitLinear`, each part as it is stored; the token embedding is gathered from its
-  quantized rows. Tensors of other types are
-  dequantized and re-quantized to int8 per row (see `requantized`: the one place arlm adds
-  rounding the file did not have).
+  quantized rows. F32, F16 and BF16 matrices are held in float32 (exactly). Tensors of other
+  types are dequantized and re-quantized to int8 per row (see `requantized`: the one place arlm
+  adds rounding the file did not have).
 - `read_gguf`: every tensor dequantized to float32 (`--quantize none`, the reference path).
 
 Dequantization is `gguf.quants.dequantize` (F32, F16, BF16, Q8_0, Q4_0, Q4_1, the K-quants...);
@@ -33,7 +33,8 @@ import torch
 from ..config import ModelConfig
 from ..model import Transformer
 from .. import kernels
-from ..quant import Int8Linear, KQuantLinear, Q4Linear, Q5Linear, Q8Linear, QuantizedEmbedding, SplitLinear
+from ..quant import (Int8Linear, KQuantLinear, Q4Linear, Q5Linear, Q8Linear, Q8MinsLinear, QuantizedEmbedding,
+                     SplitLinear)
 from .errors import LoadError
 
 GGUF_MAGIC = b"GGUF"
@@ -328,18 +329,23 @@ def _k_quant_layer(gf: GGUFFile, parts, kind: str) -> KQuantLinear:
 
 
 
-# The K-quants the row layout holds exactly (Q4_K as Q4Linear, Q6_K as Q8Linear, float32 scales);
-# Q5_K has no row-layout form: int8 rows where the packed kernels are not built.
-_ROW_K_BLOCK = ("Q4_K", "Q6_K")
+# Float matrices: held in float32 as they are (F16 and BF16 widen exactly), never rounded again.
+_FLOAT = ("F32", "F16", "BF16")
+
+# The K-quants the row layout holds exactly (Q4_K as Q4Linear, Q6_K as Q8Linear, Q5_K as
+# Q8MinsLinear: float32 scales), where the packed kernels are not built.
+_ROW_K_BLOCK = ("Q4_K", "Q5_K", "Q6_K")
 
 
 def _k_quant_rows(gf: GGUFFile, parts, kind: str):
-    """A Q4_K or Q6_K weight in the row layout, its values exactly (`Q4Linear.from_q4_k`,
-    `Q8Linear.from_q6_k`): where the packed kernels are not built (AVX2 CPUs)."""
+    """A K-quant weight in the row layout, its values exactly (`Q4Linear.from_q4_k`,
+    `Q8MinsLinear.from_q5_k`, `Q8Linear.from_q6_k`): where the packed kernels are not built (AVX2 CPUs)."""
     fields = [k_quant_fields(_blocks(gf, rest, t), kind) for rest, t in parts]
     f = {k: torch.from_numpy(np.ascontiguousarray(np.concatenate([x[k] for x in fields]))) for k in fields[0]}
     if kind == "Q4_K":
         return Q4Linear.from_q4_k(f["q"], f["sc"], f["m"], f["d"], f["dmin"])
+    if kind == "Q5_K":
+        return Q8MinsLinear.from_q5_k(f["q"], f["sc"], f["m"], f["d"], f["dmin"])
     return Q8Linear.from_q6_k(f["q"], f["sc"], f["d"])
 
 
@@ -412,7 +418,8 @@ def _quantized_layer(gf: GGUFFile, parts, requantized: list[str]):
     kinds = {t.tensor_type.name for _, t in parts}
     N = sum(int(t.shape[1]) for _, t in parts)
     packed = N % 16 == 0 and kernels.packed_available()
-    if len(kinds) > 1 and not kinds <= set(_AS_Q8) and (kernels.packed_available() or kinds & set(_ROW_K_BLOCK)):
+    if len(kinds) > 1 and not kinds <= set(_AS_Q8) and not kinds & set(_FLOAT) and (
+            kernels.packed_available() or kinds & set(_ROW_K_BLOCK)):
         # parts of different kinds (Q4_K_M's Q6_K v beside Q4_K q and k): each as it is stored
         return SplitLinear([_quantized_layer(gf, [part], requantized) for part in parts])
     if len(kinds) == 1 and kinds <= set(_K_BLOCK) and packed:
@@ -438,8 +445,13 @@ def _quantized_layer(gf: GGUFFile, parts, requantized: list[str]):
             layer._set(torch.from_numpy(np.ascontiguousarray(b[..., 2:]).view(np.int8).reshape(N, 32 * G)), scale)
         return layer
     ws = [_unpermute(rest, _dequantize(gf, t), gf) for rest, t in parts]
+    w = torch.from_numpy(np.concatenate(ws) if len(ws) > 1 else np.array(ws[0]))
+    if kinds <= set(_FLOAT):  # float matrices: their values exactly, in float32 (the native stack's GEMMs)
+        layer = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta")
+        layer.weight = torch.nn.Parameter(w, requires_grad=False)
+        return layer
     requantized += [t.name for _, t in parts]
-    return Int8Linear.from_float(torch.from_numpy(np.concatenate(ws) if len(ws) > 1 else np.array(ws[0])))
+    return Int8Linear.from_float(w)
 
 
 def quantized_model(path: str | Path) -> tuple[GGUFFile, "torch.nn.Module", list[str]]:
@@ -475,9 +487,9 @@ def quantized_model(path: str | Path) -> tuple[GGUFFile, "torch.nn.Module", list
             setattr(model.get_submodule(parent) if parent else model, child, value)
     if isinstance(emb, torch.Tensor):
         model.tok_emb = torch.nn.Embedding.from_pretrained(emb, freeze=True)
-        if cfg.tie_embeddings:  # the head is int8 per row from the float table
-            requantized.append("token_embd.weight (as the tied output head)")
-            model.lm_head = Int8Linear.from_float(emb)
+        if cfg.tie_embeddings:  # one float32 matrix for both (the file's values: nothing rounded again)
+            model.lm_head = torch.nn.Linear(emb.shape[1], emb.shape[0], bias=False, device="meta")
+            model.lm_head.weight = model.tok_emb.weight
     else:
         model.tok_emb = QuantizedEmbedding(emb)
         if cfg.tie_embeddings:  # one matrix for both: the head's rows are the table
