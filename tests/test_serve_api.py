@@ -1091,3 +1091,39 @@ def test_serve_cli_fails_in_one_line_before_claiming_to_listen():
                                capture_output=True, text=True, timeout=120)
             assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1 and says in r.stderr, r.stderr
             assert "Traceback" not in r.stdout + r.stderr and "listening on" not in r.stdout + r.stderr
+
+
+@pytest.mark.slow
+def test_an_openai_agents_sdk_agent_calls_a_python_tool_through_the_responses_api(server, monkeypatch):
+    """The OpenAI Agents SDK end to end against the real server: an agent whose model is arlm's
+    Responses API calls a Python function tool (the SDK runs it and, told to stop on the first
+    tool, returns its result); then a plain agent answers in text."""
+    import asyncio
+
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
+
+    set_tracing_disabled(True)  # (no trace export: no network here)
+    calls = []
+
+    @function_tool
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        calls.append(city)
+        return f"Sunny in {city}, 24 C"
+
+    model = OpenAIResponsesModel(model=MODEL, openai_client=openai.AsyncOpenAI(
+        base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=300))
+    settings = ModelSettings(temperature=0, tool_choice="required", max_tokens=64)
+    agent = Agent(name="weather", instructions="Use the tool to answer.", tools=[get_weather], model=model,
+                  model_settings=settings, tool_use_behavior="stop_on_first_tool")
+    plain = Agent(name="plain", instructions="You are a helpful assistant.", model=model,
+                  model_settings=ModelSettings(temperature=0, max_tokens=96))
+
+    async def run():  # (one event loop: the client's connections belong to it)
+        return (await Runner.run(agent, "What is the weather in Paris?"),
+                await Runner.run(plain, "Hi!"))  # (a greedy reply that ends well within 96 tokens)
+
+    result, answer = asyncio.run(run())
+    assert len(calls) == 1 and calls[0]
+    assert result.final_output == f"Sunny in {calls[0]}, 24 C"
+    assert isinstance(answer.final_output, str) and answer.final_output

@@ -84,6 +84,47 @@ def add_generate(sub) -> None:
     p.set_defaults(func=cmd_generate)
 
 
+# -- arlm embed ------------------------------------------------------------------------------------
+
+def cmd_embed(args: argparse.Namespace) -> int:
+    from .tokenizer import valid_text  # (imports tokenizers)
+
+    path = Path(args.input)
+    if path.is_file():  # one input per non-empty line
+        try:
+            texts = [line for line in path.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip()]
+        except OSError as e:
+            raise UsageError(f"arlm embed: error: cannot read {path}: {e.strerror}") from None
+        if not texts:
+            raise UsageError(f"arlm embed: error: {path} has no non-empty line to embed")
+    elif not args.input.strip():
+        raise UsageError("arlm embed: error: the text is empty")
+    elif os.sep in args.input and not any(c.isspace() for c in args.input):  # a path that is not there
+        raise UsageError(f"arlm embed: error: no such file: {args.input} (a text to embed has words, not a path)")
+    else:
+        texts = [valid_text(args.input)]
+    llm = load_llm(args)
+    vectors = llm.embed(texts)
+    if args.json:
+        print(json.dumps({"model": llm.loaded.name, "pooling": llm.POOLING, "dimensions": vectors.shape[1],
+                          "data": [{"index": i, "text": t, "tokens": len(llm.encode_prompt(t)), "embedding": v.tolist()}
+                                   for i, (t, v) in enumerate(zip(texts, vectors))]}, ensure_ascii=False))
+    else:
+        for v in vectors:
+            print(" ".join(f"{x:.6g}" for x in v.tolist()))
+    return 0
+
+
+def add_embed(sub) -> None:
+    p = sub.add_parser("embed", help="embeddings of a text, or of each line of a file (mean-pooled, L2-normalized)")
+    p.add_argument("input", help="the text, or a file whose non-empty lines are embedded one by one")
+    add_model_args(p)
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object (model, pooling, and each input's text, token count and vector) "
+                        "instead of one line of numbers per input")
+    p.set_defaults(func=cmd_embed)
+
+
 # -- arlm chat -------------------------------------------------------------------------------------
 
 def cmd_chat(args: argparse.Namespace) -> int:
@@ -289,7 +330,7 @@ def add_perplexity(sub) -> None:
 
 # -- entry point -----------------------------------------------------------------------------------
 
-SUBCOMMANDS: list[Callable] = [add_generate, add_chat, add_perplexity, add_trace, add_prepare, add_train, add_serve]
+SUBCOMMANDS: list[Callable] = [add_generate, add_embed, add_chat, add_perplexity, add_trace, add_prepare, add_train, add_serve]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -304,7 +345,7 @@ def build_parser() -> argparse.ArgumentParser:
 # Commands whose process may end without the interpreter's teardown: torch's takes ~0.5 s, a
 # quarter of `arlm generate`'s start-to-finish, and these hold nothing that needs it (their
 # output is flushed, their files written and closed before they return).
-QUICK_EXIT = {"generate", "chat", "perplexity", "trace"}
+QUICK_EXIT = {"generate", "embed", "chat", "perplexity", "trace"}
 
 
 def entry() -> None:

@@ -549,6 +549,24 @@ class LLM:
         return stream.completions(texts)
 
 
+    # The pooling `embed` does, as /v1/models names it
+    POOLING = "mean of the final normed hidden states over the input's tokens, L2-normalized"
+
+    def embed(self, texts: str | list[str] | list[list[int]]) -> torch.Tensor:
+        """Embeddings of the texts (or token id lists), float32 [n, d_model]: each the mean of its
+        tokens' final normed hidden states (after the last norm, before the LM head; the BOS
+        token included where the tokenizer prepends one), L2-normalized (`POOLING`). They run as
+        prompt-only requests on this LLM's engine, all at once (batched, chunked as any prompt)."""
+        ids = self.prompt_ids([texts] if isinstance(texts, str) else texts)
+        room = self.engine.max_model_len
+        for i, p in enumerate(ids):
+            if len(p) >= room:
+                raise PromptError(f"input {i} is {len(p)} tokens; the context window takes {room - 1} at most")
+        reqs = [self.engine.add_request(p, SamplingParams(max_new_tokens=1), embed=True) for p in ids]
+        self.engine.run_to_end(reqs)
+        return torch.stack([r.embedding for r in reqs])
+
+
 class ChatSession:
     """A conversation whose earlier turns stay in the KV cache.
 

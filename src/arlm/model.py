@@ -322,7 +322,8 @@ class Transformer(nn.Module):
 
     def forward(self, idx: torch.Tensor, input_pos: torch.Tensor | None = None,
                 kv_cache: KVCache | None = None, kv_len: int | None = None,
-                output_index: torch.Tensor | None = None, dense: bool = False) -> torch.Tensor:
+                output_index: torch.Tensor | None = None, dense: bool = False,
+                hidden_index: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Logits for token ids `idx` [B, T].
 
         input_pos: [B, T] position of each token in its row (default 0 .. T-1 for every row).
@@ -335,6 +336,8 @@ class Transformer(nn.Module):
             many sequences, as the paged cache takes).
         dense: quantized layers that keep a float copy multiply with it (arlm.quant; the
             engine's prompt tokens on the bf16 / float32 matrix paths).
+        hidden_index: [K] positions of a one-row batch whose final normed hidden states [K, d_model]
+            (float32) come back too, as (logits, hidden) (embedding requests: arlm.engine).
         Returns [B, T, vocab] float logits, or [B, vocab] with output_index.
         """
         B, T = idx.shape
@@ -376,6 +379,8 @@ class Transformer(nn.Module):
             sliding = cfg.sliding(i)
             x = block(x, local_rope if sliding else rope, local_mask if sliding else mask, kv_cache, input_pos,
                       kv_len, dense)
+        h = self.norm(x[0, hidden_index]).float() if hidden_index is not None else None
         if output_index is not None:
             x = x[torch.arange(B, device=x.device), output_index]  # [B, d_model]
-        return project(self.lm_head, self.norm(x), dense).float()
+        logits = project(self.lm_head, self.norm(x), dense).float()
+        return logits if h is None else (logits, h)

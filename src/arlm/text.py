@@ -16,6 +16,7 @@ class StopStrings:
         self.stops = stops
         self.text = ""  # all text so far (before truncation)
         self.emitted = 0  # chars of self.text already released
+        self.matched: str | None = None  # the stop string that ended the text
 
     def push(self, piece: str, final: bool) -> tuple[str, bool]:
         """Add text; return (text safe to release now, whether a stop string was hit)."""
@@ -23,9 +24,10 @@ class StopStrings:
         if self.stops:
             # Search from just before the unreleased text: a stop string can straddle the edge.
             start = max(0, self.emitted - max(map(len, self.stops)) + 1)
-            hits = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
+            hits = [(i, s) for i, s in ((self.text.find(s, start), s) for s in self.stops) if i >= 0]
             if hits:
-                cut = max(min(hits), self.emitted)
+                at, self.matched = min(hits, key=lambda h: h[0])
+                cut = max(at, self.emitted)
                 out, self.emitted = self.text[self.emitted:cut], cut
                 self.text = self.text[:cut]
                 return out, True

@@ -113,9 +113,10 @@ class AsyncEngine:
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                        arrival_time: float | None = None, drafter: Drafter | None = None,
-                       group: str | None = None) -> AsyncIterator[RequestOutput]:
+                       group: str | None = None, embed: bool = False) -> AsyncIterator[RequestOutput]:
         """Yield the request's tokens as they come; leaving early aborts it and frees its blocks.
-        A request with a grammar waits here for its compilation, outside the engine's batch."""
+        A request with a grammar waits here for its compilation, outside the engine's batch.
+        embed: an embedding request (Engine.add_request): one output, with its `embedding`."""
         if self.dead:
             raise EngineDead(self.dead)
         self.engine.check_request(prompt_ids, params)
@@ -123,7 +124,7 @@ class AsyncEngine:
         grammar = await self.compile(params.structured) if params.structured is not None else None
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
-        self._post(("add", request_id, prompt_ids, params, arrival_time, drafter, grammar, group))
+        self._post(("add", request_id, prompt_ids, params, arrival_time, drafter, grammar, group, embed))
         finished = False
         try:
             while True:
@@ -177,9 +178,9 @@ class AsyncEngine:
                     engine.abort(request_id, rest[0])
                     continue
                 try:
-                    prompt_ids, params, arrival_time, drafter, grammar, group = rest
+                    prompt_ids, params, arrival_time, drafter, grammar, group, embed = rest
                     engine.add_request(prompt_ids, params, request_id, arrival_time, drafter=drafter, grammar=grammar,
-                                       group=group)
+                                       group=group, embed=embed)
                 except ValueError as e:  # checked before; only a race could get here
                     self._loop.call_soon_threadsafe(self._deliver, request_id, e)
             if not engine.has_unfinished():

@@ -240,7 +240,7 @@ class Engine:
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
                     arrival_time: float | None = None, context_shift: bool = False,
                     prompt_logits: bool = False, drafter: Drafter | None = None, grammar=None,
-                    group: str | None = None) -> Request:
+                    group: str | None = None, embed: bool = False) -> Request:
         """Queue a request; it runs from the next `step`. context_shift: at a full context window
         it goes on from the window's last half instead of finishing with CONTEXT. prompt_logits:
         keep the float32 logits of every prompt position in `request.prompt_logits` [P, vocab]
@@ -250,7 +250,12 @@ class Engine:
         tokens; sampled: the same distribution). grammar: params.structured compiled already
         (`Grammars.submit`, off this thread: a server's requests wait for their grammar there,
         never in a step); without it the grammar is compiled here. group: the API call this
-        request is one choice of (its choices share turns while others run: EngineConfig.group_rows)."""
+        request is one choice of (its choices share turns while others run: EngineConfig.group_rows).
+        embed: an embedding request (`params` is ignored): its prompt runs as any other's, never
+        from the prefix cache, and it ends at the prompt's end with `RequestOutput.embedding` (the
+        mean of its tokens' final normed hidden states, L2-normalized) and no token."""
+        if embed:  # one token's room: the prompt's last position samples, and that ends it
+            params, drafter, prompt_logits = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True), None, False
         self.check_request(prompt_ids, params)
         if request_id is None:
             self._next_id += 1
@@ -267,6 +272,7 @@ class Engine:
         if arrival_time is not None:
             req.arrival_time = arrival_time
         req.group = group
+        req.embed = embed
         if params.structured is not None:
             if self.grammars is None:
                 raise ValueError("structured outputs need the tokenizer's grammar engine (Engine.grammars)")
@@ -383,13 +389,17 @@ class Engine:
                 self.stats.spec_passes += 1
         outputs = []
         for req, new in self.scheduler.update(batch, sampled):
+            if req.embed:  # no token: the vector (the one sampled only ended the request)
+                outputs.append(RequestOutput(req.request_id, -1, 0, req.finish_reason, embedding=req.embedding))
+                new = []
             self.stats.generation_tokens += len(new)
             count = req.num_output_tokens - len(new)
-            if count == 0 and self.stats.on_first_token is not None:
+            if count == 0 and new and self.stats.on_first_token is not None:
                 self.stats.on_first_token(req.first_token_time - req.arrival_time)
             for j, tok in enumerate(new):
                 last = j == len(new) - 1
-                out = RequestOutput(req.request_id, tok, count + j + 1, req.finish_reason if last else None)
+                out = RequestOutput(req.request_id, tok, count + j + 1, req.finish_reason if last else None,
+                                    cached_tokens=req.num_cached_tokens)
                 if req.params.logprobs is not None and count + j < len(req.output_logprobs):
                     out.logprob, out.top_logprobs = req.output_logprobs[count + j]
                 if count + j == 0 and req.prompt_logprobs is not None:

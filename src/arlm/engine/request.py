@@ -75,6 +75,12 @@ class Request:
     num_dropped: int = 0  # tokens before the window (context shift)
     keep_prompt_logits: bool = False
     prompt_logits: torch.Tensor | None = None  # [P, vocab] float32 (keep_prompt_logits)
+    # An embedding request (Engine.add_request(embed=True)): its prompt runs as any prompt (chunked,
+    # batched with other requests), the final normed hidden state of each of its tokens summed
+    # (float64) as they are computed; it ends at the prompt's end (`embedding`)
+    embed: bool = False
+    hidden_sum: torch.Tensor | None = None
+    hidden_count: int = 0
     # Instead of prompt_logits: called with (start, logits [n, vocab]) for each computed chunk of
     # prompt positions start .. start + n - 1 (a stream too long to hold its logits: perplexity)
     logits_sink: Callable[[int, torch.Tensor], None] | None = None
@@ -160,6 +166,22 @@ class Request:
             self.prompt_logits = logits.new_empty(self.num_prompt_tokens, logits.shape[1])
         self.prompt_logits[start:start + n] = logits
 
+    def add_hidden(self, start: int, hidden: torch.Tensor) -> None:
+        """Prompt positions start .. start + n - 1 computed: their final normed hidden states
+        [n, d_model] (a recomputation from 0, after a preemption, starts the sum again)."""
+        total = hidden.double().sum(0)
+        if start == 0 or self.hidden_sum is None:
+            self.hidden_sum, self.hidden_count = total, 0
+        else:
+            self.hidden_sum += total
+        self.hidden_count = start + hidden.shape[0]
+
+    @property
+    def embedding(self) -> torch.Tensor:
+        """The mean of the prompt tokens' final normed hidden states, L2-normalized: float32 [d_model]."""
+        mean = self.hidden_sum / self.hidden_count
+        return (mean / mean.norm().clamp_min(1e-12)).float()
+
     def append(self, token: int) -> None:
         """Take a sampled token."""
         self.token_ids.append(token)
@@ -186,3 +208,5 @@ class RequestOutput:
     top_logprobs: list[tuple[int, float]] | None = None
     # SamplingParams.prompt_logprobs, on a request's first output: prompt tokens 1 .. P-1's
     prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    embedding: torch.Tensor | None = None  # an embedding request's vector (Request.embedding), on its last
+    cached_tokens: int = 0  # prompt tokens the request took from the prefix cache (its last admission)

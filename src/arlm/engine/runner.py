@@ -101,7 +101,7 @@ class ModelRunner:
             return self._decode_rows(cache, batch), list(range(len(batch.seqs)))
         dense_natively = self.native is not None and self.native.dense_weights is not None and cache.use_kernel
         if by_rows and (self.native is None or self.dense_prefill and not dense_natively) and all(
-                s.blocks[0] == i and s.num_computed == 0 and batch.samples(i) and not s.wants_logits
+                s.blocks[0] == i and s.num_computed == 0 and batch.samples(i) and not s.wants_logits and not s.embed
                 for i, s in enumerate(batch.seqs)):
             return self._prefill_rows(cache, batch), list(range(len(batch.seqs)))
         if self.dense_prefill:
@@ -181,11 +181,13 @@ class ModelRunner:
 
     def forward_flat(self, cache: KVCache, tokens: list[int], positions: list[int], seq_index: list[int],
                      tables: list[list[int]], out_index: list[int], dense: bool = False,
-                     local_tables: list[list[int]] | None = None) -> torch.Tensor:
+                     local_tables: list[list[int]] | None = None,
+                     hidden: tuple[list[int], torch.Tensor] | None = None) -> torch.Tensor:
         """A flattened batch through block tables: token j of sequence seq_index[j] (whose blocks
         are tables[seq_index[j]]; in a split pool's sliding layers local_tables[seq_index[j]]) at
         positions[j]; the logits [len(out_index), vocab] of the flat positions out_index (at
-        least one row). dense: through the dense weights."""
+        least one row). dense: through the dense weights. hidden: (flat positions, out): their
+        final normed hidden states into out [len, d_model] (embedding requests)."""
         dev = self.device
         width = max(len(t) for t in tables + (local_tables or []))
 
@@ -204,10 +206,17 @@ class ModelRunner:
             x = self.native.embed(tokens_t)
             self.native.forward(x, cache.k, cache.v, table, seq_t, pos_t, cache.format, cache.window, cache.sinks,
                                 dense=dense, local=(cache.k_local, cache.v_local, local) if cache.split else None)
+            if hidden is not None:
+                hidden[1].copy_(self.model.norm(x[torch.tensor(hidden[0], device=dev)]))
             return self.native.head(x[out_t])  # (the quantized head: 8 bits twice, the more faithful)
         cache.set_batch(table, seq_t, local)
         try:
-            return self.model(tokens_t[None], pos_t[None], kv_cache=cache, output_index=out_t, dense=dense)
+            if hidden is None:
+                return self.model(tokens_t[None], pos_t[None], kv_cache=cache, output_index=out_t, dense=dense)
+            logits, h = self.model(tokens_t[None], pos_t[None], kv_cache=cache, output_index=out_t, dense=dense,
+                                   hidden_index=torch.tensor(hidden[0], device=dev))
+            hidden[1].copy_(h)
+            return logits
         finally:
             cache.set_batch(None, None)
 
@@ -220,6 +229,8 @@ class ModelRunner:
         out_index: list[int] = []  # flat positions that reach the LM head
         out_rows: list[int] = []
         kept: list[tuple[int, int]] = []  # (batch row, its first row in out_index): rows that keep logits
+        embeds: list[tuple[int, int]] = []  # (batch row, its first flat position): embedding requests' chunks
+        hidden_index: list[int] = []
         sample_at: list[int] = []  # the row in out_index of each sampling row, where some row keeps logits
         for j, i in enumerate(rows):
             seq, n = batch.seqs[i], batch.num_tokens[i]
@@ -227,6 +238,9 @@ class ModelRunner:
             tokens += batch.input_ids(i)
             positions += range(start, start + n)
             seq_index += [j] * n
+            if seq.embed:  # every token's hidden state
+                embeds.append((i, len(hidden_index)))
+                hidden_index += range(len(tokens) - n, len(tokens))
             if seq.wants_logits:  # every token of the chunk; the last one samples
                 kept.append((i, len(out_index)))
                 out_index += range(len(tokens) - n, len(tokens))
@@ -241,8 +255,12 @@ class ModelRunner:
                 sample_at.append(len(out_index) - 1)
         tables = [batch.seqs[i].blocks for i in rows]
         local_tables = [batch.seqs[i].local_blocks for i in rows] if cache.split else None
+        hidden = (hidden_index, torch.empty(len(hidden_index), self.config.d_model)) if embeds else None
         logits = self.forward_flat(cache, tokens, positions, seq_index, tables, out_index,
-                                   dense and self.dense_prefill, local_tables)
+                                   dense and self.dense_prefill, local_tables, hidden)
+        for i, first in embeds:
+            seq = batch.seqs[i]
+            seq.add_hidden(seq.num_computed, hidden[1][first:first + batch.num_tokens[i]])
         if not kept:  # out_index holds exactly the sampling rows
             return logits[:len(out_rows)], out_rows
         dev = self.device

@@ -215,9 +215,9 @@ class Scheduler:
 
     def _match_prefix(self, seq: Request) -> None:
         """Take the cached blocks of the longest prefix of the window (full blocks only); none
-        for a request that keeps its prompt's logits (every prompt token must run)."""
+        for a request that keeps its prompt's logits or embeds it (every prompt token must run)."""
         bs = self.block_size
-        if self.pool.enable_prefix_caching and not seq.keep_prompt_logits:
+        if self.pool.enable_prefix_caching and not (seq.keep_prompt_logits or seq.embed):
             for i in range(seq.num_tokens // bs):
                 block = self.pool.lookup(self._hash(seq, i))
                 if block is None:
