@@ -9,9 +9,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from pydantic import Field
 
-from ..llm import PromptError
 from ..sampling import MAX_LOGPROBS
-from . import tools as tools_mod
 from .choices import respond
 from .common import MAX_COUNT, APIError, ChatMessage, Server, _SamplingRequest
 
@@ -34,20 +32,8 @@ def add_routes(app: FastAPI, server: Server) -> None:
             if m.content is None and not (m.role == "assistant"):  # (an assistant turn may be only a tool call)
                 raise APIError(400, f"messages.{i}.content: a {m.role} message needs content",
                                param=f"messages.{i}.content", code="invalid_value")
-        messages = server.chat_messages(req.messages)
-        try:
-            functions, choice = tools_mod.check_tools(req.tools, req.tool_choice)
-        except tools_mod.ToolError as e:
-            raise APIError(400, str(e), param=e.param, code="invalid_value") from None
-        use_tools = choice not in (None, "none")
-        parallel = bool(req.parallel_tool_calls)
-        extra = {}
-        if use_tools:
-            messages, extra = server.tool_format.prompt(messages, functions, choice, parallel)
-        try:
-            ids = await server.encode_async(server.llm.apply_chat_template(messages, **extra), "messages")
-        except PromptError as e:
-            raise APIError(400, str(e), param="messages", code="invalid_value") from None
+        ids, constraint = await server.chat_prompt(server.chat_messages(req.messages), req.tools, req.tool_choice,
+                                                   bool(req.parallel_tool_calls))
         params = server.sampling_params(req, req.max_completion_tokens or req.max_tokens, len(ids), "messages")
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
@@ -55,12 +41,11 @@ def add_routes(app: FastAPI, server: Server) -> None:
             params = dataclasses.replace(params, logprobs=req.top_logprobs or 0)
         structured = await server.structured(req)
         field, structured = structured or (None, None)
-        if use_tools:
+        if constraint is not None:
             if structured is not None:
                 raise APIError(400, "tools and a structured output (response_format, guided_*) at once",
                                param="response_format", code="invalid_value")
-            field, structured = "tools", server.tool_format.constraint(functions, choice, parallel)
-            await server.grammar(field, structured)
+            field, structured = "tools", constraint
         params = dataclasses.replace(params, structured=structured)
         return await respond(server, request, req, server.jobs(0, ids, params, req.n), len(ids), chat=True,
-                             tools=server.tool_format if use_tools else None, field=field)
+                             tools=server.tool_format if constraint is not None else None, field=field)
