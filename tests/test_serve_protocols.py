@@ -258,3 +258,16 @@ def test_messages_key_and_errors_in_anthropics_shape(app):
         assert err["type"] == "error" and err["error"]["type"] == "invalid_request_error", err
         assert field in err["error"]["message"], (field, err)
     assert http.get("/health").status_code == 200
+
+
+def test_messages_stream_pings_while_a_long_prompt_prefills(app, monkeypatch):
+    from arlm.serve import anthropic as messages_api
+
+    monkeypatch.setattr(messages_api, "PING_SECONDS", 0.01)
+    long = "The history of the Roman Empire spans many centuries. " * 120
+    with app[0].stream("POST", "/v1/messages", headers={"x-api-key": "k"}, json={
+            "model": MODEL, "max_tokens": 2, "stream": True, "temperature": 0,
+            "messages": [{"role": "user", "content": long}]}) as r:
+        kinds = [line[7:] for line in r.iter_lines() if line.startswith("event: ")]
+    assert kinds[0] == "message_start" and "ping" in kinds and kinds[-1] == "message_stop"
+    assert kinds.index("ping") < kinds.index("content_block_start")
