@@ -7,7 +7,8 @@ llama.cpp's server (`--embeddings --pooling mean`) when its binary is found.
                                              [--llama-server PATH]
 
 Each request is a different prompt, greedy; token counts come from each protocol's usage, the first
-token's time from its first text event. Medians over the rounds.
+token's time from its first text event. Medians over the rounds. The server runs without prefix
+caching: the three protocols render the same conversations to the same prompt tokens.
 """
 
 from __future__ import annotations
@@ -120,7 +121,9 @@ def main() -> None:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false"}
-    server = run_server([sys.executable, "-m", "arlm", "serve", "--model", MODEL, "--port", str(port)], env, url)
+    # (no prefix caching: the protocols render the same prompts, and a later one would find them cached)
+    server = run_server([sys.executable, "-m", "arlm", "serve", "--model", MODEL, "--port", str(port),
+                         "--no-prefix-caching"], env, url)
     results: dict = {"streams": {}, "embeddings": {}}
     try:
         protocols = ("chat", "responses", "messages")
