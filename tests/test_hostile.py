@@ -366,6 +366,21 @@ CASES = [
          (), statuses=(413,), note="5 MiB against a 4 MiB limit"),
     Case("tools_300_big", lambda url: chat(tools=tools(300, 24), max_tokens=HOSTILE_TOKENS, temperature=0),
          ("tools", "messages"), note="300 functions x 24 parameters: over the context once shown"),
+    # the other protocols' routes: the same costs asked in their own fields
+    Case("responses_schema_3000",
+         lambda url: {"model": MODEL, "input": "Describe yourself.", "max_output_tokens": HOSTILE_TOKENS,
+                      "temperature": 0, "text": {"format": {"type": "json_schema", "name": "x",
+                                                            "schema": schema_props(3000, True)}}},
+         ("text.format",), path="/v1/responses", note="Responses: text.format with 3000 required properties"),
+    Case("messages_tools_300",
+         lambda url: {"model": MODEL, "max_tokens": HOSTILE_TOKENS, "temperature": 0,
+                      "messages": [{"role": "user", "content": "Describe yourself."}],
+                      "tools": [{"name": t["function"]["name"], "description": t["function"]["description"],
+                                 "input_schema": t["function"]["parameters"]} for t in tools(300, 24)]},
+         ("tools", "messages"), path="/v1/messages", note="Messages: 300 tools x 24 parameters"),
+    Case("embeddings_2048",
+         lambda url: {"model": MODEL, "input": [f"sentence number {i} about the weather" for i in range(2048)]},
+         ("input",), path="/v1/embeddings", note="2048 inputs in one embeddings request"),
     Case("tools_10_fit",
          lambda url: chat(tools=tools(10, 12), tool_choice="required", max_tokens=HOSTILE_TOKENS, temperature=0),
          ("tools", "messages"),
@@ -393,6 +408,26 @@ def send(url: str, case: Case, body: dict | bytes) -> dict:
         payload = r.json()
     except ValueError:
         out["message"], out["shape_ok"] = f"not JSON: {r.text[:200]!r}", False
+        return out
+    if case.path.startswith("/v1/messages"):  # Anthropic's shapes: the field named first in the message
+        if r.status_code == 200:
+            out["message"] = f"stop_reason {payload.get('stop_reason')}, {payload.get('usage')}"
+            out["shape_ok"] = payload.get("type") == "message" and payload.get("stop_reason") is not None
+        else:
+            err = payload.get("error") if isinstance(payload, dict) else None
+            out["shape_ok"] = payload.get("type") == "error" and isinstance(err, dict) and set(err) == {"type",
+                                                                                                       "message"}
+            out["message"] = str((err or {}).get("message"))[:300]
+            out["param"] = out["message"].partition(":")[0]
+        return out
+    if r.status_code == 200 and case.path in ("/v1/responses", "/v1/embeddings"):
+        if case.path == "/v1/responses":
+            out["message"] = f"status {payload.get('status')}, {payload.get('usage')}"
+            out["shape_ok"] = payload.get("object") == "response" and payload.get("status") in ("completed",
+                                                                                                "incomplete")
+        else:
+            out["message"] = f"{len(payload.get('data', []))} vectors, {payload.get('usage')}"
+            out["shape_ok"] = payload.get("object") == "list" and bool(payload.get("data"))
         return out
     if r.status_code == 200:
         choices = payload.get("choices") or []

@@ -108,6 +108,7 @@ class Scheduler:
         # (window, sinks) of a windowed engine (EngineConfig.kv_window): blocks no query reads again
         # go back to the pool as the window moves, their places in `blocks` left as FREED
         self.window: tuple[int, int] | None = None
+        self._interactive = False  # (schedule: whether a request that is not an embedding runs or waits)
         # A split pool (KVCache.split): the sliding-window layers' blocks come from `local`, and a
         # sequence gives back those behind its last `sliding_window` positions as it goes
         self.local: BlockPool | None = None
@@ -274,7 +275,7 @@ class Scheduler:
         cap = self.long_prefill_tokens
         if cap is None:
             return None
-        if decoding or any(s.num_tokens - s.num_computed <= cap for s in self.waiting):
+        if decoding or any(not s.embed and s.num_tokens - s.num_computed <= cap for s in self.waiting):
             return max(self.LONG_PREFILL_SHARED, decoding // 2)
         return cap
 
@@ -310,10 +311,16 @@ class Scheduler:
         return 2 if seq.keep_prompt_logits else 1
 
     def _is_long(self, seq: Request) -> bool:
-        return self.long_prefill_tokens is not None and seq.num_tokens - seq.num_computed > self.long_prefill_tokens
+        """Whether `seq`'s prompt tokens come out of the long-prompt budget (`_long_budget`): a
+        long prompt's; and an embedding request's while any other request runs or waits (batch
+        work: 2,048 inputs of one call must not make every stream's step longer)."""
+        if self.long_prefill_tokens is None:
+            return False
+        return seq.num_tokens - seq.num_computed > self.long_prefill_tokens or (seq.embed and self._interactive)
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
+        self._interactive = any(not s.embed for s in self.running) or any(not s.embed for s in self.waiting)
         budget = self.max_num_batched_tokens
         scheduled: set[int] = set()
 

@@ -81,10 +81,13 @@ async def _embed_all(server: Server, ids: list[list[int]]) -> list:
     request aborted, its blocks freed)."""
     arrival = time.monotonic()
     params = SamplingParams(max_new_tokens=1)
+    # one call's inputs share its turns, as n choices do: 2,048 inputs run a few rows a step while
+    # others want the step, and take every row when alone (Scheduler._group_turns)
+    group = server.engine.new_request_id("call") if len(ids) > 1 else None
 
     async def one(p: list[int]):
         rid = server.engine.new_request_id("emb")
-        stream = server.engine.generate(rid, p, params, arrival, embed=True)
+        stream = server.engine.generate(rid, p, params, arrival, embed=True, group=group)
         try:
             async for out in stream:
                 if out.embedding is not None:
