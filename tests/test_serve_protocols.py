@@ -271,3 +271,36 @@ def test_messages_stream_pings_while_a_long_prompt_prefills(app, monkeypatch):
         kinds = [line[7:] for line in r.iter_lines() if line.startswith("event: ")]
     assert kinds[0] == "message_start" and "ping" in kinds and kinds[-1] == "message_stop"
     assert kinds.index("ping") < kinds.index("content_block_start")
+
+
+def test_earlier_tool_calls_reach_the_chat_template(smollm2):
+    # A conversation's earlier calls, from either protocol, are written the tool format's way (the
+    # generic format's JSON reply for SmolLM2's template), as Chat Completions' are; a stored
+    # conversation is never changed by the turns that continue it.
+    from types import SimpleNamespace
+
+    from arlm.serve import anthropic as messages_api
+    from arlm.serve import responses
+    from arlm.serve.common import Server
+
+    server = Server(smollm2, SimpleNamespace(engine=SimpleNamespace(max_model_len=100, stats=SimpleNamespace(),
+                                                                    grammars=None)), MODEL)
+    call = {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city": "Paris"}'}
+    req = responses.ResponsesRequest.model_validate({"model": MODEL, "input": [
+        {"role": "user", "content": "Weather in Paris?"}, call,
+        {"type": "function_call_output", "call_id": "c1", "output": "Sunny"}]})
+    msgs, calls = responses.conversation(req, [], set())
+    text = smollm2.apply_chat_template(server.template_messages(msgs))
+    assert calls == {"c1"} and '"get_weather"' in text and '"Paris"' in text and "Sunny" in text
+    history = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    frozen = [dict(m) for m in history]
+    more = responses.ResponsesRequest.model_validate({"model": MODEL, "input": [call]})
+    msgs, _ = responses.conversation(more, history, set())
+    assert history == frozen and msgs[-1]["content"] == "Hello" and msgs[-1]["tool_calls"][0]["id"] == "c1"
+    m = messages_api.MessagesRequest.model_validate({"model": MODEL, "max_tokens": 8, "messages": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+                                           "input": {"city": "Paris"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "Sunny"}]}]})
+    text = smollm2.apply_chat_template(server.template_messages(messages_api.conversation(m)))
+    assert '"get_weather"' in text and '"Paris"' in text and "Sunny" in text

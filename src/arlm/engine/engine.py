@@ -256,6 +256,7 @@ class Engine:
         mean of its tokens' final normed hidden states, L2-normalized) and no token."""
         if embed:  # one token's room: the prompt's last position samples, and that ends it
             params, drafter, prompt_logits = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True), None, False
+            context_shift = False
         self.check_request(prompt_ids, params)
         if request_id is None:
             self._next_id += 1

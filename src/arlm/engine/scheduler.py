@@ -442,7 +442,8 @@ class Scheduler:
             if self.local is not None:
                 self._slide(seq)
             full = min(seq.num_computed // bs, len(seq.blocks))
-            while self.pool.enable_prefix_caching and seq.num_registered < full:
+            # (an embedding's blocks are not cached: they would push chat prefixes out)
+            while self.pool.enable_prefix_caching and not seq.embed and seq.num_registered < full:
                 self.pool.register(seq.blocks[seq.num_registered], self._hash(seq, seq.num_registered))
                 seq.num_registered += 1
             if tokens is None:
@@ -473,7 +474,7 @@ class Scheduler:
         full = min(seq.num_computed // bs, len(blocks))
         while seq.num_local_registered < full:
             i = seq.num_local_registered
-            if self.local.enable_prefix_caching and blocks[i] != FREED:
+            if self.local.enable_prefix_caching and not seq.embed and blocks[i] != FREED:
                 self.local.register(blocks[i], self._hash(seq, i))
             seq.num_local_registered += 1
         end = min(self._local_start(seq.num_computed), len(blocks))

@@ -12,7 +12,8 @@ coming back as a `tool_use` block with `stop_reason: "tool_use"`. `stop_reason` 
 
 Streamed (`stream: true`): message_start, content_block_start, content_block_delta (text_delta,
 or input_json_delta for a call), content_block_stop, message_delta (stop_reason, usage),
-message_stop; `ping` every PING_SECONDS while a long prompt prefills. Errors are Anthropic's
+message_stop; `ping` whenever nothing else went out for PING_SECONDS (a long prompt prefilling, a
+tool call held back to be parsed whole). Errors are Anthropic's
 shape, `{"type": "error", "error": {"type", "message"}}` (api.py's handlers, by path); the key
 may come as `x-api-key` (or `Authorization: Bearer`); `anthropic-version` is accepted.
 """
@@ -177,6 +178,8 @@ def add_routes(app: FastAPI, server: Server) -> None:
         ids, constraint = await server.chat_prompt(conversation(req), tools, choice, parallel)
         params = server.params_for(len(ids), req.max_tokens, NAMES, "messages", temperature=req.temperature,
                                    top_p=req.top_p, top_k=req.top_k, stop=req.stop_sequences)
+        if constraint is not None:
+            await server.grammar("tools", constraint)
         structured = constraint
         fmt = (req.output_config or {}).get("format")
         if fmt is not None:
@@ -189,14 +192,15 @@ def add_routes(app: FastAPI, server: Server) -> None:
             structured = await server.format_grammar({"type": "json_schema", "json_schema": {"schema": fmt["schema"]}},
                                                      "output_config.format")
         params = dataclasses.replace(params, structured=structured)
-        return await server.answer(request, Turn(server, ids, constraint is not None), (0, ids, params), req.stream,
-                                   "output_config.format" if fmt is not None else "tools")
+        field = "output_config.format" if fmt is not None else "tools"
+        return await server.answer(request, Turn(server, ids, constraint is not None, field), (0, ids, params),
+                                   req.stream, field)
 
 class Turn:
     """One reply as a message object and its stream of events."""
 
-    def __init__(self, server: Server, ids: list[int], tools: bool) -> None:
-        self.server, self.ids, self.tools = server, ids, tools
+    def __init__(self, server: Server, ids: list[int], tools: bool, field: str) -> None:
+        self.server, self.ids, self.tools, self.field = server, ids, tools, field
         self.id = f"msg_{uuid.uuid4().hex[:24]}"
 
     def message(self, content: list[dict], stop_reason: str | None, stop_sequence: str | None,
@@ -240,13 +244,15 @@ class Turn:
         deltas = self.server.run_all([job]).__aiter__()
         pending = asyncio.ensure_future(deltas.__anext__())
         try:
-            while not pending.done():  # keep-alive while the prompt prefills
-                await asyncio.wait({pending}, timeout=PING_SECONDS)
-                if not pending.done():
-                    yield event("ping")
             while True:
+                # a ping whenever nothing has gone out for PING_SECONDS: while the prompt prefills,
+                # and while a tool call is held back to be parsed whole
+                while not pending.done():
+                    await asyncio.wait({pending}, timeout=PING_SECONDS)
+                    if not pending.done():
+                        yield event("ping")
                 try:
-                    d = await pending
+                    d = pending.result()
                 except StopAsyncIteration:
                     break
                 text += d.text
@@ -276,7 +282,7 @@ class Turn:
                         usage={"output_tokens": count})
             yield event("message_stop")
         except Exception as e:  # noqa: BLE001 - the stream has started: report in-band, in Anthropic's shape
-            err = stream_error(e, "tools")["error"]
+            err = stream_error(e, self.field)["error"]
             status = 400 if err["type"] == "invalid_request_error" else 500
             yield f"event: error\ndata: {json.dumps(error_body(status, err['message']))}\n\n"
         finally:  # (a client gone: the request aborted, its blocks freed)

@@ -69,6 +69,8 @@ def create_app(server: Server, engine_thread: bool = True) -> FastAPI:
         if request.url.path.startswith(anthropic.PATHS):
             if param and not message.startswith(param):  # (Anthropic's shape has no field of its own for it)
                 message = f"{param}: {message}"
+            if code == "model_not_found":  # (Anthropic's status for it)
+                status = 404
             return JSONResponse(anthropic.error_body(status, message), status)
         return error_response(status, message, param, code, type_)
 

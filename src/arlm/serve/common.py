@@ -344,8 +344,8 @@ class Server:
         return tools_mod.tool_format(self.llm.chat_template)
 
     def chat_messages(self, messages: list[ChatMessage]) -> list[dict]:
-        """The request's messages as the chat template takes them (text content; an assistant's
-        earlier tool calls in the tool format's way)."""
+        """The request's messages as a conversation (text content; an assistant's earlier tool
+        calls as OpenAI's `tool_calls`, written the tool format's way by `template_messages`)."""
         out = []
         for m in messages:
             content = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or [])
@@ -354,32 +354,42 @@ class Server:
                 msg["tool_call_id"] = m.tool_call_id
             if m.name is not None:
                 msg["name"] = m.name
-            out.append(self.tool_format.history(msg, m.tool_calls) if m.role == "assistant" else msg)
+            if m.role == "assistant" and m.tool_calls:
+                msg["tool_calls"] = m.tool_calls
+            out.append(msg)
+        return out
+
+    def template_messages(self, messages: list[dict]) -> list[dict]:
+        """A conversation (role, content; an assistant's `tool_calls` in OpenAI's chat shape, a
+        tool message's tool_call_id) as the chat template takes it: earlier calls written the
+        tool format's way (serve/tools.py: the generic format's JSON reply, or Hermes's objects)."""
+        out = []
+        for m in messages:
+            if m.get("role") == "assistant" and m.get("tool_calls"):
+                m = self.tool_format.history({k: v for k, v in m.items() if k != "tool_calls"}, m["tool_calls"])
+            out.append(m)
         return out
 
     async def chat_prompt(self, messages: list[dict], tools: list | None, tool_choice, parallel: bool,
                           param: str = "messages") -> tuple[list[int], StructuredOutput | None]:
-        """A conversation (the chat template's messages: role, content, an assistant's
-        tool_calls, a tool message's tool_call_id) and its tools (OpenAI's chat shape) as prompt
-        token ids, and the constraint the reply follows where tools may be called (serve/tools.py,
-        compiled): the one place every protocol's conversations meet the chat template."""
+        """A conversation (`template_messages`' input) and its tools (OpenAI's chat shape) as
+        prompt token ids, and the constraint the reply follows where tools may be called
+        (serve/tools.py; not compiled yet: the caller compiles it with `grammar("tools", ...)`
+        once the request's cheaper checks have passed): the one place every protocol's
+        conversations meet the chat template."""
         try:
             functions, choice = tools_mod.check_tools(tools, tool_choice)
         except tools_mod.ToolError as e:
             raise APIError(400, str(e), param=e.param, code="invalid_value") from None
         use_tools = choice not in (None, "none")
-        extra = {}
+        messages, extra = self.template_messages(messages), {}
         if use_tools:
             messages, extra = self.tool_format.prompt(messages, functions, choice, parallel)
         try:
             ids = await self.encode_async(self.llm.apply_chat_template(messages, **extra), param)
         except PromptError as e:
             raise APIError(400, str(e), param=param, code="invalid_value") from None
-        if not use_tools:
-            return ids, None
-        constraint = self.tool_format.constraint(functions, choice, parallel)
-        await self.grammar("tools", constraint)
-        return ids, constraint
+        return ids, self.tool_format.constraint(functions, choice, parallel) if use_tools else None
 
     def params_for(self, prompt_len: int, max_tokens: int | None, names: dict[str, str], prompt_param: str,
                    **fields) -> SamplingParams:

@@ -46,6 +46,7 @@ def add_routes(app: FastAPI, server: Server) -> None:
                 raise APIError(400, "tools and a structured output (response_format, guided_*) at once",
                                param="response_format", code="invalid_value")
             field, structured = "tools", constraint
+            await server.grammar(field, structured)
         params = dataclasses.replace(params, structured=structured)
         return await respond(server, request, req, server.jobs(0, ids, params, req.n), len(ids), chat=True,
                              tools=server.tool_format if constraint is not None else None, field=field)

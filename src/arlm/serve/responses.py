@@ -93,13 +93,12 @@ class ResponseStore:
 
 
 def conversation(req: ResponsesRequest, history: list[dict], known_calls: set[str]) -> tuple[list[dict], set[str]]:
-    """The request's input items after `history` (a previous response's conversation), as the
-    chat template's messages; and every call id the conversation holds. A function_call_output
-    must answer a call made earlier in it."""
+    """The request's input items after `history` (a previous response's conversation), as a
+    conversation (`Server.template_messages`' input; `instructions` are not part of it: they
+    apply to this request alone, as OpenAI's); and every call id it holds. A
+    function_call_output must answer a call made earlier in it. `history`'s messages are never
+    changed (they are the store's)."""
     messages = list(history)
-    if req.instructions:  # (a system message of this turn's: instructions do not carry over)
-        messages = [m for m in messages if m.get("role") != "system"]
-        messages.insert(0, {"role": "system", "content": req.instructions})
     calls = set(known_calls)
     items = [{"type": "message", "role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
     if not items:
@@ -124,8 +123,8 @@ def conversation(req: ResponsesRequest, history: list[dict], known_calls: set[st
                                param=param, code="invalid_value")
             call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
             last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant" and last.get("tool_calls") and not last["content"]:
-                last["tool_calls"].append(call)  # (parallel calls: one assistant turn)
+            if last is not None and last["role"] == "assistant":  # (its text and calls, parallel calls: one turn)
+                messages[-1] = {**last, "tool_calls": [*last.get("tool_calls", []), call]}
             else:
                 messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
             calls.add(call_id)
@@ -202,26 +201,29 @@ def add_routes(app: FastAPI, server: Server) -> None:
         messages, calls = conversation(req, history, known)
         tools, choice = chat_tools(req)
         parallel = bool(req.parallel_tool_calls) if req.parallel_tool_calls is not None else False
-        ids, constraint = await server.chat_prompt(messages, tools, choice, parallel, param="input")
+        system = [{"role": "system", "content": req.instructions}] if req.instructions else []
+        ids, constraint = await server.chat_prompt(system + messages, tools, choice, parallel, param="input")
         params = server.params_for(len(ids), req.max_output_tokens, NAMES, "input", temperature=req.temperature,
                                    top_p=req.top_p, seed=req.seed, top_k=req.top_k)
         fmt = text_format(req)
-        structured = constraint
+        structured, field = constraint, "tools" if constraint is not None else "text.format"
         if fmt is not None and fmt["type"] != "text":
             if constraint is not None:
                 raise APIError(400, "tools and a JSON text.format at once", param="text.format", code="invalid_value")
             structured = await server.format_grammar(fmt, "text.format")
+        elif constraint is not None:
+            await server.grammar("tools", constraint)
         params = dataclasses.replace(params, structured=structured)
-        turn = Turn(server, req, messages, calls, ids, constraint is not None)
-        return await server.answer(request, turn, (0, ids, params), req.stream,
-                                   "tools" if constraint is not None else "text.format")
+        turn = Turn(server, req, messages, calls, ids, constraint is not None, field)
+        return await server.answer(request, turn, (0, ids, params), req.stream, field)
 
 class Turn:
     """One response: the request's fields echoed, the output items built from the reply."""
 
     def __init__(self, server: Server, req: ResponsesRequest, messages: list[dict], calls: set[str],
-                 ids: list[int], tools: bool) -> None:
+                 ids: list[int], tools: bool, field: str) -> None:
         self.server, self.req, self.messages, self.calls, self.ids, self.tools = server, req, messages, calls, ids, tools
+        self.field = field  # the request's field a grammar that stops the reply is charged to
         self.id = f"resp_{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.msg_id = f"msg_{uuid.uuid4().hex}"
@@ -246,9 +248,9 @@ class Turn:
                 "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
                 "total_tokens": n + output_tokens}
 
-    def items(self, text: str) -> tuple[list[dict], list[dict]]:
+    def items(self, text: str, reason: str | None = None) -> tuple[list[dict], list[dict]]:
         """The reply as output items (a message, or function calls), and the assistant's turn for
-        the stored conversation."""
+        the stored conversation; a message cut by max_output_tokens is `incomplete`."""
         content, calls = (self.server.tool_format.parse(text) if self.tools else (text, None))
         if calls:
             out = [{"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": c["id"],
@@ -256,7 +258,8 @@ class Turn:
                    for c in calls]
             self.calls.update(c["id"] for c in calls)
             return out, [{"role": "assistant", "content": content or "", "tool_calls": calls}]
-        return [self.message(content or "", "completed")], [{"role": "assistant", "content": content or ""}]
+        status = "incomplete" if reason == "length" else "completed"
+        return [self.message(content or "", status)], [{"role": "assistant", "content": content or ""}]
 
     def message(self, text: str, status: str) -> dict:
         return {"type": "message", "id": self.msg_id, "status": status, "role": "assistant",
@@ -276,7 +279,7 @@ class Turn:
         async for d in self.server.run_all([job]):
             text += d.text
             reason, count, cached = d.finish_reason or reason, d.num_tokens, d.cached_tokens
-        output, turn = self.items(text)
+        output, turn = self.items(text, reason)
         return self.finish(output, turn, reason, count, cached)
 
     async def events(self, job) -> AsyncIterator[str]:
@@ -304,7 +307,7 @@ class Turn:
                 if d.text:
                     yield event("response.output_text.delta", item_id=self.msg_id, output_index=0, content_index=0,
                                 delta=d.text, logprobs=[])
-            output, turn = self.items(text)
+            output, turn = self.items(text, reason)
             for k, item in enumerate(output):
                 if item["type"] == "message":
                     if not started:
@@ -332,7 +335,7 @@ class Turn:
             kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
             yield event(kind, response=response)
         except Exception as e:  # noqa: BLE001 - the stream has started: report in-band
-            err = stream_error(e, "text.format")["error"]
+            err = stream_error(e, self.field)["error"]
             yield event("response.failed", response=self.response(
                 "failed", [], None, error={"code": err["code"], "message": err["message"]}))
 

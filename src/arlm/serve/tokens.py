@@ -32,7 +32,7 @@ def add_routes(app: FastAPI, server: Server) -> None:
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give either prompt or messages", param="prompt", code="invalid_value")
         if req.messages is not None:
-            messages = server.chat_messages(req.messages)
+            messages = server.template_messages(server.chat_messages(req.messages))
             try:
                 text = server.llm.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
             except PromptError as e:
