@@ -194,7 +194,7 @@ def test_retrieve_model(server):
 def test_unknown_routes_and_methods_are_errors_about_no_field(server):
     h = {"Authorization": f"Bearer {KEY}"}
     for method, path, status, code in (("GET", "/v1/nothing-here", 404, "not_found"),
-                                       ("POST", "/v1/embeddings", 404, "not_found"),
+                                       ("POST", "/v1/audio/speech", 404, "not_found"),
                                        ("GET", "/v1/completions", 405, "method_not_allowed"),
                                        ("DELETE", "/v1/models", 405, "method_not_allowed")):
         r = httpx.request(method, f"{server.url}{path}", headers=h, timeout=HTTP_TIMEOUT)
