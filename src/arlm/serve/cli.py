@@ -50,13 +50,35 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def build_server(args: argparse.Namespace, config):
+    """The model, its engine and the HTTP API's state (`api.Server`) as the flags say: what one
+    `arlm serve` process serves, and each replica of `--replicas` (serve/cluster.py)."""
+    from ..engine import AsyncEngine, Engine
+    from ..structured import GrammarLimits
+    from ..trace.live import LiveTrace
+    from .common import Server
+
+    llm = load_llm(args)
+    config.kv_dtype = llm.kv_dtype  # --kv-dtype, resolved as for generate (auto: float16 where the native stack runs)
+    try:  # the pool's minimum (two blocks) and whether it fits, now that the model's shapes are known
+        engine = Engine(llm.runner, llm.tokenizer.eos_ids, config)
+        engine.grammars = llm.grammars  # (structured outputs: response_format, guided_*, tools)
+        llm.grammars.limits = GrammarLimits(timeout=args.grammar_timeout, max_size=args.grammar_max_size)
+    except ValueError as e:
+        flag = (f"--kv-cache-tokens {args.kv_cache_tokens}" if args.kv_cache_tokens is not None
+                else f"--kv-cache-memory {args.kv_cache_memory}")
+        raise UsageError(f"arlm serve: error: {flag}: {e}") from None
+    live = engine.hooks.add(LiveTrace(engine)) if args.trace else None
+    api_key = args.api_key or os.environ.get("ARLM_API_KEY") or None
+    return Server(llm, AsyncEngine(engine, stall_limit=args.health_step_timeout), args.served_model_name or args.model,
+                  api_key=api_key, max_body_bytes=args.max_body_bytes, live=live)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     # (these import torch: cli_common's doc)
     from .. import kernels
-    from ..engine import AsyncEngine, Engine, EngineConfig
+    from ..engine import EngineConfig
     from ..kv_cache import check_pool_fits, kv_dtype_name
-    from ..structured import GrammarLimits
-    from ..trace.live import LiveTrace
 
     try:
         memory = parse_size(args.kv_cache_memory)
@@ -73,6 +95,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     for name in ("grammar_timeout", "health_step_timeout"):
         if not getattr(args, name) > 0:  # (also NaN)
             raise UsageError(f"arlm serve: error: --{name.replace('_', '-')} must be a positive number of seconds")
+    if args.replicas < 0 or args.threads_per_replica < 1:
+        raise UsageError("arlm serve: error: --replicas must be >= 0 (0: one process) and --threads-per-replica >= 1")
     for name in ("long_prefill_tokens", "max_running_choices"):
         if getattr(args, name) < 0:
             raise UsageError(f"arlm serve: error: --{name.replace('_', '-')} must be >= 0 (0: off)")
@@ -99,32 +123,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
         # (faster prompts on CPUs without VNNI, AMX tiles on those with them) and gives that up.
         vnni = kernels.packed_available() and args.activations != "float32"
         args.matmul_path = "vnni" if vnni else "avx2" if kernels.native_available() else "auto"
-    api_key = args.api_key or os.environ.get("ARLM_API_KEY") or None
     config = EngineConfig(block_size=args.block_size, kv_cache_memory=memory, kv_cache_tokens=args.kv_cache_tokens,
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                           enable_prefix_caching=not args.no_prefix_caching,
                           long_prefill_tokens=args.long_prefill_tokens or None, group_rows=args.max_running_choices or None)
+    if args.replicas:  # replicas of this server on a Ray cluster (serve/cluster.py: imports Ray)
+        from .cluster import serve_replicated
+
+        return serve_replicated(args, config)
     # (uvicorn, fastapi: ~0.5 s that the flags' usage errors above do without)
     import uvicorn
 
-    from .api import Server, create_app
+    from .api import create_app
 
     sock = bind(args.host, args.port)
-    llm = load_llm(args)
-    config.kv_dtype = llm.kv_dtype  # --kv-dtype, resolved as for generate (auto: float16 where the native stack runs)
-    try:  # the pool's minimum (two blocks) and whether it fits, now that the model's shapes are known
-        engine = Engine(llm.runner, llm.tokenizer.eos_ids, config)
-        engine.grammars = llm.grammars  # (structured outputs: response_format, guided_*, tools)
-        llm.grammars.limits = GrammarLimits(timeout=args.grammar_timeout, max_size=args.grammar_max_size)
-    except ValueError as e:
-        flag = (f"--kv-cache-tokens {args.kv_cache_tokens}" if args.kv_cache_tokens is not None
-                else f"--kv-cache-memory {args.kv_cache_memory}")
-        raise UsageError(f"arlm serve: error: {flag}: {e}") from None
-    name = args.served_model_name or args.model
-    live = None
-    if args.trace:
-        live = engine.hooks.add(LiveTrace(engine))
-    server = Server(llm, AsyncEngine(engine, stall_limit=args.health_step_timeout), name, api_key=api_key, max_body_bytes=args.max_body_bytes, live=live)
+    server = build_server(args, config)
+    llm, engine, live, name, api_key = server.llm, server.engine.engine, server.live, server.model_name, server.api_key
     http = uvicorn.Server(uvicorn.Config(create_app(server, engine_thread=False), log_level=args.log_level,
                                          access_log=args.log_level == "debug", timeout_graceful_shutdown=5))
     # The engine loop keeps the main thread, which loaded the model, and owns the signals; HTTP
@@ -205,4 +219,12 @@ def add_serve(sub) -> None:
                    help="follow the engine live at /trace (a page; /trace/events: server-sent events): requests, "
                         "their KV blocks, prefix-cache hits, each step's batch, tokens/s (default: off)")
     p.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"))
+    g = p.add_argument_group("replicas on a Ray cluster (pip install 'arlm[cluster]')")
+    g.add_argument("--replicas", type=int, default=0,
+                   help="serve from N replicas of this server (each its own engine and KV pool) behind one ingress "
+                        "on Ray Serve, routed by prompt prefix (default: 0, one process, no Ray)")
+    g.add_argument("--ray-address", default=None,
+                   help="join this Ray cluster ('auto': the one `ray start` began here; default: start a local one)")
+    g.add_argument("--threads-per-replica", type=int, default=1,
+                   help="CPU cores each replica is given (Ray's num_cpus) and its threads (default: 1)")
     p.set_defaults(func=cmd_serve)

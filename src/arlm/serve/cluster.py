@@ -1,0 +1,268 @@
+"""`arlm serve --replicas N`: the same HTTP API from N replicas of the server on a Ray cluster.
+
+Ray Serve runs the application (`pip install 'arlm[cluster]'`: ray[serve]); nothing here is a
+cluster layer of arlm's own:
+
+- `EngineReplica` (a deployment of N replicas, `--threads-per-replica` CPUs each, placed by Ray
+  across the cluster's nodes): one whole arlm server each — its model, `AsyncEngine` and KV pool,
+  and the app of api.py, every route with its validation, auth and error shapes. A request
+  reaches the app as ASGI messages (`handle`), its response goes back message by message, so a
+  stream is token by token through the ingress; a request abandoned upstream is cancelled in the
+  app, which aborts it in the engine and frees its blocks.
+- `Ingress` (one replica, Ray Serve's HTTP proxy in front): forwards each request to a replica
+  through a deployment handle whose request router is `PrefixRouter`, and streams the answer back.
+- `PrefixRouter` (Ray Serve's `RequestRouter` API): sends a request to the replica that most
+  recently served the longest prefix of its prompt text (chained hashes of PREFIX_CHARS-character
+  chunks: a replica that served it holds its KV blocks in its prefix cache), unless that replica's
+  queue is longer than the shortest by more than `imbalanced_threshold`: then to the least loaded
+  (Ray's own probing among all replicas). Multi-turn chats and agents re-sending a long system
+  prompt land where their blocks are.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import signal
+import sys
+import threading
+from collections import OrderedDict
+from typing import Any, AsyncIterator
+
+from ray import serve
+from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+PREFIX_CHARS = 256  # characters per hashed chunk of a prompt's text
+
+
+def prompt_text(body: bytes) -> str:
+    """The text a request's prompt starts with, as its protocol gives it (system or instructions
+    first, then the messages' or input's text); "" where there is none."""
+    try:
+        req = json.loads(body)
+    except ValueError:
+        return ""
+    if not isinstance(req, dict):
+        return ""
+    parts: list[str] = []
+
+    def add(x: Any) -> None:
+        if isinstance(x, str):
+            parts.append(x)
+        elif isinstance(x, list):
+            for item in x:
+                add(item.get("content", item.get("text", item.get("output"))) if isinstance(item, dict) else item)
+
+    for key in ("system", "instructions", "messages", "input", "prompt"):
+        add(req.get(key))
+    return "\x00".join(parts)
+
+
+def prefix_hashes(text: str) -> list[str]:
+    """Chained hashes of the text's whole PREFIX_CHARS-character chunks: equal hashes, equal prefixes."""
+    out, h = [], b""
+    for i in range(0, len(text) - PREFIX_CHARS + 1, PREFIX_CHARS):
+        h = hashlib.blake2b(h + text[i:i + PREFIX_CHARS].encode(), digest_size=8).digest()
+        out.append(h.hex())
+    return out
+
+
+class PrefixRouter(FIFOMixin, RequestRouter):
+    """Prefix-aware routing over Ray Serve's request router (the module doc). It picks the
+    replica itself (the first rank holds one; the others follow should it refuse the request), so
+    that it knows where each prefix went; the load it weighs is the requests it has sent each
+    replica that have not completed."""
+
+    def initialize_state(self, imbalanced_threshold: int = 4, max_prefixes: int = 8192) -> None:
+        self.imbalanced_threshold = imbalanced_threshold
+        self.max_prefixes = max_prefixes
+        self.recent: dict[ReplicaID, OrderedDict[str, None]] = {}
+        self.outstanding: dict[ReplicaID, int] = {}
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        if not candidate_replicas or pending_request is None:
+            return [candidate_replicas]
+        hashes = pending_request.kwargs.get("prefix") or []
+        # (this process's counts: the class may have come pickled by value, its globals a copy)
+        from arlm.serve.router_stats import COUNTS as ROUTER_COUNTS
+
+        def matched(r: RunningReplica) -> int:
+            seen = self.recent.get(r.replica_id, {})
+            n = 0
+            while n < len(hashes) and hashes[n] in seen:
+                n += 1
+            return n
+
+        load = {r.replica_id: self.outstanding.get(r.replica_id, 0) for r in candidate_replicas}
+        # the least loaded; among equals the one holding the fewest prefixes (new conversations spread)
+        least = min(candidate_replicas, key=lambda r: (load[r.replica_id], len(self.recent.get(r.replica_id, ()))))
+        best = max(candidate_replicas, key=matched) if hashes else least
+        chosen = least
+        if not hashes:
+            ROUTER_COUNTS["no_prefix"] += 1
+        elif matched(best) and load[best.replica_id] - load[least.replica_id] > self.imbalanced_threshold:
+            ROUTER_COUNTS["fallbacks"] += 1
+        elif matched(best):
+            ROUTER_COUNTS["prefix_hits"] += 1
+            chosen = best
+        seen = self.recent.setdefault(chosen.replica_id, OrderedDict())
+        for h in hashes:
+            seen[h] = None
+            seen.move_to_end(h)
+        while len(seen) > self.max_prefixes:
+            seen.popitem(last=False)
+        self.outstanding[chosen.replica_id] = load[chosen.replica_id] + 1
+        return [[chosen], [r for r in candidate_replicas if r is not chosen]]
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        if self.outstanding.get(replica_id):
+            self.outstanding[replica_id] -= 1
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self.recent.pop(replica_id, None)
+        self.outstanding.pop(replica_id, None)
+
+
+@serve.deployment
+class EngineReplica:
+    """One whole arlm server (cli.build_server) behind ASGI calls from the ingress."""
+
+    def __init__(self, args, config) -> None:
+        import torch
+
+        from .api import create_app
+        from .cli import build_server
+
+        torch.set_num_threads(args.threads_per_replica)
+        self.server = build_server(args, config)
+        self.app = create_app(self.server, engine_thread=True)
+        self.started = False
+
+    async def handle(self, method: str, path: str, query: bytes, headers: list[tuple[bytes, bytes]], body: bytes,
+                     prefix: list[str] | None = None) -> AsyncIterator[dict]:
+        """One HTTP request through the app: its response as ASGI messages (start, body chunks)."""
+        if not self.started:  # the engine's loop, on this replica's event loop (the app's lifespan's work)
+            self.server.engine.start(asyncio.get_running_loop())
+            self.started = True
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method,
+                 "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": query, "root_path": "",
+                 "headers": headers, "client": ("ingress", 0), "server": ("replica", 0)}
+        messages: asyncio.Queue = asyncio.Queue()
+        gone = asyncio.Event()
+        sent = False
+
+        async def receive() -> dict:
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict) -> None:
+            await messages.put(message)
+
+        async def run() -> None:
+            try:
+                await self.app(scope, receive, send)
+            finally:
+                await messages.put(None)
+
+        task = asyncio.ensure_future(run())
+        try:
+            while (message := await messages.get()) is not None:
+                yield message
+                if message["type"] == "http.response.body" and not message.get("more_body"):
+                    break
+        finally:  # the client left, or the response ended: the app's request ends too
+            gone.set()
+            if not task.done():
+                await asyncio.wait({task}, timeout=5)
+                task.cancel()
+
+
+@serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0})
+class Ingress:
+    """The HTTP front: each request to a replica chosen by `PrefixRouter`, streamed back."""
+
+    def __init__(self, replica) -> None:
+        self.replica = replica.options(stream=True)
+
+    async def __call__(self, request):
+        from starlette.responses import StreamingResponse
+
+        body = await request.body()
+        if request.url.path == "/metrics":  # the router's decisions beside a replica's metrics
+            return await self._metrics(request, body)
+        hashes = prefix_hashes(prompt_text(body)) if request.method == "POST" else []
+        stream = self.replica.handle.remote(request.method, request.url.path, request.url.query.encode(),
+                                            [(k.encode(), v.encode()) for k, v in request.headers.items()], body,
+                                            prefix=hashes)
+        start = await stream.__anext__()
+
+        async def chunks() -> AsyncIterator[bytes]:
+            try:
+                async for message in stream:
+                    if message["type"] == "http.response.body" and message.get("body"):
+                        yield message["body"]
+            finally:
+                stream.cancel()
+
+        headers = {k.decode(): v.decode() for k, v in start.get("headers", []) if k.lower() != b"content-length"}
+        return StreamingResponse(chunks(), status_code=start["status"], headers=headers)
+
+    async def _metrics(self, request, body: bytes):
+        from starlette.responses import PlainTextResponse
+
+        from arlm.serve.router_stats import COUNTS as ROUTER_COUNTS
+
+        text = b""
+        async for message in self.replica.handle.remote("GET", "/metrics", b"", [], b""):
+            text += message.get("body", b"")
+        lines = [text.decode().rstrip("\n"),
+                 "# HELP arlm_router_prefix_hits_total Requests routed to the replica holding their prompt's prefix.",
+                 "# TYPE arlm_router_prefix_hits_total counter",
+                 f"arlm_router_prefix_hits_total {ROUTER_COUNTS['prefix_hits']}",
+                 "# HELP arlm_router_fallbacks_total Requests whose prefix replica was too busy: the least loaded took them.",
+                 "# TYPE arlm_router_fallbacks_total counter",
+                 f"arlm_router_fallbacks_total {ROUTER_COUNTS['fallbacks']}",
+                 "# HELP arlm_router_unkeyed_total Requests with no prompt prefix to route by (least loaded).",
+                 "# TYPE arlm_router_unkeyed_total counter",
+                 f"arlm_router_unkeyed_total {ROUTER_COUNTS['no_prefix']}"]
+        return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+def serve_replicated(args, config) -> int:
+    """Start (or join: --ray-address) a Ray cluster and run the application until a signal."""
+    import ray
+    from ray.serve.config import HTTPOptions, RequestRouterConfig
+
+    ray.init(address=args.ray_address, include_dashboard=False, log_to_driver=False,
+             **({} if args.ray_address else {"num_cpus": max(os.cpu_count() or 1,
+                                                             args.replicas * args.threads_per_replica)}))
+    serve.start(http_options=HTTPOptions(host=args.host, port=args.port))
+    router = RequestRouterConfig(request_router_class="arlm.serve.cluster:PrefixRouter",
+                                 request_router_kwargs={"imbalanced_threshold": 4})
+    replicas = EngineReplica.options(num_replicas=args.replicas,
+                                     ray_actor_options={"num_cpus": args.threads_per_replica,
+                                                        "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(args.threads_per_replica)}}},
+                                     request_router_config=router, max_ongoing_requests=256)
+    serve.run(Ingress.bind(replicas.bind(args, config)), name="arlm", route_prefix="/")
+    print(f"arlm serve: model {args.served_model_name or args.model} on {args.replicas} replica(s) x "
+          f"{args.threads_per_replica} thread(s) of Ray Serve, routed by prompt prefix; listening on "
+          f"http://{args.host}:{args.port}", file=sys.stderr, flush=True)
+    done = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: done.set())
+    while not done.wait(0.5):
+        pass
+    serve.delete("arlm")
+    if not args.ray_address:
+        serve.shutdown()
+        ray.shutdown()
+    return 0
+

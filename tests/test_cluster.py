@@ -1,0 +1,96 @@
+"""`arlm serve --replicas 2` on a local Ray head (issue 39): the same API from two replicas of one
+thread each behind Ray Serve's ingress, routed by prompt prefix; compared with the single process."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import time
+
+import httpx
+import pytest
+
+from test_serve_api import MODEL, ServerProcess
+
+pytestmark = pytest.mark.slow
+
+SYSTEM = "You are the support assistant of a parcel company; answer in one short sentence. " * 12  # ~1,000 chars
+
+
+@pytest.fixture(scope="module")
+def servers():
+    """(replicated, single): the same flags, one behind Ray Serve with 2 replicas of 1 thread."""
+    single = ServerProcess("--kv-cache-tokens", "4096")
+    replicated = ServerProcess("--kv-cache-tokens", "4096", "--replicas", "2", "--threads-per-replica", "1")
+    try:
+        single.wait_ready()
+        replicated.wait_ready(timeout=360)
+        yield replicated, single
+    finally:
+        replicated.stop()
+        single.stop()
+
+
+def chat(url: str, content: str, max_tokens: int = 12, system: str | None = None, **extra) -> httpx.Response:
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": content}]
+    return httpx.post(f"{url}/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": max_tokens,
+                                                          "temperature": 0, **extra}, timeout=300)
+
+
+QUESTIONS = [f"Where is parcel number {i}?" for i in range(12)]
+
+
+def test_concurrent_greedy_requests_equal_the_single_process(servers):
+    replicated, single = servers
+    solo = [chat(single.url, q).json()["choices"][0]["message"]["content"] for q in QUESTIONS]
+    with cf.ThreadPoolExecutor(len(QUESTIONS)) as pool:
+        got = list(pool.map(lambda q: chat(replicated.url, q), QUESTIONS))
+    assert [r.status_code for r in got] == [200] * len(QUESTIONS)
+    assert [r.json()["choices"][0]["message"]["content"] for r in got] == solo
+
+
+def test_streams_pass_token_by_token(servers):
+    replicated, _ = servers
+    times = []
+    with httpx.stream("POST", f"{replicated.url}/v1/completions", json={
+            "model": MODEL, "prompt": "Once upon a time", "max_tokens": 24, "temperature": 0, "stream": True,
+            "ignore_eos": True}, timeout=300) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                times.append(time.monotonic())
+    assert len(times) == 24 and times[-1] - times[0] > 0.05  # (not one buffered burst at the end)
+
+
+def test_conversations_land_where_their_prefix_is(servers):
+    # 4 conversations, each its own ~1,000-character system prompt, 3 turns each, interleaved: every
+    # turn after a conversation's first finds that prompt's blocks in its replica's prefix cache.
+    replicated, _ = servers
+    url = replicated.url
+    before = metric(url, "arlm_router_prefix_hits_total")
+    cached = []
+    for turn in range(3):
+        for c in range(4):
+            r = httpx.post(f"{url}/v1/responses", json={
+                "model": MODEL, "instructions": f"[desk {c}] " + SYSTEM, "input": f"Turn {turn}: where is parcel {c}?",
+                "max_output_tokens": 4, "temperature": 0, "store": False}, timeout=300)
+            assert r.status_code == 200, r.text
+            cached.append((turn, r.json()["usage"]["input_tokens_details"]["cached_tokens"]))
+    assert all(n > 0 for turn, n in cached if turn > 0), cached
+    assert metric(url, "arlm_router_prefix_hits_total") - before >= 8
+
+
+def test_bad_input_gets_the_single_process_answer(servers):
+    replicated, single = servers
+    for body in ({"model": MODEL, "messages": []}, {"model": "nope", "messages": [{"role": "user", "content": "x"}]},
+                 {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "temperature": "hot"}):
+        a = httpx.post(f"{replicated.url}/v1/chat/completions", json=body, timeout=60)
+        b = httpx.post(f"{single.url}/v1/chat/completions", json=body, timeout=60)
+        assert (a.status_code, a.json()) == (b.status_code, b.json())
+    r = httpx.post(f"{replicated.url}/v1/messages", json={"model": MODEL, "messages": []}, timeout=60)
+    assert r.status_code == 400 and r.json()["type"] == "error"
+
+
+def metric(url: str, name: str) -> float:
+    for line in httpx.get(f"{url}/metrics", timeout=60).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} not in /metrics")
