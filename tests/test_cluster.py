@@ -94,3 +94,42 @@ def metric(url: str, name: str) -> float:
         if line.startswith(name + " "):
             return float(line.split()[1])
     raise AssertionError(f"{name} not in /metrics")
+
+
+def test_a_replica_lost_mid_stream(servers):
+    """(Last: it kills a replica.) SIGKILL the replica serving a stream: the stream ends within
+    5 s with an OpenAI error event, never cut silently; new requests go to the survivor at once;
+    /health says degraded until Ray has restarted the replica, then both serve again (60 s)."""
+    import json
+    import os
+    import signal
+
+    replicated, _ = servers
+    url = replicated.url
+    lines, killed = [], None
+    with httpx.stream("POST", f"{url}/v1/completions", json={
+            "model": MODEL, "prompt": "Once upon a time", "max_tokens": 2000, "temperature": 0, "stream": True,
+            "ignore_eos": True}, timeout=120) as r:
+        pid = int(r.headers["x-arlm-replica"])
+        for line in r.iter_lines():
+            if line:
+                lines.append(line)
+            if len(lines) == 5 and killed is None:
+                os.kill(pid, signal.SIGKILL)
+                killed = time.monotonic()
+    ended = time.monotonic() - killed
+    assert ended < 5, ended
+    assert lines[-1] == "data: [DONE]" and json.loads(lines[-2][6:])["error"]["code"] == "replica_lost", lines[-3:]
+    assert chat(url, "Hi!").status_code == 200  # (the survivor, at once)
+    statuses, deadline = set(), time.monotonic() + 60
+    while time.monotonic() < deadline:
+        code = httpx.get(f"{url}/health", timeout=30).status_code
+        statuses.add(code)
+        if code == 200 and 503 in statuses:
+            break
+        time.sleep(0.5)
+    assert statuses == {200, 503}, statuses
+    with cf.ThreadPoolExecutor(8) as pool:  # (at once: the router spreads them by their outstanding requests)
+        pids = {r.headers["x-arlm-replica"] for r in pool.map(lambda i: chat(url, f"Question {i}?", max_tokens=8),
+                                                               range(8))}
+    assert len(pids) == 2 and str(pid) not in pids, pids

@@ -164,6 +164,9 @@ class EngineReplica:
             return {"type": "http.disconnect"}
 
         async def send(message: dict) -> None:
+            if message["type"] == "http.response.start":  # which replica answered (its process)
+                message = {**message, "headers": [*message.get("headers", []),
+                                                  (b"x-arlm-replica", str(os.getpid()).encode())]}
             await messages.put(message)
 
         async def run() -> None:
@@ -189,31 +192,57 @@ class EngineReplica:
 class Ingress:
     """The HTTP front: each request to a replica chosen by `PrefixRouter`, streamed back."""
 
-    def __init__(self, replica) -> None:
+    def __init__(self, replica, replicas: int) -> None:
         self.replica = replica.options(stream=True)
+        self.replicas = replicas
 
     async def __call__(self, request):
-        from starlette.responses import StreamingResponse
+        from starlette.responses import JSONResponse, StreamingResponse
 
         body = await request.body()
         if request.url.path == "/metrics":  # the router's decisions beside a replica's metrics
             return await self._metrics(request, body)
+        if request.url.path == "/health" and (running := self.running()) < self.replicas:
+            return JSONResponse({"error": {"message": f"degraded: {running} of {self.replicas} replicas running",
+                                           "type": "server_error", "param": None, "code": "degraded"}}, 503)
         hashes = prefix_hashes(prompt_text(body)) if request.method == "POST" else []
-        stream = self.replica.handle.remote(request.method, request.url.path, request.url.query.encode(),
-                                            [(k.encode(), v.encode()) for k, v in request.headers.items()], body,
-                                            prefix=hashes)
-        start = await stream.__anext__()
+        args = (request.method, request.url.path, request.url.query.encode(),
+                [(k.encode(), v.encode()) for k, v in request.headers.items()], body)
+        for attempt in (1, 2):  # a request that had not started on a replica that died: once more, elsewhere
+            stream = self.replica.handle.remote(*args, prefix=hashes)
+            try:
+                start = await stream.__anext__()
+                break
+            except Exception as e:  # noqa: BLE001 - the replica's actor died or became unreachable
+                if attempt == 2:
+                    return JSONResponse({"error": {"message": f"no replica could take the request: {type(e).__name__}",
+                                                   "type": "server_error", "param": None, "code": "replica_lost"}}, 503)
+        headers = {k.decode(): v.decode() for k, v in start.get("headers", []) if k.lower() != b"content-length"}
+        sse = headers.get("content-type", "").startswith("text/event-stream")
 
         async def chunks() -> AsyncIterator[bytes]:
             try:
                 async for message in stream:
                     if message["type"] == "http.response.body" and message.get("body"):
                         yield message["body"]
+            except Exception as e:  # noqa: BLE001 - the replica died mid-answer: said, never cut silently
+                if sse:
+                    error = {"error": {"message": f"the replica serving this stream was lost ({type(e).__name__})",
+                                       "type": "server_error", "param": None, "code": "replica_lost"}}
+                    yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
             finally:
                 stream.cancel()
 
-        headers = {k.decode(): v.decode() for k, v in start.get("headers", []) if k.lower() != b"content-length"}
         return StreamingResponse(chunks(), status_code=start["status"], headers=headers)
+
+    def running(self) -> int:
+        """Replicas of the engine deployment running now (Ray Serve's controller says)."""
+        try:
+            app = serve.status().applications["arlm"]
+            deployment = next(d for name, d in app.deployments.items() if "EngineReplica" in name)
+            return int(deployment.replica_states.get("RUNNING", 0))
+        except Exception:  # noqa: BLE001 - a status that cannot be read is not a healthy one
+            return 0
 
     async def _metrics(self, request, body: bytes):
         from starlette.responses import PlainTextResponse
@@ -251,7 +280,7 @@ def serve_replicated(args, config) -> int:
                                      ray_actor_options={"num_cpus": args.threads_per_replica,
                                                         "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(args.threads_per_replica)}}},
                                      request_router_config=router, max_ongoing_requests=256)
-    serve.run(Ingress.bind(replicas.bind(args, config)), name="arlm", route_prefix="/")
+    serve.run(Ingress.bind(replicas.bind(args, config), args.replicas), name="arlm", route_prefix="/")
     print(f"arlm serve: model {args.served_model_name or args.model} on {args.replicas} replica(s) x "
           f"{args.threads_per_replica} thread(s) of Ray Serve, routed by prompt prefix; listening on "
           f"http://{args.host}:{args.port}", file=sys.stderr, flush=True)
