@@ -20,7 +20,8 @@ SYSTEM = "You are the support assistant of a parcel company; answer in one short
 def servers():
     """(replicated, single): the same flags, one behind Ray Serve with 2 replicas of 1 thread."""
     single = ServerProcess("--kv-cache-tokens", "4096")
-    replicated = ServerProcess("--kv-cache-tokens", "4096", "--replicas", "2", "--threads-per-replica", "1")
+    replicated = ServerProcess("--kv-cache-tokens", "4096", "--replicas", "2", "--threads-per-replica", "1",
+                               "--drain-timeout", "3")
     try:
         single.wait_ready()
         replicated.wait_ready(timeout=360)
@@ -133,3 +134,36 @@ def test_a_replica_lost_mid_stream(servers):
         pids = {r.headers["x-arlm-replica"] for r in pool.map(lambda i: chat(url, f"Question {i}?", max_tokens=8),
                                                                range(8))}
     assert len(pids) == 2 and str(pid) not in pids, pids
+
+
+def test_sigterm_drains(servers):
+    """(Last: it stops the server.) SIGTERM: new requests get 503 at once, a short stream running
+    finishes, a long one ends with an error event at --drain-timeout (3 s), and the process exits."""
+    import json
+    import signal
+    import threading
+
+    replicated, _ = servers
+    url = replicated.url
+    results = {}
+
+    def stream(name: str, tokens: int) -> None:
+        with httpx.stream("POST", f"{url}/v1/completions", json={
+                "model": MODEL, "prompt": "Once upon a time", "max_tokens": tokens, "temperature": 0,
+                "stream": True, "ignore_eos": True}, timeout=120) as r:
+            results[name] = [line for line in r.iter_lines() if line]
+
+    threads = [threading.Thread(target=stream, args=(name, n)) for name, n in (("short", 24), ("long", 4000))]
+    for t in threads:
+        t.start()
+    time.sleep(1.0)
+    replicated.proc.send_signal(signal.SIGTERM)
+    time.sleep(1.0)
+    r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2}, timeout=30)
+    assert r.status_code == 503 and r.json()["error"]["code"] == "draining"
+    for t in threads:
+        t.join(60)
+    short, long = results["short"], results["long"]
+    assert short[-1] == "data: [DONE]" and all("error" not in line for line in short)
+    assert long[-1] == "data: [DONE]" and json.loads(long[-2][6:])["error"]["code"] == "draining"
+    assert replicated.proc.wait(60) == 0

@@ -225,6 +225,9 @@ def add_serve(sub) -> None:
                         "on Ray Serve, routed by prompt prefix (default: 0, one process, no Ray)")
     g.add_argument("--ray-address", default=None,
                    help="join this Ray cluster ('auto': the one `ray start` began here; default: start a local one)")
+    g.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds the running streams may take to finish before they are ended with an "
+                        "error event; new requests get 503 meanwhile (default: 30)")
     g.add_argument("--threads-per-replica", type=int, default=1,
                    help="CPU cores each replica is given (Ray's num_cpus) and its threads (default: 1)")
     p.set_defaults(func=cmd_serve)

@@ -188,17 +188,37 @@ class EngineReplica:
                 task.cancel()
 
 
-@serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0})
+@serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096)
 class Ingress:
     """The HTTP front: each request to a replica chosen by `PrefixRouter`, streamed back."""
 
     def __init__(self, replica, replicas: int) -> None:
         self.replica = replica.options(stream=True)
         self.replicas = replicas
+        self.active = 0  # responses being streamed
+        self.draining = False  # drain(): new requests refused
+        self.cut: asyncio.Event | None = None  # set when a drain's time is up: the streams left end
+
+    async def drain(self, timeout: float) -> int:
+        """Stop taking requests, let the streams running finish for up to `timeout` seconds, then
+        end the rest with an error event; returns how many had to be ended."""
+        self.draining = True
+        self.cut = self.cut or asyncio.Event()
+        deadline = asyncio.get_running_loop().time() + timeout
+        while self.active and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.1)
+        left = self.active
+        self.cut.set()
+        while self.active:  # (each ends at its next message, or at once while it waits for one)
+            await asyncio.sleep(0.05)
+        return left
 
     async def __call__(self, request):
         from starlette.responses import JSONResponse, StreamingResponse
 
+        if self.draining:
+            return JSONResponse({"error": {"message": "the server is shutting down", "type": "server_error",
+                                           "param": None, "code": "draining"}}, 503)
         body = await request.body()
         if request.url.path == "/metrics":  # the router's decisions beside a replica's metrics
             return await self._metrics(request, body)
@@ -220,17 +240,34 @@ class Ingress:
         headers = {k.decode(): v.decode() for k, v in start.get("headers", []) if k.lower() != b"content-length"}
         sse = headers.get("content-type", "").startswith("text/event-stream")
 
+        def error(message: str, code: str) -> bytes:
+            body = {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
+            return f"data: {json.dumps(body)}\n\ndata: [DONE]\n\n".encode() if sse else b""
+
         async def chunks() -> AsyncIterator[bytes]:
+            self.active += 1
+            messages = stream.__aiter__()
             try:
-                async for message in stream:
+                while True:
+                    following = asyncio.ensure_future(messages.__anext__())
+                    cut = asyncio.ensure_future((self.cut or asyncio.Event()).wait())
+                    await asyncio.wait({following, cut}, return_when=asyncio.FIRST_COMPLETED)
+                    cut.cancel()
+                    if not following.done():  # the drain's time is up
+                        following.cancel()
+                        yield error("the server is shutting down: this stream was ended (drain timeout)", "draining")
+                        return
+                    try:
+                        message = following.result()
+                    except StopAsyncIteration:
+                        return
+                    except Exception as e:  # noqa: BLE001 - the replica died mid-answer: said, never cut silently
+                        yield error(f"the replica serving this stream was lost ({type(e).__name__})", "replica_lost")
+                        return
                     if message["type"] == "http.response.body" and message.get("body"):
                         yield message["body"]
-            except Exception as e:  # noqa: BLE001 - the replica died mid-answer: said, never cut silently
-                if sse:
-                    error = {"error": {"message": f"the replica serving this stream was lost ({type(e).__name__})",
-                                       "type": "server_error", "param": None, "code": "replica_lost"}}
-                    yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
             finally:
+                self.active -= 1
                 stream.cancel()
 
         return StreamingResponse(chunks(), status_code=start["status"], headers=headers)
@@ -289,6 +326,10 @@ def serve_replicated(args, config) -> int:
         signal.signal(sig, lambda *_: done.set())
     while not done.wait(0.5):
         pass
+    # drain: no new requests, the running streams finish (or end with an error event at the timeout)
+    ended = serve.get_app_handle("arlm").drain.remote(args.drain_timeout).result(timeout_s=args.drain_timeout + 30)
+    print(f"arlm serve: drained ({ended} stream(s) ended at the {args.drain_timeout:g} s timeout); stopping",
+          file=sys.stderr, flush=True)
     serve.delete("arlm")
     if not args.ray_address:
         serve.shutdown()
