@@ -225,6 +225,9 @@ def add_serve(sub) -> None:
                         "on Ray Serve, routed by prompt prefix (default: 0, one process, no Ray)")
     g.add_argument("--ray-address", default=None,
                    help="join this Ray cluster ('auto': the one `ray start` began here; default: start a local one)")
+    g.add_argument("--replica-router", choices=("prefix", "power-of-two"), default="prefix",
+                   help="how a request's replica is chosen: by its prompt's prefix (default), or Ray Serve's own "
+                        "power-of-two-choices (the baseline benchmarks/cluster.py compares with)")
     g.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds the running streams may take to finish before they are ended with an "
                         "error event; new requests get 503 meanwhile (default: 30)")

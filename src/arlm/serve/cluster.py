@@ -312,7 +312,8 @@ def serve_replicated(args, config) -> int:
                                                              args.replicas * args.threads_per_replica)}))
     serve.start(http_options=HTTPOptions(host=args.host, port=args.port))
     router = RequestRouterConfig(request_router_class="arlm.serve.cluster:PrefixRouter",
-                                 request_router_kwargs={"imbalanced_threshold": 4})
+                                 request_router_kwargs={"imbalanced_threshold": 4}) \
+        if args.replica_router == "prefix" else RequestRouterConfig()  # (Ray's PowerOfTwoChoicesRequestRouter)
     replicas = EngineReplica.options(num_replicas=args.replicas,
                                      ray_actor_options={"num_cpus": args.threads_per_replica,
                                                         "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(args.threads_per_replica)}}},
