@@ -1,4 +1,4 @@
-"""`arlm serve --replicas 2` on a local Ray head (issue 39): the same API from two replicas of one
+"""`arlm serve --replicas 2` on a local Ray head: the same API from two replicas of one
 thread each behind Ray Serve's ingress, routed by prompt prefix; compared with the single process."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Embeddings (issue 38): the mean of a prompt's final normed hidden states, L2-normalized, computed
+"""Embeddings: the mean of a prompt's final normed hidden states, L2-normalized, computed
 as a prompt-only request on the engine that serves generation (Engine.add_request(embed=True)):
 chunked as any prompt, batched with other requests, never from the prefix cache, no blocks kept."""
 

@@ -1,6 +1,6 @@
 """The protocols agents and retrieval pipelines speak, through their official clients against the
 app in process (the SDKs' HTTP goes through a TestClient, a real httpx client on the ASGI app):
-OpenAI's Embeddings and Responses APIs, Anthropic's Messages (issue 38)."""
+OpenAI's Embeddings and Responses APIs, Anthropic's Messages."""
 
 from __future__ import annotations
 
