@@ -4,14 +4,17 @@ thread each behind Ray Serve's ingress, routed by prompt prefix; compared with t
 from __future__ import annotations
 
 import concurrent.futures as cf
+import json
 import time
 
 import httpx
 import pytest
 
-from test_serve_api import MODEL, ServerProcess
+from test_serve_api import BAD, KEY, MODEL, ServerProcess
+from test_serve_protocols import BAD_EMBEDDINGS, BAD_MESSAGES, BAD_RESPONSES
 
 pytestmark = pytest.mark.slow
+AUTH = {"Authorization": f"Bearer {KEY}"}
 
 SYSTEM = "You are the support assistant of a parcel company; answer in one short sentence. " * 12  # ~1,000 chars
 
@@ -19,9 +22,9 @@ SYSTEM = "You are the support assistant of a parcel company; answer in one short
 @pytest.fixture(scope="module")
 def servers():
     """(replicated, single): the same flags, one behind Ray Serve with 2 replicas of 1 thread."""
-    single = ServerProcess("--kv-cache-tokens", "4096")
-    replicated = ServerProcess("--kv-cache-tokens", "4096", "--replicas", "2", "--threads-per-replica", "1",
-                               "--drain-timeout", "3")
+    single = ServerProcess("--kv-cache-tokens", "4096", "--api-key", KEY)
+    replicated = ServerProcess("--kv-cache-tokens", "4096", "--api-key", KEY, "--replicas", "2",
+                               "--threads-per-replica", "1", "--drain-timeout", "3")
     try:
         single.wait_ready()
         replicated.wait_ready(timeout=360)
@@ -34,10 +37,10 @@ def servers():
 def chat(url: str, content: str, max_tokens: int = 12, system: str | None = None, **extra) -> httpx.Response:
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": content}]
     return httpx.post(f"{url}/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": max_tokens,
-                                                          "temperature": 0, **extra}, timeout=300)
+                                                          "temperature": 0, **extra}, headers=AUTH, timeout=300)
 
 
-QUESTIONS = [f"Where is parcel number {i}?" for i in range(12)]
+QUESTIONS = [f"Where is parcel number {i}?" for i in range(32)]
 
 
 def test_concurrent_greedy_requests_equal_the_single_process(servers):
@@ -54,7 +57,7 @@ def test_streams_pass_token_by_token(servers):
     times = []
     with httpx.stream("POST", f"{replicated.url}/v1/completions", json={
             "model": MODEL, "prompt": "Once upon a time", "max_tokens": 24, "temperature": 0, "stream": True,
-            "ignore_eos": True}, timeout=300) as r:
+            "ignore_eos": True}, headers=AUTH, timeout=300) as r:
         for line in r.iter_lines():
             if line.startswith("data: {"):
                 times.append(time.monotonic())
@@ -72,7 +75,7 @@ def test_conversations_land_where_their_prefix_is(servers):
         for c in range(4):
             r = httpx.post(f"{url}/v1/responses", json={
                 "model": MODEL, "instructions": f"[desk {c}] " + SYSTEM, "input": f"Turn {turn}: where is parcel {c}?",
-                "max_output_tokens": 4, "temperature": 0, "store": False}, timeout=300)
+                "max_output_tokens": 4, "temperature": 0, "store": False}, headers=AUTH, timeout=300)
             assert r.status_code == 200, r.text
             cached.append((turn, r.json()["usage"]["input_tokens_details"]["cached_tokens"]))
     assert all(n > 0 for turn, n in cached if turn > 0), cached
@@ -80,21 +83,64 @@ def test_conversations_land_where_their_prefix_is(servers):
 
 
 def test_bad_input_gets_the_single_process_answer(servers):
+    # the bad-input batteries of every protocol, and the key: the same status and body from both
     replicated, single = servers
-    for body in ({"model": MODEL, "messages": []}, {"model": "nope", "messages": [{"role": "user", "content": "x"}]},
-                 {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "temperature": "hot"}):
-        a = httpx.post(f"{replicated.url}/v1/chat/completions", json=body, timeout=60)
-        b = httpx.post(f"{single.url}/v1/chat/completions", json=body, timeout=60)
-        assert (a.status_code, a.json()) == (b.status_code, b.json())
-    r = httpx.post(f"{replicated.url}/v1/messages", json={"model": MODEL, "messages": []}, timeout=60)
-    assert r.status_code == 400 and r.json()["type"] == "error"
+    cases = [("completions", body, AUTH) for _, body, _, _ in BAD]
+    cases += [("embeddings", {"model": MODEL, **body}, AUTH) for body, _ in BAD_EMBEDDINGS]
+    cases += [("responses", {"model": MODEL, **body}, AUTH) for body, _, _ in BAD_RESPONSES]
+    cases += [("messages", body, {"x-api-key": KEY}) for body, _ in BAD_MESSAGES]
+    cases += [("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}]}, {}),
+              ("messages", BAD_MESSAGES[0][0], {"x-api-key": "wrong"}),
+              ("chat/completions", {"model": MODEL, "messages": []}, AUTH)]
+    differ = []
+    for path, body, headers in cases:
+        content = body if isinstance(body, str) else json.dumps(body)
+        got = [httpx.post(f"{s.url}/v1/{path}", content=content, timeout=120,
+                          headers={**headers, "content-type": "application/json"}) for s in (replicated, single)]
+        a, b = ((r.status_code, r.json()) for r in got)
+        if a != b or a[0] < 400:
+            differ.append((path, content[:80], a, b))
+    assert not differ, differ
+    assert len(cases) > 40
 
 
 def metric(url: str, name: str) -> float:
-    for line in httpx.get(f"{url}/metrics", timeout=60).text.splitlines():
+    for line in httpx.get(f"{url}/metrics", headers=AUTH, timeout=60).text.splitlines():
         if line.startswith(name + " "):
             return float(line.split()[1])
     raise AssertionError(f"{name} not in /metrics")
+
+
+def test_metrics_name_each_replica(servers):
+    # every engine metric of the single process, once per replica, labelled with it; the
+    # counters add up to the requests sent; the page parses as Prometheus' text format
+    from prometheus_client.parser import text_string_to_metric_families
+
+    replicated, single = servers
+
+    def families(url: str) -> dict:
+        text = httpx.get(f"{url}/metrics", headers=AUTH, timeout=60).text
+        return {f.name: f for f in text_string_to_metric_families(text)}
+
+    def requests(fams: dict) -> dict[str, float]:
+        return {s.labels["replica"]: s.value for s in fams["arlm_requests"].samples}
+
+    before = requests(families(replicated.url))
+    with cf.ThreadPoolExecutor(8) as pool:
+        pids = {r.headers["x-arlm-replica"] for r in pool.map(lambda i: chat(replicated.url, f"Count {i}", max_tokens=2),
+                                                               range(8))}
+    fams = families(replicated.url)
+    after = requests(fams)
+    assert len(after) == 2 and sum(after.values()) - sum(before.values()) == 8, (before, after)
+    info = {s.labels["replica"]: s.labels["pid"] for s in fams["arlm_replica_info"].samples}
+    assert set(info) == set(after) and pids <= set(info.values())
+    for name, family in families(single.url).items():
+        labelled = {s.labels.get("replica") for s in fams[name].samples}
+        assert labelled == set(info), (name, labelled)
+        for replica in info:  # (the same series; labels such as an endpoint's follow each one's traffic)
+            assert {s.name for s in fams[name].samples if s.labels["replica"] == replica} == \
+                {s.name for s in family.samples}, (name, replica)
+    assert {"arlm_router_prefix_hits", "arlm_router_fallbacks"} <= set(fams)
 
 
 def test_a_replica_lost_mid_stream(servers):
@@ -110,7 +156,7 @@ def test_a_replica_lost_mid_stream(servers):
     lines, killed = [], None
     with httpx.stream("POST", f"{url}/v1/completions", json={
             "model": MODEL, "prompt": "Once upon a time", "max_tokens": 2000, "temperature": 0, "stream": True,
-            "ignore_eos": True}, timeout=120) as r:
+            "ignore_eos": True}, headers=AUTH, timeout=120) as r:
         pid = int(r.headers["x-arlm-replica"])
         for line in r.iter_lines():
             if line:
@@ -139,7 +185,6 @@ def test_a_replica_lost_mid_stream(servers):
 def test_sigterm_drains(servers):
     """(Last: it stops the server.) SIGTERM: new requests get 503 at once, a short stream running
     finishes, a long one ends with an error event at --drain-timeout (3 s), and the process exits."""
-    import json
     import signal
     import threading
 
@@ -150,7 +195,7 @@ def test_sigterm_drains(servers):
     def stream(name: str, tokens: int) -> None:
         with httpx.stream("POST", f"{url}/v1/completions", json={
                 "model": MODEL, "prompt": "Once upon a time", "max_tokens": tokens, "temperature": 0,
-                "stream": True, "ignore_eos": True}, timeout=120) as r:
+                "stream": True, "ignore_eos": True}, headers=AUTH, timeout=120) as r:
             results[name] = [line for line in r.iter_lines() if line]
 
     threads = [threading.Thread(target=stream, args=(name, n)) for name, n in (("short", 24), ("long", 4000))]
@@ -159,7 +204,8 @@ def test_sigterm_drains(servers):
     time.sleep(1.0)
     replicated.proc.send_signal(signal.SIGTERM)
     time.sleep(1.0)
-    r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2}, timeout=30)
+    r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2}, headers=AUTH,
+                   timeout=30)
     assert r.status_code == 503 and r.json()["error"]["code"] == "draining"
     for t in threads:
         t.join(60)

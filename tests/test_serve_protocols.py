@@ -60,7 +60,7 @@ def test_embeddings_through_the_openai_client(app, oai, smollm2):
     assert s.pool.num_free == s.pool.n_blocks  # (no blocks held once answered)
 
 
-@pytest.mark.parametrize("body,param", [
+BAD_EMBEDDINGS = [  # (body past "model", the field named)
     ({}, "input"),
     ({"input": []}, "input"),
     ({"input": 5}, "input"),
@@ -68,7 +68,10 @@ def test_embeddings_through_the_openai_client(app, oai, smollm2):
     ({"input": "hi", "dimensions": 7}, "dimensions"),
     ({"input": "hi", "encoding_format": "int8"}, "encoding_format"),
     ({"input": "x " * 5000}, "input"),
-])
+]
+
+
+@pytest.mark.parametrize("body,param", BAD_EMBEDDINGS)
 def test_bad_embedding_requests_are_400_naming_the_field(app, body, param):
     http = app[0]
     r = http.post("/v1/embeddings", json={"model": MODEL, **body}, headers={"Authorization": "Bearer k"})
@@ -140,7 +143,7 @@ def test_responses_function_tools_round_trip(oai):
     assert json.loads(done.arguments)["city"]
 
 
-@pytest.mark.parametrize("body,status,param", [
+BAD_RESPONSES = [  # (body past "model", status, the field named)
     ({}, 400, "input"),
     ({"input": []}, 400, "input"),
     ({"input": [{"type": "image_generation_call"}]}, 400, "input.0.type"),
@@ -152,7 +155,10 @@ def test_responses_function_tools_round_trip(oai):
     ({"input": "hi", "text": {"format": {"type": "xml"}}}, 400, "text.format"),
     ({"input": "hi", "previous_response_id": "resp_missing"}, 404, "previous_response_id"),
     ({"input": "x " * 9000}, 400, "input"),
-])
+]
+
+
+@pytest.mark.parametrize("body,status,param", BAD_RESPONSES)
 def test_bad_responses_requests_name_the_field(app, body, status, param):
     http = app[0]
     r = http.post("/v1/responses", json={"model": MODEL, **body}, headers={"Authorization": "Bearer k"})
@@ -234,24 +240,28 @@ def test_messages_structured_output(claude):
     assert set(json.loads(m.content[0].text)) == {"capital"}
 
 
+OK_MESSAGE = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]}
+BAD_MESSAGES = [  # (body, the field its message names)
+    ({"model": MODEL, "messages": OK_MESSAGE["messages"]}, "max_tokens"),
+    ({**OK_MESSAGE, "messages": []}, "messages"),
+    ({**OK_MESSAGE, "messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
+    ({**OK_MESSAGE, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+     "messages.0.content.0.type"),
+    ({**OK_MESSAGE, "messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_x",
+                                                                "content": "x"}]}]}, "messages.0.content.0.tool_use_id"),
+    ({**OK_MESSAGE, "temperature": 1.5}, "temperature"),
+    ({**OK_MESSAGE, "tool_choice": {"type": "sometimes"}}, "tool_choice"),
+    ({**OK_MESSAGE, "messages": [{"role": "user", "content": "x " * 9000}]}, "messages")]
+
+
 def test_messages_key_and_errors_in_anthropics_shape(app):
     http = app[0]
-    ok = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]}
+    ok = OK_MESSAGE
     r = http.post("/v1/messages", json=ok, headers={"x-api-key": "k", "anthropic-version": "2023-06-01"})
     assert r.status_code == 200 and r.json()["type"] == "message"
     r = http.post("/v1/messages", json=ok, headers={"x-api-key": "wrong"})
     assert r.status_code == 401 and r.json()["type"] == "error" and r.json()["error"]["type"] == "authentication_error"
-    bad = [({"model": MODEL, "messages": ok["messages"]}, "max_tokens"),
-           ({**ok, "messages": []}, "messages"),
-           ({**ok, "messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
-           ({**ok, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
-            "messages.0.content.0.type"),
-           ({**ok, "messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_x",
-                                                              "content": "x"}]}]}, "messages.0.content.0.tool_use_id"),
-           ({**ok, "temperature": 1.5}, "temperature"),
-           ({**ok, "tool_choice": {"type": "sometimes"}}, "tool_choice"),
-           ({**ok, "messages": [{"role": "user", "content": "x " * 9000}]}, "messages")]
-    for body, field in bad:
+    for body, field in BAD_MESSAGES:
         r = http.post("/v1/messages", json=body, headers={"x-api-key": "k"})
         assert r.status_code == 400, (body, r.text)
         err = r.json()

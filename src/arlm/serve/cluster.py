@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import logging
 import os
 import signal
 import sys
@@ -32,7 +33,8 @@ from collections import OrderedDict
 from typing import Any, AsyncIterator
 
 from ray import serve
-from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
+from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter  # (Ray's default, not exported)
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 PREFIX_CHARS = 256  # characters per hashed chunk of a prompt's text
 
@@ -69,11 +71,44 @@ def prefix_hashes(text: str) -> list[str]:
     return out
 
 
-class PrefixRouter(FIFOMixin, RequestRouter):
+class Addressed:
+    """For both routers: a request that names a replica (the `replica` keyword: its id) goes to
+    it — the ingress reads each replica's /metrics so —, and the replicas' ids are kept where the
+    ingress reads them (router_stats.REPLICAS)."""
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        from arlm.serve.router_stats import REPLICAS
+
+        REPLICAS[:] = sorted(r.replica_id.unique_id for r in replicas)
+
+    @staticmethod
+    def addressed(candidates: list[RunningReplica], pending: PendingRequest | None) -> list[RunningReplica] | None:
+        """[the replica the request names], or every candidate while that one is gone (the answer
+        says which replica gave it); None if the request names none. (Never an empty rank: Ray
+        would ask again at once, without backing off.)"""
+        want = pending.kwargs.get("replica") if pending is not None else None
+        if want is None:
+            return None
+        return [r for r in candidates if r.replica_id.unique_id == want] or candidates
+
+
+class PowerOfTwoRouter(Addressed, PowerOfTwoChoicesRequestRouter):
+    """Ray Serve's default router (two replicas at random, the shorter queue), for comparison."""
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        if (named := self.addressed(candidate_replicas, pending_request)) is not None:
+            return [named]
+        return await super().choose_replicas(candidate_replicas, pending_request)
+
+
+class PrefixRouter(Addressed, RequestRouter):
     """Prefix-aware routing over Ray Serve's request router (the module doc). It picks the
     replica itself (the first rank holds one; the others follow should it refuse the request), so
     that it knows where each prefix went; the load it weighs is the requests it has sent each
-    replica that have not completed."""
+    replica that have not completed. No FIFOMixin: with it Ray hands a chosen replica to the
+    oldest request waiting, not to the one it was chosen for; without it, to that one."""
 
     def initialize_state(self, imbalanced_threshold: int = 4, max_prefixes: int = 8192) -> None:
         self.imbalanced_threshold = imbalanced_threshold
@@ -85,6 +120,10 @@ class PrefixRouter(FIFOMixin, RequestRouter):
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         if not candidate_replicas or pending_request is None:
             return [candidate_replicas]
+        if (named := self.addressed(candidate_replicas, pending_request)) is not None:
+            for r in named:  # (counted as any other: its completion is)
+                self.outstanding[r.replica_id] = self.outstanding.get(r.replica_id, 0) + 1
+            return [named]
         hashes = pending_request.kwargs.get("prefix") or []
         # (this process's counts: the class may have come pickled by value, its globals a copy)
         from arlm.serve.router_stats import COUNTS as ROUTER_COUNTS
@@ -141,10 +180,16 @@ class EngineReplica:
         self.server = build_server(args, config)
         self.app = create_app(self.server, engine_thread=True)
         self.started = False
+        import ray
+
+        self.names = [(b"x-arlm-replica", str(os.getpid()).encode()),
+                      (b"x-arlm-replica-id", serve.get_replica_context().replica_id.unique_id.encode()),
+                      (b"x-arlm-node", ray.util.get_node_ip_address().encode())]
 
     async def handle(self, method: str, path: str, query: bytes, headers: list[tuple[bytes, bytes]], body: bytes,
-                     prefix: list[str] | None = None) -> AsyncIterator[dict]:
-        """One HTTP request through the app: its response as ASGI messages (start, body chunks)."""
+                     prefix: list[str] | None = None, replica: str | None = None) -> AsyncIterator[dict]:
+        """One HTTP request through the app: its response as ASGI messages (start, body chunks).
+        (`prefix` and `replica` are for the router.)"""
         if not self.started:  # the engine's loop, on this replica's event loop (the app's lifespan's work)
             self.server.engine.start(asyncio.get_running_loop())
             self.started = True
@@ -164,9 +209,8 @@ class EngineReplica:
             return {"type": "http.disconnect"}
 
         async def send(message: dict) -> None:
-            if message["type"] == "http.response.start":  # which replica answered (its process)
-                message = {**message, "headers": [*message.get("headers", []),
-                                                  (b"x-arlm-replica", str(os.getpid()).encode())]}
+            if message["type"] == "http.response.start":  # which replica answered (its process, its id)
+                message = {**message, "headers": [*message.get("headers", []), *self.names]}
             await messages.put(message)
 
         async def run() -> None:
@@ -282,24 +326,50 @@ class Ingress:
             return 0
 
     async def _metrics(self, request, body: bytes):
+        """Every replica's metrics, each sample labelled with its replica, and the router's."""
         from starlette.responses import PlainTextResponse
 
-        from arlm.serve.router_stats import COUNTS as ROUTER_COUNTS
+        from arlm.serve.router_stats import COUNTS as ROUTER_COUNTS, REPLICAS
 
-        text = b""
-        async for message in self.replica.handle.remote("GET", "/metrics", b"", [], b""):
-            text += message.get("body", b"")
-        lines = [text.decode().rstrip("\n"),
-                 "# HELP arlm_router_prefix_hits_total Requests routed to the replica holding their prompt's prefix.",
-                 "# TYPE arlm_router_prefix_hits_total counter",
-                 f"arlm_router_prefix_hits_total {ROUTER_COUNTS['prefix_hits']}",
-                 "# HELP arlm_router_fallbacks_total Requests whose prefix replica was too busy: the least loaded took them.",
-                 "# TYPE arlm_router_fallbacks_total counter",
-                 f"arlm_router_fallbacks_total {ROUTER_COUNTS['fallbacks']}",
-                 "# HELP arlm_router_unkeyed_total Requests with no prompt prefix to route by (least loaded).",
-                 "# TYPE arlm_router_unkeyed_total counter",
-                 f"arlm_router_unkeyed_total {ROUTER_COUNTS['no_prefix']}"]
-        return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4; charset=utf-8")
+        from .metrics import label_replicas
+
+        pages: dict[str, tuple[str, str, str]] = {}  # replica id -> (its page, pid, node)
+        if not REPLICAS:  # (the router learns the replicas with its first request)
+            await self._replica_metrics(None, pages)
+        for _ in range(3):  # (a page from another replica than asked: asked again)
+            if not (missing := [r for r in REPLICAS if r not in pages]):
+                break
+            for r in missing:  # (one at a time: calls from one request share its id, which Ray's
+                await self._replica_metrics(r, pages)  # router matches them by: at once, one would wait for ever)
+        info = ["# HELP arlm_replica_info The replicas answering: their process and node.",
+                "# TYPE arlm_replica_info gauge",
+                *(f'arlm_replica_info{{replica="{r}",pid="{pid}",node="{node}"}} 1'
+                  for r, (_, pid, node) in sorted(pages.items())),
+                "# HELP arlm_router_prefix_hits_total Requests routed to the replica holding their prompt's prefix.",
+                "# TYPE arlm_router_prefix_hits_total counter",
+                f"arlm_router_prefix_hits_total {ROUTER_COUNTS['prefix_hits']}",
+                "# HELP arlm_router_fallbacks_total Requests whose prefix replica was too busy: the least loaded took them.",
+                "# TYPE arlm_router_fallbacks_total counter",
+                f"arlm_router_fallbacks_total {ROUTER_COUNTS['fallbacks']}",
+                "# HELP arlm_router_unkeyed_total Requests with no prompt prefix to route by (least loaded).",
+                "# TYPE arlm_router_unkeyed_total counter",
+                f"arlm_router_unkeyed_total {ROUTER_COUNTS['no_prefix']}"]
+        text = label_replicas([(r, page) for r, (page, _, _) in sorted(pages.items())]) + "\n".join(info) + "\n"
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def _replica_metrics(self, replica: str | None, pages: dict) -> None:
+        """One replica's /metrics into `pages` under the id it answers with; nothing if it cannot answer."""
+        async def fetch() -> None:
+            names, text = {}, b""
+            async for message in self.replica.handle.remote("GET", "/metrics", b"", [], b"", replica=replica):
+                names = names or {k.decode(): v.decode() for k, v in message.get("headers", [])}
+                text += message.get("body", b"")
+            pages[names["x-arlm-replica-id"]] = (text.decode(), names["x-arlm-replica"], names["x-arlm-node"])
+
+        try:
+            await asyncio.wait_for(fetch(), timeout=5)
+        except Exception as e:  # noqa: BLE001 - a replica lost or restarting: the page has the others
+            logging.getLogger("ray.serve").warning("arlm: no metrics from replica %s: %r", replica, e)
 
 
 def serve_replicated(args, config) -> int:
@@ -313,7 +383,7 @@ def serve_replicated(args, config) -> int:
     serve.start(http_options=HTTPOptions(host=args.host, port=args.port))
     router = RequestRouterConfig(request_router_class="arlm.serve.cluster:PrefixRouter",
                                  request_router_kwargs={"imbalanced_threshold": 4}) \
-        if args.replica_router == "prefix" else RequestRouterConfig()  # (Ray's PowerOfTwoChoicesRequestRouter)
+        if args.replica_router == "prefix" else RequestRouterConfig(request_router_class="arlm.serve.cluster:PowerOfTwoRouter")
     replicas = EngineReplica.options(num_replicas=args.replicas,
                                      ray_actor_options={"num_cpus": args.threads_per_replica,
                                                         "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(args.threads_per_replica)}}},

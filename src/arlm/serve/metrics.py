@@ -140,3 +140,27 @@ def render(engine: AsyncEngine, http_requests: dict[tuple[str, int], int], time_
         _histogram(out, "arlm_grammar_compile_seconds", "Time to compile a request's grammar (off the engine's "
                    "step and the event loop).", grammar_compile)
     return "\n".join(out) + "\n"
+
+
+def label_replicas(pages: list[tuple[str, str]]) -> str:
+    """Several servers' pages as one, each sample labelled `replica="<name>"` (the tag Ray Serve's
+    own metrics use): each metric's HELP and TYPE once, then its samples from every page, as the
+    text format wants a metric's samples together. `pages`: (replica name, its /metrics text)."""
+    families: dict[str, list[str]] = {}  # metric name -> its header lines, then its samples
+    for replica, text in pages:
+        name = None
+        for line in text.splitlines():
+            if line.startswith("# HELP ") or line.startswith("# TYPE "):
+                name = line.split()[2]
+                head = families.setdefault(name, [])
+                if line not in head:
+                    head.append(line)
+            elif line and not line.startswith("#") and name is not None:
+                space, brace = line.find(" "), line.find("{")
+                tag = f'replica="{replica}"'
+                if -1 < brace < space:
+                    rest = line[brace + 1:]
+                    families[name].append(f"{line[:brace + 1]}{tag}{'' if rest.startswith('}') else ','}{rest}")
+                else:
+                    families[name].append(f"{line[:space]}{{{tag}}}{line[space:]}")
+    return "".join(line + "\n" for lines in families.values() for line in lines)
