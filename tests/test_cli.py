@@ -61,6 +61,10 @@ def bad_inputs(tmp: Path, gguf: Path) -> dict[str, tuple[list[str], str]]:
         "seed-too-large": (["generate", "hi", "--seed", "9" * 25], "seed"),
         "chat-zero-context": (["chat", "--max-context", "0"], "max-context"),
         "chat-context-below-reply": (["chat", "--max-context", "64", "--max-new-tokens", "64"], "max-context"),
+        "serve-replicas-not-a-number": (["serve", "--replicas", "two"], "--replicas"),
+        "serve-auto-replicas-range": (["serve", "--replicas", "auto", "--min-replicas", "3", "--max-replicas", "2"],
+                                      "--max-replicas"),
+        "serve-max-replicas-without-auto": (["serve", "--replicas", "2", "--max-replicas", "4"], "--replicas auto"),
     }
 
 
@@ -87,7 +91,8 @@ def bad_runs(tmp_path_factory, smollm2_path):
 BAD_INPUTS = ["empty-prompt", "unknown-model-name", "missing-path", "not-gguf", "truncated-gguf",
               "dir-without-config", "negative-temperature", "top-p-zero", "top-p-above-one", "negative-top-k",
               "non-numeric-temperature", "chat-bad-top-p", "unknown-kv-dtype", "bogus-device", "unsupported-device",
-              "empty-device", "seed-too-large", "chat-zero-context", "chat-context-below-reply"]
+              "empty-device", "seed-too-large", "chat-zero-context", "chat-context-below-reply",
+              "serve-replicas-not-a-number", "serve-auto-replicas-range", "serve-max-replicas-without-auto"]
 
 
 @pytest.mark.slow

@@ -95,8 +95,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
     for name in ("grammar_timeout", "health_step_timeout"):
         if not getattr(args, name) > 0:  # (also NaN)
             raise UsageError(f"arlm serve: error: --{name.replace('_', '-')} must be a positive number of seconds")
-    if args.replicas < 0 or args.threads_per_replica < 1:
-        raise UsageError("arlm serve: error: --replicas must be >= 0 (0: one process) and --threads-per-replica >= 1")
+    if args.replicas != "auto":
+        try:
+            args.replicas = int(args.replicas)
+        except ValueError:
+            args.replicas = -1
+    if args.replicas != "auto" and args.replicas < 0 or args.threads_per_replica < 1:
+        raise UsageError("arlm serve: error: --replicas must be a number >= 0 (0: one process) or 'auto', and "
+                         "--threads-per-replica >= 1")
+    if args.replicas == "auto":
+        if args.min_replicas < 1 or (args.max_replicas is not None and args.max_replicas < args.min_replicas):
+            raise UsageError("arlm serve: error: --min-replicas must be >= 1 and --max-replicas >= --min-replicas")
+        if args.target_ongoing_requests is not None and not args.target_ongoing_requests > 0:
+            raise UsageError("arlm serve: error: --target-ongoing-requests must be a positive number")
+    elif args.max_replicas is not None or args.target_ongoing_requests is not None or args.min_replicas != 1:
+        raise UsageError("arlm serve: error: --min-replicas, --max-replicas and --target-ongoing-requests are for "
+                         "--replicas auto")
     for name in ("long_prefill_tokens", "max_running_choices"):
         if getattr(args, name) < 0:
             raise UsageError(f"arlm serve: error: --{name.replace('_', '-')} must be >= 0 (0: off)")
@@ -220,9 +234,17 @@ def add_serve(sub) -> None:
                         "their KV blocks, prefix-cache hits, each step's batch, tokens/s (default: off)")
     p.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"))
     g = p.add_argument_group("replicas on a Ray cluster (pip install 'arlm[cluster]')")
-    g.add_argument("--replicas", type=int, default=0,
+    g.add_argument("--replicas", default="0", metavar="N|auto",
                    help="serve from N replicas of this server (each its own engine and KV pool) behind one ingress "
-                        "on Ray Serve, routed by prompt prefix (default: 0, one process, no Ray)")
+                        "on Ray Serve, routed by prompt prefix; 'auto': as many as the load asks, Ray Serve's "
+                        "autoscaler between --min-replicas and --max-replicas (default: 0, one process, no Ray)")
+    g.add_argument("--min-replicas", type=int, default=1, help="--replicas auto: the fewest replicas (default: 1)")
+    g.add_argument("--max-replicas", type=int, default=None,
+                   help="--replicas auto: the most replicas (default: as many as the cluster's CPUs hold at "
+                        "--threads-per-replica each, when the server starts)")
+    g.add_argument("--target-ongoing-requests", type=float, default=None,
+                   help="--replicas auto: the requests a replica should be serving at once; more on average and "
+                        "the autoscaler adds replicas, fewer and it removes them (default: half of --max-num-seqs)")
     g.add_argument("--ray-address", default=None,
                    help="join this Ray cluster ('auto': the one `ray start` began here; default: start a local one)")
     g.add_argument("--replica-router", choices=("prefix", "power-of-two"), default="prefix",

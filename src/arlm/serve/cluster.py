@@ -238,22 +238,23 @@ class Ingress:
 
     def __init__(self, replica, replicas: int) -> None:
         self.replica = replica.options(stream=True)
-        self.replicas = replicas
-        self.active = 0  # responses being streamed
+        self.replicas = replicas  # /health is 503 "degraded" while fewer run (--replicas N, or --min-replicas)
+        self.streams: set = set()  # the replicas' answers being relayed
         self.draining = False  # drain(): new requests refused
-        self.cut: asyncio.Event | None = None  # set when a drain's time is up: the streams left end
+        self.cut = False  # a drain's time is up: the streams left are ended
 
     async def drain(self, timeout: float) -> int:
         """Stop taking requests, let the streams running finish for up to `timeout` seconds, then
         end the rest with an error event; returns how many had to be ended."""
         self.draining = True
-        self.cut = self.cut or asyncio.Event()
         deadline = asyncio.get_running_loop().time() + timeout
-        while self.active and asyncio.get_running_loop().time() < deadline:
+        while self.streams and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.1)
-        left = self.active
-        self.cut.set()
-        while self.active:  # (each ends at its next message, or at once while it waits for one)
+        left = len(self.streams)
+        self.cut = True
+        for stream in list(self.streams):  # (each relay then says so and ends)
+            stream.cancel()
+        while self.streams:
             await asyncio.sleep(0.05)
         return left
 
@@ -289,29 +290,18 @@ class Ingress:
             return f"data: {json.dumps(body)}\n\ndata: [DONE]\n\n".encode() if sse else b""
 
         async def chunks() -> AsyncIterator[bytes]:
-            self.active += 1
-            messages = stream.__aiter__()
+            self.streams.add(stream)
             try:
-                while True:
-                    following = asyncio.ensure_future(messages.__anext__())
-                    cut = asyncio.ensure_future((self.cut or asyncio.Event()).wait())
-                    await asyncio.wait({following, cut}, return_when=asyncio.FIRST_COMPLETED)
-                    cut.cancel()
-                    if not following.done():  # the drain's time is up
-                        following.cancel()
-                        yield error("the server is shutting down: this stream was ended (drain timeout)", "draining")
-                        return
-                    try:
-                        message = following.result()
-                    except StopAsyncIteration:
-                        return
-                    except Exception as e:  # noqa: BLE001 - the replica died mid-answer: said, never cut silently
-                        yield error(f"the replica serving this stream was lost ({type(e).__name__})", "replica_lost")
-                        return
+                async for message in stream:
                     if message["type"] == "http.response.body" and message.get("body"):
                         yield message["body"]
+            except Exception as e:  # noqa: BLE001 - the drain's time is up (its cancel), or the replica died
+                if self.cut:  # mid-answer: either is said, never a silent cut
+                    yield error("the server is shutting down: this stream was ended (drain timeout)", "draining")
+                else:
+                    yield error(f"the replica serving this stream was lost ({type(e).__name__})", "replica_lost")
             finally:
-                self.active -= 1
+                self.streams.discard(stream)
                 stream.cancel()
 
         return StreamingResponse(chunks(), status_code=start["status"], headers=headers)
@@ -377,20 +367,31 @@ def serve_replicated(args, config) -> int:
     import ray
     from ray.serve.config import HTTPOptions, RequestRouterConfig
 
+    auto = args.replicas == "auto"
     ray.init(address=args.ray_address, include_dashboard=False, log_to_driver=False,
-             **({} if args.ray_address else {"num_cpus": max(os.cpu_count() or 1,
-                                                             args.replicas * args.threads_per_replica)}))
+             **({} if args.ray_address or auto else {"num_cpus": max(os.cpu_count() or 1,
+                                                                     args.replicas * args.threads_per_replica)}))
     serve.start(http_options=HTTPOptions(host=args.host, port=args.port))
     router = RequestRouterConfig(request_router_class="arlm.serve.cluster:PrefixRouter",
                                  request_router_kwargs={"imbalanced_threshold": 4}) \
         if args.replica_router == "prefix" else RequestRouterConfig(request_router_class="arlm.serve.cluster:PowerOfTwoRouter")
-    replicas = EngineReplica.options(num_replicas=args.replicas,
+    if auto:  # Ray Serve's autoscaler: replicas added while they serve more than the target each, removed below it
+        cpus = int(ray.cluster_resources().get("CPU", 1))
+        top = args.max_replicas or max(args.min_replicas, cpus // args.threads_per_replica)
+        target = args.target_ongoing_requests or max(1, args.max_num_seqs // 2)
+        count = {"num_replicas": "auto", "autoscaling_config": {
+            "min_replicas": args.min_replicas, "max_replicas": top, "target_ongoing_requests": target}}
+        fewest, shown = args.min_replicas, f"{args.min_replicas}..{top} replicas (autoscaled, {target:g} requests each)"
+    else:
+        count, fewest, shown = {"num_replicas": args.replicas}, args.replicas, f"{args.replicas} replica(s)"
+    replicas = EngineReplica.options(**count,
                                      ray_actor_options={"num_cpus": args.threads_per_replica,
                                                         "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(args.threads_per_replica)}}},
                                      request_router_config=router, max_ongoing_requests=256)
-    serve.run(Ingress.bind(replicas.bind(args, config), args.replicas), name="arlm", route_prefix="/")
-    print(f"arlm serve: model {args.served_model_name or args.model} on {args.replicas} replica(s) x "
-          f"{args.threads_per_replica} thread(s) of Ray Serve, routed by prompt prefix; listening on "
+    serve.run(Ingress.bind(replicas.bind(args, config), fewest), name="arlm", route_prefix="/")
+    print(f"arlm serve: model {args.served_model_name or args.model} on {shown} x "
+          f"{args.threads_per_replica} thread(s) of Ray Serve, routed by "
+          f"{'prompt prefix' if args.replica_router == 'prefix' else 'power of two choices'}; listening on "
           f"http://{args.host}:{args.port}", file=sys.stderr, flush=True)
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
