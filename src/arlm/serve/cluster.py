@@ -184,7 +184,8 @@ class EngineReplica:
 
         self.names = [(b"x-arlm-replica", str(os.getpid()).encode()),
                       (b"x-arlm-replica-id", serve.get_replica_context().replica_id.unique_id.encode()),
-                      (b"x-arlm-node", ray.util.get_node_ip_address().encode())]
+                      (b"x-arlm-node", ray.util.get_node_ip_address().encode()),
+                      (b"x-arlm-node-id", ray.get_runtime_context().get_node_id()[:12].encode())]
 
     async def handle(self, method: str, path: str, query: bytes, headers: list[tuple[bytes, bytes]], body: bytes,
                      prefix: list[str] | None = None, replica: str | None = None) -> AsyncIterator[dict]:
@@ -323,7 +324,7 @@ class Ingress:
 
         from .metrics import label_replicas
 
-        pages: dict[str, tuple[str, str, str]] = {}  # replica id -> (its page, pid, node)
+        pages: dict[str, tuple[str, str, str, str]] = {}  # replica id -> (its page, pid, node address, node id)
         if not REPLICAS:  # (the router learns the replicas with its first request)
             await self._replica_metrics(None, pages)
         for _ in range(3):  # (a page from another replica than asked: asked again)
@@ -331,10 +332,10 @@ class Ingress:
                 break
             for r in missing:  # (one at a time: calls from one request share its id, which Ray's
                 await self._replica_metrics(r, pages)  # router matches them by: at once, one would wait for ever)
-        info = ["# HELP arlm_replica_info The replicas answering: their process and node.",
+        info = ["# HELP arlm_replica_info The replicas answering: their process, their node's address and Ray id.",
                 "# TYPE arlm_replica_info gauge",
-                *(f'arlm_replica_info{{replica="{r}",pid="{pid}",node="{node}"}} 1'
-                  for r, (_, pid, node) in sorted(pages.items())),
+                *(f'arlm_replica_info{{replica="{r}",pid="{pid}",node="{node}",node_id="{node_id}"}} 1'
+                  for r, (_, pid, node, node_id) in sorted(pages.items())),
                 "# HELP arlm_router_prefix_hits_total Requests routed to the replica holding their prompt's prefix.",
                 "# TYPE arlm_router_prefix_hits_total counter",
                 f"arlm_router_prefix_hits_total {ROUTER_COUNTS['prefix_hits']}",
@@ -344,7 +345,7 @@ class Ingress:
                 "# HELP arlm_router_unkeyed_total Requests with no prompt prefix to route by (least loaded).",
                 "# TYPE arlm_router_unkeyed_total counter",
                 f"arlm_router_unkeyed_total {ROUTER_COUNTS['no_prefix']}"]
-        text = label_replicas([(r, page) for r, (page, _, _) in sorted(pages.items())]) + "\n".join(info) + "\n"
+        text = label_replicas([(r, page) for r, (page, *_) in sorted(pages.items())]) + "\n".join(info) + "\n"
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def _replica_metrics(self, replica: str | None, pages: dict) -> None:
@@ -354,7 +355,8 @@ class Ingress:
             async for message in self.replica.handle.remote("GET", "/metrics", b"", [], b"", replica=replica):
                 names = names or {k.decode(): v.decode() for k, v in message.get("headers", [])}
                 text += message.get("body", b"")
-            pages[names["x-arlm-replica-id"]] = (text.decode(), names["x-arlm-replica"], names["x-arlm-node"])
+            pages[names["x-arlm-replica-id"]] = (text.decode(), names["x-arlm-replica"], names["x-arlm-node"],
+                                                 names["x-arlm-node-id"])
 
         try:
             await asyncio.wait_for(fetch(), timeout=5)
