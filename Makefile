@@ -44,7 +44,7 @@ run: install
 # src/arlm/threads.py. The test process itself steps at a fixed width, OMP_NUM_THREADS or 2,
 # so that no outcome follows the machine's load: tests/conftest.py.)
 test: install-test
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=25 tests
 
 # The same without the tests marked slow: under two minutes on 2 cores, for the edit-test loop.
 test-fast: install-test
