@@ -201,7 +201,9 @@ def part_scaling(args) -> dict:
     setups = [("1 process x 2 threads", [], 2),
               ("2 replicas x 1 thread", ["--replicas", "2", "--threads-per-replica", "1"], 1),
               ("1 process x 1 thread", ["--threads", "1"], 1),
-              ("1 replica x 1 thread", ["--replicas", "1", "--threads-per-replica", "1"], 1)]
+              ("1 replica x 1 thread", ["--replicas", "1", "--threads-per-replica", "1"], 1),
+              ("1 replica x 2 threads", ["--replicas", "1", "--threads-per-replica", "2"], 2)]
+    setups = [s for s in setups if s[0] in args.setups]
     runs: dict[tuple[str, int], list[dict]] = {}
     for order in rounds_of(setups, args.rounds):
         for name, extra, threads in order:
@@ -227,7 +229,7 @@ def part_scaling(args) -> dict:
             print(f"{name:>24} {c:>7} {r['tokens_per_s']:>8.1f} {r['tokens_per_s'] / results[(base, c)]['tokens_per_s']:>9.2f} "
                   f"{r['ttft_p50']:>11.3f} {r['ttft_p95']:>11.3f} {1e3 * r['gap_p50']:>11.1f} {1e3 * r['gap_p95']:>11.1f}")
     print("\nthe ingress's cost (1 replica x 1 thread minus 1 process x 1 thread: the same engine):")
-    for c in args.clients:
+    for c in args.clients if ("1 replica x 1 thread", args.clients[0]) in results else ():
         a, b = results[("1 replica x 1 thread", c)], results[("1 process x 1 thread", c)]
         print(f"  {c:>3} clients: TTFT p50 {1e3 * (a['ttft_p50'] - b['ttft_p50']):+.1f} ms, "
               f"gap p50 {1e3 * (a['gap_p50'] - b['gap_p50']):+.2f} ms, tok/s x{a['tokens_per_s'] / b['tokens_per_s']:.2f}")
@@ -357,6 +359,10 @@ def main() -> None:
                     help="each 1-thread replica's KV pool in tokens (a 2-thread process gets twice as many: the same "
                          "memory); the default holds about half the routing trace's conversations per replica")
     ap.add_argument("--clients", default="1,8,32,64", help="scaling: client counts (default: 1,8,32,64)")
+    ap.add_argument("--setups", default="1 process x 2 threads,2 replicas x 1 thread,1 process x 1 thread,"
+                                        "1 replica x 1 thread",
+                    help="scaling: which setups, comma-separated, ratios to the first in the default order (default: the four "
+                         "named; also '1 replica x 2 threads')")
     ap.add_argument("--seconds", type=float, default=15.0, help="scaling and ingress: seconds a level runs (default: 15)")
     ap.add_argument("--stub-chunks", type=positive_int, default=64,
                     help="ingress: events a stub response streams (beside 1 event; default: 64)")
@@ -375,6 +381,11 @@ def main() -> None:
         assert all(c > 0 for c in args.clients)
     except (ValueError, AssertionError):
         ap.error(f"--clients: expected positive integers separated by commas, got {args.clients!r}")
+    args.setups = [x.strip() for x in args.setups.split(",") if x.strip()]
+    known = {"1 process x 2 threads", "2 replicas x 1 thread", "1 process x 1 thread", "1 replica x 1 thread",
+             "1 replica x 2 threads"}
+    if not args.setups or set(args.setups) - known:
+        ap.error(f"--setups: expected names among {', '.join(sorted(known))}")
     if not args.seconds > 0:
         ap.error(f"--seconds: expected a positive number, got {args.seconds}")
     out = {}

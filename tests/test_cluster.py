@@ -185,7 +185,8 @@ def test_a_replica_lost_mid_stream(servers):
 
 def test_sigterm_drains(servers):
     """(Last: it stops the server.) SIGTERM: new requests get 503 at once, a short stream running
-    finishes, a long one ends with an error event at --drain-timeout (3 s), and the process exits."""
+    finishes, a long one ends with an error event at --drain-timeout (3 s), a long answer not
+    streamed gets a 503 then, and the process exits."""
     import signal
     import threading
 
@@ -199,7 +200,13 @@ def test_sigterm_drains(servers):
                 "stream": True, "ignore_eos": True}, headers=AUTH, timeout=120) as r:
             results[name] = [line for line in r.iter_lines() if line]
 
+    def whole(name: str, tokens: int) -> None:  # (not streamed: its answer would come at its end)
+        results[name] = httpx.post(f"{url}/v1/completions", json={
+            "model": MODEL, "prompt": "Twice upon a time", "max_tokens": tokens, "temperature": 0,
+            "ignore_eos": True}, headers=AUTH, timeout=120)
+
     threads = [threading.Thread(target=stream, args=(name, n)) for name, n in (("short", 24), ("long", 4000))]
+    threads.append(threading.Thread(target=whole, args=("whole", 4000)))
     for t in threads:
         t.start()
     time.sleep(1.0)
@@ -213,4 +220,6 @@ def test_sigterm_drains(servers):
     short, long = results["short"], results["long"]
     assert short[-1] == "data: [DONE]" and all("error" not in line for line in short)
     assert long[-1] == "data: [DONE]" and json.loads(long[-2][6:])["error"]["code"] == "draining"
+    whole = results["whole"]
+    assert whole.status_code == 503 and whole.json()["error"]["code"] == "draining", whole.text
     assert replicated.proc.wait(60) == 0

@@ -106,8 +106,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.replicas == "auto":
         if args.min_replicas < 1 or (args.max_replicas is not None and args.max_replicas < args.min_replicas):
             raise UsageError("arlm serve: error: --min-replicas must be >= 1 and --max-replicas >= --min-replicas")
-        if args.target_ongoing_requests is not None and not args.target_ongoing_requests > 0:
-            raise UsageError("arlm serve: error: --target-ongoing-requests must be a positive number")
+        if args.target_ongoing_requests is not None and not 0 < args.target_ongoing_requests <= 256:
+            raise UsageError("arlm serve: error: --target-ongoing-requests must be a number in (0, 256] (256: the "
+                             "requests a replica takes at once)")
     elif args.max_replicas is not None or args.target_ongoing_requests is not None or args.min_replicas != 1:
         raise UsageError("arlm serve: error: --min-replicas, --max-replicas and --target-ongoing-requests are for "
                          "--replicas auto")

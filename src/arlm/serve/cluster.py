@@ -37,6 +37,7 @@ from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter  # 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 PREFIX_CHARS = 256  # characters per hashed chunk of a prompt's text
+MAX_ONGOING = 256  # requests a replica takes at once (its engine queues what its batch cannot hold)
 
 
 def prompt_text(body: bytes) -> str:
@@ -81,6 +82,18 @@ class Addressed:
         from arlm.serve.router_stats import REPLICAS
 
         REPLICAS[:] = sorted(r.replica_id.unique_id for r in replicas)
+        self.forget({r.replica_id for r in replicas})
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        from arlm.serve.router_stats import REPLICAS
+
+        if replica_id.unique_id in REPLICAS:
+            REPLICAS.remove(replica_id.unique_id)
+        self.forget({r for r in self.curr_replicas if r != replica_id})
+
+    def forget(self, alive: set) -> None:
+        """Drop what the router keeps of replicas no longer running (the prefix router's state)."""
 
     @staticmethod
     def addressed(candidates: list[RunningReplica], pending: PendingRequest | None) -> list[RunningReplica] | None:
@@ -121,8 +134,8 @@ class PrefixRouter(Addressed, RequestRouter):
         if not candidate_replicas or pending_request is None:
             return [candidate_replicas]
         if (named := self.addressed(candidate_replicas, pending_request)) is not None:
-            for r in named:  # (counted as any other: its completion is)
-                self.outstanding[r.replica_id] = self.outstanding.get(r.replica_id, 0) + 1
+            if len(named) == 1:  # (counted as any other: its completion is; else it is not yet placed)
+                self.outstanding[named[0].replica_id] = self.outstanding.get(named[0].replica_id, 0) + 1
             return [named]
         hashes = pending_request.kwargs.get("prefix") or []
         # (this process's counts: the class may have come pickled by value, its globals a copy)
@@ -160,10 +173,10 @@ class PrefixRouter(Addressed, RequestRouter):
         if self.outstanding.get(replica_id):
             self.outstanding[replica_id] -= 1
 
-    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
-        super().on_replica_actor_died(replica_id)
-        self.recent.pop(replica_id, None)
-        self.outstanding.pop(replica_id, None)
+    def forget(self, alive: set) -> None:
+        for kept in (getattr(self, "recent", {}), getattr(self, "outstanding", {})):
+            for gone in [r for r in kept if r not in alive]:
+                del kept[gone]
 
 
 @serve.deployment
@@ -176,8 +189,17 @@ class EngineReplica:
         from .api import create_app
         from .cli import build_server
 
+        from ..runtime import runtime
+
+        # The model loads on this thread with one OpenMP thread, the engine's thread then steps at
+        # the replica's width. An OpenMP team on this thread too would make libgomp manage more
+        # threads than the replica's cores, and then its threads sleep at every barrier instead of
+        # spinning: a 2-thread step took 8-10 ms instead of 5.8 (docs/benchmarks.md).
         torch.set_num_threads(args.threads_per_replica)
+        runtime().threads  # noqa: B018 - (the governor, made now: at the replica's width)
+        torch.set_num_threads(1)
         self.server = build_server(args, config)
+        torch.set_num_threads(args.threads_per_replica)
         self.app = create_app(self.server, engine_thread=True)
         self.started = False
         import ray
@@ -255,7 +277,8 @@ class Ingress:
         self.cut = True
         for stream in list(self.streams):  # (each relay then says so and ends)
             stream.cancel()
-        while self.streams:
+        deadline = asyncio.get_running_loop().time() + 5  # (an answer whose client left before it
+        while self.streams and asyncio.get_running_loop().time() < deadline:  # began is never relayed)
             await asyncio.sleep(0.05)
         return left
 
@@ -276,13 +299,23 @@ class Ingress:
                 [(k.encode(), v.encode()) for k, v in request.headers.items()], body)
         for attempt in (1, 2):  # a request that had not started on a replica that died: once more, elsewhere
             stream = self.replica.handle.remote(*args, prefix=hashes)
+            self.streams.add(stream)  # (a drain waits for an answer not begun too: a whole one comes at its end)
             try:
                 start = await stream.__anext__()
                 break
-            except Exception as e:  # noqa: BLE001 - the replica's actor died or became unreachable
+            except Exception as e:  # noqa: BLE001 - the replica's actor died or became unreachable, or the drain's time is up
+                self.streams.discard(stream)
+                if self.cut:
+                    return JSONResponse({"error": {"message": "the server is shutting down: this request was ended "
+                                                   "(drain timeout)", "type": "server_error", "param": None,
+                                                   "code": "draining"}}, 503)
                 if attempt == 2:
                     return JSONResponse({"error": {"message": f"no replica could take the request: {type(e).__name__}",
                                                    "type": "server_error", "param": None, "code": "replica_lost"}}, 503)
+            except BaseException:  # (the client left while it waited)
+                self.streams.discard(stream)
+                stream.cancel()
+                raise
         headers = {k.decode(): v.decode() for k, v in start.get("headers", []) if k.lower() != b"content-length"}
         sse = headers.get("content-type", "").startswith("text/event-stream")
 
@@ -291,7 +324,6 @@ class Ingress:
             return f"data: {json.dumps(body)}\n\ndata: [DONE]\n\n".encode() if sse else b""
 
         async def chunks() -> AsyncIterator[bytes]:
-            self.streams.add(stream)
             try:
                 async for message in stream:
                     if message["type"] == "http.response.body" and message.get("body"):
@@ -327,11 +359,13 @@ class Ingress:
         pages: dict[str, tuple[str, str, str, str]] = {}  # replica id -> (its page, pid, node address, node id)
         if not REPLICAS:  # (the router learns the replicas with its first request)
             await self._replica_metrics(None, pages)
+        silent: set[str] = set()  # replicas that did not answer in time: not asked again
         for _ in range(3):  # (a page from another replica than asked: asked again)
-            if not (missing := [r for r in REPLICAS if r not in pages]):
+            if not (missing := [r for r in REPLICAS if r not in pages and r not in silent]):
                 break
             for r in missing:  # (one at a time: calls from one request share its id, which Ray's
-                await self._replica_metrics(r, pages)  # router matches them by: at once, one would wait for ever)
+                if not await self._replica_metrics(r, pages):  # router matches them by: at once,
+                    silent.add(r)  # one would wait for ever)
         info = ["# HELP arlm_replica_info The replicas answering: their process, their node's address and Ray id.",
                 "# TYPE arlm_replica_info gauge",
                 *(f'arlm_replica_info{{replica="{r}",pid="{pid}",node="{node}",node_id="{node_id}"}} 1'
@@ -348,8 +382,8 @@ class Ingress:
         text = label_replicas([(r, page) for r, (page, *_) in sorted(pages.items())]) + "\n".join(info) + "\n"
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    async def _replica_metrics(self, replica: str | None, pages: dict) -> None:
-        """One replica's /metrics into `pages` under the id it answers with; nothing if it cannot answer."""
+    async def _replica_metrics(self, replica: str | None, pages: dict) -> bool:
+        """One replica's /metrics into `pages` under the id it answers with; False if no answer came."""
         async def fetch() -> None:
             names, text = {}, b""
             async for message in self.replica.handle.remote("GET", "/metrics", b"", [], b"", replica=replica):
@@ -359,9 +393,11 @@ class Ingress:
                                                  names["x-arlm-node-id"])
 
         try:
-            await asyncio.wait_for(fetch(), timeout=5)
+            await asyncio.wait_for(fetch(), timeout=2)
+            return True
         except Exception as e:  # noqa: BLE001 - a replica lost or restarting: the page has the others
             logging.getLogger("ray.serve").warning("arlm: no metrics from replica %s: %r", replica, e)
+            return False
 
 
 def serve_replicated(args, config) -> int:
@@ -370,9 +406,10 @@ def serve_replicated(args, config) -> int:
     from ray.serve.config import HTTPOptions, RequestRouterConfig
 
     auto = args.replicas == "auto"
-    ray.init(address=args.ray_address, include_dashboard=False, log_to_driver=False,
-             **({} if args.ray_address or auto else {"num_cpus": max(os.cpu_count() or 1,
-                                                                     args.replicas * args.threads_per_replica)}))
+    fewest = args.min_replicas if auto else args.replicas
+    ray.init(address=args.ray_address, include_dashboard=False, log_to_driver=False,  # (a local instance:
+             # the replicas asked for fit, on fewer cores than they ask if need be, rather than wait for ever)
+             **({} if args.ray_address else {"num_cpus": max(os.cpu_count() or 1, fewest * args.threads_per_replica)}))
     serve.start(http_options=HTTPOptions(host=args.host, port=args.port))
     router = RequestRouterConfig(request_router_class="arlm.serve.cluster:PrefixRouter",
                                  request_router_kwargs={"imbalanced_threshold": 4}) \
@@ -380,16 +417,19 @@ def serve_replicated(args, config) -> int:
     if auto:  # Ray Serve's autoscaler: replicas added while they serve more than the target each, removed below it
         cpus = int(ray.cluster_resources().get("CPU", 1))
         top = args.max_replicas or max(args.min_replicas, cpus // args.threads_per_replica)
-        target = args.target_ongoing_requests or max(1, args.max_num_seqs // 2)
+        target = args.target_ongoing_requests or min(max(1, args.max_num_seqs // 2), MAX_ONGOING)
         count = {"num_replicas": "auto", "autoscaling_config": {
             "min_replicas": args.min_replicas, "max_replicas": top, "target_ongoing_requests": target}}
-        fewest, shown = args.min_replicas, f"{args.min_replicas}..{top} replicas (autoscaled, {target:g} requests each)"
+        shown = f"{args.min_replicas}..{top} replicas (autoscaled, {target:g} requests each)"
     else:
-        count, fewest, shown = {"num_replicas": args.replicas}, args.replicas, f"{args.replicas} replica(s)"
+        count, shown = {"num_replicas": args.replicas}, f"{args.replicas} replica(s)"
+    # (a replica stopped by the autoscaler or a redeploy: its requests get --drain-timeout, at least
+    # a minute, to finish; Ray's default of 20 s cuts a long generation)
     replicas = EngineReplica.options(**count,
                                      ray_actor_options={"num_cpus": args.threads_per_replica,
                                                         "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(args.threads_per_replica)}}},
-                                     request_router_config=router, max_ongoing_requests=256)
+                                     request_router_config=router, max_ongoing_requests=MAX_ONGOING,
+                                     graceful_shutdown_timeout_s=max(60.0, args.drain_timeout))
     serve.run(Ingress.bind(replicas.bind(args, config), fewest), name="arlm", route_prefix="/")
     print(f"arlm serve: model {args.served_model_name or args.model} on {shown} x "
           f"{args.threads_per_replica} thread(s) of Ray Serve, routed by "
@@ -401,9 +441,12 @@ def serve_replicated(args, config) -> int:
     while not done.wait(0.5):
         pass
     # drain: no new requests, the running streams finish (or end with an error event at the timeout)
-    ended = serve.get_app_handle("arlm").drain.remote(args.drain_timeout).result(timeout_s=args.drain_timeout + 30)
-    print(f"arlm serve: drained ({ended} stream(s) ended at the {args.drain_timeout:g} s timeout); stopping",
-          file=sys.stderr, flush=True)
+    try:
+        ended = serve.get_app_handle("arlm").drain.remote(args.drain_timeout).result(timeout_s=args.drain_timeout + 30)
+        print(f"arlm serve: drained ({ended} request(s) ended at the {args.drain_timeout:g} s timeout); stopping",
+              file=sys.stderr, flush=True)
+    except Exception as e:  # noqa: BLE001 - the ingress lost or stuck: stop all the same
+        print(f"arlm serve: the drain did not complete ({type(e).__name__}); stopping", file=sys.stderr, flush=True)
     serve.delete("arlm")
     if not args.ray_address:
         serve.shutdown()
