@@ -125,7 +125,8 @@ def test_metrics_name_each_replica(servers):
     def requests(fams: dict) -> dict[str, float]:
         return {s.labels["replica"]: s.value for s in fams["arlm_requests"].samples}
 
-    before = requests(families(replicated.url))
+    first = families(replicated.url)
+    before = requests(first)
     with cf.ThreadPoolExecutor(8) as pool:
         pids = {r.headers["x-arlm-replica"] for r in pool.map(lambda i: chat(replicated.url, f"Count {i}", max_tokens=2),
                                                                range(8))}
@@ -142,6 +143,9 @@ def test_metrics_name_each_replica(servers):
             assert {s.name for s in fams[name].samples if s.labels["replica"] == replica} == \
                 {s.name for s in family.samples}, (name, replica)
     assert {"arlm_router_prefix_hits", "arlm_router_fallbacks"} <= set(fams)
+    # the 8 short chats had no prefix to route by; the scrapes and health checks are not counted
+    unkeyed = [f["arlm_router_unkeyed"].samples[0].value for f in (first, fams)]
+    assert unkeyed[1] - unkeyed[0] == 8, unkeyed
 
 
 def test_a_replica_lost_mid_stream(servers):

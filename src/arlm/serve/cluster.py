@@ -137,6 +137,7 @@ class PrefixRouter(Addressed, RequestRouter):
             if len(named) == 1:  # (counted as any other: its completion is; else it is not yet placed)
                 self.outstanding[named[0].replica_id] = self.outstanding.get(named[0].replica_id, 0) + 1
             return [named]
+        keyed = pending_request.kwargs.get("prefix") is not None  # (None: not a request with a prompt: a GET)
         hashes = pending_request.kwargs.get("prefix") or []
         # (this process's counts: the class may have come pickled by value, its globals a copy)
         from arlm.serve.router_stats import COUNTS as ROUTER_COUNTS
@@ -154,7 +155,7 @@ class PrefixRouter(Addressed, RequestRouter):
         best = max(candidate_replicas, key=matched) if hashes else least
         chosen = least
         if not hashes:
-            ROUTER_COUNTS["no_prefix"] += 1
+            ROUTER_COUNTS["no_prefix"] += keyed
         elif matched(best) and load[best.replica_id] - load[least.replica_id] > self.imbalanced_threshold:
             ROUTER_COUNTS["fallbacks"] += 1
         elif matched(best):
@@ -294,7 +295,7 @@ class Ingress:
         if request.url.path == "/health" and (running := self.running()) < self.replicas:
             return JSONResponse({"error": {"message": f"degraded: {running} of {self.replicas} replicas running",
                                            "type": "server_error", "param": None, "code": "degraded"}}, 503)
-        hashes = prefix_hashes(prompt_text(body)) if request.method == "POST" else []
+        hashes = prefix_hashes(prompt_text(body)) if request.method == "POST" else None
         args = (request.method, request.url.path, request.url.query.encode(),
                 [(k.encode(), v.encode()) for k, v in request.headers.items()], body)
         for attempt in (1, 2):  # a request that had not started on a replica that died: once more, elsewhere
@@ -376,7 +377,8 @@ class Ingress:
                 "# HELP arlm_router_fallbacks_total Requests whose prefix replica was too busy: the least loaded took them.",
                 "# TYPE arlm_router_fallbacks_total counter",
                 f"arlm_router_fallbacks_total {ROUTER_COUNTS['fallbacks']}",
-                "# HELP arlm_router_unkeyed_total Requests with no prompt prefix to route by (least loaded).",
+                "# HELP arlm_router_unkeyed_total POSTed requests without a prompt prefix (256 characters) to route "
+                "by: the least loaded took them.",
                 "# TYPE arlm_router_unkeyed_total counter",
                 f"arlm_router_unkeyed_total {ROUTER_COUNTS['no_prefix']}"]
         text = label_replicas([(r, page) for r, (page, *_) in sorted(pages.items())]) + "\n".join(info) + "\n"
