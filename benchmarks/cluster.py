@@ -48,7 +48,7 @@ sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_args import positive_int  # noqa: E402
-from serve import PROMPTS, free_port, percentile, run_server, stop  # noqa: E402
+from serve import PROMPTS, free_port, one_stream, percentile, run_server, stop  # noqa: E402
 
 MODEL = "smollm2"
 WORDS = ("parcel courier depot invoice customs route pallet tracking warehouse delivery address signature "
@@ -154,21 +154,6 @@ def part_routing(args) -> dict:
     return {"medians": results, "runs": runs}
 
 
-async def stream_completion(client, url: str, prompt: str, max_tokens: int) -> tuple[float, list[float], int]:
-    """(time to first token, the gaps between tokens, tokens) of one streamed completion."""
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "ignore_eos": True}
-    t0 = time.perf_counter()
-    arrivals = []
-    async with client.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
-            if line.startswith("data: {") and '"choices"' in line:
-                arrivals.append(time.perf_counter())
-    gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
-    return (arrivals[0] - t0 if arrivals else float("nan")), gaps, len(arrivals)
-
-
 async def clients_for(url: str, clients: int, seconds: float, max_tokens: int = 64) -> dict:
     """`clients` clients, each streaming completions of its own prompts one after another until
     `seconds` have passed (the requests running then finish)."""
@@ -181,7 +166,7 @@ async def clients_for(url: str, clients: int, seconds: float, max_tokens: int = 
         k = 0
         while time.perf_counter() < deadline:
             prompt = f"Client {c}, request {k}: {PROMPTS[(c + k) % len(PROMPTS)]}"
-            ttft, g, n = await stream_completion(client, url, prompt, max_tokens)
+            ttft, n, _, g = await one_stream(client, url, MODEL, prompt, max_tokens)
             ttfts.append(ttft)
             gaps.extend(g)
             tokens += n

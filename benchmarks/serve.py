@@ -189,23 +189,22 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 300.0) -> No
     raise RuntimeError(f"{url} not healthy after {timeout} s")
 
 
-async def one_stream(client, url: str, model: str, prompt: str, max_tokens: int) -> tuple[float, int, float]:
-    """(time to first token, tokens, total seconds) of one streaming completion."""
+async def one_stream(client, url: str, model: str, prompt: str,
+                     max_tokens: int) -> tuple[float, int, float, list[float]]:
+    """(time to first token, tokens, total seconds, the gaps between tokens) of one streaming completion."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "ignore_eos": True}
     t0 = time.perf_counter()
-    ttft, tokens = None, 0
+    arrivals = []  # both servers stream one token per chunk
     async with client.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            chunk = json.loads(line[6:])
-            if chunk.get("choices"):
-                tokens += 1  # both servers stream one token per chunk
-                if ttft is None:
-                    ttft = time.perf_counter() - t0
-    return ttft or float("nan"), tokens, time.perf_counter() - t0
+            if json.loads(line[6:]).get("choices"):
+                arrivals.append(time.perf_counter())
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
+    return (arrivals[0] - t0 if arrivals else float("nan")), len(arrivals), time.perf_counter() - t0, gaps
 
 
 async def load(url: str, model: str, prompts: list[str], max_tokens: int, concurrent: bool) -> dict:

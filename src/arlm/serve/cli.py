@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from ..cli_common import (UsageError, add_chat_template_arg, add_model_args, add_speculative_args, check_device,
-                          load_llm, parse_size)
+                          load_llm, parse_size, positive_int)
 
 # The smallest --kv-cache-memory taken before the model loads: two blocks of a small model. The
 # model's own minimum (two blocks of its K and V) is checked once its shapes are known.
@@ -48,6 +48,19 @@ def bind(host: str, port: int) -> socket.socket:
             sock.close()
         raise UsageError(f"arlm serve: error: cannot listen on {host}:{port}: {e.strerror or e}") from None
     return sock
+
+
+def replica_count(text: str) -> int | str:
+    """--replicas: a number >= 0 (0: one process, no Ray) or 'auto'."""
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0 or 'auto', got {text!r}")
+    return value
 
 
 def build_server(args: argparse.Namespace, config):
@@ -95,17 +108,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     for name in ("grammar_timeout", "health_step_timeout"):
         if not getattr(args, name) > 0:  # (also NaN)
             raise UsageError(f"arlm serve: error: --{name.replace('_', '-')} must be a positive number of seconds")
-    if args.replicas != "auto":
-        try:
-            args.replicas = int(args.replicas)
-        except ValueError:
-            args.replicas = -1
-    if args.replicas != "auto" and args.replicas < 0 or args.threads_per_replica < 1:
-        raise UsageError("arlm serve: error: --replicas must be a number >= 0 (0: one process) or 'auto', and "
-                         "--threads-per-replica >= 1")
     if args.replicas == "auto":
-        if args.min_replicas < 1 or (args.max_replicas is not None and args.max_replicas < args.min_replicas):
-            raise UsageError("arlm serve: error: --min-replicas must be >= 1 and --max-replicas >= --min-replicas")
+        if args.max_replicas is not None and args.max_replicas < args.min_replicas:
+            raise UsageError("arlm serve: error: --max-replicas must be >= --min-replicas")
         if args.target_ongoing_requests is not None and not 0 < args.target_ongoing_requests <= 256:
             raise UsageError("arlm serve: error: --target-ongoing-requests must be a number in (0, 256] (256: the "
                              "requests a replica takes at once)")
@@ -235,12 +240,12 @@ def add_serve(sub) -> None:
                         "their KV blocks, prefix-cache hits, each step's batch, tokens/s (default: off)")
     p.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"))
     g = p.add_argument_group("replicas on a Ray cluster (pip install 'arlm[cluster]')")
-    g.add_argument("--replicas", default="0", metavar="N|auto",
+    g.add_argument("--replicas", type=replica_count, default=0, metavar="N|auto",
                    help="serve from N replicas of this server (each its own engine and KV pool) behind one ingress "
                         "on Ray Serve, routed by prompt prefix; 'auto': as many as the load asks, Ray Serve's "
                         "autoscaler between --min-replicas and --max-replicas (default: 0, one process, no Ray)")
-    g.add_argument("--min-replicas", type=int, default=1, help="--replicas auto: the fewest replicas (default: 1)")
-    g.add_argument("--max-replicas", type=int, default=None,
+    g.add_argument("--min-replicas", type=positive_int, default=1, help="--replicas auto: the fewest replicas (default: 1)")
+    g.add_argument("--max-replicas", type=positive_int, default=None,
                    help="--replicas auto: the most replicas (default: as many as the cluster's CPUs hold at "
                         "--threads-per-replica each, when the server starts)")
     g.add_argument("--target-ongoing-requests", type=float, default=None,
@@ -254,6 +259,6 @@ def add_serve(sub) -> None:
     g.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds the running streams may take to finish before they are ended with an "
                         "error event; new requests get 503 meanwhile (default: 30)")
-    g.add_argument("--threads-per-replica", type=int, default=1,
+    g.add_argument("--threads-per-replica", type=positive_int, default=1,
                    help="CPU cores each replica is given (Ray's num_cpus) and its threads (default: 1)")
     p.set_defaults(func=cmd_serve)

@@ -40,6 +40,12 @@ PREFIX_CHARS = 256  # characters per hashed chunk of a prompt's text
 MAX_ONGOING = 256  # requests a replica takes at once (its engine queues what its batch cannot hold)
 
 
+def unavailable(message: str, code: str) -> dict:
+    """The ingress's own errors, in OpenAI's error shape (common.error_response's; common imports
+    the engine and torch, which the ingress process never loads)."""
+    return {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
+
+
 def prompt_text(body: bytes) -> str:
     """The text a request's prompt starts with, as its protocol gives it (system or instructions
     first, then the messages' or input's text); "" where there is none."""
@@ -79,18 +85,17 @@ class Addressed:
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
-        from arlm.serve.router_stats import REPLICAS
-
-        REPLICAS[:] = sorted(r.replica_id.unique_id for r in replicas)
-        self.forget({r.replica_id for r in replicas})
+        self.replicas_changed()
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
-        super().on_replica_actor_died(replica_id)
+        super().on_replica_actor_died(replica_id)  # (Ray drops it from curr_replicas)
+        self.replicas_changed()
+
+    def replicas_changed(self) -> None:
         from arlm.serve.router_stats import REPLICAS
 
-        if replica_id.unique_id in REPLICAS:
-            REPLICAS.remove(replica_id.unique_id)
-        self.forget({r for r in self.curr_replicas if r != replica_id})
+        REPLICAS[:] = sorted(r.unique_id for r in self.curr_replicas)
+        self.forget(set(self.curr_replicas))
 
     def forget(self, alive: set) -> None:
         """Drop what the router keeps of replicas no longer running (the prefix router's state)."""
@@ -195,7 +200,7 @@ class EngineReplica:
         # The model loads on this thread with one OpenMP thread, the engine's thread then steps at
         # the replica's width. An OpenMP team on this thread too would make libgomp manage more
         # threads than the replica's cores, and then its threads sleep at every barrier instead of
-        # spinning: a 2-thread step took 8-10 ms instead of 5.8 (docs/benchmarks.md).
+        # spinning (docs/benchmarks.md, "Replicas on Ray Serve": 0.42 -> 0.67 of one process at 1 client).
         torch.set_num_threads(args.threads_per_replica)
         runtime().threads  # noqa: B018 - (the governor, made now: at the replica's width)
         torch.set_num_threads(1)
@@ -287,14 +292,12 @@ class Ingress:
         from starlette.responses import JSONResponse, StreamingResponse
 
         if self.draining:
-            return JSONResponse({"error": {"message": "the server is shutting down", "type": "server_error",
-                                           "param": None, "code": "draining"}}, 503)
+            return JSONResponse(unavailable("the server is shutting down", "draining"), 503)
         body = await request.body()
         if request.url.path == "/metrics":  # the router's decisions beside a replica's metrics
             return await self._metrics(request, body)
         if request.url.path == "/health" and (running := self.running()) < self.replicas:
-            return JSONResponse({"error": {"message": f"degraded: {running} of {self.replicas} replicas running",
-                                           "type": "server_error", "param": None, "code": "degraded"}}, 503)
+            return JSONResponse(unavailable(f"degraded: {running} of {self.replicas} replicas running", "degraded"), 503)
         hashes = prefix_hashes(prompt_text(body)) if request.method == "POST" else None
         args = (request.method, request.url.path, request.url.query.encode(),
                 [(k.encode(), v.encode()) for k, v in request.headers.items()], body)
@@ -307,12 +310,11 @@ class Ingress:
             except Exception as e:  # noqa: BLE001 - the replica's actor died or became unreachable, or the drain's time is up
                 self.streams.discard(stream)
                 if self.cut:
-                    return JSONResponse({"error": {"message": "the server is shutting down: this request was ended "
-                                                   "(drain timeout)", "type": "server_error", "param": None,
-                                                   "code": "draining"}}, 503)
+                    return JSONResponse(unavailable("the server is shutting down: this request was ended (drain "
+                                                    "timeout)", "draining"), 503)
                 if attempt == 2:
-                    return JSONResponse({"error": {"message": f"no replica could take the request: {type(e).__name__}",
-                                                   "type": "server_error", "param": None, "code": "replica_lost"}}, 503)
+                    return JSONResponse(unavailable(f"no replica could take the request: {type(e).__name__}",
+                                                    "replica_lost"), 503)
             except BaseException:  # (the client left while it waited)
                 self.streams.discard(stream)
                 stream.cancel()
@@ -321,8 +323,7 @@ class Ingress:
         sse = headers.get("content-type", "").startswith("text/event-stream")
 
         def error(message: str, code: str) -> bytes:
-            body = {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
-            return f"data: {json.dumps(body)}\n\ndata: [DONE]\n\n".encode() if sse else b""
+            return f"data: {json.dumps(unavailable(message, code))}\n\ndata: [DONE]\n\n".encode() if sse else b""
 
         async def chunks() -> AsyncIterator[bytes]:
             try:
@@ -355,9 +356,9 @@ class Ingress:
 
         from arlm.serve.router_stats import COUNTS as ROUTER_COUNTS, REPLICAS
 
-        from .metrics import label_replicas
+        from .metrics import render_replicas
 
-        pages: dict[str, tuple[str, str, str, str]] = {}  # replica id -> (its page, pid, node address, node id)
+        pages: dict[str, tuple[str, dict[str, str]]] = {}  # replica id -> (its page, where it runs)
         if not REPLICAS:  # (the router learns the replicas with its first request)
             await self._replica_metrics(None, pages)
         silent: set[str] = set()  # replicas that did not answer in time: not asked again
@@ -367,21 +368,7 @@ class Ingress:
             for r in missing:  # (one at a time: calls from one request share its id, which Ray's
                 if not await self._replica_metrics(r, pages):  # router matches them by: at once,
                     silent.add(r)  # one would wait for ever)
-        info = ["# HELP arlm_replica_info The replicas answering: their process, their node's address and Ray id.",
-                "# TYPE arlm_replica_info gauge",
-                *(f'arlm_replica_info{{replica="{r}",pid="{pid}",node="{node}",node_id="{node_id}"}} 1'
-                  for r, (_, pid, node, node_id) in sorted(pages.items())),
-                "# HELP arlm_router_prefix_hits_total Requests routed to the replica holding their prompt's prefix.",
-                "# TYPE arlm_router_prefix_hits_total counter",
-                f"arlm_router_prefix_hits_total {ROUTER_COUNTS['prefix_hits']}",
-                "# HELP arlm_router_fallbacks_total Requests whose prefix replica was too busy: the least loaded took them.",
-                "# TYPE arlm_router_fallbacks_total counter",
-                f"arlm_router_fallbacks_total {ROUTER_COUNTS['fallbacks']}",
-                "# HELP arlm_router_unkeyed_total POSTed requests without a prompt prefix (256 characters) to route "
-                "by: the least loaded took them.",
-                "# TYPE arlm_router_unkeyed_total counter",
-                f"arlm_router_unkeyed_total {ROUTER_COUNTS['no_prefix']}"]
-        text = label_replicas([(r, page) for r, (page, *_) in sorted(pages.items())]) + "\n".join(info) + "\n"
+        text = render_replicas(pages, ROUTER_COUNTS)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def _replica_metrics(self, replica: str | None, pages: dict) -> bool:
@@ -391,8 +378,8 @@ class Ingress:
             async for message in self.replica.handle.remote("GET", "/metrics", b"", [], b"", replica=replica):
                 names = names or {k.decode(): v.decode() for k, v in message.get("headers", [])}
                 text += message.get("body", b"")
-            pages[names["x-arlm-replica-id"]] = (text.decode(), names["x-arlm-replica"], names["x-arlm-node"],
-                                                 names["x-arlm-node-id"])
+            pages[names["x-arlm-replica-id"]] = (text.decode(), {
+                "pid": names["x-arlm-replica"], "node": names["x-arlm-node"], "node_id": names["x-arlm-node-id"]})
 
         try:
             await asyncio.wait_for(fetch(), timeout=2)

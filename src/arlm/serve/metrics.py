@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
-from ..engine import AsyncEngine
-from ..kv_cache import kv_dtype_name
+if TYPE_CHECKING:  # (no torch at import: the replicas' ingress renders its page with this module)
+    from ..engine import AsyncEngine
 
 # Prometheus' histogram buckets for the time to first token, in seconds.
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -51,6 +52,8 @@ def render(engine: AsyncEngine, http_requests: dict[tuple[str, int], int], time_
            grammar_compile: Histogram | None = None) -> str:
     """All metrics as one text page. Read from the event loop while the engine thread runs:
     each number is read once, so a page may mix two consecutive steps, never torn values."""
+    from ..kv_cache import kv_dtype_name
+
     e = engine.engine
     stats, sched = e.stats, e.scheduler
     pool = sched.pool
@@ -164,3 +167,20 @@ def label_replicas(pages: list[tuple[str, str]]) -> str:
                 else:
                     families[name].append(f"{line[:space]}{{{tag}}}{line[space:]}")
     return "".join(line + "\n" for lines in families.values() for line in lines)
+
+
+def render_replicas(pages: dict[str, tuple[str, dict[str, str]]], router: dict[str, int]) -> str:
+    """The page of `arlm serve --replicas`' ingress: every replica's page labelled with it
+    (`pages`: replica id -> (its page, where it runs: pid, node, node_id)), which replica runs
+    where, and the prefix router's decisions (`router`: router_stats.COUNTS)."""
+    out: list[str] = []
+    _metric(out, "arlm_replica_info", "gauge", "The replicas answering: their process, their node's address and Ray id.",
+            [(1, {"replica": r, **where}) for r, (_, where) in sorted(pages.items())])
+    _metric(out, "arlm_router_prefix_hits_total", "counter",
+            "Requests routed to the replica holding their prompt's prefix.", [(router["prefix_hits"], None)])
+    _metric(out, "arlm_router_fallbacks_total", "counter",
+            "Requests whose prefix replica was too busy: the least loaded took them.", [(router["fallbacks"], None)])
+    _metric(out, "arlm_router_unkeyed_total", "counter",
+            "POSTed requests without a prompt prefix (256 characters) to route by: the least loaded took them.",
+            [(router["no_prefix"], None)])
+    return label_replicas([(r, page) for r, (page, _) in sorted(pages.items())]) + "\n".join(out) + "\n"
