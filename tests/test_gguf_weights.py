@@ -411,17 +411,17 @@ def test_blocks_read_as_stored_dequantize_as_gguf_does(kind):
 # -- the K-quants (Q4_K, Q6_K) read as stored: KQuantLinear -----------------------------------------
 
 def _k_blocks(kind: str, N: int, S: int, seed: int) -> np.ndarray:
-    """Random K-quant super-blocks [N, S, bytes] (Q5_0: its blocks of 32, [N, 8 S, 22]): every
-    byte random (every 6-bit scale and min, every high bit) but the float16 d (and dmin), kept
-    finite."""
+    """Random K-quant super-blocks [N, S, bytes] (Q5_0, Q4_0: their blocks of 32, [N, 8 S, 22 or
+    18]): every byte random (every 6-bit scale and min, every high bit) but the float16 d (and
+    dmin), kept finite."""
     from arlm.loading.gguf import _BLOCK, _K_BLOCK
 
     rng = np.random.default_rng(seed)
-    if kind == "Q5_0":
+    if kind in ("Q5_0", "Q4_0"):
         S *= 8
     b = rng.integers(0, 256, (N, S, _K_BLOCK.get(kind) or _BLOCK[kind]), dtype=np.uint8)
     halves = rng.uniform(1e-3, 5e-2, (N, S, 2)).astype(np.float16).view(np.uint8).reshape(N, S, 2, 2)
-    if kind == "Q5_0":
+    if kind in ("Q5_0", "Q4_0"):
         b[..., 0:2] = halves[:, :, 0]
     elif kind != "Q6_K":  # (Q4_K, Q5_K: d and dmin first)
         b[..., 0:2], b[..., 2:4] = halves[:, :, 0], halves[:, :, 1]
@@ -431,10 +431,12 @@ def _k_blocks(kind: str, N: int, S: int, seed: int) -> np.ndarray:
 
 
 def _k_layer(kind: str, b: np.ndarray):
-    from arlm.loading.gguf import k_quant_fields, q5_0_layer
+    from arlm.loading.gguf import k_quant_fields, q4_0_layer, q5_0_layer
 
     if kind == "Q5_0":
         return q5_0_layer(b)
+    if kind == "Q4_0":  # (a Q4Linear: 4 bits with mins -8 d)
+        return q4_0_layer(b)
     f = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in k_quant_fields(b, kind).items()}
     N, K = f["q"].shape
     layer = KQuantLinear(kind, K, N)
@@ -443,7 +445,7 @@ def _k_layer(kind: str, b: np.ndarray):
     return layer
 
 
-@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K", "Q5_0"])
+@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q4_0"])
 def test_k_quant_layers_hold_ggufs_values_bit_for_bit(kind):
     """A K-quant layer's values (its fields as the loader splits them, in the kernels' packed
     layout) are gguf's dequantization of the same random super-blocks, bit for bit, whole or
@@ -458,10 +460,34 @@ def test_k_quant_layers_hold_ggufs_values_bit_for_bit(kind):
     assert got.dtype == np.float32 and np.array_equal(got.view(np.uint32), want.astype(np.float32).view(np.uint32))
     rows = torch.tensor([47, 0, 16, 31, 5])
     assert torch.equal(layer.dequantize_rows(rows), torch.from_numpy(want)[rows])
+    layer.int8_activations = True  # the packed layout, where it is built (Q4_0's Q4Linear moves)
+    assert torch.equal(layer.dequantize(), torch.from_numpy(want).float())
+    assert torch.equal(layer.dequantize_rows(rows), torch.from_numpy(want)[rows])
+
+
+# Bits a weight of each type as the file stores it, and as arlm holds it on the packed kernels
+# (AVX-512 VNNI): Q4_0 and Q5_0 carry a float16 min per 32 beside the scale (-8 d, -16 d).
+_FILE_BITS = {"Q4_K": 4.5, "Q5_K": 5.5, "Q6_K": 6.5625, "Q5_0": 5.5, "Q4_0": 4.5}
+_HELD_BITS = {"Q4_K": 4.625, "Q5_K": 5.625, "Q6_K": 6.5625, "Q5_0": 6.0, "Q4_0": 5.0}
 
 
 @needs_packed
-@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K", "Q5_0"])
+@pytest.mark.parametrize("kind", list(_FILE_BITS))
+def test_layouts_hold_about_the_files_bytes(kind):
+    """A decode step streams each weight once: the layout's bytes bound it. Each type is held in
+    at most its listed bits a weight (Q6_K: exactly the file's 6.5625, not the 8.6 of an int8
+    arrangement), counted over the layer's tensors."""
+    N, S = 48, 4
+    b = _k_blocks(kind, N, S, seed=3)
+    layer = _k_layer(kind, b)
+    layer.int8_activations = True
+    held = sum(t.numel() * t.element_size() for t in layer.tensors()) * 8 / (N * 256 * S)
+    assert b.size * 8 / (N * 256 * S) == _FILE_BITS[kind]
+    assert held <= _HELD_BITS[kind]
+
+
+@needs_packed
+@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q4_0"])
 @pytest.mark.parametrize("M", [1, 2, 3, 5, 9])
 def test_k_quant_kernels_match_float64(kind, M):
     """The packed K-quant kernels (a8_linear.cpp) against float64 products of gguf's values: with

@@ -457,8 +457,8 @@ class Q5Linear(PackedOnlyLinear):
 class KQuantLinear(PackedOnlyLinear):
     """A GGUF K-quant matrix (Q4_K, Q5_K or Q6_K: super-blocks of 256 weights) in the packed
     kernels' layout (a8_linear.cpp, `kernels.pack_q4_k` / `pack_q6_k`): the file's values with
-    their own scales, not rounded again, in about the file's bytes (Q4_K 4.75 bits a weight, the
-    file's 4.5; Q5_K 5.75, the file's 5.5; Q6_K 8.6, the file's 6.6).
+    their own scales, not rounded again, in about the file's bytes (Q4_K 4.625 bits a weight, the
+    file's 4.5; Q5_K 5.625, the file's 5.5; Q6_K 6.5625, the file's).
 
     Q4_K, Q5_K: W[n, k] = d[n, k // 256] sc[n, k // 32] q[n, k] - dmin[n, k // 256] m[n, k // 32];
     Q6_K: W[n, k] = d[n, k // 256] sc[n, k // 16] q[n, k] (gguf's dequantization, bit for bit:
@@ -476,11 +476,11 @@ class KQuantLinear(PackedOnlyLinear):
         self.kind = kind
         NB, G, S = out_features // 16, in_features // 32, in_features // 256
         q6 = kind == "Q6_K"
-        shape = (NB, in_features // 4, 64) if q6 else (NB, in_features // 8, 80 if kind == "Q5_K" else 64)
-        self.register_buffer("weight", torch.zeros(*shape, dtype=torch.uint8))
+        chunk = {"Q4_K": 64, "Q5_K": 80, "Q6_K": 96}[kind]  # bytes per 8 K-values of 16 channels
+        self.register_buffer("weight", torch.zeros(NB, in_features // 8, chunk, dtype=torch.uint8))
         self.register_buffer("scale", torch.zeros(NB, 2 * G, 16, dtype=torch.int8) if q6
                              else torch.zeros(NB, G, 32, dtype=torch.uint8))
-        self.register_buffer("supers", torch.zeros(NB, S, 16 if q6 else 32, dtype=torch.float32))
+        self.register_buffer("supers", torch.zeros(NB, S, 16 if q6 else 32, dtype=torch.float16))
 
     def dequantize_rows(self, index):
         T, K = len(index), self.in_features
@@ -492,11 +492,10 @@ class KQuantLinear(PackedOnlyLinear):
                 wb = self.weight.view(self.weight.shape[0], -1, 16, 4)[b, :, lane, :]  # [T, K/8, 4]
                 q = torch.stack([wb & 0x0F, wb >> 4], dim=2).view(T, K // 32, 32).float()
             sc, m = self.scale[b, :, lane].float(), self.scale[b, :, 16 + lane].float()  # [T, K/32]
-            d, dmin = (self.supers[b, :, lane + o].repeat_interleave(8, dim=1) for o in (0, 16))
+            d, dmin = (self.supers[b, :, lane + o].float().repeat_interleave(8, dim=1) for o in (0, 16))
             return ((d * sc)[..., None] * q - (dmin * m)[..., None]).view(T, K)
-        u = self.weight.view(self.weight.shape[0], -1, 16, 4)[b, :, lane, :].reshape(T, K // 16, 16)
-        q = u.to(torch.int16).float() - 32.0
-        d = self.supers[b, :, lane].repeat_interleave(16, dim=1)  # [T, K/16]
+        q = kernels.unpack_q6_rows(self.weight, index).view(T, K // 16, 16).float() - 32.0
+        d = self.supers[b, :, lane].float().repeat_interleave(16, dim=1)  # [T, K/16]
         return ((d * self.scale[b, :, lane].float())[..., None] * q).view(T, K)
 
     def _packed_matmul(self, x):

@@ -311,10 +311,11 @@ def pack_q4(w: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor) -> tuple[t
 def pack_q4_k(q: torch.Tensor, sc: torch.Tensor, m: torch.Tensor, d: torch.Tensor,
               dmin: torch.Tensor, five_bit: bool = False) -> tuple[torch.Tensor, ...]:
     """Q4_K's fields (w = d sc q - dmin m: q uint8 [N, K] in 0..15; sc, m uint8 [N, K/32], the
-    6-bit scale and min of each group of 32; d, dmin float32 [N, K/256], each super-block's) ->
-    a8_linear.cpp's Q4_K layout: the 4-bit packed weights of `pack_q4` [N/16, K/8, 64], scale
-    uint8 [N/16, K/32, 32] (16 channels' sc, then their m) and supers float32 [N/16, K/256, 32]
-    (d, then dmin). five_bit: Q5_K's, q in 0..31, in `pack_q5`'s layout."""
+    6-bit scale and min of each group of 32; d, dmin [N, K/256], each super-block's float16 values)
+    -> a8_linear.cpp's Q4_K layout: the 4-bit packed weights of `pack_q4` [N/16, K/8, 64], scale
+    uint8 [N/16, K/32, 32] (16 channels' sc, then their m) and supers float16 [N/16, K/256, 32]
+    (d, then dmin: the file's float16 values, exactly). five_bit: Q5_K's, q in 0..31, in
+    `pack_q5`'s layout."""
     N, K = q.shape
     if five_bit:
         wp = pack_q5(q)
@@ -322,7 +323,7 @@ def pack_q4_k(q: torch.Tensor, sc: torch.Tensor, m: torch.Tensor, d: torch.Tenso
         qq = q.view(N // 16, 16, K // 8, 2, 4)
         wp = (qq[:, :, :, 0] | (qq[:, :, :, 1] << 4)).permute(0, 2, 1, 3).contiguous().view(N // 16, K // 8, 64)
     return (wp, torch.cat([pack_scales(sc), pack_scales(m)], dim=2).contiguous(),
-            torch.cat([pack_scales(d), pack_scales(dmin)], dim=2).contiguous())
+            torch.cat([pack_scales(d.half()), pack_scales(dmin.half())], dim=2).contiguous())
 
 
 def pack_q5(q: torch.Tensor) -> torch.Tensor:
@@ -349,13 +350,50 @@ def unpack_q5_rows(wp: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return (torch.stack([nib & 0x0F, nib >> 4], dim=2) | (high << 4)).reshape(len(index), C * 8)
 
 
+# Q6_K's top two bits (a8_linear.cpp load_q6): byte c of a 32-bit word of the stored 16 bytes,
+# rotated right by 2L in the vector's 128-bit lane L, holds at bits 4-5 the top bits of the
+# vector's byte 16L + 4w + c. So stored byte (w, c) carries: bits 0-1 lane 2's byte (w, c - 1),
+# bits 2-3 lane 3's (w, c - 1), bits 4-5 lane 0's (w, c), bits 6-7 lane 1's (w, c) (c - 1 mod 4).
+_Q6_LANE_AT_SHIFT = (2, 3, 0, 1)  # the lane whose bits sit at bits 0-1, 2-3, 4-5, 6-7
+_Q6_BYTE_OFFSET = (1, 1, 0, 0)    # ... and from which neighbouring byte (c - offset)
+
+
 def pack_q6_k(q: torch.Tensor, sc: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Q6_K's fields (w = d sc q: q int8 [N, K] in -32..31, sc int8 [N, K/16], d float32
-    [N, K/256]) -> a8_linear.cpp's Q6_K layout: q + 32 as bytes in `pack_int8`'s arrangement
-    (not offset by 128) [N/16, K/4, 64], scale int8 [N/16, K/16, 16], supers float32 [N/16, K/256, 16]."""
+    """Q6_K's fields (w = d sc q: q int8 [N, K] in -32..31, sc int8 [N, K/16], d [N, K/256], the
+    file's float16 values) -> a8_linear.cpp's Q6_K layout: wp uint8 [N/16, K/8, 96] (u = q + 32:
+    `pack_q4`'s 64 bytes of its low 4 bits per 8 K-values, then 16 + 16 bytes of its top 2 bits for
+    the low- and high-nibble vectors, where load_q6's rotation finds them), scale int8
+    [N/16, K/16, 16], supers float16 [N/16, K/256, 16]: 6.5625 bits a weight, as the file."""
     N, K = q.shape
-    u = (q.to(torch.int16) + 32).to(torch.uint8).view(N // 16, 16, K // 4, 4)
-    return u.permute(0, 2, 1, 3).contiguous().view(N // 16, K // 4, 64), pack_scales(sc), pack_scales(d)
+    u = (q.to(torch.int16) + 32).to(torch.uint8)
+    uu = (u & 0x0F).view(N // 16, 16, K // 8, 2, 4)
+    low = (uu[:, :, :, 0] | (uu[:, :, :, 1] << 4)).permute(0, 2, 1, 3).reshape(N // 16, K // 8, 64)
+    # top bits by vector byte: [N/16, K/8, 2 (low / high nibbles), 4 (lane), 4 (word), 4 (byte)]
+    top = (u >> 4).view(N // 16, 16, K // 8, 2, 4).permute(0, 2, 3, 1, 4).reshape(N // 16, K // 8, 2, 4, 4, 4)
+    packed = torch.zeros(N // 16, K // 8, 2, 4, 4, dtype=torch.uint8)
+    for slot, (lane, offset) in enumerate(zip(_Q6_LANE_AT_SHIFT, _Q6_BYTE_OFFSET)):
+        packed |= torch.roll(top[:, :, :, lane], shifts=offset, dims=-1) << (2 * slot)
+    wp = torch.cat([low, packed.view(N // 16, K // 8, 32)], dim=2).contiguous()
+    return wp, pack_scales(sc), pack_scales(d.half())
+
+
+def unpack_q6_rows(wp: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Output rows `index` [T] of `pack_q6_k`'s layout as their u = q + 32, uint8 [T, K]."""
+    NB, C, _ = wp.shape
+    b, lane = index // 16, index % 16
+    nib = wp[:, :, :64].reshape(NB, C, 16, 4)[b, :, lane, :]  # [T, K/8, 4]
+    low = torch.stack([nib & 0x0F, nib >> 4], dim=2)  # [T, K/8, 2, 4]
+    stored = wp[b, :, 64:].reshape(len(index), C, 2, 4, 4)  # [T, K/8, vector, word, byte]
+    # channel c's 4 bytes are vector bytes 4c .. 4c + 3: lane c // 4, word c % 4
+    L, word = lane // 4, lane % 4
+    slot = torch.tensor([_Q6_LANE_AT_SHIFT.index(i) for i in range(4)])[L]  # [T]
+    offset = torch.tensor(_Q6_BYTE_OFFSET)[slot]
+    byte = (torch.arange(4)[None, :] + offset[:, None]) % 4  # [T, 4]: where byte t's bits are stored
+    t = torch.arange(len(index))
+    words = stored[t, :, :, word]  # [T, K/8, 2, 4]
+    bits = torch.gather(words, 3, byte[:, None, None, :].expand(-1, C, 2, 4))
+    top = (bits >> (2 * slot)[:, None, None, None].to(torch.uint8)) & 0x03
+    return (low | (top << 4)).reshape(len(index), C * 8)
 
 
 def kquant_linear_a8p(x: torch.Tensor, wp: torch.Tensor, scale: torch.Tensor, supers: torch.Tensor) -> torch.Tensor:

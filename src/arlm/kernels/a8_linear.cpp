@@ -263,14 +263,14 @@ struct QuantizedX {
 //          = q[c, 8p + 4 + t]; scale and mins [N/16, K/32, 16] float16.
 // and GGUF's K-quants, their super-blocks of 256 K-values read as stored (K a multiple of 256):
 //   Q4_K:  the 4-bit wp (w = d sc q - dmin m, q 0..15); scale [N/16, K/32, 32] uint8, each group's
-//          6-bit sc for the 16 channels, then its m; mins [N/16, K/256, 32] float32, each
-//          super-block's d for the 16 channels, then its dmin (KScales).
+//          6-bit sc for the 16 channels, then its m; mins [N/16, K/256, 32] float16 (the file's),
+//          each super-block's d for the 16 channels, then its dmin (KScales).
 //   5-bit: wp [N/16, K/8, 80] bytes, per 8 K-values the 4-bit layout's 64 bytes of low bits, then
 //          two 64-bit masks of the 5th bits (load_q4); with Q4_1's float16 scale and mins (Q5_0:
 //          m = -16 d; Q5_1) or Q4_K's (Q5_K).
-//   Q6_K:  the int8 wp with u = q + 32 in 0..63 (not offset by 128; w = d sc (u - 32)); scale
-//          [N/16, K/16, 16] int8, a scale per 16 K-values; mins [N/16, K/256, 16] float32, d
-//          (q6p_block).
+//   Q6_K:  wp [N/16, K/8, 96] bytes, per 8 K-values the 4-bit layout's 64 bytes of u = q + 32's low
+//          4 bits, then 32 of its top 2 (load_q6); scale [N/16, K/16, 16] int8, a scale per 16
+//          K-values; mins [N/16, K/256, 16] float16, d (q6p_block). 6.5625 bits a weight: the file's.
 // N a multiple of 16. arlm.kernels.pack_int8 / pack_q4 / pack_q4_k / pack_q6_k build them from
 // the row layouts.
 
@@ -383,17 +383,20 @@ struct F16Scales {
 // products are exact in float32 (an 11-bit d times a 6-bit integer), as gguf dequantizes them.
 struct KScales {
   const uint8_t* sm;
-  const float* dd;
+  const at::Half* dd;
   int64_t G;
   bool scaled() const { return true; }
   void at(int b, int64_t g, __m512& ds, __m512& ms) const {
     const uint8_t* s = sm + (b * G + g) * 2 * kLanes;
-    const float* super = dd + (b * (G / 8) + g / 8) * 2 * kLanes;
+    const at::Half* super = dd + (b * (G / 8) + g / 8) * 2 * kLanes;
     auto widen = [](const uint8_t* p) {
       return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
     };
-    ds = _mm512_mul_ps(_mm512_loadu_ps(super), widen(s));
-    ms = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(_mm512_loadu_ps(super + kLanes), widen(s + kLanes)));
+    auto half16 = [](const at::Half* p) {
+      return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    };
+    ds = _mm512_mul_ps(half16(super), widen(s));
+    ms = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(half16(super + kLanes), widen(s + kLanes)));
   }
 };
 
@@ -558,38 +561,63 @@ void x16p_block(const int8_t* hi, const int8_t* lo, const float* e, const float*
   store(acc, out);
 }
 
-// Q6_K's layout (above: u = q + 32 as bytes of the int8 packed layout, a signed scale per 16
-// K-values, a float d per 256) against MB rows of 8-bit x (kX16 false: codes a, scale e per group
-// of 32) or of 16-bit x in two bytes (a = hi, b = lo). Each half group has its own scale:
+// Q6_K's 6-bit u = q + 32 (0..63) in the 4-bit layout's 64 bytes of low nibbles per 8 K-values
+// of 16 channels (load_q4), then 32 bytes of their top two bits: 16 for the low-nibble vector's
+// 64 bytes, 16 for the high-nibble one's. Each 16 are broadcast to the vector's four 128-bit lanes
+// and every 32-bit element of lane L rotated right by 2L, which brings byte i's two bits to bits
+// 4-5 (kernels.pack_q6_k writes them where the rotation finds them): two instructions a vector.
+template <int NB>
+inline void load_q6(const uint8_t* w, int64_t block, int64_t k, const uint8_t* pf, __m512i (&lo)[NB],
+                    __m512i (&hi)[NB]) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F), top2 = _mm512_set1_epi8(0x30);
+  const __m512i turn = _mm512_set_epi32(6, 6, 6, 6, 4, 4, 4, 4, 2, 2, 2, 2, 0, 0, 0, 0);
+  const int64_t at = k / 8 * 96;
+  for (int b = 0; b < NB; ++b) {
+    const uint8_t* p = w + b * block + at;
+    if (pf) {
+      _mm_prefetch(reinterpret_cast<const char*>(pf + b * block + at), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(pf + b * block + at + 64), _MM_HINT_T0);
+    }
+    const __m512i v = _mm512_loadu_si512(p);
+    const __m512i h0 = _mm512_rorv_epi32(_mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 64))), turn);
+    const __m512i h1 = _mm512_rorv_epi32(_mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 80))), turn);
+    lo[b] = _mm512_or_si512(_mm512_and_si512(v, low4), _mm512_and_si512(h0, top2));
+    hi[b] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), low4), _mm512_and_si512(h1, top2));
+  }
+}
+
+// Q6_K's layout (load_q6; a signed scale per 16 K-values, a float16 d per 256) against MB rows of
+// 8-bit x (kX16 false: codes a, scale e per group of 32) or of 16-bit x in two bytes (a = hi,
+// b = lo). Each half group has its own scale:
 // out = sum_g sum_h d sc_h e_g (dot_h(u, X) - 32 sum_h X), hs holding the rows' sums of X per 16
 // K-values (16-bit: 256 sum(hi) + sum(lo)); the -32 is taken off in integers, exactly.
 template <bool kX16, int MB, int NB>
 void q6p_block(const int8_t* a, const int8_t* bl, const float* e, const int32_t* hs, int64_t K, const uint8_t* w,
-               const int8_t* sc, const float* dd, const uint8_t* pf, float* out) {
-  const int64_t G = K / kGroup, H = K / 16, S = K / 256, block = K * kLanes;
+               const int8_t* sc, const at::Half* dd, const uint8_t* pf, float* out) {
+  const int64_t G = K / kGroup, H = K / 16, S = K / 256, block = K / 8 * 96;
   __m512 acc[MB][NB];
   zero(acc);
   for (int64_t g = 0; g < G; ++g) {
     __m512 dv[NB];
-    for (int b = 0; b < NB; ++b) dv[b] = _mm512_loadu_ps(dd + (b * S + g / 8) * kLanes);
+    for (int b = 0; b < NB; ++b)
+      dv[b] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dd + (b * S + g / 8) * kLanes)));
     for (int64_t h = 0; h < 2; ++h) {
       __m512i dh[MB][NB], dl[MB][NB];
       zero(dh);
       zero(dl);
-#pragma GCC unroll 4
-      for (int64_t j = 0; j < 4; ++j) {
-        const int64_t k = g * kGroup + 16 * h + 4 * j;
-        __m512i wv[NB];
-        for (int b = 0; b < NB; ++b) {
-          wv[b] = _mm512_loadu_si512(w + b * block + k * kLanes);
-          if (pf) _mm_prefetch(reinterpret_cast<const char*>(pf + b * block + k * kLanes), _MM_HINT_T0);
-        }
+#pragma GCC unroll 2
+      for (int64_t p = 0; p < 2; ++p) {
+        const int64_t k = g * kGroup + 16 * h + 8 * p;
+        __m512i w0[NB], w1[NB];
+        load_q6<NB>(w, block, k, pf, w0, w1);
         for (int i = 0; i < MB; ++i) {
-          const __m512i xa = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(a + i * K + k));
-          for (int b = 0; b < NB; ++b) dh[i][b] = _mm512_dpbusd_epi32(dh[i][b], wv[b], xa);
+          const __m512i a0 = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(a + i * K + k));
+          const __m512i a1 = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(a + i * K + k + 4));
+          for (int b = 0; b < NB; ++b) dh[i][b] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(dh[i][b], w0[b], a0), w1[b], a1);
           if constexpr (kX16) {
-            const __m512i xb = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(bl + i * K + k));
-            for (int b = 0; b < NB; ++b) dl[i][b] = _mm512_dpbusd_epi32(dl[i][b], wv[b], xb);
+            const __m512i b0 = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(bl + i * K + k));
+            const __m512i b1 = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(bl + i * K + k + 4));
+            for (int b = 0; b < NB; ++b) dl[i][b] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(dl[i][b], w0[b], b0), w1[b], b1);
           }
         }
       }
@@ -618,10 +646,11 @@ void q6p_block(const int8_t* a, const int8_t* bl, const float* e, const int32_t*
 enum class Packed { kInt8, kQ8_0, kQ4_1, kQ4_K, kQ6_K, kQ5, kQ5_K };
 
 Packed packed_kind(int64_t K, const at::Tensor& wp, const at::Tensor& scale) {
+  if (wp.size(2) == 6 * kLanes) return Packed::kQ6_K;
   if (wp.size(2) == 5 * kLanes) return scale.scalar_type() == at::kByte ? Packed::kQ5_K : Packed::kQ5;
   if (scale.dim() == 1) return Packed::kInt8;
   if (wp.size(1) == K / 8) return scale.scalar_type() == at::kByte ? Packed::kQ4_K : Packed::kQ4_1;
-  return scale.scalar_type() == at::kChar ? Packed::kQ6_K : Packed::kQ8_0;
+  return Packed::kQ8_0;
 }
 
 // Each row's sums of x per 16 values (Q6_K's half groups): x as 8-bit codes q, or 16 bits as
@@ -737,19 +766,19 @@ void arlm_kernels::quantize_span(const float* x, int64_t n, const Act8& a, int64
 int64_t arlm_kernels::packed_out_features(const char* op, int64_t K, const at::Tensor& wp, const at::Tensor& scale,
                                           const at::Tensor& mins) {
   TORCH_CHECK(K % kGroup == 0 && wp.dim() == 3 && wp.scalar_type() == at::kByte && wp.is_contiguous() &&
-              (wp.size(2) == 4 * kLanes || wp.size(2) == 5 * kLanes),
-              op, ": packed weights [N/16, ., 64 (80: 5-bit)] uint8 and K a multiple of 32");
+              (wp.size(2) == 4 * kLanes || wp.size(2) == 5 * kLanes || wp.size(2) == 6 * kLanes),
+              op, ": packed weights [N/16, ., 64 (80: 5-bit, 96: Q6_K)] uint8 and K a multiple of 32");
   const int64_t NB = wp.size(0), G = K / kGroup;
   const Packed kind = packed_kind(K, wp, scale);
   if (kind == Packed::kQ4_K || kind == Packed::kQ5_K || kind == Packed::kQ6_K) {
     const bool q4 = kind == Packed::kQ4_K || kind == Packed::kQ5_K;
-    TORCH_CHECK(K % 256 == 0 && wp.size(1) == (q4 ? K / 8 : K / 4) && scale.dim() == 3 && scale.is_contiguous() &&
+    TORCH_CHECK(K % 256 == 0 && wp.size(1) == K / 8 && scale.dim() == 3 && scale.is_contiguous() &&
                 scale.size(0) == NB && scale.size(1) == (q4 ? G : K / 16) && scale.size(2) == (q4 ? 2 : 1) * kLanes &&
-                mins.dim() == 3 && mins.scalar_type() == at::kFloat && mins.is_contiguous() && mins.size(0) == NB &&
+                mins.dim() == 3 && mins.scalar_type() == at::kHalf && mins.is_contiguous() && mins.size(0) == NB &&
                 mins.size(1) == K / 256 && mins.size(2) == (q4 ? 2 : 1) * kLanes,
                 op, q4 ? ": Q4_K / Q5_K wp [N/16, K/8, 64 or 80] uint8, scale [N/16, K/32, 32] uint8, mins "
-                         "[N/16, K/256, 32] float32"
-                       : ": Q6_K wp [N/16, K/4, 64] uint8, scale [N/16, K/16, 16] int8, mins [N/16, K/256, 16] float32");
+                         "[N/16, K/256, 32] float16"
+                       : ": Q6_K wp [N/16, K/8, 96] uint8, scale [N/16, K/16, 16] int8, mins [N/16, K/256, 16] float16");
     return NB * kLanes;
   }
   if (scale.dim() == 1) {
@@ -775,14 +804,14 @@ void arlm_kernels::linear_a8p(const Act8& a, int64_t M, int64_t K, const at::Ten
   const Packed kind = packed_kind(K, wp, scale);
   const bool k5 = kind == Packed::kQ5 || kind == Packed::kQ5_K, f16 = kind == Packed::kQ4_1 || kind == Packed::kQ5;
   const bool q4 = f16 || kind == Packed::kQ4_K || kind == Packed::kQ5_K, q8 = kind == Packed::kQ8_0;
-  const int64_t block = k5 ? K / 8 * 80 : q4 ? K / 2 * kLanes : K * kLanes;  // bytes of one block of 16 channels
+  const int64_t block = kind == Packed::kQ6_K ? K / 8 * 96 : k5 ? K / 8 * 80 : q4 ? K / 2 * kLanes : K * kLanes;  // bytes of one block of 16 channels
   const uint8_t* wpp = wp.data_ptr<uint8_t>();
   const float* sp = kind == Packed::kInt8 ? scale.data_ptr<float>() : nullptr;
   const at::Half* dp = f16 || q8 ? scale.data_ptr<at::Half>() : nullptr;
   const at::Half* mp = f16 ? mins.data_ptr<at::Half>() : nullptr;
   const bool kq = kind == Packed::kQ4_K || kind == Packed::kQ5_K || kind == Packed::kQ6_K;
   const void* kscale = kq ? scale.data_ptr() : nullptr;
-  const float* supers = kq ? mins.data_ptr<float>() : nullptr;
+  const at::Half* supers = kq ? mins.data_ptr<at::Half>() : nullptr;
   thread_local std::vector<int32_t> halves;  // Q6_K: the rows' sums per 16 codes
   if (kind == Packed::kQ6_K) {
     halves.resize(std::max<size_t>(halves.size(), M * H));
@@ -820,7 +849,7 @@ void arlm_kernels::linear_a8p(const Act8& a, int64_t M, int64_t K, const at::Ten
           }
         } else if (kind == Packed::kQ6_K) {
           const int8_t* sc = static_cast<const int8_t*>(kscale) + b0 * H * kLanes;
-          const float* dd = supers + b0 * S * kLanes;
+          const at::Half* dd = supers + b0 * S * kLanes;
           if (nb == 2) q6p_block<false, MB, 2>(q, nullptr, dx, hs + m * H, K, wt, sc, dd, pf, out);
           else q6p_block<false, MB, 1>(q, nullptr, dx, hs + m * H, K, wt, sc, dd, pf, out);
         } else {
@@ -880,14 +909,15 @@ void arlm_kernels::linear_a8p_residual(const float* x, int64_t M, int64_t K, con
   const Packed kind = packed_kind(K, wp, scale);
   const bool k5 = kind == Packed::kQ5 || kind == Packed::kQ5_K, f16 = kind == Packed::kQ4_1 || kind == Packed::kQ5;
   const bool q4 = f16 || kind == Packed::kQ4_K || kind == Packed::kQ5_K, q8 = kind == Packed::kQ8_0;
-  const int64_t block = k5 ? K / 8 * 80 : q4 ? K / 2 * kLanes : K * kLanes, H = K / 16, S = K / 256;
+  const int64_t block = kind == Packed::kQ6_K ? K / 8 * 96 : k5 ? K / 8 * 80 : q4 ? K / 2 * kLanes : K * kLanes;
+  const int64_t H = K / 16, S = K / 256;
   const uint8_t* wpp = wp.data_ptr<uint8_t>();
   const float* rs = kind == Packed::kInt8 ? scale.data_ptr<float>() : nullptr;  // int8's scale per row
   const at::Half* dp = f16 || q8 ? scale.data_ptr<at::Half>() : nullptr;
   const at::Half* mp = f16 ? mins.data_ptr<at::Half>() : nullptr;
   const bool kq = kind == Packed::kQ4_K || kind == Packed::kQ5_K || kind == Packed::kQ6_K;
   const void* kscale = kq ? scale.data_ptr() : nullptr;
-  const float* supers = kq ? mins.data_ptr<float>() : nullptr;
+  const at::Half* supers = kq ? mins.data_ptr<at::Half>() : nullptr;
   thread_local std::vector<int32_t> halves;  // Q6_K: the rows' sums of X per 16
   if (kind == Packed::kQ6_K) {
     halves.resize(std::max<size_t>(halves.size(), M * H));
@@ -928,7 +958,7 @@ void arlm_kernels::linear_a8p_residual(const float* x, int64_t M, int64_t K, con
             else x16p_block<true, MB, 1, F16Scales, true>(h, l, em, sm, um, K, wt, fs, pf, out);
           } else if (kind == Packed::kQ6_K) {
             const int8_t* sc = static_cast<const int8_t*>(kscale) + b0 * H * kLanes;
-            const float* dd = supers + b0 * S * kLanes;
+            const at::Half* dd = supers + b0 * S * kLanes;
             if (nb == 2) q6p_block<true, MB, 2>(h, l, em, hs + m * H, K, wt, sc, dd, pf, out);
             else q6p_block<true, MB, 1>(h, l, em, hs + m * H, K, wt, sc, dd, pf, out);
           } else if (q4) {

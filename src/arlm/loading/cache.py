@@ -40,7 +40,7 @@ from ..quant import (Int8Linear, KQuantLinear, Q4Linear, Q5Linear, Q8Linear, Q8M
                      QuantizedLinear, SplitLinear)
 from ..tokenizer import Tokenizer
 
-FORMAT = 9  # (a layer kind or field the loader adds is a new format: the old directories are rebuilt)
+FORMAT = 10  # (a layer kind or field the loader adds is a new format: the old directories are rebuilt)
 _ALIGN = 64
 _DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.int8, torch.uint8)}
 

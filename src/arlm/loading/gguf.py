@@ -5,7 +5,7 @@ The file is opened once with `gguf.GGUFReader` (a memory map). Two ways to its w
 
 - `quantized_model`: the file's Q4_1 and Q8_0 blocks go into arlm's quantized layers as they are
   (`arlm.quant.Q4Linear`, `Q8Linear`: the same bytes, split into weights and scales), block by
-  block, without a float32 copy of the model; Q4_0 values widened exactly into Q8_0's; on CPUs
+  block, without a float32 copy of the model; Q4_0 into Q4Linear (mins -8 d, exact); on CPUs
   with AVX-512 VNNI, Q5_0 into `Q5Linear` and the K-quants Q4_K, Q5_K, Q6_K into `KQuantLinear`
   (their integer fields and scales, the values not rounded again; elsewhere Q5_0 is widened to
   Q8_0 too, and the K-quants go into the row layout with float32 scales, their values exactly:
@@ -409,12 +409,30 @@ def q5_0_layer(blocks: np.ndarray) -> Q5Linear | None:
     return layer
 
 
+def q4_0_layer(blocks: np.ndarray) -> Q4Linear | None:
+    """A Q4Linear from Q4_0 blocks [N, K/32, 18] (d float16, 16 bytes of nibbles as Q4_1 lays them
+    out): q = the nibble, scale d, mins -8 d (exact in float16, so d q + m = d (q - 8) as gguf
+    dequantizes it, bit for bit): 5 bits a weight (the file's 4.5: the kernels' layout carries
+    the min too) instead of Q8_0's 8.5. None where -8 d overflows float16 (then the caller widens
+    to Q8_0)."""
+    N, G, _ = blocks.shape
+    d = torch.from_numpy(np.ascontiguousarray(blocks[..., 0:2]).view(np.float16).reshape(N, G))
+    mins = (d.float() * -8.0).half()
+    if not torch.isfinite(mins).all():
+        return None
+    with torch.device("meta"):
+        layer = Q4Linear(32 * G, N)
+    layer._set(torch.from_numpy(np.ascontiguousarray(blocks[..., 2:]).reshape(N, 16 * G)), d, mins)
+    return layer
+
+
 def _quantized_layer(gf: GGUFFile, parts, requantized: list[str]):
     """A fused or single linear weight from its file tensors. On the packed kernels: parts of
     different kinds (not all widenable to Q8_0) each as their own layer (SplitLinear); a K-quant
     kind as KQuantLinear; Q5_0 as Q5Linear. Everywhere: Q4Linear where every part is Q4_1 (the
-    file's bytes, split), Q8Linear where every part is Q8_0, Q5_0 or Q4_0 (their values exactly,
-    `_as_q8_0`), else int8 per row from the dequantized values (listed in `requantized`)."""
+    file's bytes, split) or Q4_0 (`q4_0_layer`: mins -8 d), Q8Linear where every part is Q8_0, Q5_0
+    or a mix with Q4_0 (their values exactly, `_as_q8_0`), else int8 per row from the dequantized
+    values (listed in `requantized`)."""
     kinds = {t.tensor_type.name for _, t in parts}
     N = sum(int(t.shape[1]) for _, t in parts)
     packed = N % 16 == 0 and kernels.packed_available()
@@ -427,6 +445,8 @@ def _quantized_layer(gf: GGUFFile, parts, requantized: list[str]):
     if len(kinds) == 1 and kinds <= set(_ROW_K_BLOCK):  # the row layout's exact forms
         return _k_quant_rows(gf, parts, kinds.pop())
     if kinds == {"Q5_0"} and packed and (layer := _q5_layer(gf, parts)) is not None:
+        return layer
+    if kinds == {"Q4_0"} and (layer := q4_0_layer(np.concatenate([_blocks(gf, rest, t) for rest, t in parts]))):
         return layer
     if kinds == {"Q4_1"} or kinds <= set(_AS_Q8):
         kind = "Q4_1" if kinds == {"Q4_1"} else "Q8_0"
