@@ -1,16 +1,17 @@
 """Where a decode step's time goes: wall time per pass of arlm's native step, by batch and context.
 
-    .venv/bin/python benchmarks/phases.py [--threads 2] [--kv-dtype int8] [--cases 1x8000]
-        [--json build/phases.json]
+    .venv/bin/python benchmarks/phases.py [--model smollm2|PATH.gguf] [--threads 2] [--kv-dtype int8]
+        [--cases 1x8000] [--json build/phases.json]
 
-Runs the default CPU model (`LLM.load("smollm2")`: 4-bit layers, int8 head, 8-bit activations,
+Runs a CPU model (default `LLM.load("smollm2")`: 4-bit layers, Q8_0 head, 8-bit activations,
 float16 KV cache, or --kv-dtype's: a quantized cache holds random rows quantized as the kernels
-write them) through the native decode step the engine runs for a static batch (the model
+write them; --model any other name or GGUF file, e.g. benchmarks/make_gguf.py's shapes) through the native decode step the engine runs for a static batch (the model
 runner's `NativeLlama`: embed, `decode`, `head`) at a fixed position, with the native step's own
 per-pass timer on (`torch.ops.arlm.decode_profile`): norms, the q/k/v, output, gate/up and down
 linears, attention (RoPE, the cache write and the attention itself), SiLU, and the final
-norm + LM head. For each linear it prints the multiply-accumulate rate (GMAC/s) and for attention
-the rate at which it reads the cached K/V (GB/s); "other" is the rest of the step (embedding
+norm + LM head. For each linear it prints the rate at which it streams its weights (GB/s: the
+bytes its layers hold / its time; the memory-bound figure at batch 1) and the multiply-accumulate
+rate (GMAC/s), and for attention the rate at which it reads the cached K/V (GB/s); "other" is the rest of the step (embedding
 lookup, op dispatch). Each case is the best of --repeat runs of --steps steps.
 
 The timer is in the kernels' profiling build only (`kernels.use_profiling_build`: built once,
@@ -35,6 +36,12 @@ from arlm.llm import LLM  # noqa: E402
 from bench_args import SMOLLM2_MAX_SEQ_LEN, positive_int  # noqa: E402
 
 PHASES = ["norm1", "qkv", "attention", "wo", "norm2", "gate_up", "silu", "down", "head"]
+
+
+def weight_bytes_of(module: torch.nn.Module) -> int:
+    """Bytes a module's weights hold (every parameter and buffer, each once)."""
+    tensors = {id(t): t for t in list(module.parameters()) + list(module.buffers())}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def run_case(llm: LLM, batch: int, context: int, steps: int, repeat: int) -> dict:
@@ -86,6 +93,10 @@ def run_case(llm: LLM, batch: int, context: int, steps: int, repeat: int) -> dic
     macs = {"qkv": (H + 2 * Hkv) * hd * d * L, "wo": d * H * hd * L, "gate_up": 2 * dff * d * L,
             "down": d * dff * L, "head": cfg.vocab_size * d}
     kv_bytes = cache.bytes_per_token * (context + 1) * batch
+    held = {"qkv": [b.attn.wqkv for b in model.blocks], "wo": [b.attn.wo for b in model.blocks],
+            "gate_up": [b.mlp.gate_up for b in model.blocks], "down": [b.mlp.down for b in model.blocks],
+            "head": [model.lm_head]}
+    weight_bytes = {name: sum(weight_bytes_of(m) for m in layers) for name, layers in held.items()}
     out = {"batch": batch, "context": context, "step_ms": 1e3 * total,
            "phases_ms": {name: 1e3 * t for name, t in zip(PHASES, phases)},
            "other_ms": 1e3 * (total - sum(phases))}
@@ -94,12 +105,15 @@ def run_case(llm: LLM, batch: int, context: int, steps: int, repeat: int) -> dic
         return amount / seconds / 1e9 if seconds > 0 else float("nan")
 
     out["gmac_per_s"] = {name: rate(batch * n, name) for name, n in macs.items()}
+    out["weight_bytes"] = weight_bytes
+    out["weights_gb_per_s"] = {name: rate(n, name) for name, n in weight_bytes.items()}
     out["attention_kv_gb_per_s"] = rate(kv_bytes, "attention")
     return out
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="smollm2", help="a model name or GGUF file (default: %(default)s)")
     ap.add_argument("--threads", type=positive_int, default=2)
     ap.add_argument("--steps", type=positive_int, default=40)
     ap.add_argument("--repeat", type=positive_int, default=5)
@@ -115,12 +129,17 @@ def main() -> int:
             raise ValueError
     except ValueError:
         ap.error(f"--cases: expected BATCHxCONTEXT[,...] with positive integers, got {args.cases!r}")
-    if max(c for _, c in cases) >= SMOLLM2_MAX_SEQ_LEN:  # the cache holds the context and the step's token
-        ap.error(f"--cases: CONTEXT must be below SmolLM2's window of {SMOLLM2_MAX_SEQ_LEN} tokens "
-                 f"(its cache holds CONTEXT + 1), got {args.cases!r}")
+    def check_window(window: int) -> None:  # the cache holds the context and the step's token
+        if max(c for _, c in cases) >= window:
+            ap.error(f"--cases: CONTEXT must be below the model's window of {window} tokens "
+                     f"(its cache holds CONTEXT + 1), got {args.cases!r}")
+
+    if args.model == "smollm2":
+        check_window(SMOLLM2_MAX_SEQ_LEN)  # before the load
     torch.set_num_threads(args.threads)
     kernels.use_profiling_build()
-    llm = LLM.load("smollm2", kv_dtype=args.kv_dtype)
+    llm = LLM.load(args.model, kv_dtype=args.kv_dtype)
+    check_window(llm.model.config.max_seq_len)
     print(f"arlm {llm.quantization} weights, KV cache {kv_dtype_name(llm.kv_dtype)}, "
           f"{args.threads} threads; ms per step (best of {args.repeat} x {args.steps} steps)")
     results = [run_case(llm, b, c, args.steps, args.repeat) for b, c in cases]
@@ -130,6 +149,9 @@ def main() -> int:
         print(f"{name:10s}" + "".join(f"{r['phases_ms'][name]:14.2f}" for r in results))
     print(f"{'other':10s}" + "".join(f"{r['other_ms']:14.2f}" for r in results))
     print(f"{'step':10s}" + "".join(f"{r['step_ms']:14.2f}" for r in results))
+    print("weights GB/s")
+    for name in ("qkv", "wo", "gate_up", "down", "head"):
+        print(f"{name:10s}" + "".join(f"{r['weights_gb_per_s'][name]:14.1f}" for r in results))
     print("GMAC/s")
     for name in ("qkv", "wo", "gate_up", "down", "head"):
         print(f"{name:10s}" + "".join(f"{r['gmac_per_s'][name]:14.1f}" for r in results))
