@@ -466,9 +466,9 @@ def test_k_quant_layers_hold_ggufs_values_bit_for_bit(kind):
 
 
 # Bits a weight of each type as the file stores it, and as arlm holds it on the packed kernels
-# (AVX-512 VNNI): Q4_0 and Q5_0 carry a float16 min per 32 beside the scale (-8 d, -16 d).
+# (AVX-512 VNNI): Q5_0 carries a float16 min per 32 beside the scale (-16 d; Q4_0's -8 d is not stored).
 _FILE_BITS = {"Q4_K": 4.5, "Q5_K": 5.5, "Q6_K": 6.5625, "Q5_0": 5.5, "Q4_0": 4.5}
-_HELD_BITS = {"Q4_K": 4.625, "Q5_K": 5.625, "Q6_K": 6.5625, "Q5_0": 6.0, "Q4_0": 5.0}
+_HELD_BITS = {"Q4_K": 4.625, "Q5_K": 5.625, "Q6_K": 6.5625, "Q5_0": 6.0, "Q4_0": 4.5}
 
 
 @needs_packed

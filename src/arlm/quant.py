@@ -372,17 +372,24 @@ class Q4Linear(QuantizedLinear):
         return layer
 
     def _pack(self, rows):
-        return kernels.pack_q4(*rows)
+        wp, scale, mins = kernels.pack_q4(*rows)
+        if torch.equal(rows[2], (rows[1].float() * -8).half()):  # a Q4_0 file's: m = -8 d, not stored
+            mins = torch.empty(0, dtype=torch.float16)
+        return wp, scale, mins
 
     def rows(self):
-        return kernels.unpack_packed_q4(*self.tensors()) if self.packed else self.tensors()
+        if not self.packed:
+            return self.tensors()
+        w, scale, mins = kernels.unpack_packed_q4(*self.tensors())
+        return w, scale, mins if mins.numel() else (scale.float() * -8).half()
 
     def dequantize_rows(self, index):
         T, K = len(index), self.in_features
         if self.packed:
             b = _packed_rows(self.weight, index)  # [T, K/8, 4]: q[8p + t] low, q[8p + 4 + t] high
             q = torch.stack([b & 0x0F, b >> 4], dim=2).view(T, K)
-            d, m = self.scale[index // 16, :, index % 16], self.mins[index // 16, :, index % 16]
+            d = self.scale[index // 16, :, index % 16]
+            m = self.mins[index // 16, :, index % 16] if self.mins.numel() else (d.float() * -8).half()
             return (q.float().view(T, -1, self.GROUP) * d.float()[..., None] + m.float()[..., None]).view(T, K)
         return kernels.unpack_q4(self.weight[index], self.scale[index], self.mins[index])
 

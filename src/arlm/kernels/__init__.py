@@ -287,12 +287,13 @@ def unpack_scales(s: torch.Tensor) -> torch.Tensor:
 
 
 def unpack_packed_q4(wp: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """`pack_q4`'s inverse: the packed 4-bit layout -> the row layout (w, scale, mins)."""
+    """`pack_q4`'s inverse: the packed 4-bit layout -> the row layout (w, scale, mins; mins empty
+    where the packed layer stores none: Q4_0's -8 scale)."""
     NB, C, _ = wp.shape  # C = K / 8
     b = wp.view(NB, C, 16, 4).permute(0, 2, 1, 3)  # [NB, 16, K/8, 4]
     q = torch.stack([b & 0x0F, b >> 4], dim=3).reshape(NB * 16, C * 8 // 32, 32)  # [N, G, 32]
     w = (q[..., :16] | (q[..., 16:] << 4)).reshape(NB * 16, C * 4)
-    return w, unpack_scales(scale), unpack_scales(mins)
+    return w, unpack_scales(scale), unpack_scales(mins) if mins.numel() else mins
 
 
 def pack_q4(w: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -368,13 +368,16 @@ inline void load_q4(const uint8_t* w, int64_t block, int64_t k, const uint8_t* p
 // dot product, ms[b] (4-bit layouts) the activations' sum. Pointers start at the tile's first block.
 // F16Scales: Q4_1's (and Q8_0's: m null) float16 d and m per group, [blocks][G][16]; d null: none
 // (int8 with a scale per row, applied by the caller).
+// m_per_d: Q4_0's m = -8 d (m null), no mins stored.
 struct F16Scales {
   const at::Half *d, *m;
   int64_t G;
+  float m_per_d = 0.f;
   bool scaled() const { return d != nullptr; }
   void at(int b, int64_t g, __m512& ds, __m512& ms) const {
     if (d) ds = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + (b * G + g) * kLanes)));
     if (m) ms = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(m + (b * G + g) * kLanes)));
+    else if (m_per_d != 0.f) ms = _mm512_mul_ps(ds, _mm512_set1_ps(m_per_d));
   }
 };
 
@@ -643,13 +646,15 @@ void q6p_block(const int8_t* a, const int8_t* bl, const float* e, const int32_t*
 #endif
 
 // The packed layouts (above), told apart by their tensors' shapes and types.
-enum class Packed { kInt8, kQ8_0, kQ4_1, kQ4_K, kQ6_K, kQ5, kQ5_K };
+// kQ4_0: the 4-bit layout with Q4_1's float16 scale and no mins stored (m = -8 d: a Q4_0 file's).
+enum class Packed { kInt8, kQ8_0, kQ4_1, kQ4_0, kQ4_K, kQ6_K, kQ5, kQ5_K };
 
-Packed packed_kind(int64_t K, const at::Tensor& wp, const at::Tensor& scale) {
+Packed packed_kind(int64_t K, const at::Tensor& wp, const at::Tensor& scale, const at::Tensor& mins) {
   if (wp.size(2) == 6 * kLanes) return Packed::kQ6_K;
   if (wp.size(2) == 5 * kLanes) return scale.scalar_type() == at::kByte ? Packed::kQ5_K : Packed::kQ5;
   if (scale.dim() == 1) return Packed::kInt8;
-  if (wp.size(1) == K / 8) return scale.scalar_type() == at::kByte ? Packed::kQ4_K : Packed::kQ4_1;
+  if (wp.size(1) == K / 8)
+    return scale.scalar_type() == at::kByte ? Packed::kQ4_K : mins.numel() ? Packed::kQ4_1 : Packed::kQ4_0;
   return Packed::kQ8_0;
 }
 
@@ -769,7 +774,7 @@ int64_t arlm_kernels::packed_out_features(const char* op, int64_t K, const at::T
               (wp.size(2) == 4 * kLanes || wp.size(2) == 5 * kLanes || wp.size(2) == 6 * kLanes),
               op, ": packed weights [N/16, ., 64 (80: 5-bit, 96: Q6_K)] uint8 and K a multiple of 32");
   const int64_t NB = wp.size(0), G = K / kGroup;
-  const Packed kind = packed_kind(K, wp, scale);
+  const Packed kind = packed_kind(K, wp, scale, mins);
   if (kind == Packed::kQ4_K || kind == Packed::kQ5_K || kind == Packed::kQ6_K) {
     const bool q4 = kind == Packed::kQ4_K || kind == Packed::kQ5_K;
     TORCH_CHECK(K % 256 == 0 && wp.size(1) == K / 8 && scale.dim() == 3 && scale.is_contiguous() &&
@@ -791,8 +796,9 @@ int64_t arlm_kernels::packed_out_features(const char* op, int64_t K, const at::T
   } else {
     TORCH_CHECK(wp.size(1) == K / 8 && scale.dim() == 3 && scale.scalar_type() == at::kHalf &&
                 scale.is_contiguous() && scale.size(0) == NB && scale.size(1) == G && scale.size(2) == kLanes &&
-                mins.sizes() == scale.sizes() && mins.scalar_type() == at::kHalf && mins.is_contiguous(),
-                op, ": 4-bit wp [N/16, K/8, 64] uint8, scale and mins [N/16, K/32, 16] float16");
+                (mins.numel() == 0 || (mins.sizes() == scale.sizes() && mins.scalar_type() == at::kHalf &&
+                                       mins.is_contiguous())),
+                op, ": 4-bit wp [N/16, K/8, 64] uint8, scale and mins [N/16, K/32, 16] float16 (mins empty: -8 scale)");
   }
   return NB * kLanes;
 }
@@ -801,14 +807,16 @@ void arlm_kernels::linear_a8p(const Act8& a, int64_t M, int64_t K, const at::Ten
                               const at::Tensor& mins, float* y, int64_t ldy, bool accumulate) {
 #ifdef ARLM_AVX512
   const int64_t G = K / kGroup, NB = wp.size(0), H = K / 16, S = K / 256;
-  const Packed kind = packed_kind(K, wp, scale);
-  const bool k5 = kind == Packed::kQ5 || kind == Packed::kQ5_K, f16 = kind == Packed::kQ4_1 || kind == Packed::kQ5;
+  const Packed kind = packed_kind(K, wp, scale, mins);
+  const bool k5 = kind == Packed::kQ5 || kind == Packed::kQ5_K;
+  const bool f16 = kind == Packed::kQ4_1 || kind == Packed::kQ4_0 || kind == Packed::kQ5;
   const bool q4 = f16 || kind == Packed::kQ4_K || kind == Packed::kQ5_K, q8 = kind == Packed::kQ8_0;
   const int64_t block = kind == Packed::kQ6_K ? K / 8 * 96 : k5 ? K / 8 * 80 : q4 ? K / 2 * kLanes : K * kLanes;  // bytes of one block of 16 channels
   const uint8_t* wpp = wp.data_ptr<uint8_t>();
   const float* sp = kind == Packed::kInt8 ? scale.data_ptr<float>() : nullptr;
   const at::Half* dp = f16 || q8 ? scale.data_ptr<at::Half>() : nullptr;
-  const at::Half* mp = f16 ? mins.data_ptr<at::Half>() : nullptr;
+  const at::Half* mp = f16 && kind != Packed::kQ4_0 ? mins.data_ptr<at::Half>() : nullptr;
+  const float m_per_d = kind == Packed::kQ4_0 ? -8.f : 0.f;
   const bool kq = kind == Packed::kQ4_K || kind == Packed::kQ5_K || kind == Packed::kQ6_K;
   const void* kscale = kq ? scale.data_ptr() : nullptr;
   const at::Half* supers = kq ? mins.data_ptr<at::Half>() : nullptr;
@@ -830,7 +838,7 @@ void arlm_kernels::linear_a8p(const Act8& a, int64_t M, int64_t K, const at::Ten
         const float* dx = a.d + m * G;
         const uint8_t* pf = m == 0 ? next : nullptr;
         if (f16) {
-          const F16Scales sc{dp + b0 * G * kLanes, mp + b0 * G * kLanes, G};
+          const F16Scales sc{dp + b0 * G * kLanes, mp ? mp + b0 * G * kLanes : nullptr, G, m_per_d};
           if (k5) {
             if (nb == 2) q4p_block<MB, 2, F16Scales, true>(q, dx, a.s + m * G, K, wt, sc, pf, out);
             else q4p_block<MB, 1, F16Scales, true>(q, dx, a.s + m * G, K, wt, sc, pf, out);
@@ -906,15 +914,17 @@ void arlm_kernels::linear_a8p_residual(const float* x, int64_t M, int64_t K, con
     for (int64_t b = b0; b < b1; ++b)
       quantize_group16(x + b * kGroup, hi + b * kGroup, lo + b * kGroup, e + b, sx + b, sp + b);
   });
-  const Packed kind = packed_kind(K, wp, scale);
-  const bool k5 = kind == Packed::kQ5 || kind == Packed::kQ5_K, f16 = kind == Packed::kQ4_1 || kind == Packed::kQ5;
+  const Packed kind = packed_kind(K, wp, scale, mins);
+  const bool k5 = kind == Packed::kQ5 || kind == Packed::kQ5_K;
+  const bool f16 = kind == Packed::kQ4_1 || kind == Packed::kQ4_0 || kind == Packed::kQ5;
   const bool q4 = f16 || kind == Packed::kQ4_K || kind == Packed::kQ5_K, q8 = kind == Packed::kQ8_0;
   const int64_t block = kind == Packed::kQ6_K ? K / 8 * 96 : k5 ? K / 8 * 80 : q4 ? K / 2 * kLanes : K * kLanes;
   const int64_t H = K / 16, S = K / 256;
   const uint8_t* wpp = wp.data_ptr<uint8_t>();
   const float* rs = kind == Packed::kInt8 ? scale.data_ptr<float>() : nullptr;  // int8's scale per row
   const at::Half* dp = f16 || q8 ? scale.data_ptr<at::Half>() : nullptr;
-  const at::Half* mp = f16 ? mins.data_ptr<at::Half>() : nullptr;
+  const at::Half* mp = f16 && kind != Packed::kQ4_0 ? mins.data_ptr<at::Half>() : nullptr;
+  const float m_per_d = kind == Packed::kQ4_0 ? -8.f : 0.f;
   const bool kq = kind == Packed::kQ4_K || kind == Packed::kQ5_K || kind == Packed::kQ6_K;
   const void* kscale = kq ? scale.data_ptr() : nullptr;
   const at::Half* supers = kq ? mins.data_ptr<at::Half>() : nullptr;
@@ -935,7 +945,7 @@ void arlm_kernels::linear_a8p_residual(const float* x, int64_t M, int64_t K, con
         const int64_t b0 = 2 * t, nb = std::min<int64_t>(2, NB - b0);
         const uint8_t* wt = wpp + b0 * block;
         const uint8_t* next = t + 1 < t1 ? wt + 2 * block : nullptr;  // prefetched during the first rows
-        const F16Scales fs{dp ? dp + b0 * G * kLanes : nullptr, mp ? mp + b0 * G * kLanes : nullptr, G};
+        const F16Scales fs{dp ? dp + b0 * G * kLanes : nullptr, mp ? mp + b0 * G * kLanes : nullptr, G, m_per_d};
         row_blocks(std::min(kChunkRows, M - c0), [&](auto mb, int64_t r) {
           constexpr int MB = decltype(mb)::value;
           const int64_t m = c0 + r;
