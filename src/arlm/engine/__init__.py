@@ -17,8 +17,6 @@ defaults (`arlm trace --help`) without paying for it.
 
 from __future__ import annotations
 
-import importlib
-
 _EXPORTS = {
     "AsyncEngine": "async_engine", "EngineDead": "async_engine", "RequestFailed": "async_engine",
     "Engine": "engine", "EngineConfig": "engine", "RequestOutput": "engine",
@@ -34,6 +32,7 @@ def __getattr__(name: str):
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    # (__import__, not importlib.import_module: `python -X importtime` logs only the import statement's loads)
+    value = getattr(__import__(f"{__name__}.{module}", fromlist=[name]), name)
     globals()[name] = value  # (looked up once)
     return value

@@ -12,8 +12,6 @@ with it this package, without the tracer's torch.
 
 from __future__ import annotations
 
-import importlib
-
 _EXPORTS = {"Tracer": "tracer", "run_trace": "tracer", "machine_ceilings": "tracer", "measure_ceilings": "tracer"}
 
 __all__ = list(_EXPORTS)
@@ -23,6 +21,7 @@ def __getattr__(name: str):
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    # (__import__, not importlib.import_module: `python -X importtime` logs only the import statement's loads)
+    value = getattr(__import__(f"{__name__}.{module}", fromlist=[name]), name)
     globals()[name] = value  # (looked up once)
     return value
