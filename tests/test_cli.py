@@ -6,6 +6,7 @@ stdout. These fail before the model loads, so they are cheap and run concurrentl
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from arlm.cli import build_parser
 from arlm.llm import ChatSession
 from arlm.sampling import SamplingParams
 
@@ -127,10 +129,6 @@ def imported_modules(importtime: str) -> set[str]:
 
 
 def test_help_and_usage_errors_import_nothing_heavy():
-    import argparse
-
-    from arlm.cli import build_parser
-
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     runs = {"--help": (["--help"], 0), "--version": (["--version"], 0),
             **{f"{name} --help": ([name, "--help"], 0) for name in sub.choices},
