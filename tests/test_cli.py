@@ -6,6 +6,7 @@ stdout. These fail before the model loads, so they are cheap and run concurrentl
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from arlm.cli import build_parser
 from arlm.llm import ChatSession
 from arlm.sampling import SamplingParams
 
@@ -113,6 +115,38 @@ def test_console_script_entry_point():
     r = subprocess.run([script, "generate", "hi", "--top-k", "-1"], capture_output=True, text=True, env=ENV,
                        timeout=300)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "top_k" in r.stderr
+
+
+# What `arlm --help` and a usage error must not import: torch alone is ~1 s of a warm start.
+HEAVY = {"torch", "numpy", "tokenizers", "transformers", "safetensors", "gguf", "llguidance", "jinja2", "rich",
+         "fastapi", "starlette", "uvicorn", "ray"}
+
+
+def imported_modules(importtime: str) -> set[str]:
+    """The top-level names of the modules a `python -X importtime` run imported (its stderr)."""
+    return {line.rsplit("|", 1)[1].strip().split(".")[0] for line in importtime.splitlines()
+            if line.startswith("import time:") and "|" in line}
+
+
+def test_help_and_usage_errors_import_nothing_heavy():
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    runs = {"--help": (["--help"], 0), "--version": (["--version"], 0),
+            **{f"{name} --help": ([name, "--help"], 0) for name in sub.choices},
+            "missing prompt": (["generate"], 2), "unknown command": (["bogus"], 2),
+            "not a number": (["generate", "hi", "--temperature", "warm"], 2),
+            "bad choice": (["trace", "--kv-dtype", "int3"], 2), "serve type": (["serve", "--replicas", "two"], 2)}
+    procs = {name: subprocess.Popen([sys.executable, "-X", "importtime", "-m", "arlm", *args], stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, env=ENV)
+             for name, (args, _) in runs.items()}
+    for name, p in procs.items():
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == runs[name][1], (name, err[-2000:])
+        if p.returncode == 0:
+            assert out.startswith("usage: arlm") or out.startswith("arlm "), (name, out)
+        else:
+            assert err.splitlines()[-1].startswith("arlm"), (name, err[-2000:])  # the one-line error, last
+        assert "arlm" in imported_modules(err), (name, err[-2000:])  # (the parse read the lines)
+        assert not imported_modules(err) & HEAVY, (name, sorted(imported_modules(err) & HEAVY))
 
 
 @pytest.mark.slow

@@ -213,7 +213,7 @@ def test_terminal_view_shows_every_step(page_file):
 
 
 def test_machine_ceilings_are_measured_once(tmp_path, monkeypatch):
-    import arlm.trace as tr
+    import arlm.trace.tracer as tr
 
     monkeypatch.setenv("ARLM_CACHE", str(tmp_path))
     calls = []
@@ -226,7 +226,7 @@ def test_machine_ceilings_are_measured_once(tmp_path, monkeypatch):
 def test_the_probe_measures_something_plausible(monkeypatch):
     from types import SimpleNamespace
 
-    import arlm.trace as tr
+    import arlm.trace.tracer as tr
 
     # Units and arithmetic on a clock that advances 10 ms a reading, so that every timed pass
     # takes 10 ms: 256 MiB read in 10 ms, a 512x576 by 576x1536 product in 10 ms. (Bounds on what

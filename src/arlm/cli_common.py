@@ -3,8 +3,8 @@ model loader, memory sizes. A leaf module: the subcommands (cli.py, serve/cli.py
 import it, it imports none of them.
 
 torch, tokenizers and the arlm modules that import them are imported inside the functions that
-use them: ~1 s that `arlm --help` and usage errors should not pay. (Today they still pay it:
-arlm.cli imports arlm.trace.cli, whose package imports torch for the tracer.)"""
+use them: ~1 s that `arlm --help` and usage errors should not pay (tests/test_cli.py checks that
+they import none of them)."""
 
 from __future__ import annotations
 

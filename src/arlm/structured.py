@@ -24,10 +24,10 @@ import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-import numpy as np
-import torch
+if TYPE_CHECKING:
+    import torch
 
 KINDS = ("json", "json_schema", "regex", "choice", "grammar")
 
@@ -167,6 +167,13 @@ class GrammarStats:
         return e
 
 
+def _mask_buffer(*shape: int) -> torch.Tensor:
+    """An int32 tensor of `shape`, uninitialised: llguidance writes masks into it, one bit a token."""
+    import torch  # (not at the top: `arlm serve --help` reads GrammarLimits' defaults, and imports no torch)
+
+    return torch.empty(shape, dtype=torch.int32)
+
+
 class Grammars:
     """llguidance's view of one tokenizer (built once: every token's bytes), the compiler of the
     requests' structured outputs, and the masks of their matchers at each step.
@@ -228,7 +235,7 @@ class Grammars:
             # after them. A grammar that breaks a step's budget there (a schema that requires
             # itself forever, a regex whose lexer explodes) is refused before it runs.
             probe = m.deep_copy()
-            bits = torch.empty(self.words, dtype=torch.int32)
+            bits = _mask_buffer(self.words)
             probe.unsafe_compute_mask_ptr(bits.data_ptr(), self.words * 4)
             forced = [] if probe.is_error() else probe.compute_ff_tokens()[:self.FORCED_PROBE]
             if forced and not probe.is_error() and probe.consume_tokens(forced) and not probe.is_error():
@@ -305,7 +312,7 @@ class Grammars:
     def bitmask(self, matchers: list) -> torch.Tensor:
         """[len(matchers), words] int32: the tokens each matcher allows next, one bit a token
         (bit t % 32 of word t / 32), for `kernels.mask_rows`."""
-        bits = torch.empty((len(matchers), self.words), dtype=torch.int32)
+        bits = _mask_buffer(len(matchers), self.words)
         for i, m in enumerate(matchers):  # (llguidance's LLExecutor in parallel is slower here: docs/benchmarks.md)
             m.unsafe_compute_mask_ptr(bits[i].data_ptr(), self.words * 4)
         return bits
@@ -314,7 +321,7 @@ class Grammars:
         """[len(draft) + 1, words] int32: the tokens the matcher allows next, then after each
         token of `draft` in turn (speculative decoding: the masks of a verify pass's positions).
         The draft must be valid (`valid_prefix`); the matcher is left where it was."""
-        bits = torch.empty((len(draft) + 1, self.words), dtype=torch.int32)
+        bits = _mask_buffer(len(draft) + 1, self.words)
         for j in range(len(draft) + 1):
             matcher.unsafe_compute_mask_ptr(bits[j].data_ptr(), self.words * 4)
             if matcher.is_error():
@@ -326,6 +333,9 @@ class Grammars:
 
     def allowed(self, matchers: list) -> torch.Tensor:
         """[len(matchers), vocab] bool: the tokens each matcher allows next."""
+        import numpy as np
+        import torch
+
         bits = self.bitmask(matchers).numpy()
         mask = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")[:, :self.vocab_size]
         return torch.from_numpy(mask.astype(bool))

@@ -9,12 +9,30 @@ hooks.py      what watches a step (counters, thread width, step-cost clock, trac
 speculative/  speculative decoding: drafters, acceptance, cost model, verification
 engine.py     Engine: schedule -> forward -> sample -> postprocess
 async_engine.py  the engine on its own thread, for asyncio (arlm serve)
+
+The names below load on first use (PEP 562, as arlm's own): `arlm.engine.block_pool` and the
+other torch-free modules import without torch, so the `arlm` command's parsers can name their
+defaults (`arlm trace --help`) without paying for it.
 """
 
-from .async_engine import AsyncEngine, EngineDead, RequestFailed
-from .engine import Engine, EngineConfig, RequestOutput
-from .request import FinishReason, Request, RequestStatus
-from .runner import ModelRunner, decode_step, prefill
+from __future__ import annotations
+
+_EXPORTS = {
+    "AsyncEngine": "async_engine", "EngineDead": "async_engine", "RequestFailed": "async_engine",
+    "Engine": "engine", "EngineConfig": "engine", "RequestOutput": "engine",
+    "FinishReason": "request", "Request": "request", "RequestStatus": "request",
+    "ModelRunner": "runner", "decode_step": "runner", "prefill": "runner",
+}
 
 __all__ = ["AsyncEngine", "Engine", "EngineConfig", "EngineDead", "FinishReason", "ModelRunner", "Request",
            "RequestFailed", "RequestOutput", "RequestStatus", "decode_step", "prefill"]
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    # (__import__, not importlib.import_module: `python -X importtime` logs only the import statement's loads)
+    value = getattr(__import__(f"{__name__}.{module}", fromlist=[name]), name)
+    globals()[name] = value  # (looked up once)
+    return value

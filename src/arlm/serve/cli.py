@@ -13,6 +13,7 @@ from pathlib import Path
 
 from ..cli_common import (UsageError, add_chat_template_arg, add_model_args, add_speculative_args, check_device,
                           load_llm, parse_size, positive_int)
+from ..structured import GrammarLimits  # (no torch at its top: `arlm serve --help` reads the defaults)
 
 # The smallest --kv-cache-memory taken before the model loads: two blocks of a small model. The
 # model's own minimum (two blocks of its K and V) is checked once its shapes are known.
@@ -67,7 +68,6 @@ def build_server(args: argparse.Namespace, config):
     """The model, its engine and the HTTP API's state (`api.Server`) as the flags say: what one
     `arlm serve` process serves, and each replica of `--replicas` (serve/cluster.py)."""
     from ..engine import AsyncEngine, Engine
-    from ..structured import GrammarLimits
     from ..trace.live import LiveTrace
     from .common import Server
 
@@ -222,8 +222,6 @@ def add_serve(sub) -> None:
                         "otherwise make every other stream's steps ~3x longer")
     p.add_argument("--no-prefix-caching", action="store_true", help="do not share KV blocks of common prompt prefixes")
     p.add_argument("--max-body-bytes", type=int, default=2 << 20, help="largest request body accepted (default: 2 MiB)")
-    from ..structured import GrammarLimits  # (imports torch: as `arlm --help` does already, cli_common's doc)
-
     limits = GrammarLimits()
     p.add_argument("--grammar-timeout", type=float, default=limits.timeout,
                    help="seconds a request's grammar (response_format, guided_*, tools) may take to compile, off "

@@ -10,10 +10,8 @@ from pathlib import Path
 
 from ..cli_common import (UsageError, add_chat_template_arg, add_model_args, add_sampling_args, add_speculative_args, load_llm,
                           positive_int, sampling_params)
-from ..engine import Engine, EngineConfig
 from ..engine.block_pool import DEFAULT_BLOCK_SIZE
 from ..files import atomic_write_text
-from . import run_trace
 from .page import render_page
 
 
@@ -38,7 +36,10 @@ def read_prompts(path: str, prog: str) -> list[str]:
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
-    from ..tokenizer import valid_text  # (imports tokenizers: cli_common's doc)
+    # (torch and tokenizers: cli_common's doc)
+    from ..engine import Engine, EngineConfig
+    from ..tokenizer import valid_text
+    from .tracer import run_trace
 
     prog = "arlm trace"
     prompts = [valid_text(args.prompt)] if args.prompt else []

@@ -18,7 +18,7 @@ from collections import deque
 from pathlib import Path
 
 from ..engine.hooks import StepHook, StepResult
-from . import _phase
+from .tracer import _phase
 
 HERE = Path(__file__).parent
 KEEPALIVE = 15.0  # seconds between SSE comments on an idle stream
