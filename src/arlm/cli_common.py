@@ -255,6 +255,15 @@ def check_device(name: str) -> None:
                              "CUDA device(s)")
 
 
+def _startup_done() -> None:
+    """What start-up made (modules, the model) lives as long as the process: out of the collector's
+    sight from here (gc.freeze), and its default thresholds back (__main__ raised them)."""
+    import gc
+
+    gc.freeze()
+    gc.set_threshold(700, *gc.get_threshold()[1:])
+
+
 def load_llm(args: argparse.Namespace):
     # (imports torch and tokenizers)
     from .llm import LLM
@@ -284,6 +293,7 @@ def load_llm(args: argparse.Namespace):
                    kv_window=getattr(args, "kv_window", 0), kv_sinks=getattr(args, "kv_sinks", 4))
     if template is not None:
         llm.chat_template = template
+    _startup_done()
     spec = speculative_config(args)
     if spec is not None:
         try:
