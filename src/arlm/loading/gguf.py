@@ -1,7 +1,8 @@
 """Read a GGUF file of a Llama-shaped architecture (llama, qwen2, qwen3, gemma3): config,
 weights, tokenizer and chat template.
 
-The file is opened once with `gguf.GGUFReader` (a memory map). Two ways to its weights:
+The file is opened once with `gguf.GGUFReader` (a memory map; a weight's pages are handed
+back once it is converted, `GGUFFile.release`). Two ways to its weights:
 
 - `quantized_model`: the file's Q4_1 and Q8_0 blocks go into arlm's quantized layers as they are
   (`arlm.quant.Q4Linear`, `Q8Linear`: the same bytes, split into weights and scales), block by
@@ -13,7 +14,9 @@ The file is opened once with `gguf.GGUFReader` (a memory map). Two ways to its w
   in kind into `SplitLinear`, each part as it is stored; the token embedding is gathered from its
   quantized rows. F32, F16 and BF16 matrices are held in float32 (exactly). Tensors of other
   types are dequantized and re-quantized to int8 per row (see `requantized`: the one place arlm
-  adds rounding the file did not have).
+  adds rounding the file did not have). One weight at a time, in file order (`keep`: the first
+  load appends each to the kernel-layout cache as it comes, `arlm.loading.cache.Builder`), a
+  matrix's blocks a few million weights at a time (`_by_rows`).
 - `read_gguf`: every tensor dequantized to float32 (`--quantize none`, the reference path).
 
 Dequantization is `gguf.quants.dequantize` (F32, F16, BF16, Q8_0, Q4_0, Q4_1, the K-quants...);
@@ -23,7 +26,9 @@ nothing here parses GGUF by hand beyond splitting blocks into their values and s
 
 from __future__ import annotations
 
+import mmap
 import os
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -97,6 +102,21 @@ class GGUFFile:
     name: str
     arch: str = "llama"
 
+    def release(self, tensors) -> None:
+        """Hand back the pages of `tensors` the map holds (read, they count in the process's RSS
+        while mapped: the whole file by the end of a load). Harmless where read again: the pages
+        come back from the file (the map is read-only)."""
+        page = mmap.PAGESIZE
+        for t in tensors:
+            start = int(t.data_offset) // page * page
+            stop = min(int(t.data_offset) + int(t.n_bytes), len(self.reader.map))
+            if stop > start:
+                self.reader.map.madvise(mmap.MADV_DONTNEED, start, stop - start)
+
+    def weight_bytes(self) -> int:
+        """The file's bytes of the tensors arlm uses (a progress bar's total)."""
+        return sum(int(t.n_bytes) for _, _, t in self.weights())
+
     def weights(self):
         """(our name, layer or None, GGUF tensor) for each tensor arlm uses, in file order."""
         for t in self.reader.tensors:
@@ -105,6 +125,27 @@ class GGUFFile:
                 _, layer, rest = t.name.split(".", 2)
             if t.name in _GLOBAL_NAMES or rest in _LAYER_NAMES or rest in _PART_OF:
                 yield rest, layer, t  # others, e.g. rope_freqs for scaled RoPE, this family does not use
+
+
+def _reader(path: Path):
+    """gguf's reader over a plain ndarray of the file's read-only map, and that map (`.map`, whose
+    pages `GGUFFile.release` hands back). gguf maps the file as an np.memmap, whose every slice
+    (a field's each part: two per token of a vocabulary) goes through memmap's Python-level
+    `__getitem__` and `__array_finalize__`: ~3x slower to parse a 262,144-token vocabulary."""
+    import gguf
+
+    class Reader(gguf.GGUFReader):
+        @property
+        def data(self) -> np.ndarray:
+            return self._data
+
+        @data.setter
+        def data(self, memmap: np.ndarray) -> None:  # (the reader's first act: np.memmap(path))
+            with open(path, "rb") as f:
+                self.map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            self._data = np.frombuffer(self.map, np.uint8)
+
+    return Reader(str(path))
 
 
 def open_gguf(path: str | Path) -> GGUFFile:
@@ -117,10 +158,8 @@ def open_gguf(path: str | Path) -> GGUFFile:
         raise LoadError(f"cannot read {path}: {e.strerror}") from None
     if magic != GGUF_MAGIC:
         raise LoadError(f"{path} is not a GGUF file (no GGUF magic bytes)")
-    import gguf  # (~0.3 s that a load from arlm's model cache does without)
-
     try:
-        reader = gguf.GGUFReader(str(path))
+        reader = _reader(path)  # (imports gguf: ~0.3 s that a load from arlm's model cache does without)
     except Exception as e:  # the reader raises many kinds on a damaged file
         raise LoadError(f"{path} is not a valid GGUF file: truncated or damaged ({type(e).__name__}: {e})") from None
     size = os.path.getsize(path)
@@ -214,22 +253,30 @@ def _unpermute(rest: str, w: np.ndarray, gf: GGUFFile) -> np.ndarray:
     return w
 
 
-def _tensors_by_name(gf: GGUFFile, convert) -> dict[str, object]:
-    """Our name -> convert(parts): parts the [(gguf short name, tensor)] of a fused weight, or one."""
-    out: dict[str, object] = {}
-    parts: dict[str, object] = {}  # pieces of fused tensors, by GGUF name, until complete
+def _converted(gf: GGUFFile, convert) -> Iterator[tuple[str, object, list]]:
+    """(our name, convert(parts), parts) for each weight, in file order: parts the [(gguf short
+    name, tensor)] of a fused weight, or one. The parts' pages of the file's map are handed back
+    once the consumer is done with the weight (`GGUFFile.release`)."""
+    pending: dict[str, object] = {}  # pieces of fused tensors, by GGUF name, until complete
     for rest, layer, t in gf.weights():
         if t.name in _GLOBAL_NAMES:
-            out[_GLOBAL_NAMES[t.name]] = convert([(rest, t)])
+            name, parts = _GLOBAL_NAMES[t.name], [(rest, t)]
         elif rest in _LAYER_NAMES:
-            out[f"blocks.{layer}.{_LAYER_NAMES[rest]}"] = convert([(rest, t)])
+            name, parts = f"blocks.{layer}.{_LAYER_NAMES[rest]}", [(rest, t)]
         else:
-            parts[t.name] = t
+            pending[t.name] = t
             group, ours = _PART_OF[rest]
             names = [f"blk.{layer}.{g}" for g in group]
-            if all(n in parts for n in names):
-                out[f"blocks.{layer}.{ours}"] = convert([(g, parts.pop(n)) for g, n in zip(group, names)])
-    return out
+            if not all(n in pending for n in names):
+                continue
+            name, parts = f"blocks.{layer}.{ours}", [(g, pending.pop(n)) for g, n in zip(group, names)]
+        yield name, convert(parts), parts
+        gf.release([t for _, t in parts])
+
+
+def _tensors_by_name(gf: GGUFFile, convert) -> dict[str, object]:
+    """Our name -> convert(parts) (`_converted`)."""
+    return {name: value for name, value, _ in _converted(gf, convert)}
 
 
 def read_gguf(path: str | Path) -> GGUFModel:
@@ -314,19 +361,65 @@ def k_quant_fields(b: np.ndarray, kind: str) -> dict[str, np.ndarray]:
     return {"q": q, "sc": sc, "d": d}
 
 
-def _k_quant_layer(gf: GGUFFile, parts, kind: str) -> KQuantLinear:
-    """A KQuantLinear from file tensors of one K-quant kind (their rows stacked: a fused weight)."""
-    fields = [k_quant_fields(_blocks(gf, rest, t), kind) for rest, t in parts]
-    f = {k: torch.from_numpy(np.ascontiguousarray(np.concatenate([x[k] for x in fields]))) for k in fields[0]}
-    N, K = f["q"].shape
+def _rows(blocks: list[np.ndarray], start: int, stop: int, widen=None) -> np.ndarray:
+    """Rows start:stop of the parts' blocks stacked (a fused weight's rows) - a view where they lie
+    in one part; widen(i, part's rows), where given, applied to each part's rows first."""
+    pieces, offset = [], 0
+    for i, b in enumerate(blocks):
+        lo, hi = max(start - offset, 0), min(stop - offset, b.shape[0])
+        if lo < hi:
+            pieces.append(b[lo:hi] if widen is None else widen(i, b[lo:hi]))
+        offset += b.shape[0]
+    return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+
+
+# Weights converted at a time (`_by_rows`): the numpy fields and the packing's temporaries are
+# several bytes a weight (Q6_K's ~8), a few tens of MB a chunk whatever the matrix's size.
+_CHUNK_WEIGHTS = 1 << 22
+
+
+def _by_rows(make: Callable[[int, int], tuple[torch.Tensor, ...]], N: int, K: int) -> tuple[torch.Tensor, ...]:
+    """A layer's tensors for N output rows of K weights, made `_CHUNK_WEIGHTS` weights' rows at a
+    time (a multiple of 16: whole tiles of the packed layout) into tensors allocated once.
+    make(start, stop) -> the tensors of rows start:stop, each of them [rows or rows / 16, ...]
+    (the row layout or the packed one): rows are independent, so the chunks' tensors stacked are
+    the whole matrix's, bit for bit."""
+    rows = max(16, _CHUNK_WEIGHTS // max(K, 1) // 16 * 16)
+    if N <= rows:
+        return tuple(make(0, N))
+    out = None
+    for start in range(0, N, rows):
+        stop = min(N, start + rows)
+        chunk = make(start, stop)
+        if out is None:
+            out = tuple(torch.empty((t.shape[0] * N // (stop - start), *t.shape[1:]), dtype=t.dtype) for t in chunk)
+        for o, t in zip(out, chunk, strict=True):
+            lo, hi = start * o.shape[0] // N, stop * o.shape[0] // N
+            if t.shape != (hi - lo, *o.shape[1:]) or t.dtype != o.dtype:
+                raise AssertionError(f"rows {start}:{stop} of {N} gave {tuple(t.shape)} {t.dtype} for "
+                                     f"{tuple(o.shape)} {o.dtype}: a layout not stacked by rows")
+            o[lo:hi] = t
+    return out
+
+
+def _k_fields(b: np.ndarray, kind: str) -> dict[str, torch.Tensor]:
+    return {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in k_quant_fields(b, kind).items()}
+
+
+def _k_quant_layer(blocks: list[np.ndarray], kind: str) -> KQuantLinear:
+    """A KQuantLinear from K-quant blocks of one kind (the parts' rows stacked: a fused weight)."""
+    N, K = sum(b.shape[0] for b in blocks), 256 * blocks[0].shape[1]
+
+    def make(start: int, stop: int):
+        f = _k_fields(_rows(blocks, start, stop), kind)
+        if kind != "Q6_K":
+            return kernels.pack_q4_k(f["q"], f["sc"], f["m"], f["d"], f["dmin"], five_bit=kind == "Q5_K")
+        return kernels.pack_q6_k(f["q"], f["sc"], f["d"])
+
     with torch.device("meta"):
         layer = KQuantLinear(kind, K, N)
-    if kind != "Q6_K":
-        layer._set(*kernels.pack_q4_k(f["q"], f["sc"], f["m"], f["d"], f["dmin"], five_bit=kind == "Q5_K"))
-    else:
-        layer._set(*kernels.pack_q6_k(f["q"], f["sc"], f["d"]))
+    layer._set(*_by_rows(make, N, K))
     return layer
-
 
 
 # Float matrices: held in float32 as they are (F16 and BF16 widen exactly), never rounded again.
@@ -337,16 +430,23 @@ _FLOAT = ("F32", "F16", "BF16")
 _ROW_K_BLOCK = ("Q4_K", "Q5_K", "Q6_K")
 
 
-def _k_quant_rows(gf: GGUFFile, parts, kind: str):
+def _k_quant_rows(blocks: list[np.ndarray], kind: str):
     """A K-quant weight in the row layout, its values exactly (`Q4Linear.from_q4_k`,
     `Q8MinsLinear.from_q5_k`, `Q8Linear.from_q6_k`): where the packed kernels are not built (AVX2 CPUs)."""
-    fields = [k_quant_fields(_blocks(gf, rest, t), kind) for rest, t in parts]
-    f = {k: torch.from_numpy(np.ascontiguousarray(np.concatenate([x[k] for x in fields]))) for k in fields[0]}
-    if kind == "Q4_K":
-        return Q4Linear.from_q4_k(f["q"], f["sc"], f["m"], f["d"], f["dmin"])
-    if kind == "Q5_K":
-        return Q8MinsLinear.from_q5_k(f["q"], f["sc"], f["m"], f["d"], f["dmin"])
-    return Q8Linear.from_q6_k(f["q"], f["sc"], f["d"])
+    N, K = sum(b.shape[0] for b in blocks), 256 * blocks[0].shape[1]
+
+    def make(start: int, stop: int):
+        f = _k_fields(_rows(blocks, start, stop), kind)
+        if kind == "Q4_K":
+            return Q4Linear.from_q4_k(f["q"], f["sc"], f["m"], f["d"], f["dmin"]).tensors()
+        if kind == "Q5_K":
+            return Q8MinsLinear.from_q5_k(f["q"], f["sc"], f["m"], f["d"], f["dmin"]).tensors()
+        return Q8Linear.from_q6_k(f["q"], f["sc"], f["d"]).tensors()
+
+    with torch.device("meta"):
+        layer = {"Q4_K": Q4Linear, "Q5_K": Q8MinsLinear, "Q6_K": Q8Linear}[kind](K, N)
+    layer._set(*_by_rows(make, N, K))
+    return layer
 
 
 def _as_q8_0(b: np.ndarray, kind: str) -> np.ndarray:
@@ -388,24 +488,47 @@ def _dequantize_blocks(b: np.ndarray, kind: str, out: np.ndarray, rows: int = 20
             out[i:i + n] = (d * q + m).reshape(n, 32 * G)
 
 
-def _q5_layer(gf: GGUFFile, parts) -> Q5Linear | None:
-    """A Q5Linear from Q5_0 tensors (rows stacked), or None (`q5_0_layer`)."""
-    return q5_0_layer(np.concatenate([_blocks(gf, rest, t) for rest, t in parts]))
-
-
-def q5_0_layer(blocks: np.ndarray) -> Q5Linear | None:
-    """A Q5Linear from Q5_0 blocks [N, K/32, 22]: q = the value + 16, scale d, mins -16 d (float16,
-    exact); None where -16 d overflows float16 (then the caller widens to Q8_0)."""
-    b = _as_q8_0(blocks, "Q5_0")
-    N, G, _ = b.shape
-    d = torch.from_numpy(np.ascontiguousarray(b[..., 0:2]).view(np.float16).reshape(N, G))
+def q5_0_layer(blocks: np.ndarray | list[np.ndarray]) -> Q5Linear | None:
+    """A Q5Linear from Q5_0 blocks [N, K/32, 22] (or parts' blocks, their rows stacked): q = the
+    value + 16, scale d, mins -16 d (float16, exact); None where -16 d overflows float16 (then the
+    caller widens to Q8_0)."""
+    blocks = [blocks] if isinstance(blocks, np.ndarray) else blocks
+    N, G = sum(b.shape[0] for b in blocks), blocks[0].shape[1]
+    d = torch.from_numpy(np.concatenate([b[..., 0:2] for b in blocks]).view(np.float16).reshape(N, G))
     mins = (d.float() * -16.0).half()
     if not torch.isfinite(mins).all():
         return None
-    q = (torch.from_numpy(np.ascontiguousarray(b[..., 2:]).view(np.int8).reshape(N, 32 * G)).to(torch.int16) + 16)
+
+    def make(start: int, stop: int):
+        b = _rows(blocks, start, stop, lambda _, rows: _as_q8_0(rows, "Q5_0"))
+        q = torch.from_numpy(np.ascontiguousarray(b[..., 2:]).view(np.int8).reshape(stop - start, 32 * G))
+        q = (q.to(torch.int16) + 16).to(torch.uint8)
+        return kernels.pack_q5(q), kernels.pack_scales(d[start:stop]), kernels.pack_scales(mins[start:stop])
+
     with torch.device("meta"):
         layer = Q5Linear(32 * G, N)
-    layer._set(kernels.pack_q5(q.to(torch.uint8)), kernels.pack_scales(d), kernels.pack_scales(mins))
+    layer._set(*_by_rows(make, N, 32 * G))
+    return layer
+
+
+def _block_layer(blocks: list[np.ndarray], kinds: list[str]) -> Q4Linear | Q8Linear:
+    """Q4Linear from Q4_1 blocks (the file's bytes, split), or Q8Linear from Q8_0, Q5_0 and Q4_0
+    blocks (their values exactly, `_as_q8_0`), parts of `kinds` stacked."""
+    N, G = sum(b.shape[0] for b in blocks), blocks[0].shape[1]
+    q4 = set(kinds) == {"Q4_1"}
+
+    def make(start: int, stop: int):
+        b = _rows(blocks, start, stop, None if q4 else lambda i, rows: _as_q8_0(rows, kinds[i]))
+        n = stop - start
+        scale = torch.from_numpy(np.ascontiguousarray(b[..., 0:2]).view(np.float16).reshape(n, G))
+        if q4:
+            mins = torch.from_numpy(np.ascontiguousarray(b[..., 2:4]).view(np.float16).reshape(n, G))
+            return torch.from_numpy(np.ascontiguousarray(b[..., 4:]).reshape(n, 16 * G)), scale, mins
+        return torch.from_numpy(np.ascontiguousarray(b[..., 2:]).view(np.int8).reshape(n, 32 * G)), scale
+
+    with torch.device("meta"):
+        layer = (Q4Linear if q4 else Q8Linear)(32 * G, N)
+    layer._set(*_by_rows(make, N, 32 * G))
     return layer
 
 
@@ -422,28 +545,17 @@ def _quantized_layer(gf: GGUFFile, parts, requantized: list[str]):
             kernels.packed_available() or kinds & set(_ROW_K_BLOCK)):
         # parts of different kinds (Q4_K_M's Q6_K v beside Q4_K q and k): each as it is stored
         return SplitLinear([_quantized_layer(gf, [part], requantized) for part in parts])
+    def blocks() -> list[np.ndarray]:
+        return [_blocks(gf, rest, t) for rest, t in parts]
+
     if len(kinds) == 1 and kinds <= set(_K_BLOCK) and packed:
-        return _k_quant_layer(gf, parts, kinds.pop())
+        return _k_quant_layer(blocks(), kinds.pop())
     if len(kinds) == 1 and kinds <= set(_ROW_K_BLOCK):  # the row layout's exact forms
-        return _k_quant_rows(gf, parts, kinds.pop())
-    if kinds == {"Q5_0"} and packed and (layer := _q5_layer(gf, parts)) is not None:
+        return _k_quant_rows(blocks(), kinds.pop())
+    if kinds == {"Q5_0"} and packed and (layer := q5_0_layer(blocks())) is not None:
         return layer
     if kinds == {"Q4_1"} or kinds <= set(_AS_Q8):
-        kind = "Q4_1" if kinds == {"Q4_1"} else "Q8_0"
-        blocks = [_blocks(gf, rest, t) if kind == "Q4_1" else _as_q8_0(_blocks(gf, rest, t), t.tensor_type.name)
-                  for rest, t in parts]
-        b = np.concatenate(blocks) if len(parts) > 1 else np.ascontiguousarray(blocks[0])
-        N, G, _ = b.shape
-        cls = Q4Linear if kind == "Q4_1" else Q8Linear
-        with torch.device("meta"):
-            layer = cls(32 * G, N)
-        scale = torch.from_numpy(np.ascontiguousarray(b[..., 0:2]).view(np.float16).reshape(N, G))
-        if kind == "Q4_1":
-            mins = torch.from_numpy(np.ascontiguousarray(b[..., 2:4]).view(np.float16).reshape(N, G))
-            layer._set(torch.from_numpy(np.ascontiguousarray(b[..., 4:]).reshape(N, 16 * G)), scale, mins)
-        else:
-            layer._set(torch.from_numpy(np.ascontiguousarray(b[..., 2:]).view(np.int8).reshape(N, 32 * G)), scale)
-        return layer
+        return _block_layer(blocks(), [t.tensor_type.name for _, t in parts])
     ws = [_unpermute(rest, _dequantize(gf, t), gf) for rest, t in parts]
     w = torch.from_numpy(np.concatenate(ws) if len(ws) > 1 else np.array(ws[0]))
     if kinds <= set(_FLOAT):  # float matrices: their values exactly, in float32 (the native stack's GEMMs)
@@ -454,10 +566,21 @@ def _quantized_layer(gf: GGUFFile, parts, requantized: list[str]):
     return Int8Linear.from_float(w)
 
 
-def quantized_model(path: str | Path) -> tuple[GGUFFile, "torch.nn.Module", list[str]]:
+def _parameter(t: torch.Tensor) -> torch.nn.Parameter:
+    # (one `keep` made stays the same object: the cache's builder knows its record by it)
+    return t if isinstance(t, torch.nn.Parameter) else torch.nn.Parameter(t, requires_grad=False)
+
+
+def quantized_model(source: str | Path | GGUFFile, keep: Callable[[object], object] | None = None,
+                    progress: Callable[[int], object] | None = None) -> tuple[GGUFFile, "torch.nn.Module", list[str]]:
     """The file's model with its quantized weights kept as they are stored (see the module doc):
-    (the open file, the model, names of the tensors that had to be re-quantized)."""
-    gf = open_gguf(path)
+    (the open file, the model, names of the tensors that had to be re-quantized).
+
+    source: a path, or a file `open_gguf` opened. keep(weight) -> what the model holds of each
+    weight (a layer, or a tensor: a norm's weight, a bias) as soon as it is converted, before the
+    next is read; by default the weight itself. progress(n): after each weight, n the file's
+    bytes it took."""
+    gf = source if isinstance(source, GGUFFile) else open_gguf(source)
     cfg = gf.config
     requantized: list[str] = []
 
@@ -472,21 +595,28 @@ def quantized_model(path: str | Path) -> tuple[GGUFFile, "torch.nn.Module", list
             return torch.from_numpy(_dequantize(gf, t).copy())  # a float table, gathered as it is
         return _quantized_layer(gf, parts, requantized)
 
-    tensors = _tensors_by_name(gf, convert)
+    tensors = {}
+    for name, value, parts in _converted(gf, convert):
+        tensors[name] = value if keep is None else keep(value)
+        if progress is not None:
+            progress(sum(int(t.n_bytes) for _, t in parts))
     with torch.device("meta"):
         model = Transformer(cfg, init=False)
     model.set_rope_tables()
+    # the model's own (meta) tensors, to tell those the file left missing (kept alive: ids stay theirs)
+    unset = [t for t in list(model.parameters()) + list(model.buffers()) if t.is_meta]
     emb = tensors.pop("tok_emb.weight")
     # the quantized layers in place of the nn.Linears first, then the norms' weights and biases
     for name, value in sorted(tensors.items(), key=lambda kv: isinstance(kv[1], torch.Tensor)):
         owner_name, _, attr = name.rpartition(".")
         if isinstance(value, torch.Tensor):  # a norm's weight, a bias
-            setattr(model.get_submodule(owner_name), attr, torch.nn.Parameter(value, requires_grad=False))
+            setattr(model.get_submodule(owner_name), attr, _parameter(value))
         else:  # a quantized layer in place of an nn.Linear
             parent, _, child = owner_name.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, child, value)
     if isinstance(emb, torch.Tensor):
-        model.tok_emb = torch.nn.Embedding.from_pretrained(emb, freeze=True)
+        model.tok_emb = torch.nn.Embedding(*emb.shape, device="meta")
+        model.tok_emb.weight = _parameter(emb)  # (frozen: Embedding.from_pretrained's)
         if cfg.tie_embeddings:  # one float32 matrix for both (the file's values: nothing rounded again)
             model.lm_head = torch.nn.Linear(emb.shape[1], emb.shape[0], bias=False, device="meta")
             model.lm_head.weight = model.tok_emb.weight
@@ -494,7 +624,8 @@ def quantized_model(path: str | Path) -> tuple[GGUFFile, "torch.nn.Module", list
         model.tok_emb = QuantizedEmbedding(emb)
         if cfg.tie_embeddings:  # one matrix for both: the head's rows are the table
             model.lm_head = emb
-    missing = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+    unset_ids = {id(t) for t in unset}
+    missing = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if id(t) in unset_ids]
     if missing:
         raise LoadError(f"{gf.path}: tensors missing from the file: {missing[:4]}")
     return gf, model.eval(), requantized
