@@ -39,7 +39,7 @@ from ..config import ModelConfig
 from ..model import Transformer
 from .. import kernels
 from ..quant import (Int8Linear, KQuantLinear, Q4Linear, Q5Linear, Q8Linear, Q8MinsLinear, QuantizedEmbedding,
-                     SplitLinear)
+                     QuantizedLinear, SplitLinear)
 from .errors import LoadError
 
 GGUF_MAGIC = b"GGUF"
@@ -106,12 +106,21 @@ class GGUFFile:
         """Hand back the pages of `tensors` the map holds (read, they count in the process's RSS
         while mapped: the whole file by the end of a load). Harmless where read again: the pages
         come back from the file (the map is read-only)."""
-        page = mmap.PAGESIZE
         for t in tensors:
-            start = int(t.data_offset) // page * page
-            stop = min(int(t.data_offset) + int(t.n_bytes), len(self.reader.map))
-            if stop > start:
-                self.reader.map.madvise(mmap.MADV_DONTNEED, start, stop - start)
+            self._advise(int(t.data_offset), int(t.n_bytes))
+
+    def release_view(self, a: np.ndarray) -> None:
+        """`release` for the bytes under `a`, where it is a contiguous view of the map (not a copy)."""
+        start = a.__array_interface__["data"][0] - self.reader.data.__array_interface__["data"][0]
+        if a.flags.c_contiguous and 0 <= start < len(self.reader.map):
+            self._advise(start, a.nbytes)
+
+    def _advise(self, start: int, n: int) -> None:
+        page = mmap.PAGESIZE
+        stop = min(start + n, len(self.reader.map))
+        start = start // page * page
+        if stop > start:
+            self.reader.map.madvise(mmap.MADV_DONTNEED, start, stop - start)
 
     def weight_bytes(self) -> int:
         """The file's bytes of the tensors arlm uses (a progress bar's total)."""
@@ -149,7 +158,8 @@ def _reader(path: Path):
 
 
 def open_gguf(path: str | Path) -> GGUFFile:
-    """Open and check a GGUF file; its config and metadata, tensors not read yet."""
+    """Open and check a GGUF file; its config and metadata (the reader keeps its tensors, not its
+    fields), tensors not read yet."""
     path = Path(path)
     try:
         with open(path, "rb") as fh:
@@ -179,8 +189,10 @@ def open_gguf(path: str | Path) -> GGUFFile:
         raise LoadError(f"{path}: partial rotary embeddings ({rope_dims} of {config.head_dim} dims) unsupported")
 
     tok_fields = {k: _field(reader, k) for k in reader.fields if k.startswith("tokenizer.ggml.")}
-    return GGUFFile(path, reader, config, tok_fields, _field(reader, "tokenizer.chat_template"),
-                    _field(reader, "general.name") or path.stem, arch)
+    gf = GGUFFile(path, reader, config, tok_fields, _field(reader, "tokenizer.chat_template"),
+                  _field(reader, "general.name") or path.stem, arch)
+    reader.fields.clear()  # read: its parts (~200 MB of small arrays for a 262,144-token vocabulary) go
+    return gf
 
 
 def _config(reader, arch: str) -> ModelConfig:
@@ -361,16 +373,33 @@ def k_quant_fields(b: np.ndarray, kind: str) -> dict[str, np.ndarray]:
     return {"q": q, "sc": sc, "d": d}
 
 
-def _rows(blocks: list[np.ndarray], start: int, stop: int, widen=None) -> np.ndarray:
-    """Rows start:stop of the parts' blocks stacked (a fused weight's rows) - a view where they lie
-    in one part; widen(i, part's rows), where given, applied to each part's rows first."""
-    pieces, offset = [], 0
-    for i, b in enumerate(blocks):
-        lo, hi = max(start - offset, 0), min(stop - offset, b.shape[0])
-        if lo < hi:
-            pieces.append(b[lo:hi] if widen is None else widen(i, b[lo:hi]))
-        offset += b.shape[0]
-    return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+class _Stacked:
+    """A weight's blocks: its parts' [n, G, bytes] (views of the file's map, but where q/k rows had
+    to move) stacked by rows, as a fused weight's rows are, N rows in all."""
+
+    def __init__(self, parts: list[np.ndarray], gf: GGUFFile | None = None) -> None:
+        self.parts, self.gf = parts, gf  # gf: the map's owner, which `release` hands pages back to
+        self.N, self.G = sum(b.shape[0] for b in parts), parts[0].shape[1]
+
+    def _pieces(self, start: int, stop: int) -> Iterator[tuple[int, np.ndarray]]:
+        offset = 0
+        for i, b in enumerate(self.parts):
+            lo, hi = max(start - offset, 0), min(stop - offset, b.shape[0])
+            if lo < hi:
+                yield i, b[lo:hi]
+            offset += b.shape[0]
+
+    def rows(self, start: int, stop: int, widen: Callable[[int, np.ndarray], np.ndarray] | None = None) -> np.ndarray:
+        """Rows start:stop [stop - start, G, bytes] (a view where they lie in one part); widen(i,
+        rows of part i), where given, applied to each part's rows first."""
+        pieces = [b if widen is None else widen(i, b) for i, b in self._pieces(start, stop)]
+        return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+
+    def release(self, start: int, stop: int) -> None:
+        """Rows start:stop read: the file's pages under them handed back (`GGUFFile.release_view`)."""
+        if self.gf is not None:
+            for _, b in self._pieces(start, stop):
+                self.gf.release_view(b)
 
 
 # Weights converted at a time (`_by_rows`): the numpy fields and the packing's temporaries are
@@ -378,48 +407,62 @@ def _rows(blocks: list[np.ndarray], start: int, stop: int, widen=None) -> np.nda
 _CHUNK_WEIGHTS = 1 << 22
 
 
-def _by_rows(make: Callable[[int, int], tuple[torch.Tensor, ...]], N: int, K: int) -> tuple[torch.Tensor, ...]:
-    """A layer's tensors for N output rows of K weights, made `_CHUNK_WEIGHTS` weights' rows at a
-    time (a multiple of 16: whole tiles of the packed layout) into tensors allocated once.
-    make(start, stop) -> the tensors of rows start:stop, each of them [rows or rows / 16, ...]
-    (the row layout or the packed one): rows are independent, so the chunks' tensors stacked are
-    the whole matrix's, bit for bit."""
-    rows = max(16, _CHUNK_WEIGHTS // max(K, 1) // 16 * 16)
-    if N <= rows:
-        return tuple(make(0, N))
+def _by_rows(make: Callable[[int, int], QuantizedLinear], layer: QuantizedLinear, blocks: _Stacked) -> QuantizedLinear:
+    """`layer` (N output rows of K weights, on the meta device) given the tensors of make(start,
+    stop) (a layer of rows start:stop of `blocks`), made `_CHUNK_WEIGHTS` weights' rows at a time (a
+    multiple of 16: whole tiles of the packed layout) into tensors allocated once. Each chunk goes
+    to the packed layout where the layer takes it (8-bit activations, as `prepare` leaves it: the
+    layout the cache holds), so the matrix is never held twice (rows beside packed), and the file's
+    pages under its rows are handed back as they are read. Rows are independent: the chunks'
+    tensors stacked are the whole matrix's, bit for bit."""
+    N, K = layer.out_features, layer.in_features
+    rows = max(16, _CHUNK_WEIGHTS // K // 16 * 16)
+    a8 = N % 16 == 0 or N <= rows  # (else the last chunk would not pack as the others do)
     out = None
     for start in range(0, N, rows):
         stop = min(N, start + rows)
         chunk = make(start, stop)
+        chunk.int8_activations = a8  # (packs where the kernels take it)
+        blocks.release(start, stop)
+        if N <= rows:
+            out = chunk.tensors()
+            break
         if out is None:
-            out = tuple(torch.empty((t.shape[0] * N // (stop - start), *t.shape[1:]), dtype=t.dtype) for t in chunk)
-        for o, t in zip(out, chunk, strict=True):
+            out = tuple(torch.empty((t.shape[0] * N // (stop - start), *t.shape[1:]), dtype=t.dtype)
+                        for t in chunk.tensors())
+        for o, t in zip(out, chunk.tensors(), strict=True):
             lo, hi = start * o.shape[0] // N, stop * o.shape[0] // N
             if t.shape != (hi - lo, *o.shape[1:]) or t.dtype != o.dtype:
                 raise AssertionError(f"rows {start}:{stop} of {N} gave {tuple(t.shape)} {t.dtype} for "
                                      f"{tuple(o.shape)} {o.dtype}: a layout not stacked by rows")
             o[lo:hi] = t
-    return out
+    layer._set(*out)
+    layer.int8_activations = a8  # (packed already: nothing moves)
+    return layer
 
 
 def _k_fields(b: np.ndarray, kind: str) -> dict[str, torch.Tensor]:
     return {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in k_quant_fields(b, kind).items()}
 
 
-def _k_quant_layer(blocks: list[np.ndarray], kind: str) -> KQuantLinear:
+def _k_quant_layer(blocks: _Stacked, kind: str) -> KQuantLinear:
     """A KQuantLinear from K-quant blocks of one kind (the parts' rows stacked: a fused weight)."""
-    N, K = sum(b.shape[0] for b in blocks), 256 * blocks[0].shape[1]
+    K = 256 * blocks.G
 
-    def make(start: int, stop: int):
-        f = _k_fields(_rows(blocks, start, stop), kind)
+    def layer(n: int) -> KQuantLinear:
+        with torch.device("meta"):
+            return KQuantLinear(kind, K, n)
+
+    def make(start: int, stop: int) -> KQuantLinear:
+        f = _k_fields(blocks.rows(start, stop), kind)
+        chunk = layer(stop - start)
         if kind != "Q6_K":
-            return kernels.pack_q4_k(f["q"], f["sc"], f["m"], f["d"], f["dmin"], five_bit=kind == "Q5_K")
-        return kernels.pack_q6_k(f["q"], f["sc"], f["d"])
+            chunk._set(*kernels.pack_q4_k(f["q"], f["sc"], f["m"], f["d"], f["dmin"], five_bit=kind == "Q5_K"))
+        else:
+            chunk._set(*kernels.pack_q6_k(f["q"], f["sc"], f["d"]))
+        return chunk
 
-    with torch.device("meta"):
-        layer = KQuantLinear(kind, K, N)
-    layer._set(*_by_rows(make, N, K))
-    return layer
+    return _by_rows(make, layer(blocks.N), blocks)
 
 
 # Float matrices: held in float32 as they are (F16 and BF16 widen exactly), never rounded again.
@@ -430,23 +473,20 @@ _FLOAT = ("F32", "F16", "BF16")
 _ROW_K_BLOCK = ("Q4_K", "Q5_K", "Q6_K")
 
 
-def _k_quant_rows(blocks: list[np.ndarray], kind: str):
+def _k_quant_rows(blocks: _Stacked, kind: str):
     """A K-quant weight in the row layout, its values exactly (`Q4Linear.from_q4_k`,
     `Q8MinsLinear.from_q5_k`, `Q8Linear.from_q6_k`): where the packed kernels are not built (AVX2 CPUs)."""
-    N, K = sum(b.shape[0] for b in blocks), 256 * blocks[0].shape[1]
-
     def make(start: int, stop: int):
-        f = _k_fields(_rows(blocks, start, stop), kind)
+        f = _k_fields(blocks.rows(start, stop), kind)
         if kind == "Q4_K":
-            return Q4Linear.from_q4_k(f["q"], f["sc"], f["m"], f["d"], f["dmin"]).tensors()
+            return Q4Linear.from_q4_k(f["q"], f["sc"], f["m"], f["d"], f["dmin"])
         if kind == "Q5_K":
-            return Q8MinsLinear.from_q5_k(f["q"], f["sc"], f["m"], f["d"], f["dmin"]).tensors()
-        return Q8Linear.from_q6_k(f["q"], f["sc"], f["d"]).tensors()
+            return Q8MinsLinear.from_q5_k(f["q"], f["sc"], f["m"], f["d"], f["dmin"])
+        return Q8Linear.from_q6_k(f["q"], f["sc"], f["d"])
 
     with torch.device("meta"):
-        layer = {"Q4_K": Q4Linear, "Q5_K": Q8MinsLinear, "Q6_K": Q8Linear}[kind](K, N)
-    layer._set(*_by_rows(make, N, K))
-    return layer
+        layer = {"Q4_K": Q4Linear, "Q5_K": Q8MinsLinear, "Q6_K": Q8Linear}[kind](256 * blocks.G, blocks.N)
+    return _by_rows(make, layer, blocks)
 
 
 def _as_q8_0(b: np.ndarray, kind: str) -> np.ndarray:
@@ -488,48 +528,56 @@ def _dequantize_blocks(b: np.ndarray, kind: str, out: np.ndarray, rows: int = 20
             out[i:i + n] = (d * q + m).reshape(n, 32 * G)
 
 
-def q5_0_layer(blocks: np.ndarray | list[np.ndarray]) -> Q5Linear | None:
-    """A Q5Linear from Q5_0 blocks [N, K/32, 22] (or parts' blocks, their rows stacked): q = the
-    value + 16, scale d, mins -16 d (float16, exact); None where -16 d overflows float16 (then the
-    caller widens to Q8_0)."""
-    blocks = [blocks] if isinstance(blocks, np.ndarray) else blocks
-    N, G = sum(b.shape[0] for b in blocks), blocks[0].shape[1]
-    d = torch.from_numpy(np.concatenate([b[..., 0:2] for b in blocks]).view(np.float16).reshape(N, G))
+def q5_0_layer(blocks: np.ndarray | _Stacked) -> Q5Linear | None:
+    """A Q5Linear from Q5_0 blocks [N, K/32, 22] (or parts' blocks, stacked): q = the value + 16,
+    scale d, mins -16 d (float16, exact); None where -16 d overflows float16 (then the caller
+    widens to Q8_0)."""
+    blocks = _Stacked([blocks]) if isinstance(blocks, np.ndarray) else blocks
+    N, G = blocks.N, blocks.G
+    d = torch.from_numpy(np.concatenate([b[..., 0:2] for b in blocks.parts]).view(np.float16).reshape(N, G))
     mins = (d.float() * -16.0).half()
     if not torch.isfinite(mins).all():
         return None
 
-    def make(start: int, stop: int):
-        b = _rows(blocks, start, stop, lambda _, rows: _as_q8_0(rows, "Q5_0"))
+    def layer(n: int) -> Q5Linear:
+        with torch.device("meta"):
+            return Q5Linear(32 * G, n)
+
+    def make(start: int, stop: int) -> Q5Linear:
+        b = blocks.rows(start, stop, lambda _, rows: _as_q8_0(rows, "Q5_0"))
         q = torch.from_numpy(np.ascontiguousarray(b[..., 2:]).view(np.int8).reshape(stop - start, 32 * G))
-        q = (q.to(torch.int16) + 16).to(torch.uint8)
-        return kernels.pack_q5(q), kernels.pack_scales(d[start:stop]), kernels.pack_scales(mins[start:stop])
+        chunk = layer(stop - start)
+        chunk._set(kernels.pack_q5((q.to(torch.int16) + 16).to(torch.uint8)), kernels.pack_scales(d[start:stop]),
+                   kernels.pack_scales(mins[start:stop]))
+        return chunk
 
-    with torch.device("meta"):
-        layer = Q5Linear(32 * G, N)
-    layer._set(*_by_rows(make, N, 32 * G))
-    return layer
+    return _by_rows(make, layer(N), blocks)
 
 
-def _block_layer(blocks: list[np.ndarray], kinds: list[str]) -> Q4Linear | Q8Linear:
+def _block_layer(blocks: _Stacked, kinds: list[str]) -> Q4Linear | Q8Linear:
     """Q4Linear from Q4_1 blocks (the file's bytes, split), or Q8Linear from Q8_0, Q5_0 and Q4_0
-    blocks (their values exactly, `_as_q8_0`), parts of `kinds` stacked."""
-    N, G = sum(b.shape[0] for b in blocks), blocks[0].shape[1]
+    blocks (their values exactly, `_as_q8_0`), the parts of `kinds` stacked."""
+    G = blocks.G
     q4 = set(kinds) == {"Q4_1"}
+    cls = Q4Linear if q4 else Q8Linear
 
-    def make(start: int, stop: int):
-        b = _rows(blocks, start, stop, None if q4 else lambda i, rows: _as_q8_0(rows, kinds[i]))
+    def layer(n: int) -> Q4Linear | Q8Linear:
+        with torch.device("meta"):
+            return cls(32 * G, n)
+
+    def make(start: int, stop: int) -> Q4Linear | Q8Linear:
+        b = blocks.rows(start, stop, None if q4 else lambda i, rows: _as_q8_0(rows, kinds[i]))
         n = stop - start
+        chunk = layer(n)
         scale = torch.from_numpy(np.ascontiguousarray(b[..., 0:2]).view(np.float16).reshape(n, G))
         if q4:
             mins = torch.from_numpy(np.ascontiguousarray(b[..., 2:4]).view(np.float16).reshape(n, G))
-            return torch.from_numpy(np.ascontiguousarray(b[..., 4:]).reshape(n, 16 * G)), scale, mins
-        return torch.from_numpy(np.ascontiguousarray(b[..., 2:]).view(np.int8).reshape(n, 32 * G)), scale
+            chunk._set(torch.from_numpy(np.ascontiguousarray(b[..., 4:]).reshape(n, 16 * G)), scale, mins)
+        else:
+            chunk._set(torch.from_numpy(np.ascontiguousarray(b[..., 2:]).view(np.int8).reshape(n, 32 * G)), scale)
+        return chunk
 
-    with torch.device("meta"):
-        layer = (Q4Linear if q4 else Q8Linear)(32 * G, N)
-    layer._set(*_by_rows(make, N, 32 * G))
-    return layer
+    return _by_rows(make, layer(blocks.N), blocks)
 
 
 def _quantized_layer(gf: GGUFFile, parts, requantized: list[str]):
@@ -545,8 +593,8 @@ def _quantized_layer(gf: GGUFFile, parts, requantized: list[str]):
             kernels.packed_available() or kinds & set(_ROW_K_BLOCK)):
         # parts of different kinds (Q4_K_M's Q6_K v beside Q4_K q and k): each as it is stored
         return SplitLinear([_quantized_layer(gf, [part], requantized) for part in parts])
-    def blocks() -> list[np.ndarray]:
-        return [_blocks(gf, rest, t) for rest, t in parts]
+    def blocks() -> _Stacked:
+        return _Stacked([_blocks(gf, rest, t) for rest, t in parts], gf)
 
     if len(kinds) == 1 and kinds <= set(_K_BLOCK) and packed:
         return _k_quant_layer(blocks(), kinds.pop())
