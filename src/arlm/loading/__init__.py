@@ -156,6 +156,16 @@ def _build_cache(path: Path, layout: str) -> bool:
     def keep(weight):
         return builder.store(prepare(weight) if isinstance(weight, torch.nn.Module) else weight)
 
+    untrimmed = 0
+
+    def progress(n: int) -> None:
+        nonlocal untrimmed
+        bar.update(n)
+        untrimmed += n
+        if untrimmed >= 128 << 20:  # (every weight: ~13% slower, the pages faulted in again)
+            _trim_heap()
+            untrimmed = 0
+
     try:
         with builder:
             gf = open_gguf(path)
@@ -164,7 +174,7 @@ def _build_cache(path: Path, layout: str) -> bool:
             with tqdm(total=gf.weight_bytes(), unit="B", unit_scale=True, leave=False, file=sys.stderr,
                       disable=not sys.stderr.isatty(),
                       desc=f"building the kernel layout of {path.name} (first load)") as bar:
-                _, model, requantized = quantized_model(gf, keep, bar.update)
+                _, model, requantized = quantized_model(gf, keep, progress)
             builder.finish(LoadedModel(model, tokenizer, gf.chat_template, gf.name, "gguf", path,
                                        requantized=requantized))
     except OSError:  # writing it failed midway (a full disk): built in memory instead
@@ -175,7 +185,8 @@ def _build_cache(path: Path, layout: str) -> bool:
 
 def _trim_heap() -> None:
     """Hand the memory the build freed back to the OS: glibc keeps freed heap pages in the process
-    (~100-200 MB after a build, counted in its RSS until it exits) unless asked."""
+    (in each converting thread's arena: ~60 MB more for every ~100 MB of Llama-3.2-1B converted,
+    counted in its RSS until it exits) unless asked."""
     import ctypes
 
     try:

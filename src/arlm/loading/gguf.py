@@ -29,7 +29,9 @@ from __future__ import annotations
 import mmap
 import os
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -375,10 +377,12 @@ def k_quant_fields(b: np.ndarray, kind: str) -> dict[str, np.ndarray]:
 
 class _Stacked:
     """A weight's blocks: its parts' [n, G, bytes] (views of the file's map, but where q/k rows had
-    to move) stacked by rows, as a fused weight's rows are, N rows in all."""
+    to move) stacked by rows, as a fused weight's rows are, N rows in all; the file whose map
+    `release` hands pages back to, and the threads its rows are converted on (`_by_rows`)."""
 
-    def __init__(self, parts: list[np.ndarray], gf: GGUFFile | None = None) -> None:
-        self.parts, self.gf = parts, gf  # gf: the map's owner, which `release` hands pages back to
+    def __init__(self, parts: list[np.ndarray], gf: GGUFFile | None = None,
+                 pool: ThreadPoolExecutor | None = None) -> None:
+        self.parts, self.gf, self.pool = parts, gf, pool
         self.N, self.G = sum(b.shape[0] for b in parts), parts[0].shape[1]
 
     def _pieces(self, start: int, stop: int) -> Iterator[tuple[int, np.ndarray]]:
@@ -414,28 +418,37 @@ def _by_rows(make: Callable[[int, int], QuantizedLinear], layer: QuantizedLinear
     to the packed layout where the layer takes it (8-bit activations, as `prepare` leaves it: the
     layout the cache holds), so the matrix is never held twice (rows beside packed), and the file's
     pages under its rows are handed back as they are read. Rows are independent: the chunks'
-    tensors stacked are the whole matrix's, bit for bit."""
+    tensors stacked are the whole matrix's, bit for bit, whichever of `blocks.pool`'s threads
+    made them."""
     N, K = layer.out_features, layer.in_features
     rows = max(16, _CHUNK_WEIGHTS // K // 16 * 16)
     a8 = N % 16 == 0 or N <= rows  # (else the last chunk would not pack as the others do)
-    out = None
-    for start in range(0, N, rows):
+
+    def convert(start: int) -> tuple[torch.Tensor, ...]:
         stop = min(N, start + rows)
         chunk = make(start, stop)
         chunk.int8_activations = a8  # (packs where the kernels take it)
         blocks.release(start, stop)
-        if N <= rows:
-            out = chunk.tensors()
-            break
-        if out is None:
-            out = tuple(torch.empty((t.shape[0] * N // (stop - start), *t.shape[1:]), dtype=t.dtype)
-                        for t in chunk.tensors())
-        for o, t in zip(out, chunk.tensors(), strict=True):
-            lo, hi = start * o.shape[0] // N, stop * o.shape[0] // N
-            if t.shape != (hi - lo, *o.shape[1:]) or t.dtype != o.dtype:
-                raise AssertionError(f"rows {start}:{stop} of {N} gave {tuple(t.shape)} {t.dtype} for "
-                                     f"{tuple(o.shape)} {o.dtype}: a layout not stacked by rows")
-            o[lo:hi] = t
+        return chunk.tensors()
+
+    out = convert(0)
+    if N > rows:
+        first, out = out, tuple(torch.empty((t.shape[0] * N // rows, *t.shape[1:]), dtype=t.dtype) for t in out)
+
+        def put(start: int, tensors: tuple[torch.Tensor, ...]) -> None:
+            stop = min(N, start + rows)
+            for o, t in zip(out, tensors, strict=True):
+                lo, hi = start * o.shape[0] // N, stop * o.shape[0] // N
+                if t.shape != (hi - lo, *o.shape[1:]) or t.dtype != o.dtype:
+                    raise AssertionError(f"rows {start}:{stop} of {N} gave {tuple(t.shape)} {t.dtype} for "
+                                         f"{tuple(o.shape)} {o.dtype}: a layout not stacked by rows")
+                o[lo:hi] = t
+
+        put(0, first)
+        del first
+        starts = range(rows, N, rows)
+        for _ in (blocks.pool.map if blocks.pool is not None else map)(lambda s: put(s, convert(s)), starts):
+            pass
     layer._set(*out)
     layer.int8_activations = a8  # (packed already: nothing moves)
     return layer
@@ -580,21 +593,22 @@ def _block_layer(blocks: _Stacked, kinds: list[str]) -> Q4Linear | Q8Linear:
     return _by_rows(make, layer(blocks.N), blocks)
 
 
-def _quantized_layer(gf: GGUFFile, parts, requantized: list[str]):
+def _quantized_layer(gf: GGUFFile, parts, requantized: list[str], pool: ThreadPoolExecutor | None = None):
     """A fused or single linear weight from its file tensors. On the packed kernels: parts of
     different kinds (not all widenable to Q8_0) each as their own layer (SplitLinear); a K-quant
     kind as KQuantLinear; Q5_0 as Q5Linear. Everywhere: Q4Linear where every part is Q4_1 (the
     file's bytes, split), Q8Linear where every part is Q8_0, Q5_0 or Q4_0 (their values exactly,
-    `_as_q8_0`), else int8 per row from the dequantized values (listed in `requantized`)."""
+    `_as_q8_0`), else int8 per row from the dequantized values (listed in `requantized`). pool: the
+    threads a matrix's chunks are converted on (`_by_rows`), where given."""
     kinds = {t.tensor_type.name for _, t in parts}
     N = sum(int(t.shape[1]) for _, t in parts)
     packed = N % 16 == 0 and kernels.packed_available()
     if len(kinds) > 1 and not kinds <= set(_AS_Q8) and not kinds & set(_FLOAT) and (
             kernels.packed_available() or kinds & set(_ROW_K_BLOCK)):
         # parts of different kinds (Q4_K_M's Q6_K v beside Q4_K q and k): each as it is stored
-        return SplitLinear([_quantized_layer(gf, [part], requantized) for part in parts])
+        return SplitLinear([_quantized_layer(gf, [part], requantized, pool) for part in parts])
     def blocks() -> _Stacked:
-        return _Stacked([_blocks(gf, rest, t) for rest, t in parts], gf)
+        return _Stacked([_blocks(gf, rest, t) for rest, t in parts], gf, pool)
 
     if len(kinds) == 1 and kinds <= set(_K_BLOCK) and packed:
         return _k_quant_layer(blocks(), kinds.pop())
@@ -612,6 +626,19 @@ def _quantized_layer(gf: GGUFFile, parts, requantized: list[str]):
         return layer
     requantized += [t.name for _, t in parts]
     return Int8Linear.from_float(w)
+
+
+def _converted_weight(gf: GGUFFile, requantized: list[str], pool: ThreadPoolExecutor, parts):
+    """A weight from its parts [(GGUF short name, tensor)] as `quantized_model` holds it."""
+    rest, t = parts[0]
+    if len(t.shape) == 1:  # norms, and biases (q, k and v's concatenated)
+        return torch.from_numpy(np.concatenate([_unpermute(r, _dequantize(gf, x), gf) for r, x in parts]))
+    kind = t.tensor_type.name
+    as_stored = kind in _BLOCK or kind in _ROW_K_BLOCK or (
+        kind in _K_BLOCK and int(t.shape[1]) % 16 == 0 and kernels.packed_available())
+    if len(parts) == 1 and rest == "token_embd.weight" and not as_stored:
+        return torch.from_numpy(_dequantize(gf, t).copy())  # a float table, gathered as it is
+    return _quantized_layer(gf, parts, requantized, pool)
 
 
 def _parameter(t: torch.Tensor) -> torch.nn.Parameter:
@@ -632,22 +659,21 @@ def quantized_model(source: str | Path | GGUFFile, keep: Callable[[object], obje
     cfg = gf.config
     requantized: list[str] = []
 
-    def convert(parts):
-        rest, t = parts[0]
-        if len(t.shape) == 1:  # norms, and biases (q, k and v's concatenated)
-            return torch.from_numpy(np.concatenate([_unpermute(r, _dequantize(gf, x), gf) for r, x in parts]))
-        kind = t.tensor_type.name
-        as_stored = kind in _BLOCK or kind in _ROW_K_BLOCK or (
-            kind in _K_BLOCK and int(t.shape[1]) % 16 == 0 and kernels.packed_available())
-        if len(parts) == 1 and rest == "token_embd.weight" and not as_stored:
-            return torch.from_numpy(_dequantize(gf, t).copy())  # a float table, gathered as it is
-        return _quantized_layer(gf, parts, requantized)
-
+    # A matrix's chunks on as many threads as torch's width, each op on one thread: ops
+    # parallelized within are slower here than on one thread as soon as a neighbour is busy (a
+    # barrier per op waits out its time slice: arlm.threads), and numpy's never were.
+    width = torch.get_num_threads()
     tensors = {}
-    for name, value, parts in _converted(gf, convert):
-        tensors[name] = value if keep is None else keep(value)
-        if progress is not None:
-            progress(sum(int(t.n_bytes) for _, t in parts))
+    torch.set_num_threads(1)
+    try:
+        with ThreadPoolExecutor(width) as pool:
+            convert = partial(_converted_weight, gf, requantized, pool)
+            for name, value, parts in _converted(gf, convert):
+                tensors[name] = value if keep is None else keep(value)
+                if progress is not None:
+                    progress(sum(int(t.n_bytes) for _, t in parts))
+    finally:
+        torch.set_num_threads(width)
     with torch.device("meta"):
         model = Transformer(cfg, init=False)
     model.set_rope_tables()
