@@ -369,10 +369,18 @@ def k_quant_fields(b: np.ndarray, kind: str) -> dict[str, np.ndarray]:
     ql = (ql & np.uint8(0x0F)).reshape(N, S, 2, 128)
     qh = b[..., 128:192].reshape(N, S, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 1, 4, 1)
     qh = (qh & np.uint8(0x03)).reshape(N, S, 2, 128)
-    q = ((ql | (qh << np.uint8(4))).astype(np.int16) - 32).astype(np.int8).reshape(N, S * 256)
+    q = ((ql | (qh << np.uint8(4))) - np.uint8(32)).view(np.int8).reshape(N, S * 256)  # (0..63 - 32, wrapped)
     sc = np.ascontiguousarray(b[..., 192:208]).view(np.int8).reshape(N, S * 16)
     d = np.ascontiguousarray(b[..., 208:210]).view(np.float16).astype(np.float32)[..., 0]
     return {"q": q, "sc": sc, "d": d}
+
+
+@dataclass
+class _Workers:
+    """The threads a matrix's chunks are converted on (`_by_rows`): `pool`, of `n` threads."""
+
+    pool: ThreadPoolExecutor
+    n: int
 
 
 class _Stacked:
@@ -380,9 +388,8 @@ class _Stacked:
     to move) stacked by rows, as a fused weight's rows are, N rows in all; the file whose map
     `release` hands pages back to, and the threads its rows are converted on (`_by_rows`)."""
 
-    def __init__(self, parts: list[np.ndarray], gf: GGUFFile | None = None,
-                 pool: ThreadPoolExecutor | None = None) -> None:
-        self.parts, self.gf, self.pool = parts, gf, pool
+    def __init__(self, parts: list[np.ndarray], gf: GGUFFile | None = None, workers: _Workers | None = None) -> None:
+        self.parts, self.gf, self.workers = parts, gf, workers
         self.N, self.G = sum(b.shape[0] for b in parts), parts[0].shape[1]
 
     def _pieces(self, start: int, stop: int) -> Iterator[tuple[int, np.ndarray]]:
@@ -414,14 +421,15 @@ _CHUNK_WEIGHTS = 1 << 22
 def _by_rows(make: Callable[[int, int], QuantizedLinear], layer: QuantizedLinear, blocks: _Stacked) -> QuantizedLinear:
     """`layer` (N output rows of K weights, on the meta device) given the tensors of make(start,
     stop) (a layer of rows start:stop of `blocks`), made `_CHUNK_WEIGHTS` weights' rows at a time (a
-    multiple of 16: whole tiles of the packed layout) into tensors allocated once. Each chunk goes
-    to the packed layout where the layer takes it (8-bit activations, as `prepare` leaves it: the
-    layout the cache holds), so the matrix is never held twice (rows beside packed), and the file's
-    pages under its rows are handed back as they are read. Rows are independent: the chunks'
-    tensors stacked are the whole matrix's, bit for bit, whichever of `blocks.pool`'s threads
-    made them."""
+    multiple of 16: whole tiles of the packed layout; at least a chunk a thread) into tensors
+    allocated once. Each chunk goes to the packed layout where the layer takes it (8-bit
+    activations, as `prepare` leaves it: the layout the cache holds), so the matrix is never held
+    twice (rows beside packed), and the file's pages under its rows are handed back as they are
+    read. Rows are independent: the chunks' tensors stacked are the whole matrix's, bit for bit,
+    whichever of `blocks.workers` made them."""
     N, K = layer.out_features, layer.in_features
-    rows = max(16, _CHUNK_WEIGHTS // K // 16 * 16)
+    workers = blocks.workers.n if blocks.workers is not None else 1
+    rows = max(16, -(-min(_CHUNK_WEIGHTS // K, -(-N // workers)) // 16) * 16)  # (every thread a share)
     a8 = N % 16 == 0 or N <= rows  # (else the last chunk would not pack as the others do)
 
     def convert(start: int) -> tuple[torch.Tensor, ...]:
@@ -447,7 +455,7 @@ def _by_rows(make: Callable[[int, int], QuantizedLinear], layer: QuantizedLinear
         put(0, first)
         del first
         starts = range(rows, N, rows)
-        for _ in (blocks.pool.map if blocks.pool is not None else map)(lambda s: put(s, convert(s)), starts):
+        for _ in (blocks.workers.pool.map if blocks.workers is not None else map)(lambda s: put(s, convert(s)), starts):
             pass
     layer._set(*out)
     layer.int8_activations = a8  # (packed already: nothing moves)
@@ -593,22 +601,23 @@ def _block_layer(blocks: _Stacked, kinds: list[str]) -> Q4Linear | Q8Linear:
     return _by_rows(make, layer(blocks.N), blocks)
 
 
-def _quantized_layer(gf: GGUFFile, parts, requantized: list[str], pool: ThreadPoolExecutor | None = None):
+def _quantized_layer(gf: GGUFFile, parts, requantized: list[str], workers: _Workers | None = None):
     """A fused or single linear weight from its file tensors. On the packed kernels: parts of
     different kinds (not all widenable to Q8_0) each as their own layer (SplitLinear); a K-quant
     kind as KQuantLinear; Q5_0 as Q5Linear. Everywhere: Q4Linear where every part is Q4_1 (the
     file's bytes, split), Q8Linear where every part is Q8_0, Q5_0 or Q4_0 (their values exactly,
-    `_as_q8_0`), else int8 per row from the dequantized values (listed in `requantized`). pool: the
-    threads a matrix's chunks are converted on (`_by_rows`), where given."""
+    `_as_q8_0`), else int8 per row from the dequantized values (listed in `requantized`). workers:
+    the threads a matrix's chunks are converted on (`_by_rows`), where given."""
     kinds = {t.tensor_type.name for _, t in parts}
     N = sum(int(t.shape[1]) for _, t in parts)
     packed = N % 16 == 0 and kernels.packed_available()
     if len(kinds) > 1 and not kinds <= set(_AS_Q8) and not kinds & set(_FLOAT) and (
             kernels.packed_available() or kinds & set(_ROW_K_BLOCK)):
         # parts of different kinds (Q4_K_M's Q6_K v beside Q4_K q and k): each as it is stored
-        return SplitLinear([_quantized_layer(gf, [part], requantized, pool) for part in parts])
+        return SplitLinear([_quantized_layer(gf, [part], requantized, workers) for part in parts])
+
     def blocks() -> _Stacked:
-        return _Stacked([_blocks(gf, rest, t) for rest, t in parts], gf, pool)
+        return _Stacked([_blocks(gf, rest, t) for rest, t in parts], gf, workers)
 
     if len(kinds) == 1 and kinds <= set(_K_BLOCK) and packed:
         return _k_quant_layer(blocks(), kinds.pop())
@@ -628,7 +637,7 @@ def _quantized_layer(gf: GGUFFile, parts, requantized: list[str], pool: ThreadPo
     return Int8Linear.from_float(w)
 
 
-def _converted_weight(gf: GGUFFile, requantized: list[str], pool: ThreadPoolExecutor, parts):
+def _converted_weight(gf: GGUFFile, requantized: list[str], workers: _Workers, parts):
     """A weight from its parts [(GGUF short name, tensor)] as `quantized_model` holds it."""
     rest, t = parts[0]
     if len(t.shape) == 1:  # norms, and biases (q, k and v's concatenated)
@@ -638,7 +647,7 @@ def _converted_weight(gf: GGUFFile, requantized: list[str], pool: ThreadPoolExec
         kind in _K_BLOCK and int(t.shape[1]) % 16 == 0 and kernels.packed_available())
     if len(parts) == 1 and rest == "token_embd.weight" and not as_stored:
         return torch.from_numpy(_dequantize(gf, t).copy())  # a float table, gathered as it is
-    return _quantized_layer(gf, parts, requantized, pool)
+    return _quantized_layer(gf, parts, requantized, workers)
 
 
 def _parameter(t: torch.Tensor) -> torch.nn.Parameter:
@@ -656,7 +665,6 @@ def quantized_model(source: str | Path | GGUFFile, keep: Callable[[object], obje
     next is read; by default the weight itself. progress(n): after each weight, n the file's
     bytes it took."""
     gf = source if isinstance(source, GGUFFile) else open_gguf(source)
-    cfg = gf.config
     requantized: list[str] = []
 
     # A matrix's chunks on as many threads as torch's width, each op on one thread: ops
@@ -667,13 +675,20 @@ def quantized_model(source: str | Path | GGUFFile, keep: Callable[[object], obje
     torch.set_num_threads(1)
     try:
         with ThreadPoolExecutor(width) as pool:
-            convert = partial(_converted_weight, gf, requantized, pool)
+            convert = partial(_converted_weight, gf, requantized, _Workers(pool, width))
             for name, value, parts in _converted(gf, convert):
                 tensors[name] = value if keep is None else keep(value)
                 if progress is not None:
                     progress(sum(int(t.n_bytes) for _, t in parts))
     finally:
         torch.set_num_threads(width)
+    return gf, _assembled(gf, tensors), requantized
+
+
+def _assembled(gf: GGUFFile, tensors: dict[str, object]) -> Transformer:
+    """The model of `tensors` (our name -> a layer, or a norm's weight or a bias); LoadError where
+    the file left one of its tensors missing."""
+    cfg = gf.config
     with torch.device("meta"):
         model = Transformer(cfg, init=False)
     model.set_rope_tables()
@@ -702,4 +717,4 @@ def quantized_model(source: str | Path | GGUFFile, keep: Callable[[object], obje
     missing = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if id(t) in unset_ids]
     if missing:
         raise LoadError(f"{gf.path}: tensors missing from the file: {missing[:4]}")
-    return gf, model.eval(), requantized
+    return model.eval()
