@@ -1,6 +1,6 @@
 """A GGUF model in the kernels' layout, cached once and memory-mapped on every later run.
 
-Opening SmolLM2's GGUF costs ~1 s before any weight is read (gguf's reader parses the
+Opening SmolLM2's GGUF costs ~1.4 s before any weight is read (gguf's reader parses the
 tokenizer's 49,152 tokens and merges field by field), and the file's blocks still have to be
 split and repacked for the kernels. The first quantized load of a file therefore writes them, in
 the kernels' layout, to `~/.cache/arlm/models/<sha256 of the file>-<layout>/` (ARLM_CACHE moves
