@@ -41,7 +41,8 @@ def random_k_blocks(kind: str, rows: int, cols: int, seed: int) -> np.ndarray:
 def write_gguf(hf_model, path: Path, quantize: set[str] = frozenset(), kquant: dict[str, str] | None = None) -> Path:
     """`hf_model` (transformers, float32) as a GGUF file at `path`; matrices whose GGUF name
     ends with one of `quantize` stored as Q8_0 (the rest F32); those ending with a key of
-    `kquant` replaced by random blocks of its K-quant kind (`random_k_blocks`)."""
+    `kquant` stored in its type: a K-quant's replaced by random blocks (`random_k_blocks`), any
+    other type gguf quantizes to (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) quantized by gguf."""
     import gguf
 
     from arlm.tokenizer import _byte_decoder
@@ -85,8 +86,11 @@ def write_gguf(hf_model, path: Path, quantize: set[str] = frozenset(), kquant: d
     def add(name: str, a: np.ndarray) -> None:
         a = np.ascontiguousarray(a, dtype=np.float32)
         kind = next((k for suffix, k in (kquant or {}).items() if name.endswith(suffix)), None)
-        if a.ndim == 2 and kind is not None:
+        if a.ndim == 2 and kind is not None and kind.endswith("_K"):
             w.add_tensor(name, random_k_blocks(kind, *a.shape, seed=sum(map(ord, name))),
+                         raw_dtype=gguf.GGMLQuantizationType[kind])
+        elif a.ndim == 2 and kind is not None:
+            w.add_tensor(name, gguf.quants.quantize(a, gguf.GGMLQuantizationType[kind]),
                          raw_dtype=gguf.GGMLQuantizationType[kind])
         elif a.ndim == 2 and any(name.endswith(q) for q in quantize):
             w.add_tensor(name, gguf.quants.quantize(a, gguf.GGMLQuantizationType.Q8_0),

@@ -371,17 +371,22 @@ class Q4Linear(QuantizedLinear):
         layer._copy_bias(bias)
         return layer
 
+    # A Q4_0 file's matrix (loading.gguf): mins = -8 scale, which the packed layout does not store
+    # (its kernels take m = -8 d: the file's 4.5 bits a weight); the row layout holds them.
+    q4_0 = False
+
     def _pack(self, rows):
         wp, scale, mins = kernels.pack_q4(*rows)
-        if torch.equal(rows[2], (rows[1].float() * -8).half()):  # a Q4_0 file's: m = -8 d, not stored
-            mins = torch.empty(0, dtype=torch.float16)
-        return wp, scale, mins
+        return wp, scale, torch.empty(0, dtype=torch.float16) if self.q4_0 else mins
 
     def rows(self):
         if not self.packed:
             return self.tensors()
         w, scale, mins = kernels.unpack_packed_q4(*self.tensors())
-        return w, scale, mins if mins.numel() else (scale.float() * -8).half()
+        if mins.numel():
+            return w, scale, mins
+        self.q4_0 = True  # (one loaded packed, from the cache)
+        return w, scale, (scale.float() * -8).half()
 
     def dequantize_rows(self, index):
         T, K = len(index), self.in_features

