@@ -3,6 +3,7 @@
 #   build/llama.cpp/bin/llama-server   llama.cpp's own HTTP server (benchmarks/serve.py)
 #   build/llama.cpp/bin/llama-bench    its benchmark tool (benchmarks/shared.py), and llama-batched-bench
 #                                      (batched decode) and llama-perplexity (KL divergence)
+#   build/llama.cpp/bin/llama-quantize llama.cpp's quantizer (benchmarks/make_gguf.py)
 #   build/llama.cpp/bin/libllama.so    the library, used by the llama-cpp-python bindings
 #   llama-cpp-python in .venv          installed without compiling again (LLAMA_BUILD=OFF), loading
 #                                      the library above through LLAMA_CPP_LIB_PATH
@@ -20,7 +21,7 @@ fi
 cmake -S "$SRC/vendor/llama.cpp" -B build/llama.cpp -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON \
   -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
   -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON >/dev/null
-cmake --build build/llama.cpp --target llama-server llama-bench llama-batched-bench llama-perplexity llama -j "${JOBS:-2}"
+cmake --build build/llama.cpp --target llama-server llama-bench llama-batched-bench llama-perplexity llama-quantize llama -j "${JOBS:-2}"
 CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF" $PY -m pip install -q --no-deps "$SRC"
 $PY -m pip install -q diskcache  # a runtime import of llama_cpp
 echo "peers built: build/llama.cpp/bin/llama-server; llama_cpp (export LLAMA_CPP_LIB_PATH=$(pwd)/build/llama.cpp/bin)"
