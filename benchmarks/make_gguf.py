@@ -130,21 +130,28 @@ class Tensor:
     dtype: type = field(default=np.float16)
 
 
+def draw(name: str, dims: tuple[int, ...], seed: int, dtype=np.float16) -> np.ndarray:
+    """Tensor `name`'s random values, N(0, STD), as the HF checkpoint would hold them (the same
+    for a (seed, name) whatever the other tensors), drawn 64 MB of float32 at a time."""
+    rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
+    out = np.empty(dims, dtype)
+    flat = out.reshape(-1)
+    step = 1 << 24
+    for i in range(0, flat.size, step):
+        flat[i:i + step] = rng.standard_normal(min(step, flat.size - i), dtype=np.float32) * STD
+    return out
+
+
 def tensors(shape: Shape, seed: int) -> Iterator[Tensor]:
     """The file's tensors in order: matrices F16, norms, biases and RoPE factors F32 (the
     converter's types for `--outtype f16`)."""
 
     def random(name: str, dims: tuple[int, ...], dtype=np.float16) -> Tensor:
         def make() -> np.ndarray:
-            rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
-            out = np.empty(dims, dtype)
-            flat = out.reshape(-1)
-            step = 1 << 24  # (float32 scratch of 64 MB at a time)
-            for i in range(0, flat.size, step):
-                flat[i:i + step] = rng.standard_normal(min(step, flat.size - i), dtype=np.float32) * STD
+            w = draw(name, dims, seed, dtype)
             if shape.arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
-                out = permute_rope_rows(out, shape.n_head if "attn_q" in name else shape.n_kv_heads)
-            return out
+                w = permute_rope_rows(w, shape.n_head if "attn_q" in name else shape.n_kv_heads)
+            return w
         return Tensor(name, dims, make, dtype)
 
     def norm(name: str, dims: int) -> Tensor:
