@@ -46,15 +46,17 @@ print(llm.detokenize([llm.sample(temp=0.0)]).decode(errors="replace"))
 
 
 def timed(cmd: list[str], env: dict | None = None) -> tuple[float, int]:
-    """(wall seconds, peak RSS in MB) of one child process, which must succeed."""
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
-    _, status, usage = os.wait4(proc.pid, 0)
-    wall = time.perf_counter() - t0
-    err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed: {err[-500:]}")
-    return wall, usage.ru_maxrss // 1024
+    """(wall seconds, peak RSS in MB) of one child process, which must succeed. The peak is GNU
+    time's (%M, from its own small process): this process's wait4 would floor it at this
+    process's RSS (Linux carries a parent's high-water mark through fork and exec)."""
+    with tempfile.NamedTemporaryFile("r") as peak:
+        t0 = time.perf_counter()
+        proc = subprocess.run(["/usr/bin/time", "-f", "%M", "-o", peak.name, *cmd], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, env=env)
+        wall = time.perf_counter() - t0
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed: {proc.stderr.decode(errors='replace')[-500:]}")
+        return wall, int(peak.read().split()[-1]) // 1024
 
 
 def free_port() -> int:
