@@ -259,6 +259,13 @@ def write_f16(shape: Shape, path: Path, seed: int = 0) -> Path:
     return path
 
 
+def file_types() -> set[str]:
+    """The types this script makes: F16 and llama-quantize's (gguf's LlamaFileType names less MOSTLY_)."""
+    import gguf
+
+    return {n.removeprefix("MOSTLY_") for n in gguf.LlamaFileType.__members__} - {"ALL_F32", "GUESSED"}
+
+
 def quantize(binary: Path, f16: Path, out: Path, kind: str, threads: int) -> Path:
     """llama-quantize `f16` to `kind` at `out` (atomically)."""
     tmp = out.with_name(out.name + ".tmp")
@@ -301,9 +308,10 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     shapes, kinds = args.shapes.split(","), args.types.split(",")
-    unknown = [s for s in shapes if s not in SHAPES]
-    if unknown:
+    if unknown := [s for s in shapes if s not in SHAPES]:
         p.error(f"--shapes: unknown {', '.join(unknown)} (known: {', '.join(SHAPES)})")
+    if unknown := set(kinds) - file_types():
+        p.error(f"--types: unknown {', '.join(sorted(unknown))} (known: {', '.join(sorted(file_types()))})")
     if any(k != "F16" for k in kinds) and not args.llama_quantize.exists():
         p.error(f"{args.llama_quantize} is missing: benchmarks/build_peers.sh builds it")
     for name in shapes:

@@ -215,6 +215,8 @@ def main() -> int:
     shapes, kinds, parts = args.shapes.split(","), args.types.split(","), set(args.parts.split(","))
     if unknown := [s for s in shapes if s not in make_gguf.SHAPES]:
         p.error(f"--shapes: unknown {', '.join(unknown)}")
+    if unknown := set(kinds) - make_gguf.file_types():
+        p.error(f"--types: unknown {', '.join(sorted(unknown))}")
     if unknown := parts - set(PARTS):
         p.error(f"--parts: unknown {', '.join(sorted(unknown))} (known: {', '.join(PARTS)})")
     for tool in (BENCH, BATCHED, make_gguf.DEFAULT_QUANTIZE):
