@@ -7,7 +7,6 @@ before torch loads (`prefer_huge_pages`).
 
 from __future__ import annotations
 
-import importlib
 import os
 import sys
 
@@ -39,10 +38,19 @@ _EXPORTS = {
 __all__ = [*_EXPORTS, "__version__", "prefer_huge_pages"]
 
 
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'arlm' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value  # (looked up once)
-    return value
+def lazy_exports(package: str, exports: dict[str, str]):
+    """A package's PEP 562 `__getattr__`: each name of `exports` (name -> submodule) imported from
+    its submodule on first use, then kept in the package (looked up once). arlm, arlm.engine and
+    arlm.trace export so: what imports the package (`arlm --help`) pays for no torch."""
+    def __getattr__(name: str):
+        module = exports.get(name)
+        if module is None:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        # (__import__, not importlib.import_module: `python -X importtime` logs only the import statement's loads)
+        value = getattr(__import__(f"{package}.{module}", fromlist=[name]), name)
+        setattr(sys.modules[package], name, value)
+        return value
+    return __getattr__
+
+
+__getattr__ = lazy_exports(__name__, _EXPORTS)

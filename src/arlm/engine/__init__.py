@@ -17,6 +17,8 @@ defaults (`arlm trace --help`) without paying for it.
 
 from __future__ import annotations
 
+from .. import lazy_exports
+
 _EXPORTS = {
     "AsyncEngine": "async_engine", "EngineDead": "async_engine", "RequestFailed": "async_engine",
     "Engine": "engine", "EngineConfig": "engine", "RequestOutput": "engine",
@@ -28,11 +30,4 @@ __all__ = ["AsyncEngine", "Engine", "EngineConfig", "EngineDead", "FinishReason"
            "RequestFailed", "RequestOutput", "RequestStatus", "decode_step", "prefill"]
 
 
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    # (__import__, not importlib.import_module: `python -X importtime` logs only the import statement's loads)
-    value = getattr(__import__(f"{__name__}.{module}", fromlist=[name]), name)
-    globals()[name] = value  # (looked up once)
-    return value
+__getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -12,16 +12,11 @@ with it this package, without the tracer's torch.
 
 from __future__ import annotations
 
+from .. import lazy_exports
+
 _EXPORTS = {"Tracer": "tracer", "run_trace": "tracer", "machine_ceilings": "tracer", "measure_ceilings": "tracer"}
 
 __all__ = list(_EXPORTS)
 
 
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    # (__import__, not importlib.import_module: `python -X importtime` logs only the import statement's loads)
-    value = getattr(__import__(f"{__name__}.{module}", fromlist=[name]), name)
-    globals()[name] = value  # (looked up once)
-    return value
+__getattr__ = lazy_exports(__name__, _EXPORTS)
