@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/serve.py [--threads 2] [--clients 1,8,32] [--max-tokens 64]
                                          [--llama-server PATH] [--skip-engine] [--skip-http] [--json out.json]
+                                         [--model smollm2|PATH.gguf]
 
 1. Engine alone (no HTTP), in this process: the forward pass of one decode step over the paged KV
    pool (the flattened batch through block tables, as `arlm serve` runs it) against the same step
@@ -14,6 +15,8 @@
    requests one at a time. Then the same load against llama.cpp's server on the same GGUF
    (`llama-server -t THREADS -np 32 --cont-batching`) when its binary is found (--llama-server,
    PATH, or build/llama.cpp/bin/llama-server from `make bench-peers`); otherwise says it skipped.
+   --model: the HTTP part on another GGUF, e.g. benchmarks/make_gguf.py's 1B shape (the sizes users
+   run: issue 48), both servers on the same file.
 """
 
 from __future__ import annotations
@@ -269,6 +272,13 @@ def stop(proc: subprocess.Popen) -> None:
         proc.kill()
 
 
+def served_model(url: str) -> str:
+    """The model id a server lists first (/v1/models), for its requests."""
+    import httpx
+
+    return httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+
+
 def bench_http(args) -> dict:
     """Start the servers, then run each load level on each server in turn (arlm, llama.cpp, next
     level), so that the machine's changing load skews both alike."""
@@ -281,7 +291,7 @@ def bench_http(args) -> dict:
             port = free_port()
             env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false"}
             url = f"http://127.0.0.1:{port}"
-            servers["arlm"] = url, run_server([sys.executable, "-m", "arlm", "serve", "--model", "smollm2",
+            servers["arlm"] = url, run_server([sys.executable, "-m", "arlm", "serve", "--model", args.model,
                                                "--port", str(port), "--kv-cache-memory", "1GiB",
                                                "--quantize", args.quantize], env, url)
         binary = find_llama_server(args.llama_server) if args.servers in ("both", "llama.cpp") else None
@@ -294,14 +304,15 @@ def bench_http(args) -> dict:
             env = {**os.environ, "LD_LIBRARY_PATH": f"{Path(binary).parent}:{os.environ.get('LD_LIBRARY_PATH', '')}"}
             slots = max(clients)
             servers["llama.cpp"] = url, run_server(
-                [binary, "-m", str(resolve_model_path("smollm2")), "-t", str(args.threads), "-np", str(slots),
+                [binary, "-m", str(resolve_model_path(args.model)), "-t", str(args.threads), "-np", str(slots),
                  "--cont-batching", "-c", str(slots * 256), "--host", "127.0.0.1", "--port", str(port)], env, url)
         results: dict[str, dict] = {name: {} for name in servers}
+        ids = {name: served_model(url) for name, (url, _) in servers.items()}
         for name, (url, _) in servers.items():
-            asyncio.run(load(url, "smollm2", PROMPTS[:2], 8, concurrent=True))  # warm-up
+            asyncio.run(load(url, ids[name], PROMPTS[:2], 8, concurrent=True))  # warm-up
         for c in clients:
             for name, (url, _) in servers.items():
-                results[name][c] = run_level(url, "smollm2", c, args.max_tokens, not args.no_sequential)
+                results[name][c] = run_level(url, ids[name], c, args.max_tokens, not args.no_sequential)
     finally:
         for _, proc in servers.values():
             stop(proc)
@@ -332,6 +343,8 @@ def main() -> None:
                    help="KV cache and pool dtype of the engine-alone part (default: what arlm serve picks)")
     p.add_argument("--quantize", default="auto", choices=("auto", "int8", "q4"),
                    help="weights for the engine alone and for arlm serve (default: arlm serve's own default)")
+    p.add_argument("--model", default="smollm2",
+                   help="the HTTP part's model for both servers: a name or GGUF file (default: smollm2)")
     p.add_argument("--skip-engine", action="store_true")
     p.add_argument("--skip-http", action="store_true")
     p.add_argument("--json", default=None, help="also write the results here")

@@ -2,7 +2,8 @@
 
     LLAMA_CPP_LIB_PATH=build/llama.cpp/bin .venv/bin/python benchmarks/speculative.py \
         [--threads 2] [--repeats 3] [--max-tokens 128] [--clients 1,8,32] [--skip-llama-cpp] [--skip-http]
-        [--self-draft 10] [--batch 1,8] [--modes greedy,t=0.7] [--step-cost] [--json out.json]
+        [--self-draft 10] [--batch 1,8] [--modes greedy,t=0.7] [--step-cost [--step-cost-model M]]
+        [--json out.json]
 
 Two prompt sets, each sent through the model's chat template:
 (a) input-grounded: rewrite or correct a given paragraph, edit a given code snippet, answer by
@@ -174,7 +175,7 @@ def bench_step_cost(args) -> dict:
     from arlm.kv_cache import KVCache
     from arlm.llm import LLM
 
-    llm = LLM.load("smollm2")
+    llm = LLM.load(args.step_cost_model)
     native, cfg = llm.runner.native, llm.model.config
     cache = KVCache.pool(cfg, 32 * 16, 16, llm.kv_dtype)
     results: dict = {}
@@ -315,6 +316,9 @@ def main() -> None:
     p.add_argument("--skip-http", action="store_true")
     p.add_argument("--skip-in-process", action="store_true")
     p.add_argument("--step-cost", action="store_true", help="first, time one pass of 1..8 tokens per sequence")
+    p.add_argument("--step-cost-model", default="smollm2",
+                   help="--step-cost's model: a name or GGUF file, e.g. benchmarks/make_gguf.py's 1B shape "
+                        "(random weights: its cost, not its acceptance, means something) (default: smollm2)")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args()
     import torch

@@ -263,12 +263,14 @@ def test_a_damaged_cache_is_rebuilt(smollm2_path, direct, tmp_path, monkeypatch)
 
 @needs_packed
 @pytest.mark.parametrize("kind", ["q4", "q8", "int8"])
-def test_residual_activations_are_near_float(kind):
+@pytest.mark.parametrize("M", [9, 80])
+def test_residual_activations_are_near_float(kind, M):
     # 8 bits taken twice: x as 16 bits per group of 32 (step max|x| / 32512), split into two
     # bytes; the error against the float product is bounded by half that step per value, ~1/256
-    # of the single pass's; rows stay independent.
+    # of the single pass's; rows stay independent (M = 80: a chunk of 64 rows and one of 16, on
+    # the AMX tiles where the CPU has them: each row the bits VNNI gives it alone).
     g = torch.Generator().manual_seed(11)
-    x = torch.randn(9, 576, generator=g) * 3
+    x = torch.randn(M, 576, generator=g) * 3
     if kind == "q4":
         layer = Q4Linear.from_float(torch.randn(96, 576, generator=g))
     elif kind == "q8":
@@ -281,11 +283,11 @@ def test_residual_activations_are_near_float(kind):
     single = kernels.int8_linear_a8p(x, *layer.tensors()) if kind != "q4" else kernels.q4_linear_a8p(x, *layer.tensors())
     twice = kernels.linear_a8p_residual(x, *layer.tensors())
     e1, e2 = (single.double() - exact).abs().max().item(), (twice.double() - exact).abs().max().item()
-    step = x.view(9, -1, 32).abs().amax(-1).double() / 32512
+    step = x.view(M, -1, 32).abs().amax(-1).double() / 32512
     bound = ((step / 2).repeat_interleave(32, 1) @ dense.abs().T)
     assert ((twice.double() - exact).abs() <= bound * (1 + 1e-5) + 1e-6 * exact.abs().max().item()).all()
     assert e2 < e1 / 30, (e1, e2)
-    for i in range(9):
+    for i in range(M):
         assert torch.equal(kernels.linear_a8p_residual(x[i:i + 1], *layer.tensors())[0], twice[i])
     layer.residual_activations = True  # the layer's forward: the same op
     assert torch.equal(layer(x), twice)
@@ -487,14 +489,26 @@ def test_layouts_hold_about_the_files_bytes(kind):
 
 
 @needs_packed
+def test_prompt_rows_take_the_amx_tiles_where_the_cpu_has_them():
+    """So that the M = 37 and 80 cases above and below compare the two kernels on such a CPU
+    (ARLM_AMX=0 in the environment turns the tiles off)."""
+    from arlm.runtime import runtime
+
+    wanted = bool(runtime().cpu.get("amx_int8")) and os.environ.get("ARLM_AMX") != "0" \
+        and kernels._march() == "native"
+    assert kernels.amx_active() == wanted
+
+
+@needs_packed
 @pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q4_0"])
-@pytest.mark.parametrize("M", [1, 2, 3, 5, 9])
+@pytest.mark.parametrize("M", [1, 2, 3, 5, 9, 37])
 def test_k_quant_kernels_match_float64(kind, M):
     """The packed K-quant kernels (a8_linear.cpp) against float64 products of gguf's values: with
     one 8-bit pass, the quantized activations' product to float32 summation (1e-5 of the largest
     output); with 16-bit activations in two bytes (the default, int8x2), the float activations'
     product within 16 bits' rounding (2e-4). 3 blocks of 16 channels (a tile of two and one of
-    one), 2 super-blocks; each row's result is the one it gets alone."""
+    one), 2 super-blocks; each row's result is the one it gets alone (M = 37: two 16-row AMX tiles
+    and five rows of VNNI where the CPU has AMX, the same bits as one row by VNNI)."""
     import gguf
 
     N, S = 48, 2

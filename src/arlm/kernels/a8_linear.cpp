@@ -24,6 +24,7 @@
 #include "common.h"
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <memory>
@@ -91,6 +92,11 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* qx, float* dx, 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512DQ__) && \
     defined(__AVX2__) && defined(__FMA__)
 #define ARLM_AVX512 1  // the packed kernels below
+#endif
+#if defined(ARLM_AVX512) && defined(__AMX_INT8__) && defined(__AMX_TILE__)
+#define ARLM_AMX 1  // the tile kernel for prompt rows (amx_tile)
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 // sum_g a[g] * b[g], in an order that depends on n alone.
@@ -672,6 +678,167 @@ void half_sums(const int8_t* q, const int8_t* lo, int64_t M, int64_t K, int32_t*
     }
   });
 }
+
+// ---- AMX tiles: the prompt's rows 16 at a time (linear_a8p_residual) --------------------------
+//
+// On CPUs with AMX-INT8 one tile instruction (tdpbsud: signed bytes of x by unsigned weight bytes)
+// takes the integer dot products of 16 rows of x by 16 channels over a group, 16 x 8 vpdpbusd's
+// work. The packed layouts' weight vectors are already its B operand (16 channels x 4
+// consecutive K-values a 64-byte row): a group's B tile is the vectors load_q4 / load_q6 return,
+// stored (int8 and Q8_0: the packed bytes as they lie). Each group's int32 dot products are the
+// VNNI kernels', and the float work after them (convert, scale, accumulate in group order) is
+// x16p_block's and q6p_block's op for op: a row's result is bit for bit the same whichever kernel
+// ran it, so the number of rows (and so batching) still changes nothing. Rows past the last full
+// 16 go through those kernels.
+#ifdef ARLM_AMX
+
+// Linux grants the tile registers' state only to a process that asks (arch_prctl
+// ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA); asked once. ARLM_AMX=0 turns the tiles off.
+bool amx_ready() {
+  static const bool ready = [] {
+    const char* env = std::getenv("ARLM_AMX");
+    if (env && std::strcmp(env, "0") == 0) return false;
+    constexpr long kReqXcompPerm = 0x1023, kXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0;
+  }();
+  return ready;
+}
+
+// Tiles 0, 1: 16 rows of x's high and low bytes, kk K-values; 2, 3: B of two blocks of 16
+// channels (kk / 4 rows of 64 bytes); 4-7: their int32 products (hi b0, lo b0, hi b1, lo b1).
+void configure_tiles(int kk) {
+  struct alignas(64) {
+    uint8_t palette = 1, start_row = 0, reserved[14] = {};
+    uint16_t colsb[16] = {};
+    uint8_t rows[16] = {};
+  } cfg;
+  for (int t : {0, 1}) cfg.rows[t] = 16, cfg.colsb[t] = static_cast<uint16_t>(kk);
+  for (int t : {2, 3}) cfg.rows[t] = static_cast<uint8_t>(kk / 4), cfg.colsb[t] = 64;
+  for (int t = 4; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+  _tile_loadconfig(&cfg);
+}
+
+// One packed layer as linear_a8p_residual reads it, and x as 16 bits in two bytes.
+struct X16Layer {
+  Packed kind;
+  int64_t K, G, H, S, block;
+  const uint8_t* w;
+  const float* rs;  // int8: the scale per row
+  F16Scales fs;     // at the tile's first block (set per tile)
+  const uint8_t* ksc;
+  const at::Half* supers;
+  const int8_t *hi, *lo;
+  const float *e, *sx;
+  const int32_t *sums, *hs;
+};
+
+// Rows m0 .. m0 + R (R a multiple of 16) of the tile of nb blocks from block b0, into acc [R][nb*16].
+void amx_tile(const X16Layer& L, int64_t m0, int64_t R, int64_t b0, int64_t nb, float* acc) {
+  const int64_t K = L.K, G = L.G, ld = nb * kLanes;
+  const uint8_t* wt = L.w + b0 * L.block;
+  const bool q6 = L.kind == Packed::kQ6_K, k5 = L.kind == Packed::kQ5 || L.kind == Packed::kQ5_K;
+  const bool kq4 = L.kind == Packed::kQ4_K || L.kind == Packed::kQ5_K;
+  const bool q4 = kq4 || L.kind == Packed::kQ4_1 || L.kind == Packed::kQ4_0 || L.kind == Packed::kQ5;
+  alignas(64) uint8_t bt[2][8][64];   // a group's (Q6_K: a half group's) B tiles
+  alignas(64) int32_t c[4][16][16];   // their products with 16 rows
+  std::fill(acc, acc + R * ld, 0.f);
+  auto products = [&](int64_t k, const uint8_t* b0p, const uint8_t* b1p, int64_t stride, int64_t r) {
+    _tile_loadd(2, b0p, stride);
+    if (nb == 2) _tile_loadd(3, b1p, stride);
+    _tile_loadd(0, L.hi + (m0 + r) * K + k, K);
+    _tile_loadd(1, L.lo + (m0 + r) * K + k, K);
+    _tile_zero(4);
+    _tile_zero(5);
+    _tile_dpbsud(4, 0, 2);
+    _tile_dpbsud(5, 1, 2);
+    _tile_stored(4, c[0], 64);
+    _tile_stored(5, c[1], 64);
+    if (nb == 2) {
+      _tile_zero(6);
+      _tile_zero(7);
+      _tile_dpbsud(6, 0, 3);
+      _tile_dpbsud(7, 1, 3);
+      _tile_stored(6, c[2], 64);
+      _tile_stored(7, c[3], 64);
+    }
+  };
+  auto dot = [&](int b, int i) {
+    return _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(c[2 * b][i]), 8), _mm512_load_si512(c[2 * b + 1][i]));
+  };
+  if (q6) {
+    configure_tiles(16);
+    const int8_t* sc = reinterpret_cast<const int8_t*>(L.ksc) + b0 * L.H * kLanes;
+    const at::Half* dd = L.supers + b0 * L.S * kLanes;
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t h = 0; h < 2; ++h) {
+        const int64_t k = g * kGroup + 16 * h, s16 = 2 * g + h;
+        __m512 sv[2];
+        for (int64_t b = 0; b < nb; ++b) {
+          for (int64_t p = 0; p < 2; ++p) {
+            __m512i w0[1], w1[1];
+            load_q6<1>(wt + b * L.block, L.block, k + 8 * p, nullptr, w0, w1);
+            _mm512_store_si512(bt[b][2 * p], w0[0]);
+            _mm512_store_si512(bt[b][2 * p + 1], w1[0]);
+          }
+          const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dd + (b * L.S + g / 8) * kLanes)));
+          sv[b] = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                        _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + (b * L.H + s16) * kLanes)))));
+        }
+        for (int64_t r = 0; r < R; r += 16) {
+          products(k, bt[0][0], bt[1][0], 64, r);
+          for (int i = 0; i < 16; ++i) {
+            const int64_t m = m0 + r + i;
+            const __m512 ei = _mm512_set1_ps(L.e[m * G + g]);
+            const __m512i corr = _mm512_set1_epi32(32 * L.hs[m * L.H + s16]);
+            for (int64_t b = 0; b < nb; ++b) {
+              float* a = acc + (r + i) * ld + b * kLanes;
+              const __m512i d = _mm512_sub_epi32(dot(b, i), corr);
+              _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(sv[b], ei), _mm512_loadu_ps(a)));
+            }
+          }
+        }
+      }
+    return;
+  }
+  configure_tiles(kGroup);
+  const KScales ks{L.ksc + b0 * G * 2 * kLanes, L.supers + b0 * L.S * 2 * kLanes, G};
+  for (int64_t g = 0; g < G; ++g) {
+    const int64_t k = g * kGroup;
+    __m512 ds[2], ms[2];
+    const uint8_t *b0p = bt[0][0], *b1p = bt[1][0];
+    for (int64_t b = 0; b < nb; ++b) {
+      if (kq4) ks.at(b, g, ds[b], ms[b]);
+      else L.fs.at(b, g, ds[b], ms[b]);
+      if (!q4) continue;
+      for (int64_t p = 0; p < kGroup / 8; ++p) {
+        __m512i w0[1], w1[1];
+        if (k5) load_q4<1, true>(wt + b * L.block, L.block, k + 8 * p, nullptr, w0, w1);
+        else load_q4<1>(wt + b * L.block, L.block, k + 8 * p, nullptr, w0, w1);
+        _mm512_store_si512(bt[b][2 * p], w0[0]);
+        _mm512_store_si512(bt[b][2 * p + 1], w1[0]);
+      }
+    }
+    if (!q4) b0p = wt + k * kLanes, b1p = b0p + L.block;  // int8 / Q8_0: the packed bytes are the tile
+    const bool scaled = kq4 || L.fs.scaled();
+    for (int64_t r = 0; r < R; r += 16) {
+      products(k, b0p, b1p, 64, r);
+      for (int i = 0; i < 16; ++i) {
+        const int64_t m = m0 + r + i;
+        const __m512 ei = _mm512_set1_ps(L.e[m * G + g]);
+        const __m512i offset = _mm512_set1_epi32(q4 ? 0 : 128 * L.sums[m * G + g]);
+        for (int64_t b = 0; b < nb; ++b) {
+          float* a = acc + (r + i) * ld + b * kLanes;
+          __m512i d = dot(b, i);
+          if (!q4) d = _mm512_sub_epi32(d, offset);
+          __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), scaled ? _mm512_mul_ps(ds[b], ei) : ei, _mm512_loadu_ps(a));
+          if (q4) v = _mm512_fmadd_ps(ms[b], _mm512_set1_ps(L.sx[m * G + g]), v);
+          _mm512_storeu_ps(a, v);
+        }
+      }
+    }
+  }
+}
+#endif  // ARLM_AMX
 }  // namespace
 
 at::Tensor q4_linear_a8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, const at::Tensor& mins) {
@@ -938,17 +1105,41 @@ void arlm_kernels::linear_a8p_residual(const float* x, int64_t M, int64_t K, con
   // K = 576, 197 KB at 1,536) stay in L2 across the tiles, where all M rows would be read again
   // from L3 for every tile. A row's products do not depend on the chunking.
   constexpr int64_t kChunkRows = 64;
+#ifdef ARLM_AMX
+  const bool amx = M >= 16 && amx_ready();
+  const X16Layer layer{kind, K, G, H, S, block, wpp, rs, {}, static_cast<const uint8_t*>(kscale), supers, hi, lo, e,
+                       sx, sp, halves.data()};
+#endif
   at::parallel_for(0, (NB + 1) / 2, 4, [&](int64_t t0, int64_t t1) {
     float out[kBlockRows * 2 * kLanes];
+#ifdef ARLM_AMX
+    alignas(64) float tiled[kChunkRows * 2 * kLanes];  // amx_tile's rows of the chunk
+    X16Layer L = layer;
+#endif
     for (int64_t c0 = 0; c0 < M; c0 += kChunkRows)
       for (int64_t t = t0; t < t1; ++t) {  // a tile: 2 blocks of 16 channels (1 at the end)
         const int64_t b0 = 2 * t, nb = std::min<int64_t>(2, NB - b0);
         const uint8_t* wt = wpp + b0 * block;
         const uint8_t* next = t + 1 < t1 ? wt + 2 * block : nullptr;  // prefetched during the first rows
         const F16Scales fs{dp ? dp + b0 * G * kLanes : nullptr, mp ? mp + b0 * G * kLanes : nullptr, G, m_per_d};
-        row_blocks(std::min(kChunkRows, M - c0), [&](auto mb, int64_t r) {
+        int64_t done = 0;  // the chunk's rows the tiles took
+#ifdef ARLM_AMX
+        if (amx) {
+          done = std::min(kChunkRows, M - c0) / 16 * 16;
+          L.fs = fs;
+          if (done) amx_tile(L, c0, done, b0, nb, tiled);
+          for (int64_t i = 0; i < done; ++i)
+            for (int64_t b = 0; b < nb; ++b) {
+              __m512 v = _mm512_load_ps(tiled + (i * nb + b) * kLanes);
+              if (rs) v = _mm512_mul_ps(v, _mm512_loadu_ps(rs + (b0 + b) * kLanes));
+              float* yr = y + (c0 + i) * ldy + (b0 + b) * kLanes;
+              _mm512_storeu_ps(yr, accumulate ? _mm512_add_ps(_mm512_loadu_ps(yr), v) : v);
+            }
+        }
+#endif
+        row_blocks(std::min(kChunkRows, M - c0) - done, [&](auto mb, int64_t r) {
           constexpr int MB = decltype(mb)::value;
-          const int64_t m = c0 + r;
+          const int64_t m = c0 + done + r;
           const uint8_t* pf = r == 0 ? next : nullptr;
           const int8_t *h = hi + m * K, *l = lo + m * K;
           const float *em = e + m * G, *sm = sx + m * G;
@@ -1030,6 +1221,15 @@ at::Tensor kquant_linear_a8p(const at::Tensor& x, const at::Tensor& wp, const at
   return y;
 }
 
+// Whether prompt rows go through the AMX tiles here (amx_tile): built with AMX-INT8 and granted by Linux.
+bool amx_active() {
+#ifdef ARLM_AMX
+  return amx_ready();
+#else
+  return false;
+#endif
+}
+
 bool packed_a8_available() {
 #ifdef ARLM_AVX512
   return true;
@@ -1063,6 +1263,7 @@ TORCH_LIBRARY_FRAGMENT(arlm, m) {
   m.def("q4_linear_a8p(Tensor x, Tensor wp, Tensor scale, Tensor mins) -> Tensor");
   m.def("kquant_linear_a8p(Tensor x, Tensor wp, Tensor scale, Tensor supers) -> Tensor");
   m.def("packed_a8_available() -> bool", &packed_a8_available);
+  m.def("amx_active() -> bool", &amx_active);
 }
 
 TORCH_LIBRARY_IMPL(arlm, CPU, m) {
