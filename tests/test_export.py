@@ -123,6 +123,21 @@ def test_checkpoint_to_hf_gives_transformers_the_same_logits(name, bpe_tokenizer
     torch.testing.assert_close(logits(hf, ids), want, atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("kind, dtype", [("bf16", torch.bfloat16), ("f16", torch.float16)])
+def test_hf_half_types(kind, dtype, bpe_tokenizer, tmp_path, capfd):
+    """`--to hf --type bf16|f16`: the weights rounded to that dtype, nothing else changed
+    (transformers upcasting them gives arlm's logits on the same rounded weights)."""
+    model = write_tiny_checkpoint(tmp_path / "ckpt", "qwen3", bpe_tokenizer, 320)
+    assert run_arlm(capfd, "export", str(tmp_path / "ckpt"), "--to", "hf", str(tmp_path / "hf"),
+                    "--type", kind).returncode == 0
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["torch_dtype"] == str(dtype).removeprefix("torch.")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.to(dtype).float())
+    ids = fresh_ids(model.config.vocab_size, 321)
+    torch.testing.assert_close(logits(transformers_model(tmp_path / "hf"), ids), logits(model, ids), atol=ATOL, rtol=0)
+
+
 @pytest.mark.parametrize("kind", ["qwen2", "qwen3", "llama3", "gemma3"])
 def test_hf_families_round_trip(kind, tmp_path):
     """A model transformers built (qwen2, qwen3, Llama 3's scaled RoPE, Gemma 3 with its sliding
@@ -340,6 +355,7 @@ def test_llama_cpp_runs_the_exported_smollm2(smollm2_gguf, monkeypatch):
     assert llama_cpp_greedy(module, f16.path, prompt) == f16.greedy
 
 
+@pytest.mark.slow  # (~12 s on 2 busy cores: llama.cpp's start and two engines)
 def test_llama_cpp_runs_an_exported_checkpoint(bpe_tokenizer, tmp_path, monkeypatch, capfd):
     """(d) The same for a from-scratch Llama checkpoint with GQA and its trained BPE vocabulary;
     the tokens are also the checkpoint's own (arlm on the file and llama.cpp agree on any file

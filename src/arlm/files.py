@@ -2,8 +2,8 @@
 
 Each write goes to a temp file beside its target, is flushed to disk, renamed over the target,
 and the directory flushed so that the rename itself survives a crash. Checkpoints
-(loading/checkpoint.py, train/checkpoints.py), prepared data (train/data.py) and logits files
-(perplexity.py) are written this way.
+(loading/checkpoint.py, train/checkpoints.py), prepared data (train/data.py), logits files
+(perplexity.py) and exports (arlm.export: a GGUF file, an HF directory) are written this way.
 """
 
 from __future__ import annotations

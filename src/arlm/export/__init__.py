@@ -78,6 +78,8 @@ def export_loaded(loaded, to: str, out: str | Path, kind: str | None = None) -> 
     from .family import gguf_architecture, hf_model_type
 
     kind = _check_type(to, kind)
+    if loaded.quantized:
+        raise ExportError("export takes a model loaded as floats (load_model(spec), not quantized=True)")
     out = Path(out)
     check_output(out, to)
     model, config = loaded.model, loaded.config

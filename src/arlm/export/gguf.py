@@ -12,6 +12,7 @@ each tensor's data): memory holds the model and one converted tensor, not a seco
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -51,8 +52,6 @@ def byte_level_vocab(tokenizer: Tokenizer | None, vocab_size: int) -> Vocab:
     or has no `tokenizer.ggml.pre` name arlm knows."""
     if tokenizer is None:
         raise ExportError("cannot export to GGUF: the model has no tokenizer (llama.cpp needs one in the file)")
-    import json
-
     data = json.loads(tokenizer.backend.to_str())
     model, decoder = data["model"], data.get("decoder") or {}
     if model.get("type") != "BPE" or decoder.get("type") != "ByteLevel":
@@ -99,6 +98,8 @@ def rope_divisors(c: ModelConfig) -> np.ndarray:
 def _tensors(model: torch.nn.Module, arch: str, matrix_type: str) -> Iterator[Tensor]:
     """The file's tensors in the converter's order (rope_freqs, token_embd, each layer, output_norm,
     output), each made from our weights when written."""
+    import gguf
+
     c = model.config
     state = model.state_dict()
 
@@ -108,7 +109,7 @@ def _tensors(model: torch.nn.Module, arch: str, matrix_type: str) -> Iterator[Te
             return permute_rope_rows(a, permute_heads) if permute_heads else a
         # norms, biases 1-D: F32; a matrix in the file's type, F16 where its rows do not split into blocks
         qtype = "F32" if w.ndim == 1 else matrix_type
-        if qtype not in ("F32", "F16") and w.shape[-1] % 32:
+        if w.shape[-1] % gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]][0]:
             qtype = "F16"
         return Tensor(name, tuple(w.shape), make, qtype)
 
