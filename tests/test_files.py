@@ -15,6 +15,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
+from safetensors.torch import save_file
 
 from arlm.cli import main
 from arlm.files import atomic_write, atomic_write_text
@@ -119,8 +121,10 @@ def test_atomic_write_respects_the_umask(tmp_path, umask, mode):
     try:
         atomic_write_text(tmp_path / "a.json", "{}")
         atomic_write(tmp_path / "b.bin", lambda tmp: np.arange(4, dtype=np.uint16).tofile(tmp))
+        # (a writer that makes its own file: safetensors' is 0600 whatever the umask)
+        atomic_write(tmp_path / "c.safetensors", lambda tmp: save_file({"w": torch.zeros(2)}, tmp))
         prepare([write(tmp_path / "a.txt", SMALL)], tmp_path / "data", tokenizer="char")
     finally:
         os.umask(old)
-    written = [tmp_path / "a.json", tmp_path / "b.bin", *(tmp_path / "data").iterdir()]
+    written = [tmp_path / "a.json", tmp_path / "b.bin", tmp_path / "c.safetensors", *(tmp_path / "data").iterdir()]
     assert {f.name: oct(stat.S_IMODE(f.stat().st_mode)) for f in written} == {f.name: oct(mode) for f in written}

@@ -328,9 +328,38 @@ def add_perplexity(sub) -> None:
     p.set_defaults(func=cmd_perplexity)
 
 
+# -- arlm export -----------------------------------------------------------------------------------
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from .export import FORMATS, export_model  # (imports torch once it loads the model)
+
+    if args.type is not None and args.type not in FORMATS[args.to]:
+        raise UsageError(f"arlm export: error: --type {args.type} does not apply to --to {args.to} "
+                         f"(it takes {', '.join(FORMATS[args.to])})")
+    print(export_model(args.model, args.to, args.out, args.type).summary())
+    return 0
+
+
+def add_export(sub) -> None:
+    from .export import CANNOT_EXPRESS, FORMATS
+
+    p = sub.add_parser("export", help="write a model as an HF transformers directory or a llama.cpp GGUF file",
+                       description="Write a model as an HF transformers directory (config.json, model.safetensors, "
+                                   "tokenizer and chat template) or a GGUF file llama.cpp runs. "
+                                   + " ".join(f"{line}." for line in CANNOT_EXPRESS.values()))
+    p.add_argument("model", metavar="MODEL",
+                   help="an arlm checkpoint directory, or anything --model takes (smollm2, a .gguf, an HF directory)")
+    p.add_argument("--to", required=True, choices=tuple(FORMATS), help="hf: a directory; gguf: a file")
+    p.add_argument("out", metavar="OUT", help="the directory (hf; must not exist or be empty) or file (gguf) to write")
+    p.add_argument("--type", default=None, choices=sorted({t for ts in FORMATS.values() for t in ts}),
+                   help="; ".join(f"{to}: {', '.join(ts)} (default {ts[0]})" for to, ts in FORMATS.items()))
+    p.set_defaults(func=cmd_export)
+
+
 # -- entry point -----------------------------------------------------------------------------------
 
-SUBCOMMANDS: list[Callable] = [add_generate, add_embed, add_chat, add_perplexity, add_trace, add_prepare, add_train, add_serve]
+SUBCOMMANDS: list[Callable] = [add_generate, add_embed, add_chat, add_perplexity, add_trace, add_prepare, add_train, add_serve,
+                               add_export]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -345,7 +374,7 @@ def build_parser() -> argparse.ArgumentParser:
 # Commands whose process may end without the interpreter's teardown: torch's takes ~0.5 s, a
 # quarter of `arlm generate`'s start-to-finish, and these hold nothing that needs it (their
 # output is flushed, their files written and closed before they return).
-QUICK_EXIT = {"generate", "embed", "chat", "perplexity", "trace"}
+QUICK_EXIT = {"generate", "embed", "chat", "perplexity", "trace", "export"}
 
 
 def entry() -> None:

@@ -2,8 +2,8 @@
 
 Each write goes to a temp file beside its target, is flushed to disk, renamed over the target,
 and the directory flushed so that the rename itself survives a crash. Checkpoints
-(loading/checkpoint.py, train/checkpoints.py), prepared data (train/data.py) and logits files
-(perplexity.py) are written this way.
+(loading/checkpoint.py, train/checkpoints.py), prepared data (train/data.py), logits files
+(perplexity.py) and exports (arlm.export: a GGUF file, an HF directory) are written this way.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import re
 import secrets
+import shutil
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -48,14 +49,38 @@ def atomic_write(path: str | Path, write: Callable[[str], None]) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = create_tmp(path)
+    mode = os.stat(tmp).st_mode
     try:
         write(tmp)
+        if os.stat(tmp).st_mode != mode:  # a writer that made its own file (safetensors' save_file: 0600)
+            os.chmod(tmp, mode)
         with open(tmp, "rb+") as fh:
             os.fsync(fh.fileno())
         replace_durably(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
+        raise
+
+
+def atomic_directory(path: str | Path, write: Callable[[Path], None]) -> None:
+    """Call write(tmp_dir) on a new directory beside `path`, then rename it to `path`: readers see
+    no directory there or the whole one. `path` must not exist or be an empty directory (a rename
+    replaces nothing more); `write` fsyncs its files (atomic_write does). On failure nothing is
+    left."""
+    path = Path(path)
+    while True:
+        tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+        try:
+            tmp.mkdir()
+            break
+        except FileExistsError:
+            continue
+    try:
+        write(tmp)
+        replace_durably(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
         raise
 
 

@@ -228,6 +228,30 @@ def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
     raise TokenizerError(f"unsupported GGUF pre-tokenizer {pre!r}")
 
 
+# One `tokenizer.ggml.pre` name for each split `_pre_tokenizer` builds (the name llama.cpp's
+# converter writes for it), for writing a GGUF vocabulary (arlm.export).
+GGUF_PRE_NAMES = ("gpt-2", "smollm", "llama-bpe", "qwen2")
+
+
+def _without_offsets(pre: dict) -> dict:
+    """A pre-tokenizer's JSON less `trim_offsets` (it changes offsets, not ids)."""
+    if "pretokenizers" in pre:
+        return {**pre, "pretokenizers": [_without_offsets(p) for p in pre["pretokenizers"]]}
+    return {k: v for k, v in pre.items() if k != "trim_offsets"}
+
+
+def gguf_pre_name(tokenizer: Tokenizer) -> str | None:
+    """The `tokenizer.ggml.pre` name of a byte-level BPE tokenizer's split (`from_gguf_fields`'s
+    inverse), or None where its pre-tokenizer is none of `GGUF_PRE_NAMES`."""
+    pre = json.loads(tokenizer.backend.to_str()).get("pre_tokenizer")
+    if pre is None:
+        return None
+    for name in GGUF_PRE_NAMES:
+        if _without_offsets(json.loads(_pre_tokenizer(name).__getstate__())) == _without_offsets(pre):
+            return name
+    return None
+
+
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text pieces, each valid UTF-8.
 

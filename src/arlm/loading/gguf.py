@@ -87,6 +87,13 @@ def unpermute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def permute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's convert-time permutation of attn_q/attn_k rows (`unpermute_rope_rows`'s
+    inverse): each head's rows i and i + d/2 become rows 2i and 2i + 1 (arlm.export writes so)."""
+    rows = w.shape[0]
+    return w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
 def _field(reader, key: str, default=None):
     f = reader.fields.get(key)
     return default if f is None else f.contents()
