@@ -296,14 +296,16 @@ def test_chat_template_file_replaces_the_models(tmp_path, capsys):
 # -- acceptance: SmolLM2 learns a reply format -----------------------------------------------------
 
 HELD_OUT = ["What is the capital of England?", "How many wheels does a bicycle have?", "What color is grass?",
-            "Which animal says meow?"]
+            "Which animal says meow?", "What is the capital of Norway?", "How many legs does a dog have?",
+            "What do birds lay?", "Which planet do we live on?"]
 
 
 @pytest.mark.slow
 def test_finetuned_smollm2_answers_in_the_learned_format(tmp_path, capsys):
     """Every reply in the example set is "ANSWER: <word>."; SmolLM2-135M-Instruct never answers
-    so. After a few steps on it, its greedy replies to questions it never saw follow the format,
-    through `arlm chat`'s path (the checkpoint's template, the engine, the stop token)."""
+    so. After four steps of two rows (~20 conversations) its greedy replies to questions it never
+    saw follow the format and stop there, through `arlm chat`'s path (the checkpoint's template,
+    the engine, the end-of-turn token); the training loss is ~0.15 by then, from ~4.5."""
     from arlm.llm import LLM
     from arlm.sampling import SamplingParams
 
@@ -311,10 +313,12 @@ def test_finetuned_smollm2_answers_in_the_learned_format(tmp_path, capsys):
                       "--out", str(tmp_path / "data")]) == 0
     assert not any(q in EXAMPLE.read_text() for q in HELD_OUT)
     train(TrainConfig(data_dir=str(tmp_path / "data"), out_dir=str(tmp_path / "run"), init_from="smollm2",
-                      context_length=128, batch_size=3, max_steps=5, warmup_steps=1, lr=1.5e-4, min_lr=1.5e-5,
+                      context_length=128, batch_size=2, max_steps=4, warmup_steps=1, lr=2e-4, min_lr=2e-5,
                       weight_decay=0.0, eval_interval=0, eval_batches=1, log_interval=1, progress=False, plot=False,
                       dtype="float32"))
-    llm = LLM.load(str(tmp_path / "run" / "latest"), quantize=None)
-    prompts = [llm.apply_chat_template([{"role": "user", "content": q}]) for q in HELD_OUT]
-    replies = [c.text for c in llm.generate(prompts, SamplingParams(max_new_tokens=16, temperature=0))]
-    assert all(re.fullmatch(r"ANSWER: [\w-]+\.", r) for r in replies), replies
+    greedy = SamplingParams(max_new_tokens=16, temperature=0)
+    tuned, base = LLM.load(str(tmp_path / "run" / "latest"), quantize=None), LLM.load("smollm2")
+    for llm, follows in ((tuned, True), (base, False)):
+        prompts = [llm.apply_chat_template([{"role": "user", "content": q}]) for q in HELD_OUT]
+        replies = [c.text for c in llm.generate(prompts, greedy)]
+        assert [bool(re.fullmatch(r"ANSWER: [\w-]+\.", r)) for r in replies] == [follows] * len(HELD_OUT), replies
