@@ -100,8 +100,11 @@ class ChatEncoder:
     template: str
     tokenizer: Tokenizer
 
+    def __post_init__(self) -> None:
+        self.specials = template_tokens(self.tokenizer)  # bos_token, eos_token: as `arlm chat` renders
+
     def render(self, messages: list[dict], add_generation_prompt: bool) -> str:
-        return render_chat(self.template, messages, add_generation_prompt, **template_tokens(self.tokenizer))
+        return render_chat(self.template, messages, add_generation_prompt, **self.specials)
 
     def encode(self, conv: Conversation) -> EncodedConversation:
         turns = [i for i, m in enumerate(conv.messages) if m["role"] == "assistant" and i >= conv.learn_from]
@@ -118,7 +121,7 @@ class ChatEncoder:
         learned = np.zeros(len(ids), dtype=bool)
         stops = np.asarray(tok.eos_ids, dtype=np.int64)
         for n, i in enumerate(turns):
-            head, through = (bos + encoded[1 + 2 * n], bos + encoded[2 + 2 * n])
+            head, through = bos + encoded[1 + 2 * n], bos + encoded[2 + 2 * n]
             if not (through[: len(head)] == head and ids[: len(through)].tolist() == through):
                 raise BadConversation(f"the chat template and tokenizer do not render this conversation prefix by "
                                       f"prefix (at message {i + 1}), so its assistant turn cannot be told apart")
