@@ -19,7 +19,8 @@ __all__ = ["TrainConfig", "load_config", "lr_at", "prepare", "prepare_chat", "To
            "TrainResult", "next_token_loss"]
 
 _WHERE = {"TrainConfig": "config", "load_config": "config", "lr_at": "config", "prepare": "data",
-          "prepare_chat": "data", "TokenData": "data", "ChatData": "data", "train": "trainer", "TrainResult": "trainer", "next_token_loss": "trainer"}
+          "prepare_chat": "data", "TokenData": "data", "ChatData": "data", "train": "trainer",
+          "TrainResult": "trainer", "next_token_loss": "trainer"}
 
 
 def __getattr__(name: str) -> Any:
