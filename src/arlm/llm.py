@@ -9,6 +9,7 @@ own whose prefix cache holds the earlier turns, so each turn prefills only what 
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from dataclasses import dataclass, field
@@ -38,9 +39,11 @@ class PromptError(ValueError):
     """A prompt or message list the model cannot take (empty, too long)."""
 
 
-def render_chat(template: str, messages: list[dict], add_generation_prompt: bool = True,
-                **extra: object) -> str:
-    """Render a Jinja2 chat template the way HF transformers does (sandboxed, trimmed blocks)."""
+@functools.lru_cache(maxsize=8)
+def compile_chat_template(template: str):
+    """A Jinja2 chat template compiled as HF transformers does (sandboxed, trimmed blocks); kept,
+    since compiling costs ~100x a render (`arlm prepare --chat` renders each conversation
+    prefix by prefix)."""
     from jinja2 import TemplateError  # (~70 ms, only where a chat template is rendered)
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -56,8 +59,25 @@ def render_chat(template: str, messages: list[dict], add_generation_prompt: bool
     env.globals["raise_exception"] = raise_exception
     env.filters["tojson"] = tojson
     try:
-        return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                                **extra)
+        return env.from_string(template)
+    except TemplateError as e:
+        raise PromptError(f"chat template failed: {e}") from None
+
+
+def template_tokens(tokenizer: Tokenizer) -> dict[str, str]:
+    """The special tokens chat templates read (HF's `bos_token`, `eos_token`), as text."""
+    return {"bos_token": tokenizer.decode([tokenizer.bos_id]) if tokenizer.bos_id is not None else "",
+            "eos_token": tokenizer.decode([tokenizer.eos_id]) if tokenizer.eos_id is not None else ""}
+
+
+def render_chat(template: str, messages: list[dict], add_generation_prompt: bool = True,
+                **extra: object) -> str:
+    """Render a Jinja2 chat template the way HF transformers does (sandboxed, trimmed blocks)."""
+    from jinja2 import TemplateError
+
+    compiled = compile_chat_template(template)
+    try:
+        return compiled.render(messages=messages, add_generation_prompt=add_generation_prompt, **extra)
     except TemplateError as e:
         raise PromptError(f"chat template failed: {e}") from None
 
@@ -504,10 +524,8 @@ class LLM:
         if not self.chat_template:
             raise PromptError(f"model {self.loaded.name} has no chat template: give one with --chat-template "
                               "FILE|TEMPLATE (LLM.chat_template in Python)")
-        tok = self.tokenizer
-        special = {"bos_token": tok.decode([tok.bos_id]) if tok.bos_id is not None else "",
-                   "eos_token": tok.decode([tok.eos_id]) if tok.eos_id is not None else ""}
-        return render_chat(self.chat_template, messages, add_generation_prompt, **special, **extra)
+        return render_chat(self.chat_template, messages, add_generation_prompt, **template_tokens(self.tokenizer),
+                           **extra)
 
     def prompt_ids(self, prompts: str | list[str] | list[list[int]]) -> list[list[int]]:
         """Token ids of each prompt: a str (one prompt), or a list of prompts, each a str or a list

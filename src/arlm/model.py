@@ -323,7 +323,8 @@ class Transformer(nn.Module):
     def forward(self, idx: torch.Tensor, input_pos: torch.Tensor | None = None,
                 kv_cache: KVCache | None = None, kv_len: int | None = None,
                 output_index: torch.Tensor | None = None, dense: bool = False,
-                hidden_index: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                hidden_index: torch.Tensor | None = None,
+                doc_ids: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Logits for token ids `idx` [B, T].
 
         input_pos: [B, T] position of each token in its row (default 0 .. T-1 for every row).
@@ -338,6 +339,9 @@ class Transformer(nn.Module):
             engine's prompt tokens on the bf16 / float32 matrix paths).
         hidden_index: [K] positions of a one-row batch whose final normed hidden states [K, d_model]
             (float32) come back too, as (logits, hidden) (embedding requests: arlm.engine).
+        doc_ids: [B, T] the document each token belongs to, without a cache (training rows that
+            pack several conversations): a token attends only to its own document's tokens at
+            positions <= its own, so `input_pos` must count from 0 within each document.
         Returns [B, T, vocab] float logits, or [B, vocab] with output_index.
         """
         B, T = idx.shape
@@ -364,6 +368,7 @@ class Transformer(nn.Module):
         # Which earlier positions each query reads: None is plain causal attention within the
         # sequence (no cache); a cache's slots up to each query's position; a sliding layer's
         # only its last `sliding_window` positions, itself included.
+        # A packed row's documents add a block-diagonal mask: each query reads its own document only.
         mask = local_mask = None
         if kv_cache is not None and not kv_cache.paged:
             kv_len = kv_cache.capacity if kv_len is None else kv_len
@@ -371,9 +376,14 @@ class Transformer(nn.Module):
             mask = (slots <= input_pos[:, :, None]).unsqueeze(1)  # [B, 1, T, kv_len]
             if cfg.sliding_window:
                 local_mask = mask & (slots > input_pos[:, :, None] - cfg.sliding_window).unsqueeze(1)
-        elif kv_cache is None and cfg.sliding_window:
+        elif kv_cache is None and (cfg.sliding_window or doc_ids is not None):
             pos = input_pos[:, :, None]
-            local_mask = ((input_pos[:, None, :] <= pos) & (input_pos[:, None, :] > pos - cfg.sliding_window)).unsqueeze(1)
+            visible = input_pos[:, None, :] <= pos  # [B, T, T]: key position <= query position
+            if doc_ids is not None:
+                visible = visible & (doc_ids[:, None, :] == doc_ids[:, :, None])
+                mask = visible.unsqueeze(1)
+            if cfg.sliding_window:
+                local_mask = (visible & (input_pos[:, None, :] > pos - cfg.sliding_window)).unsqueeze(1)
 
         for i, block in enumerate(self.blocks):
             sliding = cfg.sliding(i)

@@ -14,7 +14,7 @@ import sys
 import typing
 from pathlib import Path
 
-from ..cli_common import UsageError
+from ..cli_common import UsageError, positive_int, read_chat_template
 from ..config import ConfigError
 from .config import TrainConfig, load_config, parse_value
 
@@ -28,11 +28,40 @@ def _slug(tokenizer: str) -> str:
 def cmd_prepare(args: argparse.Namespace) -> int:
     from .data import default_corpus, prepare  # (imports torch and tokenizers: cli_common's doc)
 
+    if args.chat:
+        return prepare_chat_files(args)
+    for flag in ("chat_template", "context_length", "skip_bad"):
+        if getattr(args, flag):
+            raise UsageError(f"arlm prepare: error: --{flag.replace('_', '-')} applies with --chat")
     inputs = args.inputs or [default_corpus()]
     out = args.out or f"out/data/{Path(inputs[0]).stem}_{_slug(args.tokenizer)}"
     meta = prepare(inputs, out, tokenizer=args.tokenizer, vocab_size=args.vocab_size, val_fraction=args.val_fraction)
     print(f"wrote {out}: {meta['train_tokens']:,} train + {meta['val_tokens']:,} val tokens, "
           f"vocabulary {meta['vocab_size']:,} ({args.tokenizer} tokenizer)")
+    return 0
+
+
+def prepare_chat_files(args: argparse.Namespace) -> int:
+    from .data import prepare_chat
+
+    if args.inputs:
+        raise UsageError("arlm prepare: error: give the chat files after --chat, and no text files beside them")
+    if args.tokenizer in ("char", "bpe"):
+        raise UsageError("arlm prepare: error: --chat needs --tokenizer MODEL: the model whose tokenizer and "
+                         "chat template render the conversations (smollm2, a .gguf, an HF directory, a checkpoint)")
+    if args.context_length is None:
+        raise UsageError("arlm prepare: error: --chat needs --context-length N: the rows conversations are packed "
+                         "into (train with the same --context-length)")
+    template = read_chat_template(args.chat_template) if args.chat_template else None
+    out = args.out or f"out/data/{Path(args.chat[0]).stem}_{_slug(args.tokenizer)}"
+    meta = prepare_chat(args.chat, out, tokenizer=args.tokenizer, context_length=args.context_length,
+                        chat_template=template, val_fraction=args.val_fraction, skip_bad=args.skip_bad)
+    if meta["skipped"]:
+        print(f"skipped {len(meta['skipped'])} bad line(s); the first: {meta['skipped'][0]}", file=sys.stderr)
+    print(f"wrote {out}: {meta['train_conversations']:,} train + {meta['val_conversations']:,} val conversations "
+          f"in {meta['train_rows']:,} + {meta['val_rows']:,} rows of {args.context_length + 1} tokens "
+          f"({meta['train_learned_tokens']:,} + {meta['val_learned_tokens']:,} learned, "
+          f"{meta['train_padding']:.1%} padding); train with --context-length {args.context_length}")
     return 0
 
 
@@ -45,6 +74,16 @@ def add_prepare(sub) -> None:
     p.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary size (default: 4096)")
     p.add_argument("--val-fraction", type=float, default=0.1, help="last fraction held out (default: 0.1)")
     p.add_argument("--out", default=None, help="output directory (default: out/data/<corpus>_<tokenizer>)")
+    chat = p.add_argument_group("chat data (supervised fine-tuning: only the assistant turns are learned)")
+    chat.add_argument("--chat", nargs="+", default=None, metavar="FILE.jsonl",
+                      help='conversations, one a line: {"messages": [{"role": ..., "content": ...}, ...]} or '
+                           '{"prompt": ..., "completion": ...}')
+    chat.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
+                      help="a Jinja2 chat template instead of the model's own (the checkpoints keep it)")
+    chat.add_argument("--context-length", type=positive_int, default=None, metavar="N",
+                      help="tokens per training row; conversations are packed into rows, none longer than N + 1")
+    chat.add_argument("--skip-bad", action="store_true",
+                      help="skip lines that cannot be trained on, and say how many (default: stop at the first)")
     p.set_defaults(func=cmd_prepare)
 
 

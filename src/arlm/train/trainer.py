@@ -2,7 +2,10 @@
 
 Each step feeds whole sequences through the model in one pass under the causal mask; position t
 is trained to predict token t+1, so a sequence of T tokens gives T next-token losses at once:
-L = -1/(B*T) * sum_{b,t} log P(x[b, t+1] | x[b, <=t]).
+L = -1/(B*T) * sum_{b,t} log P(x[b, t+1] | x[b, <=t]). On chat data (supervised fine-tuning,
+arlm.train.chat) the sum runs over the learned targets alone (the assistant turns), the mean over
+a micro-batch's number of them, in training and in evaluation; each conversation of a packed row
+attends to itself only, its positions counted from 0.
 
 The loop is nanoGPT's: gradient accumulation over micro-batches, AdamW (weight decay on matrices
 only), warmup + cosine learning rate, gradient clipping, bf16 autocast where the device has it,
@@ -35,7 +38,7 @@ from ..loading import build_model, load_model
 from ..model import Transformer
 from . import checkpoints
 from .config import MODEL_SHAPE_KEYS, TrainConfig, lr_at
-from .data import SPLITS, DataError, TokenData
+from .data import IGNORE, SPLITS, Batch, DataError, TokenData
 from .progress import METRICS_FILE, PLOT_FILE, MetricsLog, Progress, plot_losses
 
 EVAL_STREAM = 2**31 - 1  # seeds the fixed evaluation batches apart from the training ones
@@ -75,13 +78,20 @@ class TrainResult:
 
 # -- pieces ----------------------------------------------------------------------------------------
 
-def next_token_loss(model: torch.nn.Module, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of the logits at every position against the next token.
+def next_token_loss(model: torch.nn.Module, idx: torch.Tensor, targets: torch.Tensor,
+                    input_pos: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean cross-entropy of the logits against the next token, over the targets that are not
+    IGNORE (every one in text data; the assistant tokens in chat data). One forward pass.
 
-    idx, targets: [B, T] with targets[:, t] = the token after idx[:, t]. One forward pass.
+    idx, targets: [B, T] with targets[:, t] = the token after idx[:, t]; input_pos, doc_ids: a
+    packed batch's (`Batch`, `Transformer.forward`). At least one target must be learned.
     """
-    logits = model(idx)  # [B, T, V], float32
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    logits = model(idx, input_pos=input_pos, doc_ids=doc_ids)  # [B, T, V], float32
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE)
+
+
+def batch_loss(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+    return next_token_loss(model, batch.x, batch.y, batch.input_pos, batch.doc_ids)
 
 
 def model_config_from_scratch(cfg: TrainConfig, vocab_size: int) -> ModelConfig:
@@ -173,9 +183,9 @@ def evaluate(model: torch.nn.Module, data: TokenData, cfg: TrainConfig, device: 
         offsets = offsets.reshape(cfg.eval_batches, cfg.batch_size)
         total = torch.zeros((), device=device)
         for b in range(ddp.rank, cfg.eval_batches, ddp.world_size):
-            x, y = data.batch(split, offsets[b], cfg.context_length, device)
+            batch = data.batch(split, offsets[b], cfg.context_length, device)
             with mixed_precision(device, amp_dtype):
-                total += next_token_loss(model, x, y).float()
+                total += batch_loss(model, batch).float()
         if ddp.world_size > 1:
             dist.all_reduce(total)
         losses[split] = total.item() / cfg.eval_batches
@@ -292,6 +302,9 @@ def _train(cfg: TrainConfig, resume: bool, overwrite: bool, ddp: Distributed, de
     else:
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank
         model, chat_template = init_model(cfg, data, device)
+        # Chat data was rendered with a template (perhaps --chat-template's): the model learns
+        # that one, so its checkpoints carry it for `arlm chat`.
+        chat_template = data.meta.get("chat_template") or chat_template
     model.train()
     model_config = model.config
 
@@ -356,12 +369,12 @@ def _train(cfg: TrainConfig, resume: bool, overwrite: bool, ddp: Distributed, de
             group["lr"] = lr
         offsets = sample_step_offsets(data, cfg, step)
         for micro in range(accum):
-            x, y = data.batch("train", offsets[micro * ddp.world_size + ddp.rank], cfg.context_length, device)
+            batch = data.batch("train", offsets[micro * ddp.world_size + ddp.rank], cfg.context_length, device)
             # Gradients are all-reduced on the last micro-step only; the others accumulate locally.
             last = micro == accum - 1
             with (nullcontext() if last or ddp.world_size == 1 else no_sync(step_model)):
                 with mixed_precision(device, amp_dtype):
-                    loss = next_token_loss(step_model, x, y) / accum
+                    loss = batch_loss(step_model, batch) / accum
                 scaler.scale(loss).backward()
             loss_sum += loss.detach()
         if cfg.grad_clip:
