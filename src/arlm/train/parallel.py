@@ -15,7 +15,10 @@ saved by K processes resumes on any number, in any mode, and `arlm generate` loa
 
 What the trainer needs from FSDP2 on CPU (gloo), checked on torch 2.13: reduce-scatter and
 all-gather, `clip_grad_norm_` over DTensor gradients (the global norm: each rank's shard norms
-are reduced), fused AdamW on DTensor parameters, autocast to bf16 around sharded modules.
+are reduced), fused AdamW on DTensor parameters, autocast to bf16 around sharded modules, and
+the full state dicts of torch.distributed.checkpoint. FSDP2's own MixedPrecisionPolicy (bf16
+parameters, float32 reduce) runs there too but is not used: autocast over float32 shards keeps
+DDP's numerics (norms and softmax in float32).
 """
 
 from __future__ import annotations
