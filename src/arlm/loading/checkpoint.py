@@ -32,13 +32,14 @@ def is_checkpoint_dir(path: Path) -> bool:
     return (path / META_FILE).is_file()
 
 
-def save_checkpoint(directory: str | Path, model: torch.nn.Module, config: ModelConfig,
+def save_checkpoint(directory: str | Path, model: torch.nn.Module | dict[str, torch.Tensor], config: ModelConfig,
                     tokenizer: Tokenizer | None, extra: dict[str, Any] | None = None,
                     chat_template: str | None = None) -> None:
     """Write weights, tokenizer and metadata; `arlm.json` goes last so a reader never sees a
-    checkpoint whose metadata points at weights that are not there yet."""
+    checkpoint whose metadata points at weights that are not there yet. `model`: a module, or its state dict."""
     directory = Path(directory)
-    state = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in model.state_dict().items()}
+    weights = model if isinstance(model, dict) else model.state_dict()
+    state = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in weights.items()}
     if config.tie_embeddings:
         state.pop("lm_head.weight", None)
     atomic_write(directory / WEIGHTS_FILE, lambda tmp: save_file(state, tmp))

@@ -55,9 +55,11 @@ class TrainCheckpoint:
         return int(self.state["step"])
 
 
-def save(out_dir: str | Path, step: int, model: torch.nn.Module, config: ModelConfig, tokenizer: Tokenizer,
-         chat_template: str | None, meta: dict[str, Any], state: dict[str, Any], best: bool) -> Path:
-    """Write step `step` and point `latest` (and `best`, if `best`) at it; returns its directory."""
+def save(out_dir: str | Path, step: int, model: torch.nn.Module | dict[str, torch.Tensor], config: ModelConfig,
+         tokenizer: Tokenizer, chat_template: str | None, meta: dict[str, Any], state: dict[str, Any],
+         best: bool) -> Path:
+    """Write step `step` and point `latest` (and `best`, if `best`) at it; returns its directory.
+    `model`: the model, or its full state dict (a sharded model's, gathered)."""
     out_dir = Path(out_dir)
     directory = out_dir / step_dir_name(step)
     if pointer_target(out_dir) != directory.resolve():

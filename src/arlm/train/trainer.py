@@ -11,17 +11,17 @@ The loop is nanoGPT's: gradient accumulation over micro-batches, AdamW (weight d
 only), warmup + cosine learning rate, gradient clipping, bf16 autocast where the device has it,
 optional torch.compile, periodic evaluation and checkpoints. Under torchrun it runs DDP: every
 rank draws its own micro-batches of the global batch, gradients are all-reduced on the last
-micro-step only, and rank 0 alone logs and writes checkpoints.
+micro-step only, and rank 0 alone logs and writes checkpoints. With `fsdp` the ranks shard the
+model, its gradients and optimizer state instead (FSDP2; arlm.train.parallel).
 """
 
 from __future__ import annotations
 
 import gc
-import inspect
 import math
 import os
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,13 +30,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .. import kernels
 from ..config import ConfigError, ModelConfig
 from ..loading import build_model, load_model
 from ..model import Transformer
-from . import checkpoints
+from . import checkpoints, parallel
 from .config import MODEL_SHAPE_KEYS, TrainConfig, lr_at
 from .data import IGNORE, SPLITS, Batch, DataError, TokenData
 from .progress import METRICS_FILE, PLOT_FILE, MetricsLog, Progress, plot_losses
@@ -307,13 +306,16 @@ def _train(cfg: TrainConfig, resume: bool, overwrite: bool, ddp: Distributed, de
         chat_template = data.meta.get("chat_template") or chat_template
     model.train()
     model_config = model.config
+    mode = parallel.for_run(cfg.fsdp, ddp.world_size, device, eval_batches=cfg.eval_batches, dtype=cfg.dtype,
+                            compile=cfg.compile)
+    step_model = mode.wrap(model)  # before the optimizer: FSDP2 replaces the parameters with shards
 
     optimizer = configure_optimizer(model, cfg, device)
     amp_dtype = autocast_dtype(cfg, device)
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
     start_step, best_val = 0, math.inf
     if ckpt is not None:
-        optimizer.load_state_dict(ckpt.state["optimizer"])
+        mode.load_optimizer_state_dict(model, optimizer, ckpt.state["optimizer"])
         if ckpt.state.get("scaler"):
             scaler.load_state_dict(ckpt.state["scaler"])
         start_step, best_val = ckpt.step, ckpt.state["best_val_loss"]
@@ -325,12 +327,6 @@ def _train(cfg: TrainConfig, resume: bool, overwrite: bool, ddp: Distributed, de
     else:
         torch.manual_seed(cfg.seed + ddp.rank)  # dropout masks differ between ranks
 
-    step_model: torch.nn.Module = model
-    if ddp.world_size > 1:
-        # The RoPE tables are constant buffers: no need to broadcast them every forward.
-        no_buffer_sync = {"forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP).parameters
-                          else "broadcast_buffers": False}
-        step_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, **no_buffer_sync)
     if cfg.compile:
         step_model = torch.compile(step_model)
 
@@ -370,15 +366,15 @@ def _train(cfg: TrainConfig, resume: bool, overwrite: bool, ddp: Distributed, de
         offsets = sample_step_offsets(data, cfg, step)
         for micro in range(accum):
             batch = data.batch("train", offsets[micro * ddp.world_size + ddp.rank], cfg.context_length, device)
-            # Gradients are all-reduced on the last micro-step only; the others accumulate locally.
-            last = micro == accum - 1
-            with (nullcontext() if last or ddp.world_size == 1 else no_sync(step_model)):
+            # DDP all-reduces gradients on the last micro-step only; the others accumulate locally.
+            with mode.micro_step(step_model, last=micro == accum - 1):
                 with mixed_precision(device, amp_dtype):
                     loss = batch_loss(step_model, batch) / accum
                 scaler.scale(loss).backward()
             loss_sum += loss.detach()
         if cfg.grad_clip:
             scaler.unscale_(optimizer)
+            # (Sharded: the norm of DTensor gradients is the global one, every rank's shards reduced.)
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         scaler.step(optimizer)
         scaler.update()
@@ -417,7 +413,7 @@ def _train(cfg: TrainConfig, resume: bool, overwrite: bool, ddp: Distributed, de
                               f"train loss {losses['train']:.4f}" + (" [best]" if is_best else ""))
             if saving:
                 where = _save(out_dir, done, model, model_config, data, chat_template, cfg, optimizer, scaler,
-                              result.best_val_loss, is_best, result.history, ddp)
+                              result.best_val_loss, is_best, result.history, ddp, mode)
                 if where is not None:
                     progress.note(f"step {done}: saved {where}")
             progress.paused += time.perf_counter() - t_pause
@@ -437,15 +433,11 @@ def _train(cfg: TrainConfig, resume: bool, overwrite: bool, ddp: Distributed, de
     return result
 
 
-def no_sync(step_model: torch.nn.Module):
-    """DDP's no_sync() context, reached through a torch.compile wrapper if there is one."""
-    ddp_module = getattr(step_model, "_orig_mod", step_model)
-    return ddp_module.no_sync()
-
-
 def _save(out_dir: Path, step: int, model: Transformer, model_config: ModelConfig, data: TokenData,
           chat_template: str | None, cfg: TrainConfig, optimizer, scaler, best_val: float, is_best: bool,
-          history: list[dict], ddp: Distributed) -> Path | None:
+          history: list[dict], ddp: Distributed, mode: parallel.Single) -> Path | None:
+    # Collective under FSDP (every rank gathers with the others); full on rank 0 alone.
+    weights, optimizer_state = mode.model_state_dict(model), mode.optimizer_state_dict(model, optimizer)
     rng = _rng_state()
     if ddp.world_size > 1:  # every rank's RNG (dropout), so a resumed run continues each stream
         gathered: list = [None] * ddp.world_size
@@ -459,10 +451,11 @@ def _save(out_dir: Path, step: int, model: Transformer, model_config: ModelConfi
     metrics = {k: v for k, v in (last_eval or {}).items() if k not in ("kind", "step")}
     meta = {"step": step, "metrics": metrics, "train_config": cfg.to_dict(),
             "data": {"dir": str(data.path), "tokenizer": data.meta.get("tokenizer")}}
-    state = {"step": step, "optimizer": optimizer.state_dict(),
+    state = {"step": step, "optimizer": optimizer_state,
              "scaler": scaler.state_dict() if scaler.is_enabled() else None, "rng": rng,
              "best_val_loss": best_val, "world_size": ddp.world_size, "train_config": cfg.to_dict()}
-    return checkpoints.save(out_dir, step, model, model_config, data.tokenizer, chat_template, meta, state, is_best)
+    return checkpoints.save(out_dir, step, weights, model_config, data.tokenizer, chat_template, meta, state,
+                            is_best)
 
 
 def _rng_state() -> dict:
