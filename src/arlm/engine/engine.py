@@ -28,6 +28,7 @@ from ..model import Transformer
 from ..runtime import Runtime
 from ..runtime import runtime as default_runtime
 from ..sampling import SamplingParams, top_logprobs
+from ..settings import KV_SINKS
 from ..structured import GrammarError
 from .block_pool import DEFAULT_BLOCK_SIZE
 from .hooks import (StepClockHook, StepHooks, StepResult, StepStats, StepStatsHook, ThreadWidthHook,
@@ -68,7 +69,7 @@ class EngineConfig:
     # the first kv_sinks tokens and the last kv_window, and requests run past the model's context
     # with a bounded number of blocks each. 0: off. Paged pool only; no prefix caching, no drafts.
     kv_window: int = 0
-    kv_sinks: int = 4
+    kv_sinks: int = KV_SINKS
 
     @property
     def contiguous(self) -> bool:

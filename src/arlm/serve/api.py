@@ -111,11 +111,11 @@ def create_app(server: Server, engine_thread: bool = True) -> FastAPI:
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 
     if server.live is not None:  # arlm serve --trace: the engine followed live
-        @app.get("/trace")
+        @app.get(TRACE_PATHS[0])
         async def trace_page() -> Response:
             return HTMLResponse(live_page())
 
-        @app.get("/trace/events")
+        @app.get(TRACE_PATHS[1])
         async def trace_events() -> Response:
             return StreamingResponse(server.live.events(), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -138,9 +138,8 @@ def create_app(server: Server, engine_thread: bool = True) -> FastAPI:
     return app
 
 
-KNOWN_PATHS = {"/health", "/metrics", "/trace", "/trace/events", "/tokenize", "/detokenize", "/tokenizer_info",
-               "/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/responses",
-               "/v1/messages", "/v1/messages/count_tokens"}
+# The live trace's page and events (`--trace`), counted under their own names with or without it.
+TRACE_PATHS = ("/trace", "/trace/events")
 
 
 class CountRequests:
@@ -149,6 +148,7 @@ class CountRequests:
 
     def __init__(self, app, server: Server) -> None:
         self.app, self.server = app, server
+        self.known: set[str] | None = None  # the app's paths without parameters, read on the first response
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -165,7 +165,9 @@ class CountRequests:
             await self.app(scope, receive, send_and_note)
         finally:
             path = scope["path"]
-            endpoint = path if path in KNOWN_PATHS else "/v1/models/{id}" if path.startswith("/v1/models/") else \
+            if self.known is None:
+                self.known = {route.path for route in scope["app"].routes if "{" not in route.path} | set(TRACE_PATHS)
+            endpoint = path if path in self.known else "/v1/models/{id}" if path.startswith("/v1/models/") else \
                 "/v1/responses/{id}" if path.startswith("/v1/responses/") else "other"
             key = (endpoint, status)
             self.server.http_requests[key] = self.server.http_requests.get(key, 0) + 1

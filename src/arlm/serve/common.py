@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ..engine import AsyncEngine, FinishReason, RequestFailed
 from ..llm import LLM, PromptError
 from ..sampling import SamplingParams
+from ..settings import MAX_BODY_BYTES
 from ..structured import GrammarError, StructuredOutput
 from ..text import TextStreamer
 from ..tokenizer import IncrementalDetokenizer
@@ -50,7 +51,6 @@ PROMPT_TYPES = "a string, a list of strings, a list of token ids (integers) or a
 # besides null, 0, false and empty. Any other value gets 400 naming the field: ignoring it would
 # answer a different request than the one sent (no tool call, no JSON schema, no logit bias).
 UNSUPPORTED = {"functions": (), "function_call": ("none",)}
-HINTS: dict[str, str] = {}
 
 
 class APIError(Exception):
@@ -155,7 +155,7 @@ class Server:
     """The state behind the routes: the loaded model, the engine and the HTTP counters."""
 
     def __init__(self, llm: LLM, engine: AsyncEngine, model_name: str, api_key: str | None = None,
-                 max_body_bytes: int = 2 << 20, live=None) -> None:
+                 max_body_bytes: int = MAX_BODY_BYTES, live=None) -> None:
         self.llm, self.engine, self.model_name = llm, engine, model_name
         self.live = live  # an arlm.trace.live.LiveTrace on the engine (arlm serve --trace), or None
         self.responses = None  # the Responses API's stored responses (responses.ResponseStore, set by its routes)
@@ -221,7 +221,7 @@ class Server:
         for name, no_ops in UNSUPPORTED.items():
             value = getattr(req, name, None)
             if value and value not in no_ops:
-                raise APIError(400, f"{name} is not supported{HINTS.get(name, '')}", param=name,
+                raise APIError(400, f"{name} is not supported", param=name,
                                code="unsupported")
         if getattr(req, "best_of", None) not in (None, getattr(req, "n", 1)):
             raise APIError(400, "best_of is not supported (every choice is returned: leave it out or set it to n)",
