@@ -32,7 +32,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..engine import EngineDead
 from ..trace.live import live_page
 from . import anthropic, embeddings, metrics, openai_chat, openai_completions, responses, tokens
-from .common import APIError, Server, error_response
+from .common import Server
+from .errors import APIError, error_response
 from .openai_chat import ChatCompletionRequest
 from .openai_completions import CompletionRequest
 from .tokens import DetokenizeRequest, TokenizeRequest

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import socket
 import sys
@@ -12,7 +11,7 @@ import time
 from pathlib import Path
 
 from ..cli_common import (UsageError, add_chat_template_arg, add_model_args, add_speculative_args, check_device,
-                          load_llm, parse_size, positive_int)
+                          parse_size, positive_int)
 from ..settings import MAX_BODY_BYTES, MAX_ONGOING_REQUESTS, auto_matmul_path, auto_quantize
 from ..structured import GrammarLimits  # (no torch at its top: `arlm serve --help` reads the defaults)
 

@@ -42,7 +42,7 @@ PREFIX_CHARS = 256  # characters per hashed chunk of a prompt's text
 
 
 def unavailable(message: str, code: str) -> dict:
-    """The ingress's own errors, in OpenAI's error shape (common.error_response's; common imports
+    """The ingress's own errors, in OpenAI's error shape (errors.error_response's; errors imports
     the engine and torch, which the ingress process never loads)."""
     return {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
 
