@@ -42,3 +42,16 @@ def test_auto_matmul_path_for_generate_and_serve(machine, native, packed, bf16, 
 
 def test_auto_dtype():
     assert settings.auto_dtype("cuda:0") == "bfloat16" and settings.auto_dtype("cpu") == "float32"
+
+
+def test_a_quantized_models_matmul_path_checked_and_the_older_names(machine):
+    machine(True, True)
+    assert settings.quantized_matmul_path("auto", "cpu", "float32") == "avx2"
+    assert settings.quantized_matmul_path("bf16", "cpu", "int8x2") == "bf16"
+    for path, device, activations in (("vnni", "cuda", "int8x2"), ("vnni", "cpu", "float32"), ("x", "cpu", "int8")):
+        with pytest.raises(ValueError):
+            settings.quantized_matmul_path(path, device, activations)
+    assert settings.legacy_matmul_path("quantized", "auto") == "vnni"
+    assert settings.legacy_matmul_path("bfloat16", "auto") == "bf16"
+    with pytest.raises(ValueError, match="not both"):
+        settings.legacy_matmul_path("float32", "avx2")

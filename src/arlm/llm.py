@@ -27,7 +27,8 @@ from .model import Transformer
 from .quant import QuantizedLinear, prepare
 from .quant import quantize as quantize_model
 from .sampling import SamplingParams
-from .settings import ACTIVATIONS, DEFAULT_ACTIVATIONS, KV_SINKS, auto_matmul_path, auto_quantize
+from .settings import (ACTIVATIONS, DEFAULT_ACTIVATIONS, KV_SINKS, auto_matmul_path, auto_quantize, legacy_matmul_path,
+                       quantized_matmul_path)
 from .structured import GrammarError, Grammars
 from .text import TextStreamer
 from .tokenizer import Tokenizer
@@ -228,8 +229,6 @@ class TextStream:
                 for r, t in zip(self.requests, texts)]
 
 
-# --prefill-dtype, the older name of --matmul-path: quantized is the integer kernels (vnni or avx2)
-PREFILL_DTYPES = {"quantized": None, "bfloat16": "bf16", "float32": "float32"}
 FLOAT_PATHS = {torch.float32: "float32", torch.bfloat16: "bf16", torch.float16: "float16"}  # unquantized models
 
 
@@ -372,7 +371,8 @@ class LLM:
         return loaded.model
 
     def configure(self, quantize: str | None = None, compile: bool = False, matmul_path: str = "auto",
-                  kv_dtype: str = "auto", activations: str = DEFAULT_ACTIVATIONS, kv_window: int = 0, kv_sinks: int = KV_SINKS,
+                  kv_dtype: str = "auto", activations: str = DEFAULT_ACTIVATIONS, kv_window: int = 0,
+                  kv_sinks: int = KV_SINKS,
                   prefill_dtype: str | None = None) -> None:
         """Pick the decode path: weight quantization and (optionally) a compiled decode step.
 
@@ -416,28 +416,14 @@ class LLM:
             raise ValueError(f"unknown activation precision {activations!r} (expected {', '.join(ACTIVATIONS)})")
         legacy = prefill_dtype not in (None, "auto")  # (ignored by float models, as it always was)
         if legacy:
-            if prefill_dtype not in PREFILL_DTYPES:
-                raise ValueError(f"unknown prefill dtype {prefill_dtype!r} (expected auto, quantized, float32 or "
-                                 f"bfloat16; or a matmul path)")
-            if matmul_path != "auto":
-                raise ValueError("give matmul_path or the older prefill_dtype, not both")
-            matmul_path = PREFILL_DTYPES[prefill_dtype] or ("vnni" if kernels.packed_available() else "avx2")
+            matmul_path = legacy_matmul_path(prefill_dtype, matmul_path)
         loaded_quantized = any(isinstance(m, QuantizedLinear) for m in self.model.modules())  # (LLM.load)
         if loaded_quantized and quantize != "auto":
             raise ValueError(f"{self.loaded.name} was loaded with its file's quantized weights; load it "
                              f"again with quantize={quantize!r} for another precision")
         cpu = device.type == "cpu"
         if loaded_quantized or quantize in ("auto", "int8", "q4"):
-            if matmul_path == "auto":
-                matmul_path = auto_matmul_path(device.type, activations)
-            elif not cpu and matmul_path in ("vnni", "avx2"):
-                raise ValueError(f"matmul path {matmul_path} runs the CPU's integer kernels; on {device.type} "
-                                 f"take bf16 or float32")
-            elif (why := kernels.matmul_path_error(matmul_path)) is not None:
-                raise ValueError(why)
-            if activations == "float32" and matmul_path == "vnni":
-                raise ValueError("matmul path vnni multiplies 8-bit activations; with float32 activations "
-                                 "take avx2 (the row kernels), bf16 or float32")
+            matmul_path = quantized_matmul_path(matmul_path, device.type, activations)
             _prepare_quantized(self.model, quantize, matmul_path, activations, loaded_quantized)
             self.activations = activations
         else:  # a float model multiplies in its own dtype

@@ -20,6 +20,9 @@ KV_SINKS = 4
 ACTIVATIONS = ("int8x2", "int8", "float32")
 DEFAULT_ACTIVATIONS = ACTIVATIONS[0]
 
+# The older `prefill_dtype` names of the matmul paths (None: the integer kernels, packed where built)
+PREFILL_DTYPES = {"quantized": None, "bfloat16": "bf16", "float32": "float32"}
+
 # The largest request body the server reads (`--max-body-bytes`).
 MAX_BODY_BYTES = 2 << 20
 
@@ -61,3 +64,32 @@ def auto_matmul_path(device: str, activations: str, serving: bool = False) -> st
         return "vnni" if kernels.packed_available() and activations != "float32" else "avx2"
     path = kernels.auto_matmul_path()
     return "avx2" if path == "vnni" and activations == "float32" else path  # (the row kernels, float inputs)
+
+
+def quantized_matmul_path(matmul_path: str, device: str, activations: str) -> str:
+    """A quantized model's matmul path on `device` (a device type): "auto" as `auto_matmul_path`
+    (generate's rule), else the path asked for, a ValueError saying why where it cannot run here."""
+    from . import kernels
+
+    if matmul_path == "auto":
+        return auto_matmul_path(device, activations)
+    if device != "cpu" and matmul_path in ("vnni", "avx2"):
+        raise ValueError(f"matmul path {matmul_path} runs the CPU's integer kernels; on {device} take bf16 or float32")
+    if (why := kernels.matmul_path_error(matmul_path)) is not None:
+        raise ValueError(why)
+    if activations == "float32" and matmul_path == "vnni":
+        raise ValueError("matmul path vnni multiplies 8-bit activations; with float32 activations "
+                         "take avx2 (the row kernels), bf16 or float32")
+    return matmul_path
+
+
+def legacy_matmul_path(prefill_dtype: str, matmul_path: str) -> str:
+    """The matmul path the older `prefill_dtype` names (given with matmul_path "auto")."""
+    from . import kernels
+
+    if prefill_dtype not in PREFILL_DTYPES:
+        raise ValueError(f"unknown prefill dtype {prefill_dtype!r} (expected auto, quantized, float32 or "
+                         f"bfloat16; or a matmul path)")
+    if matmul_path != "auto":
+        raise ValueError("give matmul_path or the older prefill_dtype, not both")
+    return PREFILL_DTYPES[prefill_dtype] or ("vnni" if kernels.packed_available() else "avx2")
