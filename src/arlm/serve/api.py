@@ -44,6 +44,43 @@ __all__ = ["APIError", "ChatCompletionRequest", "CompletionRequest", "Detokenize
 log = logging.getLogger(__name__)
 
 
+def protocol_error(request: Request, status: int, message: str, param: str | None = None, code: str | None = None,
+                   type_: str = "invalid_request_error") -> JSONResponse:
+    """An error in the shape of the protocol the path speaks: Anthropic's on its routes, else
+    OpenAI's (the field it names in the message, as Anthropic's errors name none apart)."""
+    if request.url.path.startswith(anthropic.PATHS):
+        if param and not message.startswith(param):  # (Anthropic's shape has no field of its own for it)
+            message = f"{param}: {message}"
+        if code == "model_not_found":  # (Anthropic's status for it)
+            status = 404
+        return JSONResponse(anthropic.error_body(status, message), status)
+    return error_response(status, message, param, code, type_)
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    """Every error as a JSON body in the shape of the protocol its path speaks (`protocol_error`)."""
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, e: APIError) -> JSONResponse:
+        return protocol_error(request, e.status, e.message, e.param, e.code, e.type)
+
+    @app.exception_handler(EngineDead)
+    async def engine_dead(request: Request, e: EngineDead) -> JSONResponse:
+        return protocol_error(request, 503, f"the engine has stopped: {e}", type_="server_error",
+                              code="engine_dead")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
+        return protocol_error(request, e.status_code, str(e.detail), code=code)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, e: Exception) -> JSONResponse:
+        log.exception("internal error on %s", request.url.path)
+        return protocol_error(request, 500, f"internal error: {type(e).__name__}", type_="server_error",
+                              code="internal_error")
+
+
 def create_app(server: Server, engine_thread: bool = True) -> FastAPI:
     """The FastAPI app. With `engine_thread` the app runs the engine loop on a background thread
     of its own; without, the caller runs `server.engine.run()` (as `arlm serve` does)."""
@@ -63,35 +100,7 @@ def create_app(server: Server, engine_thread: bool = True) -> FastAPI:
 
     app.add_middleware(CountRequests, server=server)
 
-    def error(request: Request, status: int, message: str, param: str | None = None, code: str | None = None,
-              type_: str = "invalid_request_error") -> JSONResponse:
-        """An error in the shape of the protocol the path speaks: Anthropic's on its routes, else
-        OpenAI's (the field it names in the message, as Anthropic's errors name none apart)."""
-        if request.url.path.startswith(anthropic.PATHS):
-            if param and not message.startswith(param):  # (Anthropic's shape has no field of its own for it)
-                message = f"{param}: {message}"
-            if code == "model_not_found":  # (Anthropic's status for it)
-                status = 404
-            return JSONResponse(anthropic.error_body(status, message), status)
-        return error_response(status, message, param, code, type_)
-
-    @app.exception_handler(APIError)
-    async def api_error(request: Request, e: APIError) -> JSONResponse:
-        return error(request, e.status, e.message, e.param, e.code, e.type)
-
-    @app.exception_handler(EngineDead)
-    async def engine_dead(request: Request, e: EngineDead) -> JSONResponse:
-        return error(request, 503, f"the engine has stopped: {e}", type_="server_error", code="engine_dead")
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
-        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
-        return error(request, e.status_code, str(e.detail), code=code)
-
-    @app.exception_handler(Exception)
-    async def internal_error(request: Request, e: Exception) -> JSONResponse:
-        log.exception("internal error on %s", request.url.path)
-        return error(request, 500, f"internal error: {type(e).__name__}", type_="server_error", code="internal_error")
+    add_error_handlers(app)
 
     @app.get("/health")
     async def health() -> Response:

@@ -64,10 +64,9 @@ def replica_count(text: str) -> int | str:
     return value
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
-    # (these import torch: cli_common's doc)
-    from ..engine import EngineConfig
-    from ..kv_cache import check_pool_fits, kv_dtype_name
+def check_flags(args: argparse.Namespace) -> int:
+    """The flags' usage errors, before the model loads (each one line); the KV pool's bytes."""
+    from ..kv_cache import check_pool_fits  # (imports torch: cli_common's doc)
 
     try:
         memory = parse_size(args.kv_cache_memory)
@@ -88,8 +87,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if args.max_replicas is not None and args.max_replicas < args.min_replicas:
             raise UsageError("arlm serve: error: --max-replicas must be >= --min-replicas")
         if args.target_ongoing_requests is not None and not 0 < args.target_ongoing_requests <= MAX_ONGOING_REQUESTS:
-            raise UsageError(f"arlm serve: error: --target-ongoing-requests must be a number in (0, {MAX_ONGOING_REQUESTS}] "
-                             f"({MAX_ONGOING_REQUESTS}: the requests a replica takes at once)")
+            raise UsageError(f"arlm serve: error: --target-ongoing-requests must be a number in (0, "
+                             f"{MAX_ONGOING_REQUESTS}] ({MAX_ONGOING_REQUESTS}: the requests a replica takes at once)")
     elif args.max_replicas is not None or args.target_ongoing_requests is not None or args.min_replicas != 1:
         raise UsageError("arlm serve: error: --min-replicas, --max-replicas and --target-ongoing-requests are for "
                          "--replicas auto")
@@ -104,6 +103,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
             check_pool_fits(memory, args.device, reserved=model_bytes(args.model))
         except ValueError as e:
             raise UsageError(f"arlm serve: error: --kv-cache-memory {args.kv_cache_memory}: {e}") from None
+    return memory
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    # (these import torch: cli_common's doc)
+    from ..engine import EngineConfig
+    from ..kv_cache import kv_dtype_name
+
+    memory = check_flags(args)
     if args.quantize == "auto":  # (settings.py: serving's rule beside generate's)
         args.quantize = auto_quantize(args.device, serving=True) or "none"
     if args.matmul_path == "auto" and args.prefill_dtype in (None, "auto") and args.quantize != "none" \
