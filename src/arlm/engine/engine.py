@@ -56,11 +56,11 @@ class EngineConfig:
     max_num_seqs: int = 64  # running requests at most
     max_num_batched_tokens: int = 512  # tokens per forward pass (decodes + prompt chunks)
     # A prompt with more tokens than this left is long: it runs in chunks of at most this many, and
-    # while others decode, long prompts share a few tokens a step (Scheduler._long_budget), so one
+    # while others decode, long prompts share a few tokens a step (step_budget.long_budget), so one
     # client's long prompt never stretches every stream's steps. None: prompts take the whole budget.
     long_prefill_tokens: int | None = None
     # The sequences of one group (Request.group: one API call's choices) that step together while
-    # other requests run or wait (Scheduler._group_turns). None: no limit.
+    # other requests run or wait (step_budget.group_turns). None: no limit.
     group_rows: int | None = None
     enable_prefix_caching: bool = True
     # None: the model's; float16 halves a step's K/V reads, "int8" / "int4" quantize them (kv_cache.py)
