@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from test_serve_api import BAD, KEY, MODEL, ServerProcess
+from servers import BAD, KEY, MODEL, ServerProcess
 from test_serve_protocols import BAD_EMBEDDINGS, BAD_MESSAGES, BAD_RESPONSES
 
 pytestmark = pytest.mark.slow

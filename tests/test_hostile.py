@@ -34,7 +34,7 @@ from typing import Any, Callable
 import httpx
 import pytest
 
-from test_serve_api import HTTP_TIMEOUT, MODEL, ServerProcess, free_port
+from servers import HTTP_TIMEOUT, MODEL, ServerProcess, free_port
 
 pytestmark = pytest.mark.slow
 

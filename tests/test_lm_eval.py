@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from test_serve_api import ServerProcess
+from servers import ServerProcess
 
 DATA = Path(__file__).parent / "data" / "lm_eval"
 

@@ -24,9 +24,7 @@ import openai
 import pytest
 
 from conftest import run_arlm
-
-KEY = "test-key-123"
-MODEL = "smollm2"
+from servers import AUTH, BAD, HTTP_TIMEOUT, KEY, MODEL, ServerProcess
 
 PROMPTS = [
     "The cat sat on the", "Once upon a time", "def fibonacci(n):", "The capital of France is",
@@ -42,75 +40,6 @@ MAX_TOKENS = [4 + i % 9 for i in range(len(PROMPTS))]  # 4..12: sequences finish
 # Greedy, every prompt runs to its max_tokens but this one, which ends with EOS after " blue."
 # (3 tokens): a batch holds both ways of finishing.
 EOS_PROMPT, EOS_TOKENS = "My favourite colour is", 3
-
-
-AUTH = {"Authorization": f"Bearer {KEY}"}
-# Every HTTP call's time-out: a hang guard, generous (httpx's own default, 5 s, is not: a
-# request on a loaded machine can take that long).
-HTTP_TIMEOUT = 120
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class ServerProcess:
-    """`python -m arlm serve ...` on a free loopback port, its output in a temp file."""
-
-    def __init__(self, *args: str) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
-        # One thread per server: two servers and pytest share the CI machine's two cores.
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-        self.proc = subprocess.Popen([sys.executable, "-m", "arlm", "serve", "--model", MODEL, "--port", str(self.port),
-                                      *args], stdout=self.log, stderr=subprocess.STDOUT, env=env)
-
-    def wait_ready(self, timeout: float = 240.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                pytest.fail(f"server exited with {self.proc.returncode}:\n{self.output()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        pytest.fail(f"server not ready after {timeout} s:\n{self.output()}")
-
-    def output(self) -> str:
-        self.log.flush()
-        with open(self.log.name) as f:
-            return f.read()[-4000:]
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        os.unlink(self.log.name)
-
-    def metrics(self) -> dict[str, float]:
-        text = httpx.get(f"{self.url}/metrics", timeout=HTTP_TIMEOUT).text
-        return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(\S+) (\S+)$", text, re.M)}
-
-    def wait_idle(self, timeout: float = 120.0) -> dict[str, float]:
-        """Metrics once nothing runs or waits and no KV block is held; after `timeout` seconds,
-        the metrics as they are (and the caller's assertions fail). A hang guard only: an idle
-        server returns at once, a loaded machine only delays it."""
-        deadline = time.monotonic() + timeout
-        while True:
-            m = self.metrics()
-            idle = (m["arlm_kv_cache_usage_ratio"] == 0 and m["arlm_num_requests_running"] == 0
-                    and m["arlm_num_requests_waiting"] == 0)
-            if idle or time.monotonic() > deadline:
-                return m
-            time.sleep(0.1)
 
 
 @pytest.fixture(scope="module")
@@ -364,39 +293,6 @@ def test_metrics_page(server):
 
 
 # -- bad input -------------------------------------------------------------------------------------
-
-BAD = [
-    ("not json", "{bad json", None, "invalid_json"),
-    ("unknown model", {"model": "gpt-4", "prompt": "Hi"}, "model", "model_not_found"),
-    ("missing prompt", {"model": MODEL}, "prompt", "invalid_value"),
-    ("string max_tokens", {"model": MODEL, "prompt": "Hi", "max_tokens": "8"}, "max_tokens", "invalid_value"),
-    ("bool temperature", {"model": MODEL, "prompt": "Hi", "temperature": True}, "temperature", "invalid_value"),
-    ("negative temperature", {"model": MODEL, "prompt": "Hi", "temperature": -1}, "temperature", "invalid_value"),
-    ("top_p zero", {"model": MODEL, "prompt": "Hi", "top_p": 0}, "top_p", "invalid_value"),
-    ("max_tokens zero", {"model": MODEL, "prompt": "Hi", "max_tokens": 0}, "max_tokens", "invalid_value"),
-    ("min_p above 1", {"model": MODEL, "prompt": "Hi", "min_p": 2.0}, "min_p", "invalid_value"),
-    ("too long", {"model": MODEL, "prompt": "Hi", "max_tokens": 10**6}, "max_tokens", "context_length_exceeded"),
-    ("bad token id", {"model": MODEL, "prompt": [1, 10**9]}, "prompt", "invalid_value"),
-    ("empty stop", {"model": MODEL, "prompt": "Hi", "stop": [""]}, "stop", "invalid_value"),
-    ("body is a list", [1, 2], None, "invalid_value"),
-    # the param names the field sent, not the member of its type union (`prompt.str`)
-    ("number prompt", {"model": MODEL, "prompt": 5}, "prompt", "invalid_value"),
-    ("number stop", {"model": MODEL, "prompt": "Hi", "stop": 5}, "stop", "invalid_value"),
-    ("best_of", {"model": MODEL, "prompt": "Hi", "best_of": 2}, "best_of", "unsupported"),
-    ("logit_bias id", {"model": MODEL, "prompt": "Hi", "logit_bias": {"-1": -100}}, "logit_bias", "invalid_value"),
-    ("logit_bias type", {"model": MODEL, "prompt": "Hi", "logit_bias": {"1": "x"}}, "logit_bias", "invalid_value"),
-    ("bad regex", {"model": MODEL, "prompt": "Hi", "guided_regex": "(("}, "guided_regex", "invalid_value"),
-    ("bad schema", {"model": MODEL, "prompt": "Hi", "response_format": {"type": "json_schema", "json_schema": {
-        "name": "x", "schema": {"type": "frobnicate"}}}}, "response_format", "invalid_value"),
-    ("two grammars", {"model": MODEL, "prompt": "Hi", "guided_regex": "a", "guided_choice": ["a"]}, "guided_choice",
-     "invalid_value"),
-    # counts the engine's int64 tensors cannot hold are refused here, by name, not in its step
-    ("huge top_k", {"model": MODEL, "prompt": "Hi", "top_k": 2**63}, "top_k", "invalid_value"),
-    ("top_k 2**31", {"model": MODEL, "prompt": "Hi", "top_k": 2**31}, "top_k", "invalid_value"),
-    ("huge max_tokens", {"model": MODEL, "prompt": "Hi", "max_tokens": 2**63}, "max_tokens", "invalid_value"),
-    ("huge best_of", {"model": MODEL, "prompt": "Hi", "best_of": 2**64}, "best_of", "invalid_value"),
-]
-
 
 @pytest.mark.slow
 @pytest.mark.parametrize("body,param,code", [b[1:] for b in BAD], ids=[b[0] for b in BAD])

@@ -9,7 +9,7 @@ import torch
 from arlm.engine import Engine, EngineConfig
 from arlm.sampling import SamplingParams
 from arlm.engine.runner import ModelRunner
-from arlm.engine.scheduler import FREED
+from arlm.engine.block_tables import FREED
 from arlm.engine.speculative import Drafter, SpeculativeConfig
 from arlm.kv_cache import KVCache
 

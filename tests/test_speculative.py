@@ -554,7 +554,7 @@ def test_serve_speculative_equals_plain(llm):
 
     import openai
 
-    from test_serve_api import ServerProcess
+    from servers import ServerProcess
 
     # (fixed drafts: the server's adaptive rule follows its measured step times, and under load
     # it may draft nothing, leaving no drafts to count)

@@ -15,6 +15,8 @@ import re
 import sys
 from pathlib import Path
 
+from .settings import ACTIVATIONS, DEFAULT_ACTIVATIONS, KV_SINKS, auto_dtype
+
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -66,7 +68,7 @@ def add_model_args(p: argparse.ArgumentParser, compile: bool = True) -> None:
                         "which ran")
     p.add_argument("--prefill-dtype", default=None, choices=("auto", "quantized", "float32", "bfloat16"),
                    help=argparse.SUPPRESS)  # the older name of --matmul-path
-    p.add_argument("--activations", default="int8x2", choices=("int8x2", "int8", "float32"),
+    p.add_argument("--activations", default=DEFAULT_ACTIVATIONS, choices=ACTIVATIONS,
                    help="a quantized model's activation precision: int8x2 (default: 8 bits taken twice, "
                         "~16 bits, float32's answers), int8 (one 8-bit pass, as llama.cpp: batched decode "
                         "~1.3x and prefill ~1.5x faster, less faithful) or float32 (slow)")
@@ -120,8 +122,8 @@ def add_window_args(p: argparse.ArgumentParser, stream: bool = False) -> None:
         ("attend to the last W tokens (and the --kv-sinks first): generation runs past the "
          "model's context with a bounded KV cache (StreamingLLM; default: off)")
     p.add_argument("--kv-window", type=positive_int, default=0, metavar="W", help=what)
-    p.add_argument("--kv-sinks", type=int, default=4, metavar="S",
-                   help="with --kv-window, the first S tokens every token attends to (default: 4)")
+    p.add_argument("--kv-sinks", type=int, default=KV_SINKS, metavar="S",
+                   help=f"with --kv-window, the first S tokens every token attends to (default: {KV_SINKS})")
 
 
 def add_speculative_args(p: argparse.ArgumentParser) -> None:
@@ -278,7 +280,7 @@ def load_llm(args: argparse.Namespace):
                   "the threads will take turns, and decode gets much slower", file=sys.stderr)
         runtime().threads.pin(args.threads)  # (fixed: no narrowing beside busy neighbours)
     quantize = None if args.quantize == "none" else args.quantize
-    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if args.device.startswith("cuda") else "float32")
+    dtype = args.dtype if args.dtype != "auto" else auto_dtype(args.device)
     if getattr(args, "kv_window", 0) and getattr(args, "speculative", None) not in (None, "off"):
         raise UsageError("arlm: error: --speculative does not run with --kv-window yet")
     if getattr(args, "kv_sinks", 0) < 0:
@@ -290,7 +292,7 @@ def load_llm(args: argparse.Namespace):
                    compile=getattr(args, "compile", False), matmul_path=args.matmul_path,
                    prefill_dtype=args.prefill_dtype,
                    kv_dtype=args.kv_dtype, activations=args.activations,
-                   kv_window=getattr(args, "kv_window", 0), kv_sinks=getattr(args, "kv_sinks", 4))
+                   kv_window=getattr(args, "kv_window", 0), kv_sinks=getattr(args, "kv_sinks", KV_SINKS))
     if template is not None:
         llm.chat_template = template
     _startup_done()

@@ -1,4 +1,5 @@
-"""Typed model configuration: one dataclass describes both the GPT-2 and the Llama family."""
+"""Typed model configuration: one dataclass describes GPT-2 and the Llama-shaped families (Llama
+2/3, Qwen 2/3, Gemma 3), each difference a switch."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ class ModelConfig:
     max_seq_len: int = 1024  # context window (positions 0 .. max_seq_len - 1)
     pos_embedding: Literal["learned", "rope"] = "learned"
     norm: Literal["layernorm", "rmsnorm"] = "layernorm"
-    mlp: Literal["gelu", "swiglu"] = "gelu"
+    mlp: Literal["gelu", "swiglu", "geglu"] = "gelu"
     gelu_approximate: Literal["none", "tanh"] = "tanh"  # GPT-2's "gelu_new" is the tanh form
     bias: bool = True
     tie_embeddings: bool = True

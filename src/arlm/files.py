@@ -15,6 +15,12 @@ import shutil
 from pathlib import Path
 from typing import Callable, Iterable
 
+
+def cache_home() -> Path:
+    """arlm's cache directory: ~/.cache/arlm, or $ARLM_CACHE (the built kernels under kernels/, the
+    models' prepared layouts under models/)."""
+    return Path(os.environ.get("ARLM_CACHE", Path.home() / ".cache" / "arlm"))
+
 # create_tmp's temp files, ".<name>.<8 random characters>.tmp" beside <name> (hex digits; the
 # wider alphabet also matches mkstemp's names, which a writer killed mid-save may leave behind).
 TMP_PATTERN = re.compile(r"\.(?P<name>.+)\.[a-z0-9_]{8}\.tmp")

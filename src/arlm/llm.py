@@ -25,9 +25,11 @@ from .engine.speculative import Drafter, ModelDrafter, NgramDrafter, SpecRates, 
 from .loading import LoadedModel, load_model
 from .kv_cache import KVDtype, check_head_dim, kv_dtype_name, parse_kv_dtype
 from .model import Transformer
-from .quant import ACTIVATIONS, QuantizedLinear, prepare
+from .quant import QuantizedLinear, prepare
 from .quant import quantize as quantize_model
 from .sampling import SamplingParams
+from .settings import (ACTIVATIONS, DEFAULT_ACTIVATIONS, KV_SINKS, auto_matmul_path, auto_quantize, legacy_matmul_path,
+                       quantized_matmul_path)
 from .structured import GrammarError, Grammars
 from .text import TextStreamer
 from .tokenizer import Tokenizer
@@ -247,18 +249,7 @@ class TextStream:
                 for r, t in zip(self.requests, texts)]
 
 
-# --prefill-dtype, the older name of --matmul-path: quantized is the integer kernels (vnni or avx2)
-PREFILL_DTYPES = {"quantized": None, "bfloat16": "bf16", "float32": "float32"}
 FLOAT_PATHS = {torch.float32: "float32", torch.bfloat16: "bf16", torch.float16: "float16"}  # unquantized models
-
-
-def _auto_matmul_path(device: torch.device, activations: str) -> str:
-    """A quantized model's matmul_path "auto" (`LLM.configure`): on CPU the machine's choice
-    (`kernels.auto_matmul_path`), elsewhere float32."""
-    if device.type != "cpu":
-        return "float32"
-    path = kernels.auto_matmul_path()
-    return "avx2" if path == "vnni" and activations == "float32" else path  # (the row kernels, float inputs)
 
 
 def _prepare_quantized(model: Transformer, quantize: str | None, matmul_path: str, activations: str,
@@ -319,8 +310,8 @@ class LLM:
     @classmethod
     def load(cls, spec: str = "smollm2", device: str = "cpu", dtype: torch.dtype = torch.float32,
              quantize: str | None = "auto", compile: bool = False, matmul_path: str = "auto",
-             kv_dtype: str = "auto", activations: str = "int8x2",
-             speculative: str | SpeculativeConfig | None = None, kv_window: int = 0, kv_sinks: int = 4,
+             kv_dtype: str = "auto", activations: str = DEFAULT_ACTIVATIONS,
+             speculative: str | SpeculativeConfig | None = None, kv_window: int = 0, kv_sinks: int = KV_SINKS,
              prefill_dtype: str | None = None) -> "LLM":
         """Load a model by name or path; `quantize`, `compile`, `matmul_path`, `kv_dtype` and
         `activations` pick the decode and prefill paths (see `configure`); `speculative` the
@@ -395,12 +386,13 @@ class LLM:
                 loaded.model.config.vocab_size != self.model.config.vocab_size:
             raise ValueError(f"draft model {spec} has another vocabulary than {self.loaded.name}")
         if quantize is not None:
-            _prepare_quantized(loaded.model, quantize, _auto_matmul_path(device, self.activations),
+            _prepare_quantized(loaded.model, quantize, auto_matmul_path(device.type, self.activations),
                                self.activations, loaded.quantized)
         return loaded.model
 
     def configure(self, quantize: str | None = None, compile: bool = False, matmul_path: str = "auto",
-                  kv_dtype: str = "auto", activations: str = "int8x2", kv_window: int = 0, kv_sinks: int = 4,
+                  kv_dtype: str = "auto", activations: str = DEFAULT_ACTIVATIONS, kv_window: int = 0,
+                  kv_sinks: int = KV_SINKS,
                   prefill_dtype: str | None = None) -> None:
         """Pick the decode path: weight quantization and (optionally) a compiled decode step.
 
@@ -435,8 +427,8 @@ class LLM:
         device = next(self.model.parameters()).device
         if quantize not in (None, "none", "auto", "int8", "q4"):
             raise ValueError(f"unknown quantization {quantize!r} (expected none, auto, int8 or q4)")
-        if quantize == "auto" and not (device.type == "cpu" and kernels.native_available()):
-            quantize = None
+        if quantize == "auto":
+            quantize = auto_quantize(device.type)  # (settings.py: the rule the server's differs from)
         if kv_dtype != "auto":
             kv = parse_kv_dtype(kv_dtype)  # (ValueError naming the choices)
             check_head_dim(kv, self.model.config.head_dim)
@@ -444,28 +436,14 @@ class LLM:
             raise ValueError(f"unknown activation precision {activations!r} (expected {', '.join(ACTIVATIONS)})")
         legacy = prefill_dtype not in (None, "auto")  # (ignored by float models, as it always was)
         if legacy:
-            if prefill_dtype not in PREFILL_DTYPES:
-                raise ValueError(f"unknown prefill dtype {prefill_dtype!r} (expected auto, quantized, float32 or "
-                                 f"bfloat16; or a matmul path)")
-            if matmul_path != "auto":
-                raise ValueError("give matmul_path or the older prefill_dtype, not both")
-            matmul_path = PREFILL_DTYPES[prefill_dtype] or ("vnni" if kernels.packed_available() else "avx2")
+            matmul_path = legacy_matmul_path(prefill_dtype, matmul_path)
         loaded_quantized = any(isinstance(m, QuantizedLinear) for m in self.model.modules())  # (LLM.load)
         if loaded_quantized and quantize != "auto":
             raise ValueError(f"{self.loaded.name} was loaded with its file's quantized weights; load it "
                              f"again with quantize={quantize!r} for another precision")
         cpu = device.type == "cpu"
         if loaded_quantized or quantize in ("auto", "int8", "q4"):
-            if matmul_path == "auto":
-                matmul_path = _auto_matmul_path(device, activations)
-            elif not cpu and matmul_path in ("vnni", "avx2"):
-                raise ValueError(f"matmul path {matmul_path} runs the CPU's integer kernels; on {device.type} "
-                                 f"take bf16 or float32")
-            elif (why := kernels.matmul_path_error(matmul_path)) is not None:
-                raise ValueError(why)
-            if activations == "float32" and matmul_path == "vnni":
-                raise ValueError("matmul path vnni multiplies 8-bit activations; with float32 activations "
-                                 "take avx2 (the row kernels), bf16 or float32")
+            matmul_path = quantized_matmul_path(matmul_path, device.type, activations)
             _prepare_quantized(self.model, quantize, matmul_path, activations, loaded_quantized)
             self.activations = activations
         else:  # a float model multiplies in its own dtype

@@ -1,4 +1,5 @@
-"""One decoder-only `Transformer` for the GPT-2 and Llama families, for training and inference.
+"""One decoder-only `Transformer` for GPT-2 and the Llama-shaped families (Llama 2/3, Qwen 2/3,
+Gemma 3), for training and inference.
 
 Training calls `model(idx)` on whole sequences (causal mask, no cache). Inference calls it twice
 over: prefill with the prompt and a `KVCache`, then decode with `[B, 1]` tokens per step.

@@ -48,6 +48,7 @@ from .engine.block_pool import DEFAULT_BLOCK_SIZE
 from .engine.engine import window_blocks
 from .files import create_tmp, replace_durably
 from .sampling import SamplingParams
+from .settings import KV_SINKS
 
 MAGIC = b"ARLMLGP1"
 FORMAT = "arlm-logprobs"
@@ -269,7 +270,7 @@ def token_nll(logits: torch.Tensor, targets: torch.Tensor, chunk: int = 128) -> 
     return torch.cat(out).cpu().numpy()
 
 
-def stream_nll(llm, token_ids: list[int], window: int, sinks: int = 4, chunk: int = 512) -> np.ndarray:
+def stream_nll(llm, token_ids: list[int], window: int, sinks: int = KV_SINKS, chunk: int = 512) -> np.ndarray:
     """The text as one stream through a windowed cache (`EngineConfig.kv_window`: each token sees
     the first `sinks` tokens and the last `window`), `chunk` tokens per forward pass: the NLL
     [len - 1] (float64) of every token but the first, each predicted from what the window shows

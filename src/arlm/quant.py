@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 from . import kernels
 from .model import Transformer
+from .settings import ACTIVATIONS, DEFAULT_ACTIVATIONS
 
 
 class QuantizedLinear(nn.Module, ABC):
@@ -560,10 +561,9 @@ def _exact(layer: QuantizedLinear, weight: torch.Tensor) -> bool:
     return bool((layer.dequantize() - weight.detach().float()).abs().max() <= 1e-6 * weight.detach().abs().max())
 
 
-ACTIVATIONS = ("int8x2", "int8", "float32")
 
 
-def prepare(model: Transformer, activations: str = "int8x2", keep_dense: bool = False,
+def prepare(model: Transformer, activations: str = DEFAULT_ACTIVATIONS, keep_dense: bool = False,
             prefill_dtype: torch.dtype | None = None, packed: bool = True) -> Transformer:
     """Set every quantized layer's activation precision and layout, and its dense copy for prefill.
 
@@ -609,7 +609,7 @@ def prepare(model: Transformer, activations: str = "int8x2", keep_dense: bool = 
 
 
 def quantize(model: Transformer, mode: str = "auto", keep_dense: bool = True,
-             activations: str = "int8x2", prefill_dtype: torch.dtype | None = None,
+             activations: str = DEFAULT_ACTIVATIONS, prefill_dtype: torch.dtype | None = None,
              packed: bool = True) -> Transformer:
     """Replace every nn.Linear of a float model (attention, MLP, LM head) with a quantized layer,
     in place.

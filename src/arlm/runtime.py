@@ -9,8 +9,9 @@ A few things exist once per process whatever arlm does, and so are not any engin
 - the CPU's capabilities, read once (`cpu`): which matrix paths this machine runs.
 
 `runtime()` is the process's `Runtime`, made on first use. Front ends take it and pass it on
-(`Engine(..., runtime=...)`, the stats, `/metrics`); nothing else in arlm keeps mutable state at
-module level.
+(`Engine(..., runtime=...)`, the stats, `/metrics`). The one other mutable state at module level
+is serve/router_stats.py's: the cluster routers' counts, kept in a module of their own because
+Ray ships those classes to their process by value (a global beside them would be two objects).
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ from ..model import Transformer
 from ..runtime import Runtime
 from ..runtime import runtime as default_runtime
 from ..sampling import SamplingParams, top_logprobs
+from ..settings import KV_SINKS
 from ..structured import GrammarError
 from .block_pool import DEFAULT_BLOCK_SIZE
 from .hooks import (StepClockHook, StepHooks, StepResult, StepStats, StepStatsHook, ThreadWidthHook,
@@ -55,11 +56,11 @@ class EngineConfig:
     max_num_seqs: int = 64  # running requests at most
     max_num_batched_tokens: int = 512  # tokens per forward pass (decodes + prompt chunks)
     # A prompt with more tokens than this left is long: it runs in chunks of at most this many, and
-    # while others decode, long prompts share a few tokens a step (Scheduler._long_budget), so one
+    # while others decode, long prompts share a few tokens a step (step_budget.long_budget), so one
     # client's long prompt never stretches every stream's steps. None: prompts take the whole budget.
     long_prefill_tokens: int | None = None
     # The sequences of one group (Request.group: one API call's choices) that step together while
-    # other requests run or wait (Scheduler._group_turns). None: no limit.
+    # other requests run or wait (step_budget.group_turns). None: no limit.
     group_rows: int | None = None
     enable_prefix_caching: bool = True
     # None: the model's; float16 halves a step's K/V reads, "int8" / "int4" quantize them (kv_cache.py)
@@ -68,7 +69,7 @@ class EngineConfig:
     # the first kv_sinks tokens and the last kv_window, and requests run past the model's context
     # with a bounded number of blocks each. 0: off. Paged pool only; no prefix caching, no drafts.
     kv_window: int = 0
-    kv_sinks: int = 4
+    kv_sinks: int = KV_SINKS
 
     @property
     def contiguous(self) -> bool:

@@ -64,7 +64,7 @@ class Request:
     blocks: list[int] = field(default_factory=list)  # block table: block ids in position order
     block_hashes: list[bytes] = field(default_factory=list)  # content hashes of the window's full blocks
     num_registered: int = 0  # leading blocks known to the prefix cache (hit, or registered once full)
-    # A split pool's sliding-window layers' blocks (Scheduler.sliding_window), in position order as
+    # A split pool's sliding-window layers' blocks (BlockTables.sliding_window), in position order as
     # `blocks`; those wholly behind the window are given back (FREED), and the leading
     # num_local_registered are known to that pool's prefix cache (or FREED)
     local_blocks: list[int] = field(default_factory=list)

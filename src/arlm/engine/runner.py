@@ -194,7 +194,7 @@ class ModelRunner:
         freed = bool(cache.window or cache.split)
 
         def tensor(tables: list[list[int]]) -> torch.Tensor:
-            # entries behind a window (scheduler.FREED) are never read: any block will do
+            # entries behind a window (block_tables.FREED) are never read: any block will do
             return torch.tensor([([max(b, 0) for b in t] if freed else t) + [0] * (width - len(t)) for t in tables],
                                 device=dev)
 

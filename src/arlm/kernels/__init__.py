@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from ..files import cache_home
 from ..runtime import runtime
 from . import layout
 
@@ -44,8 +45,7 @@ def _build_dir(name: str, sources: list[Path], defines: tuple[str, ...] = ()) ->
     source = (b"".join(p.read_bytes() for p in [*sources, *headers]) + layout.header().encode() + b"-fopenmp"
               + "".join(f" -D{d}" for d in defines).encode())
     key = hashlib.sha256(source + torch.__version__.encode() + cpu.encode() + _march().encode()).hexdigest()[:16]
-    root = Path(os.environ.get("ARLM_CACHE", Path.home() / ".cache" / "arlm"))
-    return root / "kernels" / f"{name}-{key}"
+    return cache_home() / "kernels" / f"{name}-{key}"
 
 
 def _march() -> str:

@@ -38,7 +38,7 @@ import torch
 from tokenizers import Tokenizer as HFTokenizer
 
 from ..config import ModelConfig
-from ..files import atomic_write_text
+from ..files import atomic_write_text, cache_home
 from ..model import Transformer
 from ..quant import (Int8Linear, KQuantLinear, Q4Linear, Q5Linear, Q8Linear, Q8MinsLinear, QuantizedEmbedding,
                      QuantizedLinear, SplitLinear)
@@ -50,7 +50,7 @@ _DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16, tor
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("ARLM_CACHE", Path.home() / ".cache" / "arlm")) / "models"
+    return cache_home() / "models"
 
 
 def file_hash(path: Path) -> str:

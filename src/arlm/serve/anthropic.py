@@ -31,7 +31,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import Field
 
-from .common import MAX_COUNT, APIError, Server, _Strict, stream_error, text_parts
+from .common import Job, Reply, Server
+from .errors import APIError, stream_error
+from .schemas import MAX_COUNT, Strict, text_parts
 
 PING_SECONDS = 1.0  # a stream's keep-alive while its first token is still coming
 
@@ -52,7 +54,7 @@ def error_body(status: int, message: str) -> dict:
     return {"type": "error", "error": {"type": ERROR_TYPES.get(status, "api_error"), "message": message}}
 
 
-class MessagesRequest(_Strict):
+class MessagesRequest(Strict):
     model: str
     max_tokens: int = Field(ge=1, le=MAX_COUNT)
     messages: list[dict] = Field(min_length=1)
@@ -70,7 +72,7 @@ class MessagesRequest(_Strict):
     output_config: dict | None = None  # format: {"type": "json_schema", "schema"} (structured output); effort ignored
 
 
-class CountTokensRequest(_Strict):
+class CountTokensRequest(Strict):
     model: str
     messages: list[dict] = Field(min_length=1)
     system: str | list[dict] | None = None
@@ -178,22 +180,20 @@ def add_routes(app: FastAPI, server: Server) -> None:
         ids, constraint = await server.chat_prompt(conversation(req), tools, choice, parallel)
         params = server.params_for(len(ids), req.max_tokens, NAMES, "messages", temperature=req.temperature,
                                    top_p=req.top_p, top_k=req.top_k, stop=req.stop_sequences)
-        if constraint is not None:
-            await server.grammar("tools", constraint)
-        structured = constraint
         fmt = (req.output_config or {}).get("format")
-        if fmt is not None:
-            if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
-                raise APIError(400, "output_config.format: {\"type\": \"json_schema\", \"schema\": {...}}",
-                               param="output_config.format", code="invalid_value")
-            if constraint is not None:
-                raise APIError(400, "output_config.format: not with tools that may be called", code="invalid_value",
-                               param="output_config.format")
-            structured = await server.format_grammar({"type": "json_schema", "json_schema": {"schema": fmt["schema"]}},
-                                                     "output_config.format")
+        if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "json_schema"
+                                or not isinstance(fmt.get("schema"), dict)):
+            raise APIError(400, "output_config.format: {\"type\": \"json_schema\", \"schema\": {...}}",
+                           param="output_config.format", code="invalid_value")
+        _, structured = await server.constrain(
+            constraint, fmt is not None,
+            lambda: server.format_output({"type": "json_schema", "json_schema": {"schema": fmt["schema"]}},
+                                         "output_config.format"),
+            APIError(400, "output_config.format: not with tools that may be called", code="invalid_value",
+                     param="output_config.format"))
         params = dataclasses.replace(params, structured=structured)
         field = "output_config.format" if fmt is not None else "tools"
-        return await server.answer(request, Turn(server, ids, constraint is not None, field), (0, ids, params),
+        return await server.answer(request, Turn(server, ids, constraint is not None, field), [Job(0, ids, params)],
                                    req.stream, field)
 
 class Turn:
@@ -227,21 +227,18 @@ class Turn:
             return blocks, "max_tokens", None
         return blocks, ("stop_sequence" if stop is not None else "end_turn"), stop
 
-    async def collect(self, job) -> dict:
-        text, reason, count, stop = "", None, 0, None
-        async for d in self.server.run_all([job]):
-            text += d.text
-            reason, count, stop = d.finish_reason or reason, d.num_tokens, d.stop_sequence or stop
-        blocks, stop_reason, stop_sequence = self.blocks(text, reason, stop)
-        return self.message(blocks, stop_reason, stop_sequence, count)
+    async def collect(self, jobs: list[Job]) -> dict:
+        reply, = await self.server.replies(jobs)
+        blocks, stop_reason, stop_sequence = self.blocks(reply.text, reply.finish_reason, reply.stop_sequence)
+        return self.message(blocks, stop_reason, stop_sequence, reply.num_tokens)
 
-    async def events(self, job) -> AsyncIterator[str]:
+    async def events(self, jobs: list[Job]) -> AsyncIterator[str]:
         def event(kind: str, **fields) -> str:
             return f"event: {kind}\ndata: {json.dumps({'type': kind, **fields}, ensure_ascii=False)}\n\n"
 
         yield event("message_start", message=self.message([], None, None, 0))
-        text, reason, count, stop, opened = "", None, 0, None, False
-        deltas = self.server.run_all([job]).__aiter__()
+        reply, opened = Reply(), False
+        deltas = self.server.run_all(jobs).__aiter__()
         pending = asyncio.ensure_future(deltas.__anext__())
         try:
             while True:
@@ -255,15 +252,14 @@ class Turn:
                     d = pending.result()
                 except StopAsyncIteration:
                     break
-                text += d.text
-                reason, count, stop = d.finish_reason or reason, d.num_tokens, d.stop_sequence or stop
+                reply.add(d)
                 if not self.tools and d.text:
                     if not opened:
                         opened = True
                         yield event("content_block_start", index=0, content_block={"type": "text", "text": ""})
                     yield event("content_block_delta", index=0, delta={"type": "text_delta", "text": d.text})
                 pending = asyncio.ensure_future(deltas.__anext__())
-            blocks, stop_reason, stop_sequence = self.blocks(text, reason, stop)
+            blocks, stop_reason, stop_sequence = self.blocks(reply.text, reply.finish_reason, reply.stop_sequence)
             if opened:
                 yield event("content_block_stop", index=0)
             for k, block in enumerate(blocks):
@@ -279,7 +275,7 @@ class Turn:
                         "type": "input_json_delta", "partial_json": json.dumps(block["input"], ensure_ascii=False)})
                 yield event("content_block_stop", index=k)
             yield event("message_delta", delta={"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-                        usage={"output_tokens": count})
+                        usage={"output_tokens": reply.num_tokens})
             yield event("message_stop")
         except Exception as e:  # noqa: BLE001 - the stream has started: report in-band, in Anthropic's shape
             err = stream_error(e, self.field)["error"]

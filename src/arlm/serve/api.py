@@ -32,7 +32,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..engine import EngineDead
 from ..trace.live import live_page
 from . import anthropic, embeddings, metrics, openai_chat, openai_completions, responses, tokens
-from .common import APIError, Server, error_response
+from .common import Server
+from .errors import APIError, error_response
 from .openai_chat import ChatCompletionRequest
 from .openai_completions import CompletionRequest
 from .tokens import DetokenizeRequest, TokenizeRequest
@@ -41,6 +42,43 @@ __all__ = ["APIError", "ChatCompletionRequest", "CompletionRequest", "Detokenize
            "TokenizeRequest", "create_app"]
 
 log = logging.getLogger(__name__)
+
+
+def protocol_error(request: Request, status: int, message: str, param: str | None = None, code: str | None = None,
+                   type_: str = "invalid_request_error") -> JSONResponse:
+    """An error in the shape of the protocol the path speaks: Anthropic's on its routes, else
+    OpenAI's (the field it names in the message, as Anthropic's errors name none apart)."""
+    if request.url.path.startswith(anthropic.PATHS):
+        if param and not message.startswith(param):  # (Anthropic's shape has no field of its own for it)
+            message = f"{param}: {message}"
+        if code == "model_not_found":  # (Anthropic's status for it)
+            status = 404
+        return JSONResponse(anthropic.error_body(status, message), status)
+    return error_response(status, message, param, code, type_)
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    """Every error as a JSON body in the shape of the protocol its path speaks (`protocol_error`)."""
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, e: APIError) -> JSONResponse:
+        return protocol_error(request, e.status, e.message, e.param, e.code, e.type)
+
+    @app.exception_handler(EngineDead)
+    async def engine_dead(request: Request, e: EngineDead) -> JSONResponse:
+        return protocol_error(request, 503, f"the engine has stopped: {e}", type_="server_error",
+                              code="engine_dead")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
+        return protocol_error(request, e.status_code, str(e.detail), code=code)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, e: Exception) -> JSONResponse:
+        log.exception("internal error on %s", request.url.path)
+        return protocol_error(request, 500, f"internal error: {type(e).__name__}", type_="server_error",
+                              code="internal_error")
 
 
 def create_app(server: Server, engine_thread: bool = True) -> FastAPI:
@@ -62,35 +100,7 @@ def create_app(server: Server, engine_thread: bool = True) -> FastAPI:
 
     app.add_middleware(CountRequests, server=server)
 
-    def error(request: Request, status: int, message: str, param: str | None = None, code: str | None = None,
-              type_: str = "invalid_request_error") -> JSONResponse:
-        """An error in the shape of the protocol the path speaks: Anthropic's on its routes, else
-        OpenAI's (the field it names in the message, as Anthropic's errors name none apart)."""
-        if request.url.path.startswith(anthropic.PATHS):
-            if param and not message.startswith(param):  # (Anthropic's shape has no field of its own for it)
-                message = f"{param}: {message}"
-            if code == "model_not_found":  # (Anthropic's status for it)
-                status = 404
-            return JSONResponse(anthropic.error_body(status, message), status)
-        return error_response(status, message, param, code, type_)
-
-    @app.exception_handler(APIError)
-    async def api_error(request: Request, e: APIError) -> JSONResponse:
-        return error(request, e.status, e.message, e.param, e.code, e.type)
-
-    @app.exception_handler(EngineDead)
-    async def engine_dead(request: Request, e: EngineDead) -> JSONResponse:
-        return error(request, 503, f"the engine has stopped: {e}", type_="server_error", code="engine_dead")
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
-        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
-        return error(request, e.status_code, str(e.detail), code=code)
-
-    @app.exception_handler(Exception)
-    async def internal_error(request: Request, e: Exception) -> JSONResponse:
-        log.exception("internal error on %s", request.url.path)
-        return error(request, 500, f"internal error: {type(e).__name__}", type_="server_error", code="internal_error")
+    add_error_handlers(app)
 
     @app.get("/health")
     async def health() -> Response:
@@ -111,11 +121,11 @@ def create_app(server: Server, engine_thread: bool = True) -> FastAPI:
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 
     if server.live is not None:  # arlm serve --trace: the engine followed live
-        @app.get("/trace")
+        @app.get(TRACE_PATHS[0])
         async def trace_page() -> Response:
             return HTMLResponse(live_page())
 
-        @app.get("/trace/events")
+        @app.get(TRACE_PATHS[1])
         async def trace_events() -> Response:
             return StreamingResponse(server.live.events(), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -138,9 +148,8 @@ def create_app(server: Server, engine_thread: bool = True) -> FastAPI:
     return app
 
 
-KNOWN_PATHS = {"/health", "/metrics", "/trace", "/trace/events", "/tokenize", "/detokenize", "/tokenizer_info",
-               "/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/responses",
-               "/v1/messages", "/v1/messages/count_tokens"}
+# The live trace's page and events (`--trace`), counted under their own names with or without it.
+TRACE_PATHS = ("/trace", "/trace/events")
 
 
 class CountRequests:
@@ -149,6 +158,7 @@ class CountRequests:
 
     def __init__(self, app, server: Server) -> None:
         self.app, self.server = app, server
+        self.known: set[str] | None = None  # the app's paths without parameters, read on the first response
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -165,7 +175,9 @@ class CountRequests:
             await self.app(scope, receive, send_and_note)
         finally:
             path = scope["path"]
-            endpoint = path if path in KNOWN_PATHS else "/v1/models/{id}" if path.startswith("/v1/models/") else \
+            if self.known is None:
+                self.known = {route.path for route in scope["app"].routes if "{" not in route.path} | set(TRACE_PATHS)
+            endpoint = path if path in self.known else "/v1/models/{id}" if path.startswith("/v1/models/") else \
                 "/v1/responses/{id}" if path.startswith("/v1/responses/") else "other"
             key = (endpoint, status)
             self.server.http_requests[key] = self.server.http_requests.get(key, 0) + 1

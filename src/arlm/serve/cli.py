@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import socket
 import sys
@@ -12,7 +11,8 @@ import time
 from pathlib import Path
 
 from ..cli_common import (UsageError, add_chat_template_arg, add_model_args, add_speculative_args, check_device,
-                          load_llm, parse_size, positive_int)
+                          parse_size, positive_int)
+from ..settings import MAX_BODY_BYTES, MAX_ONGOING_REQUESTS, auto_matmul_path, auto_quantize
 from ..structured import GrammarLimits  # (no torch at its top: `arlm serve --help` reads the defaults)
 
 # The smallest --kv-cache-memory taken before the model loads: two blocks of a small model. The
@@ -64,34 +64,9 @@ def replica_count(text: str) -> int | str:
     return value
 
 
-def build_server(args: argparse.Namespace, config):
-    """The model, its engine and the HTTP API's state (`api.Server`) as the flags say: what one
-    `arlm serve` process serves, and each replica of `--replicas` (serve/cluster.py)."""
-    from ..engine import AsyncEngine, Engine
-    from ..trace.live import LiveTrace
-    from .common import Server
-
-    llm = load_llm(args)
-    config.kv_dtype = llm.kv_dtype  # --kv-dtype, resolved as for generate (auto: float16 where the native stack runs)
-    try:  # the pool's minimum (two blocks) and whether it fits, now that the model's shapes are known
-        engine = Engine(llm.runner, llm.tokenizer.eos_ids, config)
-        engine.grammars = llm.grammars  # (structured outputs: response_format, guided_*, tools)
-        llm.grammars.limits = GrammarLimits(timeout=args.grammar_timeout, max_size=args.grammar_max_size)
-    except ValueError as e:
-        flag = (f"--kv-cache-tokens {args.kv_cache_tokens}" if args.kv_cache_tokens is not None
-                else f"--kv-cache-memory {args.kv_cache_memory}")
-        raise UsageError(f"arlm serve: error: {flag}: {e}") from None
-    live = engine.hooks.add(LiveTrace(engine)) if args.trace else None
-    api_key = args.api_key or os.environ.get("ARLM_API_KEY") or None
-    return Server(llm, AsyncEngine(engine, stall_limit=args.health_step_timeout), args.served_model_name or args.model,
-                  api_key=api_key, max_body_bytes=args.max_body_bytes, live=live)
-
-
-def cmd_serve(args: argparse.Namespace) -> int:
-    # (these import torch: cli_common's doc)
-    from .. import kernels
-    from ..engine import EngineConfig
-    from ..kv_cache import check_pool_fits, kv_dtype_name
+def check_flags(args: argparse.Namespace) -> int:
+    """The flags' usage errors, before the model loads (each one line); the KV pool's bytes."""
+    from ..kv_cache import check_pool_fits  # (imports torch: cli_common's doc)
 
     try:
         memory = parse_size(args.kv_cache_memory)
@@ -111,9 +86,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.replicas == "auto":
         if args.max_replicas is not None and args.max_replicas < args.min_replicas:
             raise UsageError("arlm serve: error: --max-replicas must be >= --min-replicas")
-        if args.target_ongoing_requests is not None and not 0 < args.target_ongoing_requests <= 256:
-            raise UsageError("arlm serve: error: --target-ongoing-requests must be a number in (0, 256] (256: the "
-                             "requests a replica takes at once)")
+        if args.target_ongoing_requests is not None and not 0 < args.target_ongoing_requests <= MAX_ONGOING_REQUESTS:
+            raise UsageError(f"arlm serve: error: --target-ongoing-requests must be a number in (0, "
+                             f"{MAX_ONGOING_REQUESTS}] ({MAX_ONGOING_REQUESTS}: the requests a replica takes at once)")
     elif args.max_replicas is not None or args.target_ongoing_requests is not None or args.min_replicas != 1:
         raise UsageError("arlm serve: error: --min-replicas, --max-replicas and --target-ongoing-requests are for "
                          "--replicas auto")
@@ -128,21 +103,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
             check_pool_fits(memory, args.device, reserved=model_bytes(args.model))
         except ValueError as e:
             raise UsageError(f"arlm serve: error: --kv-cache-memory {args.kv_cache_memory}: {e}") from None
-    if args.quantize == "auto":
-        # As `arlm generate`: 4-bit where the weights already are (lossless), int8 elsewhere. With
-        # the packed kernels (AVX-512 VNNI) that is also the fastest choice at every batch size;
-        # with the row-layout kernels a served batch is compute-bound and int8 unpacks cheaper
-        # (docs/benchmarks.md, Serving).
-        args.quantize = ("none" if args.device != "cpu" or not kernels.native_available() else
-                         "auto" if kernels.packed_available() else "int8")
+    return memory
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    # (these import torch: cli_common's doc)
+    from ..engine import EngineConfig
+    from ..kv_cache import kv_dtype_name
+
+    memory = check_flags(args)
+    if args.quantize == "auto":  # (settings.py: serving's rule beside generate's)
+        args.quantize = auto_quantize(args.device, serving=True) or "none"
     if args.matmul_path == "auto" and args.prefill_dtype in (None, "auto") and args.quantize != "none" \
             and args.device == "cpu":
-        # Every token, prompt or generated, through the integer kernels: then a request's tokens
-        # do not depend on how its prompt was chunked or batched, or on a preemption (which
-        # recomputes generated tokens as a prompt). An explicit bf16 / float32 path is honoured
-        # (faster prompts on CPUs without VNNI, AMX tiles on those with them) and gives that up.
-        vnni = kernels.packed_available() and args.activations != "float32"
-        args.matmul_path = "vnni" if vnni else "avx2" if kernels.native_available() else "auto"
+        # Every token through the integer kernels where they are built (settings.auto_matmul_path).
+        # An explicit bf16 / float32 path is honoured (faster prompts on CPUs without VNNI, AMX
+        # tiles on those with them) and gives up that a request's tokens do not depend on its batch.
+        args.matmul_path = auto_matmul_path("cpu", args.activations, serving=True)
     config = EngineConfig(block_size=args.block_size, kv_cache_memory=memory, kv_cache_tokens=args.kv_cache_tokens,
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                           enable_prefix_caching=not args.no_prefix_caching,
@@ -155,6 +132,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from .api import create_app
+    from .build import build_server
 
     sock = bind(args.host, args.port)
     server = build_server(args, config)
@@ -221,7 +199,8 @@ def add_serve(sub) -> None:
                         "CPU's decode step costs about a row's share per sequence, so one request's n=16 would "
                         "otherwise make every other stream's steps ~3x longer")
     p.add_argument("--no-prefix-caching", action="store_true", help="do not share KV blocks of common prompt prefixes")
-    p.add_argument("--max-body-bytes", type=int, default=2 << 20, help="largest request body accepted (default: 2 MiB)")
+    p.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES,
+                   help=f"largest request body accepted (default: {MAX_BODY_BYTES >> 20} MiB)")
     limits = GrammarLimits()
     p.add_argument("--grammar-timeout", type=float, default=limits.timeout,
                    help="seconds a request's grammar (response_format, guided_*, tools) may take to compile, off "

@@ -36,12 +36,13 @@ from ray import serve
 from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter  # (Ray's default, not exported)
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from ..settings import MAX_ONGOING_REQUESTS
+
 PREFIX_CHARS = 256  # characters per hashed chunk of a prompt's text
-MAX_ONGOING = 256  # requests a replica takes at once (its engine queues what its batch cannot hold)
 
 
 def unavailable(message: str, code: str) -> dict:
-    """The ingress's own errors, in OpenAI's error shape (common.error_response's; common imports
+    """The ingress's own errors, in OpenAI's error shape (errors.error_response's; errors imports
     the engine and torch, which the ingress process never loads)."""
     return {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
 
@@ -187,13 +188,13 @@ class PrefixRouter(Addressed, RequestRouter):
 
 @serve.deployment
 class EngineReplica:
-    """One whole arlm server (cli.build_server) behind ASGI calls from the ingress."""
+    """One whole arlm server (build.build_server) behind ASGI calls from the ingress."""
 
     def __init__(self, args, config) -> None:
         import torch
 
         from .api import create_app
-        from .cli import build_server
+        from .build import build_server
 
         from ..runtime import runtime
 
@@ -406,7 +407,7 @@ def serve_replicated(args, config) -> int:
     if auto:  # Ray Serve's autoscaler: replicas added while they serve more than the target each, removed below it
         cpus = int(ray.cluster_resources().get("CPU", 1))
         top = args.max_replicas or max(args.min_replicas, cpus // args.threads_per_replica)
-        target = args.target_ongoing_requests or min(max(1, args.max_num_seqs // 2), MAX_ONGOING)
+        target = args.target_ongoing_requests or min(max(1, args.max_num_seqs // 2), MAX_ONGOING_REQUESTS)
         count = {"num_replicas": "auto", "autoscaling_config": {
             "min_replicas": args.min_replicas, "max_replicas": top, "target_ongoing_requests": target}}
         shown = f"{args.min_replicas}..{top} replicas (autoscaled, {target:g} requests each)"
@@ -417,7 +418,7 @@ def serve_replicated(args, config) -> int:
     replicas = EngineReplica.options(**count,
                                      ray_actor_options={"num_cpus": args.threads_per_replica,
                                                         "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(args.threads_per_replica)}}},
-                                     request_router_config=router, max_ongoing_requests=MAX_ONGOING,
+                                     request_router_config=router, max_ongoing_requests=MAX_ONGOING_REQUESTS,
                                      graceful_shutdown_timeout_s=max(60.0, args.drain_timeout))
     serve.run(Ingress.bind(replicas.bind(args, config), fewest), name="arlm", route_prefix="/")
     print(f"arlm serve: model {args.served_model_name or args.model} on {shown} x "

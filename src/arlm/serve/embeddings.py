@@ -21,13 +21,16 @@ from fastapi.responses import Response
 from pydantic import Field
 
 from ..sampling import SamplingParams
-from .common import MAX_COUNT, PROMPT_TYPES, APIError, Server, _Strict, _unless_disconnected
+from .common import Server
+from .errors import APIError
+from .schemas import MAX_COUNT, PROMPT_TYPES, Strict
+from .transport import unless_disconnected
 
 # Inputs one request may give (OpenAI's limit): each is a request in the engine's queue.
 MAX_INPUTS = 2048
 
 
-class EmbeddingRequest(_Strict):
+class EmbeddingRequest(Strict):
     model: str
     input: str | list[str] | list[int] | list[list[int]]
     encoding_format: Literal["float", "base64"] = "float"
@@ -63,7 +66,7 @@ def add_routes(app: FastAPI, server: Server) -> None:
             if len(p) >= room:
                 raise APIError(400, f"{param}: {len(p)} tokens; the context window takes {room - 1} at most",
                                param=param, code="context_length_exceeded")
-        vectors = await _unless_disconnected(request, _embed_all(server, ids))
+        vectors = await unless_disconnected(request, _embed_all(server, ids))
         if vectors is None:
             return Response(status_code=499)
         tokens = sum(map(len, ids))
@@ -88,7 +91,7 @@ async def _embed_all(server: Server, ids: list[list[int]]) -> list:
     arrival = time.monotonic()
     params = SamplingParams(max_new_tokens=1)
     # one call's inputs share its turns, as n choices do: 2,048 inputs run a few rows a step while
-    # others want the step, and take every row when alone (Scheduler._group_turns)
+    # others want the step, and take every row when alone (step_budget.group_turns)
     group = server.engine.new_request_id("call") if len(ids) > 1 else None
 
     async def one(p: list[int]):

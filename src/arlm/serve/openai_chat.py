@@ -1,5 +1,5 @@
 """OpenAI's Chat Completions API: `POST /v1/chat/completions` (messages through the chat
-template, tools, structured outputs, logprobs, n choices), answered by `choices.respond`."""
+template, tools, structured outputs, logprobs, n choices), answered by `choices.Choices`."""
 
 from __future__ import annotations
 
@@ -10,11 +10,14 @@ from fastapi.responses import Response
 from pydantic import Field
 
 from ..sampling import MAX_LOGPROBS
-from .choices import respond
-from .common import MAX_COUNT, APIError, ChatMessage, Server, _SamplingRequest
+from .choices import Choices
+from .common import Server
+from .errors import APIError
+from .sampling_fields import structured_output
+from .schemas import MAX_COUNT, ChatMessage, SamplingRequest
 
 
-class ChatCompletionRequest(_SamplingRequest):
+class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_COUNT)
     logprobs: bool = False
@@ -39,14 +42,12 @@ def add_routes(app: FastAPI, server: Server) -> None:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
         if req.logprobs:
             params = dataclasses.replace(params, logprobs=req.top_logprobs or 0)
-        structured = await server.structured(req)
-        field, structured = structured or (None, None)
-        if constraint is not None:
-            if structured is not None:
-                raise APIError(400, "tools and a structured output (response_format, guided_*) at once",
-                               param="response_format", code="invalid_value")
-            field, structured = "tools", constraint
-            await server.grammar(field, structured)
+        output = structured_output(req)
+        field, structured = await server.constrain(
+            constraint, output is not None, lambda: output,
+            APIError(400, "tools and a structured output (response_format, guided_*) at once",
+                     param="response_format", code="invalid_value"))
         params = dataclasses.replace(params, structured=structured)
-        return await respond(server, request, req, server.jobs(0, ids, params, req.n), len(ids), chat=True,
-                             tools=server.tool_format if constraint is not None else None, field=field)
+        choices = Choices(server, req, len(ids), chat=True,
+                          tools=server.tool_format if constraint is not None else None, field=field)
+        return await server.answer(request, choices, server.jobs(0, ids, params, req.n), req.stream, field)

@@ -1,5 +1,5 @@
 """OpenAI's Completions API: `POST /v1/completions` (a prompt or several, as text or token ids;
-echo, logprobs, n choices), answered by `choices.respond`."""
+echo, logprobs, n choices), answered by `choices.Choices`."""
 
 from __future__ import annotations
 
@@ -10,11 +10,13 @@ from fastapi.responses import Response
 from pydantic import Field
 
 from ..sampling import MAX_LOGPROBS
-from .choices import respond
-from .common import MAX_COUNT, MAX_SEQUENCES_PER_REQUEST, APIError, Server, _SamplingRequest
+from .choices import Choices
+from .common import Server
+from .errors import APIError
+from .schemas import MAX_COUNT, MAX_SEQUENCES_PER_REQUEST, SamplingRequest
 
 
-class CompletionRequest(_SamplingRequest):
+class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(None, ge=0, le=MAX_COUNT)  # 0: with echo, the prompt's log-probabilities alone
     echo: bool = False
@@ -58,5 +60,6 @@ def add_routes(app: FastAPI, server: Server) -> None:
             new = server.jobs(len(jobs), ids, params, req.n)
             jobs += new
             echo += [p if isinstance(p, str) else server.llm.tokenizer.decode(ids)] * len(new)
-        return await respond(server, request, req, jobs, sum(map(len, prompts)), chat=False,
-                             echo=echo if req.echo else None, zero=req.max_tokens == 0, field=field)
+        choices = Choices(server, req, sum(map(len, prompts)), chat=False, echo=echo if req.echo else None,
+                          zero=req.max_tokens == 0, field=field)
+        return await server.answer(request, choices, jobs, req.stream, field)

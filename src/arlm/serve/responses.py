@@ -32,13 +32,15 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import Field
 
-from .common import MAX_COUNT, APIError, Server, _Strict, stream_error, text_parts
+from .common import Job, Reply, Server
+from .errors import APIError, stream_error
+from .schemas import MAX_COUNT, Strict, text_parts
 
 # OpenAI's names for the sampling fields' errors
 NAMES = {"max_tokens": "max_output_tokens", "stop": "text"}
 
 
-class ResponsesRequest(_Strict):
+class ResponsesRequest(Strict):
     model: str
     input: str | list[dict] = Field(...)
     instructions: str | None = None
@@ -206,16 +208,13 @@ def add_routes(app: FastAPI, server: Server) -> None:
         params = server.params_for(len(ids), req.max_output_tokens, NAMES, "input", temperature=req.temperature,
                                    top_p=req.top_p, seed=req.seed, top_k=req.top_k)
         fmt = text_format(req)
-        structured, field = constraint, "tools" if constraint is not None else "text.format"
-        if fmt is not None and fmt["type"] != "text":
-            if constraint is not None:
-                raise APIError(400, "tools and a JSON text.format at once", param="text.format", code="invalid_value")
-            structured = await server.format_grammar(fmt, "text.format")
-        elif constraint is not None:
-            await server.grammar("tools", constraint)
+        _, structured = await server.constrain(
+            constraint, fmt is not None and fmt["type"] != "text", lambda: server.format_output(fmt, "text.format"),
+            APIError(400, "tools and a JSON text.format at once", param="text.format", code="invalid_value"))
+        field = "tools" if constraint is not None else "text.format"
         params = dataclasses.replace(params, structured=structured)
         turn = Turn(server, req, messages, calls, ids, constraint is not None, field)
-        return await server.answer(request, turn, (0, ids, params), req.stream, field)
+        return await server.answer(request, turn, [Job(0, ids, params)], req.stream, field)
 
 class Turn:
     """One response: the request's fields echoed, the output items built from the reply."""
@@ -266,23 +265,20 @@ class Turn:
                 "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status
                 != "in_progress" else []}
 
-    def finish(self, output: list[dict], turn: list[dict], reason: str | None, count: int, cached: int) -> dict:
-        incomplete = "max_output_tokens" if reason == "length" else None
-        response = self.response("incomplete" if incomplete else "completed", output, self.usage(count, cached),
-                                 incomplete)
+    def finish(self, output: list[dict], turn: list[dict], reply: Reply) -> dict:
+        incomplete = "max_output_tokens" if reply.finish_reason == "length" else None
+        response = self.response("incomplete" if incomplete else "completed", output,
+                                 self.usage(reply.num_tokens, reply.cached_tokens), incomplete)
         if self.req.store:
             self.server.responses.put(response, self.messages + turn, self.calls)
         return response
 
-    async def collect(self, job) -> dict:
-        text, reason, count, cached = "", None, 0, 0
-        async for d in self.server.run_all([job]):
-            text += d.text
-            reason, count, cached = d.finish_reason or reason, d.num_tokens, d.cached_tokens
-        output, turn = self.items(text, reason)
-        return self.finish(output, turn, reason, count, cached)
+    async def collect(self, jobs: list[Job]) -> dict:
+        reply, = await self.server.replies(jobs)
+        output, turn = self.items(reply.text, reply.finish_reason)
+        return self.finish(output, turn, reply)
 
-    async def events(self, job) -> AsyncIterator[str]:
+    async def events(self, jobs: list[Job]) -> AsyncIterator[str]:
         seq = 0
 
         def event(kind: str, **fields) -> str:
@@ -292,11 +288,10 @@ class Turn:
 
         yield event("response.created", response=self.response("in_progress", [], None))
         yield event("response.in_progress", response=self.response("in_progress", [], None))
-        text, reason, count, cached, started = "", None, 0, 0, False
+        reply, started = Reply(), False
         try:
-            async for d in self.server.run_all([job]):
-                text += d.text
-                reason, count, cached = d.finish_reason or reason, d.num_tokens, d.cached_tokens
+            async for d in self.server.run_all(jobs):
+                reply.add(d)
                 if self.tools:  # a tool call is parsed whole: its events come at the end
                     continue
                 if not started:
@@ -307,7 +302,7 @@ class Turn:
                 if d.text:
                     yield event("response.output_text.delta", item_id=self.msg_id, output_index=0, content_index=0,
                                 delta=d.text, logprobs=[])
-            output, turn = self.items(text, reason)
+            output, turn = self.items(reply.text, reply.finish_reason)
             for k, item in enumerate(output):
                 if item["type"] == "message":
                     if not started:
@@ -331,7 +326,7 @@ class Turn:
                     yield event("response.function_call_arguments.done", item_id=item["id"], output_index=k,
                                 name=item["name"], arguments=item["arguments"])
                 yield event("response.output_item.done", output_index=k, item=item)
-            response = self.finish(output, turn, reason, count, cached)
+            response = self.finish(output, turn, reply)
             kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
             yield event(kind, response=response)
         except Exception as e:  # noqa: BLE001 - the stream has started: report in-band

@@ -7,10 +7,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from ..llm import PromptError
-from .common import APIError, ChatMessage, Server, _Strict
+from .common import Server
+from .errors import APIError
+from .schemas import ChatMessage, Strict
 
 
-class TokenizeRequest(_Strict):  # vLLM's POST /tokenize: a prompt, or chat messages
+class TokenizeRequest(Strict):  # vLLM's POST /tokenize: a prompt, or chat messages
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -19,7 +21,7 @@ class TokenizeRequest(_Strict):  # vLLM's POST /tokenize: a prompt, or chat mess
     return_token_strs: bool = False
 
 
-class DetokenizeRequest(_Strict):
+class DetokenizeRequest(Strict):
     model: str | None = None
     tokens: list[int]
 

@@ -22,8 +22,7 @@ import time
 import torch
 
 from ..engine.hooks import StepHook, StepResult
-from ..files import atomic_write_text
-from ..loading.cache import cache_root
+from ..files import atomic_write_text, cache_home
 from ..sampling import SamplingParams
 
 TOP_K = 10  # next-token candidates recorded per sampled token
@@ -68,7 +67,7 @@ def machine_ceilings() -> dict:
     """`measure_ceilings` for this CPU and thread count, measured on first use and then read from
     ~/.cache/arlm/machine.json (ARLM_CACHE moves it, as the model cache)."""
     key = f"{_cpu_name()}|{os.cpu_count()}|{torch.get_num_threads()}|{torch.__version__}"
-    path = cache_root().parent / "machine.json"
+    path = cache_home() / "machine.json"
     try:
         known = json.loads(path.read_text())
     except (OSError, ValueError):
