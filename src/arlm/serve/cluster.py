@@ -29,6 +29,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections import OrderedDict
 from typing import Any, AsyncIterator
 
@@ -392,14 +393,13 @@ class Ingress:
 def serve_replicated(args, config) -> int:
     """Start (or join: --ray-address) a Ray cluster and run the application until a signal."""
     import ray
-    from ray.serve.config import HTTPOptions, RequestRouterConfig
+    from ray.serve.config import RequestRouterConfig
 
     auto = args.replicas == "auto"
     fewest = args.min_replicas if auto else args.replicas
     ray.init(address=args.ray_address, include_dashboard=False, log_to_driver=False,  # (a local instance:
              # the replicas asked for fit, on fewer cores than they ask if need be, rather than wait for ever)
              **({} if args.ray_address else {"num_cpus": max(os.cpu_count() or 1, fewest * args.threads_per_replica)}))
-    serve.start(http_options=HTTPOptions(host=args.host, port=args.port))
     router = RequestRouterConfig(request_router_class="arlm.serve.cluster:PrefixRouter",
                                  request_router_kwargs={"imbalanced_threshold": 4}) \
         if args.replica_router == "prefix" else RequestRouterConfig(request_router_class="arlm.serve.cluster:PowerOfTwoRouter")
@@ -419,7 +419,10 @@ def serve_replicated(args, config) -> int:
                                                         "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(args.threads_per_replica)}}},
                                      request_router_config=router, max_ongoing_requests=MAX_ONGOING,
                                      graceful_shutdown_timeout_s=max(60.0, args.drain_timeout))
-    serve.run(Ingress.bind(replicas.bind(args, config), fewest), name="arlm", route_prefix="/")
+    if (failed := deploy(Ingress.bind(replicas.bind(args, config), fewest), args)) is not None:
+        print(f"arlm serve: {failed}", file=sys.stderr, flush=True)
+        stop(args)
+        return 1
     print(f"arlm serve: model {args.served_model_name or args.model} on {shown} x "
           f"{args.threads_per_replica} thread(s) of Ray Serve, routed by "
           f"{'prompt prefix' if args.replica_router == 'prefix' else 'power of two choices'}; listening on "
@@ -437,8 +440,56 @@ def serve_replicated(args, config) -> int:
     except Exception as e:  # noqa: BLE001 - the ingress lost or stuck: stop all the same
         print(f"arlm serve: the drain did not complete ({type(e).__name__}); stopping", file=sys.stderr, flush=True)
     serve.delete("arlm")
+    stop(args)
+    return 0
+
+
+def deploy(app, args) -> str | None:
+    """Start Ray Serve and the application; None once its HTTP proxy and every replica run, else
+    why not, in a line. Each is a Ray worker process that imports Ray before it runs (and a replica
+    loads its model): on a loaded machine that takes tens of seconds, more than Serve's controller
+    gives the proxy (three readiness checks of RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S, 5 s: then it
+    kills the proxy, never run, and serve.start fails) or serve.start waits for it (60 s). Both are
+    sized to --replica-start-timeout here, and so is the wait for the replicas (none of Serve's)."""
+    import ray
+    from ray.serve.config import HTTPOptions
+    from ray.serve.schema import ApplicationStatus, ProxyStatus
+
+    timeout = args.replica_start_timeout
+    deadline = time.monotonic() + timeout
+
+    def late(what: str) -> str:
+        return (f"{what} {'was' if what == 'the HTTP proxy' else 'were'} not running after {timeout:g} s: raise "
+                f"--replica-start-timeout (a loaded machine or a large model needs more)")
+
+    knobs = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": f"{timeout / 3:g}"}  # (the controller's: a new one's only)
+    try:
+        serve.start(http_options=HTTPOptions(host=args.host, port=args.port),
+                    controller_options={"runtime_env": {"env_vars": knobs}})
+    except TimeoutError:  # (serve.start's own 60 s for the proxy: the controller goes on starting it)
+        pass
+    except ray.exceptions.RayActorError:  # (the controller gave up on the proxy: our time is up)
+        return late("the HTTP proxy")
+    serve.run_many([serve.RunTarget(app, name="arlm", route_prefix="/")], wait_for_applications_running=False)
+    while True:
+        status = serve.status()
+        state = status.applications.get("arlm")
+        proxy = bool(status.proxies) and all(p == ProxyStatus.HEALTHY for p in status.proxies.values())
+        replicas = state is not None and state.status == ApplicationStatus.RUNNING
+        if state is not None and state.status == ApplicationStatus.DEPLOY_FAILED:
+            return f"the replicas failed to start: {(state.message.strip() or 'no reason given').splitlines()[-1]}"
+        if proxy and replicas:
+            return None
+        if time.monotonic() > deadline:
+            return late(" and ".join(["the HTTP proxy"] * (not proxy) + ["the replicas"] * (not replicas)))
+        time.sleep(0.5)
+
+
+def stop(args) -> None:
+    """Stop Serve and the local Ray instance this process began (a joined cluster goes on)."""
+    import ray
+
     if not args.ray_address:
         serve.shutdown()
         ray.shutdown()
-    return 0
 
