@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
+import random
+import socket
 import subprocess
 import threading
 import time
@@ -28,13 +30,35 @@ START_TIMEOUT = 600  # --replica-start-timeout: then the server gives up and say
 DRAIN_TIMEOUT = 30  # --drain-timeout: the product's default
 
 
+def port_below_ephemeral() -> int:
+    """A free loopback port below the kernel's ephemeral range. Ray Serve's proxy binds the port
+    when it runs, a minute on a loaded machine after the server starts, and meanwhile a port of that
+    range may be handed to one of Ray's own processes binding port 0 (here a worker's gRPC server
+    took the proxy's 34077: "Failed to bind to address"). Ray's fixed ports are below 20000."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except OSError:
+        low = 32768
+    for port in random.sample(range(20000, low), 100):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise AssertionError(f"no free port in 20000..{low}")
+
+
 @pytest.fixture(scope="module")
 def servers():
     """(replicated, single): the same flags, one behind Ray Serve with 2 replicas of 1 thread."""
     single = ServerProcess("--kv-cache-tokens", "4096", "--api-key", KEY)
+    port = port_below_ephemeral()  # (the last --port given is the one taken)
     replicated = ServerProcess("--kv-cache-tokens", "4096", "--api-key", KEY, "--replicas", "2",
                                "--threads-per-replica", "1", "--drain-timeout", str(DRAIN_TIMEOUT),
-                               "--replica-start-timeout", str(START_TIMEOUT))
+                               "--replica-start-timeout", str(START_TIMEOUT), "--port", str(port))
+    replicated.port, replicated.url = port, f"http://127.0.0.1:{port}"
     try:
         single.wait_ready()
         replicated.wait_ready(timeout=START_TIMEOUT + 120)  # (a hang guard: the server gives up first)
