@@ -30,7 +30,7 @@ import signal
 import sys
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from typing import Any, AsyncIterator
 
 from ray import serve
@@ -125,23 +125,38 @@ class PowerOfTwoRouter(Addressed, PowerOfTwoChoicesRequestRouter):
 class PrefixRouter(Addressed, RequestRouter):
     """Prefix-aware routing over Ray Serve's request router (the module doc). It picks the
     replica itself (the first rank holds one; the others follow should it refuse the request), so
-    that it knows where each prefix went; the load it weighs is the requests it has sent each
-    replica that have not completed. No FIFOMixin: with it Ray hands a chosen replica to the
-    oldest request waiting, not to the one it was chosen for; without it, to that one."""
+    that it knows where each prefix went; the load it weighs is its requests not completed, each
+    counted once: on the replica it was chosen for, then on the one Ray routed it to (another when
+    the chosen one missed Ray's queue-length probe deadline, as on a loaded machine: counted where
+    chosen, the chosen one's count grew for ever and it got nothing). No FIFOMixin: with it Ray
+    hands a chosen replica to the oldest request waiting, not to the one it was chosen for;
+    without it, to that one."""
 
     def initialize_state(self, imbalanced_threshold: int = 4, max_prefixes: int = 8192) -> None:
         self.imbalanced_threshold = imbalanced_threshold
         self.max_prefixes = max_prefixes
         self.recent: dict[ReplicaID, OrderedDict[str, None]] = {}
-        self.outstanding: dict[ReplicaID, int] = {}
+        self.placed: dict[str, tuple[ReplicaID, PendingRequest]] = {}  # request id -> where it counts
+        self.outstanding: Counter[ReplicaID] = Counter()
+
+    def place(self, pending: PendingRequest, replica_id: ReplicaID) -> None:
+        self.unplace(pending.metadata.internal_request_id)
+        self.placed[pending.metadata.internal_request_id] = (replica_id, pending)
+        self.outstanding[replica_id] += 1
+
+    def unplace(self, request_id: str) -> None:
+        if (entry := self.placed.pop(request_id, None)) is not None:
+            self.outstanding[entry[0]] -= 1
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         if not candidate_replicas or pending_request is None:
             return [candidate_replicas]
+        for request_id in [i for i, (_, p) in self.placed.items() if p.future.cancelled()]:
+            self.unplace(request_id)  # (left before it was sent: no completion comes)
         if (named := self.addressed(candidate_replicas, pending_request)) is not None:
             if len(named) == 1:  # (counted as any other: its completion is; else it is not yet placed)
-                self.outstanding[named[0].replica_id] = self.outstanding.get(named[0].replica_id, 0) + 1
+                self.place(pending_request, named[0].replica_id)
             return [named]
         keyed = pending_request.kwargs.get("prefix") is not None  # (None: not a request with a prompt: a GET)
         hashes = pending_request.kwargs.get("prefix") or []
@@ -155,7 +170,7 @@ class PrefixRouter(Addressed, RequestRouter):
                 n += 1
             return n
 
-        load = {r.replica_id: self.outstanding.get(r.replica_id, 0) for r in candidate_replicas}
+        load = {r.replica_id: self.outstanding[r.replica_id] for r in candidate_replicas}
         # the least loaded; among equals the one holding the fewest prefixes (new conversations spread)
         least = min(candidate_replicas, key=lambda r: (load[r.replica_id], len(self.recent.get(r.replica_id, ()))))
         best = max(candidate_replicas, key=matched) if hashes else least
@@ -173,17 +188,20 @@ class PrefixRouter(Addressed, RequestRouter):
             seen.move_to_end(h)
         while len(seen) > self.max_prefixes:
             seen.popitem(last=False)
-        self.outstanding[chosen.replica_id] = load[chosen.replica_id] + 1
+        self.place(pending_request, chosen.replica_id)
         return [[chosen], [r for r in candidate_replicas if r is not chosen]]
 
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
+        self.place(pending_request, replica_id)
+
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        if self.outstanding.get(replica_id):
-            self.outstanding[replica_id] -= 1
+        self.unplace(internal_request_id)
 
     def forget(self, alive: set) -> None:
-        for kept in (getattr(self, "recent", {}), getattr(self, "outstanding", {})):
-            for gone in [r for r in kept if r not in alive]:
-                del kept[gone]
+        for gone in [r for r in getattr(self, "recent", {}) if r not in alive]:
+            del self.recent[gone]
+        for request_id in [i for i, (r, _) in getattr(self, "placed", {}).items() if r not in alive]:
+            self.unplace(request_id)
 
 
 @serve.deployment
