@@ -236,6 +236,9 @@ def add_serve(sub) -> None:
     g.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds the running streams may take to finish before they are ended with an "
                         "error event; new requests get 503 meanwhile (default: 30)")
+    g.add_argument("--replica-start-timeout", type=float, default=600.0,
+                   help="seconds the HTTP proxy and the replicas (each loading the model) may take to start before "
+                        "the server gives up; a loaded machine or a large model needs more (default: 600)")
     g.add_argument("--threads-per-replica", type=positive_int, default=1,
                    help="CPU cores each replica is given (Ray's num_cpus) and its threads (default: 1)")
     p.set_defaults(func=cmd_serve)

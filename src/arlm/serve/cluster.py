@@ -29,7 +29,8 @@ import os
 import signal
 import sys
 import threading
-from collections import OrderedDict
+import time
+from collections import Counter, OrderedDict
 from typing import Any, AsyncIterator
 
 from ray import serve
@@ -125,23 +126,38 @@ class PowerOfTwoRouter(Addressed, PowerOfTwoChoicesRequestRouter):
 class PrefixRouter(Addressed, RequestRouter):
     """Prefix-aware routing over Ray Serve's request router (the module doc). It picks the
     replica itself (the first rank holds one; the others follow should it refuse the request), so
-    that it knows where each prefix went; the load it weighs is the requests it has sent each
-    replica that have not completed. No FIFOMixin: with it Ray hands a chosen replica to the
-    oldest request waiting, not to the one it was chosen for; without it, to that one."""
+    that it knows where each prefix went; the load it weighs is its requests not completed, each
+    counted once: on the replica it was chosen for, then on the one Ray routed it to (another when
+    the chosen one missed Ray's queue-length probe deadline, as on a loaded machine: counted where
+    chosen, the chosen one's count grew for ever and it got nothing). No FIFOMixin: with it Ray
+    hands a chosen replica to the oldest request waiting, not to the one it was chosen for;
+    without it, to that one."""
 
     def initialize_state(self, imbalanced_threshold: int = 4, max_prefixes: int = 8192) -> None:
         self.imbalanced_threshold = imbalanced_threshold
         self.max_prefixes = max_prefixes
         self.recent: dict[ReplicaID, OrderedDict[str, None]] = {}
-        self.outstanding: dict[ReplicaID, int] = {}
+        self.placed: dict[str, tuple[ReplicaID, PendingRequest]] = {}  # request id -> where it counts
+        self.outstanding: Counter[ReplicaID] = Counter()
+
+    def place(self, pending: PendingRequest, replica_id: ReplicaID) -> None:
+        self.unplace(pending.metadata.internal_request_id)
+        self.placed[pending.metadata.internal_request_id] = (replica_id, pending)
+        self.outstanding[replica_id] += 1
+
+    def unplace(self, request_id: str) -> None:
+        if (entry := self.placed.pop(request_id, None)) is not None:
+            self.outstanding[entry[0]] -= 1
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         if not candidate_replicas or pending_request is None:
             return [candidate_replicas]
+        for request_id in [i for i, (_, p) in self.placed.items() if p.future.cancelled()]:
+            self.unplace(request_id)  # (left before it was sent: no completion comes)
         if (named := self.addressed(candidate_replicas, pending_request)) is not None:
             if len(named) == 1:  # (counted as any other: its completion is; else it is not yet placed)
-                self.outstanding[named[0].replica_id] = self.outstanding.get(named[0].replica_id, 0) + 1
+                self.place(pending_request, named[0].replica_id)
             return [named]
         keyed = pending_request.kwargs.get("prefix") is not None  # (None: not a request with a prompt: a GET)
         hashes = pending_request.kwargs.get("prefix") or []
@@ -155,7 +171,7 @@ class PrefixRouter(Addressed, RequestRouter):
                 n += 1
             return n
 
-        load = {r.replica_id: self.outstanding.get(r.replica_id, 0) for r in candidate_replicas}
+        load = {r.replica_id: self.outstanding[r.replica_id] for r in candidate_replicas}
         # the least loaded; among equals the one holding the fewest prefixes (new conversations spread)
         least = min(candidate_replicas, key=lambda r: (load[r.replica_id], len(self.recent.get(r.replica_id, ()))))
         best = max(candidate_replicas, key=matched) if hashes else least
@@ -173,17 +189,20 @@ class PrefixRouter(Addressed, RequestRouter):
             seen.move_to_end(h)
         while len(seen) > self.max_prefixes:
             seen.popitem(last=False)
-        self.outstanding[chosen.replica_id] = load[chosen.replica_id] + 1
+        self.place(pending_request, chosen.replica_id)
         return [[chosen], [r for r in candidate_replicas if r is not chosen]]
 
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
+        self.place(pending_request, replica_id)
+
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        if self.outstanding.get(replica_id):
-            self.outstanding[replica_id] -= 1
+        self.unplace(internal_request_id)
 
     def forget(self, alive: set) -> None:
-        for kept in (getattr(self, "recent", {}), getattr(self, "outstanding", {})):
-            for gone in [r for r in kept if r not in alive]:
-                del kept[gone]
+        for gone in [r for r in getattr(self, "recent", {}) if r not in alive]:
+            del self.recent[gone]
+        for request_id in [i for i, (r, _) in getattr(self, "placed", {}).items() if r not in alive]:
+            self.unplace(request_id)
 
 
 @serve.deployment
@@ -393,14 +412,13 @@ class Ingress:
 def serve_replicated(args, config) -> int:
     """Start (or join: --ray-address) a Ray cluster and run the application until a signal."""
     import ray
-    from ray.serve.config import HTTPOptions, RequestRouterConfig
+    from ray.serve.config import RequestRouterConfig
 
     auto = args.replicas == "auto"
     fewest = args.min_replicas if auto else args.replicas
     ray.init(address=args.ray_address, include_dashboard=False, log_to_driver=False,  # (a local instance:
              # the replicas asked for fit, on fewer cores than they ask if need be, rather than wait for ever)
              **({} if args.ray_address else {"num_cpus": max(os.cpu_count() or 1, fewest * args.threads_per_replica)}))
-    serve.start(http_options=HTTPOptions(host=args.host, port=args.port))
     router = RequestRouterConfig(request_router_class="arlm.serve.cluster:PrefixRouter",
                                  request_router_kwargs={"imbalanced_threshold": 4}) \
         if args.replica_router == "prefix" else RequestRouterConfig(request_router_class="arlm.serve.cluster:PowerOfTwoRouter")
@@ -420,7 +438,10 @@ def serve_replicated(args, config) -> int:
                                                         "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(args.threads_per_replica)}}},
                                      request_router_config=router, max_ongoing_requests=MAX_ONGOING_REQUESTS,
                                      graceful_shutdown_timeout_s=max(60.0, args.drain_timeout))
-    serve.run(Ingress.bind(replicas.bind(args, config), fewest), name="arlm", route_prefix="/")
+    if (failed := deploy(Ingress.bind(replicas.bind(args, config), fewest), args)) is not None:
+        print(f"arlm serve: {failed}", file=sys.stderr, flush=True)
+        stop(args)
+        return 1
     print(f"arlm serve: model {args.served_model_name or args.model} on {shown} x "
           f"{args.threads_per_replica} thread(s) of Ray Serve, routed by "
           f"{'prompt prefix' if args.replica_router == 'prefix' else 'power of two choices'}; listening on "
@@ -438,8 +459,56 @@ def serve_replicated(args, config) -> int:
     except Exception as e:  # noqa: BLE001 - the ingress lost or stuck: stop all the same
         print(f"arlm serve: the drain did not complete ({type(e).__name__}); stopping", file=sys.stderr, flush=True)
     serve.delete("arlm")
+    stop(args)
+    return 0
+
+
+def deploy(app, args) -> str | None:
+    """Start Ray Serve and the application; None once its HTTP proxy and every replica run, else
+    why not, in a line. Each is a Ray worker process that imports Ray before it runs (and a replica
+    loads its model): on a loaded machine that takes tens of seconds, more than Serve's controller
+    gives the proxy (three readiness checks of RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S, 5 s: then it
+    kills the proxy, never run, and serve.start fails) or serve.start waits for it (60 s). Both are
+    sized to --replica-start-timeout here, and so is the wait for the replicas (none of Serve's)."""
+    import ray
+    from ray.serve.config import HTTPOptions
+    from ray.serve.schema import ApplicationStatus, ProxyStatus
+
+    timeout = args.replica_start_timeout
+    deadline = time.monotonic() + timeout
+
+    def late(what: str) -> str:
+        return (f"{what} {'was' if what == 'the HTTP proxy' else 'were'} not running after {timeout:g} s: raise "
+                f"--replica-start-timeout (a loaded machine or a large model needs more)")
+
+    knobs = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": f"{timeout / 3:g}"}  # (the controller's: a new one's only)
+    try:
+        serve.start(http_options=HTTPOptions(host=args.host, port=args.port),
+                    controller_options={"runtime_env": {"env_vars": knobs}})
+    except TimeoutError:  # (serve.start's own 60 s for the proxy: the controller goes on starting it)
+        pass
+    except ray.exceptions.RayActorError:  # (the controller gave up on the proxy: our time is up)
+        return late("the HTTP proxy")
+    serve.run_many([serve.RunTarget(app, name="arlm", route_prefix="/")], wait_for_applications_running=False)
+    while True:
+        status = serve.status()
+        state = status.applications.get("arlm")
+        proxy = bool(status.proxies) and all(p == ProxyStatus.HEALTHY for p in status.proxies.values())
+        replicas = state is not None and state.status == ApplicationStatus.RUNNING
+        if state is not None and state.status == ApplicationStatus.DEPLOY_FAILED:
+            return f"the replicas failed to start: {(state.message.strip() or 'no reason given').splitlines()[-1]}"
+        if proxy and replicas:
+            return None
+        if time.monotonic() > deadline:
+            return late(" and ".join(["the HTTP proxy"] * (not proxy) + ["the replicas"] * (not replicas)))
+        time.sleep(0.5)
+
+
+def stop(args) -> None:
+    """Stop Serve and the local Ray instance this process began (a joined cluster goes on)."""
+    import ray
+
     if not args.ray_address:
         serve.shutdown()
         ray.shutdown()
-    return 0
 
