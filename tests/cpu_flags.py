@@ -88,6 +88,19 @@ def amx_expected() -> bool:
     return flags is not None and all(f in flags for f in AMX_FLAGS)
 
 
+def amx_int8_expected() -> bool:
+    """Whether the packed kernels take prompt rows on the AMX-INT8 tiles (a8_linear.cpp's amx_tile):
+    built for this CPU or an -march with them (__AMX_INT8__, __AMX_TILE__), the CPU has them, and
+    ARLM_AMX=0 does not turn them off."""
+    if not packed_expected() or os.environ.get("ARLM_AMX") == "0":
+        return False
+    flags = cpu_flags()
+    if flags is None or not {"amx_tile", "amx_int8"} <= flags:
+        return False
+    march = os.environ.get("ARLM_MARCH", "native")
+    return march == "native" or {"__AMX_INT8__", "__AMX_TILE__"} <= (march_macros(march) or frozenset())
+
+
 def matmul_path_expected() -> str:
     """LLM.configure's matmul_path="auto" on CPU, for a quantized model (src/arlm/llm.py): the
     packed integer kernels where they are built, else bf16 copies where bf16 is native, else

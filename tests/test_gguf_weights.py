@@ -20,7 +20,7 @@ import torch
 from arlm import kernels
 from arlm.quant import (Int8Linear, KQuantLinear, Q4Linear, Q8Linear, Q8MinsLinear, QuantizedEmbedding,
                         QuantizedLinear, quantize)
-from cpu_flags import packed_expected
+from cpu_flags import amx_int8_expected, packed_expected
 
 needs_packed = pytest.mark.skipif(not packed_expected(),
                                   reason="this CPU has no AVX-512 VNNI (or ARLM_MARCH built for one without)")
@@ -492,11 +492,7 @@ def test_layouts_hold_about_the_files_bytes(kind):
 def test_prompt_rows_take_the_amx_tiles_where_the_cpu_has_them():
     """So that the M = 37 and 80 cases above and below compare the two kernels on such a CPU
     (ARLM_AMX=0 in the environment turns the tiles off)."""
-    from arlm.runtime import runtime
-
-    wanted = bool(runtime().cpu.get("amx_int8")) and os.environ.get("ARLM_AMX") != "0" \
-        and kernels._march() == "native"
-    assert kernels.amx_active() == wanted
+    assert kernels.amx_active() == amx_int8_expected()
 
 
 @needs_packed

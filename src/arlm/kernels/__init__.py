@@ -152,7 +152,7 @@ def amx_active() -> bool:
 def matmul_isa(path: str) -> str:
     """The instructions `path` multiplies with on this CPU, for stats: e.g. "AVX512-VNNI", "AMX"."""
     if path == "vnni":  # prompt rows on the AMX tiles where the CPU has them (a8_linear.cpp's amx_tile)
-        return "AVX512-VNNI + AMX-INT8" if amx_active() else "AVX512-VNNI"
+        return "AVX512-VNNI+AMX-INT8" if amx_active() else "AVX512-VNNI"
     if path == "avx2":
         return "AVX2"
     caps = runtime().cpu
