@@ -323,7 +323,7 @@ class Transformer(nn.Module):
     def forward(self, idx: torch.Tensor, input_pos: torch.Tensor | None = None,
                 kv_cache: KVCache | None = None, kv_len: int | None = None,
                 output_index: torch.Tensor | None = None, dense: bool = False,
-                hidden_index: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                hidden_index: torch.Tensor | None = None, head: bool = True) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Logits for token ids `idx` [B, T].
 
         input_pos: [B, T] position of each token in its row (default 0 .. T-1 for every row).
@@ -338,6 +338,8 @@ class Transformer(nn.Module):
             engine's prompt tokens on the bf16 / float32 matrix paths).
         hidden_index: [K] positions of a one-row batch whose final normed hidden states [K, d_model]
             (float32) come back too, as (logits, hidden) (embedding requests: arlm.engine).
+        head: False returns the final normed hidden states [B, T, d_model] instead of logits
+            (training multiplies them into the LM head and the loss together: arlm.train.loss).
         Returns [B, T, vocab] float logits, or [B, vocab] with output_index.
         """
         B, T = idx.shape
@@ -379,6 +381,8 @@ class Transformer(nn.Module):
             sliding = cfg.sliding(i)
             x = block(x, local_rope if sliding else rope, local_mask if sliding else mask, kv_cache, input_pos,
                       kv_len, dense)
+        if not head:
+            return self.norm(x)
         h = self.norm(x[0, hidden_index]).float() if hidden_index is not None else None
         if output_index is not None:
             x = x[torch.arange(B, device=x.device), output_index]  # [B, d_model]

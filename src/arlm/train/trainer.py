@@ -25,17 +25,16 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .. import kernels
 from ..config import ConfigError, ModelConfig
 from ..loading import build_model, load_model
 from ..model import Transformer
-from . import checkpoints
+from . import checkpoints, lora
 from .config import MODEL_SHAPE_KEYS, TrainConfig, lr_at
 from .data import SPLITS, DataError, TokenData
+from .loss import linear_cross_entropy
 from .progress import METRICS_FILE, PLOT_FILE, MetricsLog, Progress, plot_losses
 
 EVAL_STREAM = 2**31 - 1  # seeds the fixed evaluation batches apart from the training ones
@@ -78,10 +77,18 @@ class TrainResult:
 def next_token_loss(model: torch.nn.Module, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy of the logits at every position against the next token.
 
-    idx, targets: [B, T] with targets[:, t] = the token after idx[:, t]. One forward pass.
+    idx, targets: [B, T] with targets[:, t] = the token after idx[:, t]. One forward pass; the LM
+    head and the loss are taken together, a chunk of rows at a time (arlm.train.loss).
     """
-    logits = model(idx)  # [B, T, V], float32
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    hidden = model(idx, head=False)  # [B, T, d_model]
+    return linear_cross_entropy(hidden.flatten(0, 1), unwrap(model).lm_head.weight, targets.flatten())
+
+
+def unwrap(model: torch.nn.Module) -> Transformer:
+    """The Transformer inside DDP and torch.compile wrappers."""
+    while not isinstance(model, Transformer):
+        model = getattr(model, "_orig_mod", None) or model.module
+    return model
 
 
 def model_config_from_scratch(cfg: TrainConfig, vocab_size: int) -> ModelConfig:
@@ -119,14 +126,11 @@ def mixed_precision(device: torch.device, dtype: torch.dtype | None):
     if dtype is None:
         yield
         return
+    # (On CPU, torch 2.13's bf16 flash attention, forward and backward, is 2.9x the math kernel at
+    # context 256 and 3.7x at 1,024: benchmarks/train_speed.py --parts. Earlier torch's bf16
+    # flash backward was the slow one, and this forced the math kernel.)
     with torch.autocast(device.type, dtype=dtype):
-        if device.type != "cpu":
-            yield
-            return
-        # On CPU, torch's flash-attention backward is ~5x slower in bf16 than in float32, while
-        # the math kernel (two bf16 matmuls around a softmax) is about as fast as float32 flash.
-        with sdpa_kernel([SDPBackend.MATH]):
-            yield
+        yield
 
 
 def resolve_device(spec: str, local_rank: int) -> torch.device:
@@ -185,8 +189,9 @@ def evaluate(model: torch.nn.Module, data: TokenData, cfg: TrainConfig, device: 
 
 def check_resumable(saved: dict, cfg: TrainConfig, where: Path) -> None:
     """A checkpoint resumes only under the settings that shaped its model."""
-    diffs = [f"{k}={saved.get(k)!r} there, {getattr(cfg, k)!r} here" for k in MODEL_SHAPE_KEYS
-             if saved.get(k) != getattr(cfg, k)]
+    defaults = TrainConfig()  # (a key a checkpoint from before it lacks took its default)
+    diffs = [f"{k}={saved.get(k, getattr(defaults, k))!r} there, {getattr(cfg, k)!r} here" for k in MODEL_SHAPE_KEYS
+             if saved.get(k, getattr(defaults, k)) != getattr(cfg, k)]
     if diffs:
         raise ConfigError(f"checkpoint {where} comes from an incompatible config: {'; '.join(diffs)}")
 
@@ -286,12 +291,18 @@ def _train(cfg: TrainConfig, resume: bool, overwrite: bool, ddp: Distributed, de
         check_resumable(ckpt.state.get("train_config", {}), cfg, ckpt.path)
         check_tokenizer(data, ckpt.config, ckpt.tokenizer, f"the run in {out_dir}",
                         "resume on the data the run was trained on, or start a new run (another --out-dir)")
-        model = build_model(ckpt.config, ckpt.weights, device)
+        weights, adapters = lora.split_state(ckpt.weights)
+        model = build_model(ckpt.config, weights, device)
         set_dropout(model, cfg.dropout)
+        if cfg.lora_rank:
+            lora.apply(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets)
+            lora.load_adapters(model, adapters)
         chat_template = ckpt.chat_template
     else:
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank
         model, chat_template = init_model(cfg, data, device)
+        if cfg.lora_rank:  # (after the weights' seed: the adapters' init draws from it too)
+            lora.apply(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets)
     model.train()
     model_config = model.config
 
@@ -326,6 +337,8 @@ def _train(cfg: TrainConfig, resume: bool, overwrite: bool, ddp: Distributed, de
     tokens_per_step = cfg.batch_size * cfg.context_length * cfg.grad_accum
     progress.note(
         f"{model_config.family} model, {model.num_params() / 1e6:.2f}M parameters "
+        + (f"({sum(p.numel() for p in model.parameters() if p.requires_grad) / 1e6:.2f}M of them in rank-"
+           f"{cfg.lora_rank} LoRA adapters, the rest frozen) " if cfg.lora_rank else "") +
         f"({model_config.n_layer} layers, {model_config.n_head} heads, d_model {model_config.d_model}) | "
         f"data {data.meta['train_tokens']:,} train / {data.meta['val_tokens']:,} val tokens, vocab {data.vocab_size} | "
         f"{ddp.world_size} x {device.type} {str(amp_dtype or torch.float32).replace('torch.', '')} | "
@@ -445,7 +458,7 @@ def _save(out_dir: Path, step: int, model: Transformer, model_config: ModelConfi
     last_eval = next((r for r in reversed(history) if r["kind"] == "eval" and r["step"] == step), None)
     metrics = {k: v for k, v in (last_eval or {}).items() if k not in ("kind", "step")}
     meta = {"step": step, "metrics": metrics, "train_config": cfg.to_dict(),
-            "data": {"dir": str(data.path), "tokenizer": data.meta.get("tokenizer")}}
+            "data": {"dir": str(data.path), "tokenizer": data.meta.get("tokenizer")}, **lora.checkpoint_meta(model)}
     state = {"step": step, "optimizer": optimizer.state_dict(),
              "scaler": scaler.state_dict() if scaler.is_enabled() else None, "rng": rng,
              "best_val_loss": best_val, "world_size": ddp.world_size, "train_config": cfg.to_dict()}

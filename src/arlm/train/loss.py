@@ -1,0 +1,116 @@
+"""The training loss: the LM head and next-token cross-entropy in one pass, a chunk of rows at a time.
+
+The plain way (`F.cross_entropy(model(idx).flatten(0, 1), targets)`) holds the [N, V] logits
+(N = B * T rows, V = 49,152 for SmolLM2) several times over: the head's product, its float32
+copy, log_softmax's output, and in the backward pass the gradient of each: at N = 4,096 that is
+~0.8 GB apiece, written and read back once a step. `linear_cross_entropy` never holds more than
+one chunk's logits. For each chunk of `chunk_rows` rows it multiplies the chunk's logits, takes
+their logsumexp and the target's logit, and at once the loss's gradient with respect to them,
+(softmax - one_hot) / n, which it multiplies back into the gradients of the hidden states and of
+the head's weight. The backward pass then only scales those by the incoming gradient (a scalar),
+so the head costs the same three matrix products as the plain way and no recomputation
+(Liger-Kernel's fused linear cross-entropy; torchtune's chunked loss recomputes instead).
+
+The products are the plain path's: under autocast the chunk's logits are the same bf16 product of
+the same operands, cast to float32 for the softmax, and its gradient is rounded to bf16 for the two
+backward products. The weight's gradient is summed over chunks in float32 (one chunk: the plain
+path's bits).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+IGNORE_INDEX = -100  # a target that takes no part in the loss (F.cross_entropy's default)
+CHUNK_BYTES = 1 << 28  # float32 logits per chunk: 256 MB, 1,365 rows of a 49,152-token vocabulary
+
+
+def default_chunk_rows(vocab_size: int) -> int:
+    return max(1, CHUNK_BYTES // (4 * vocab_size))
+
+
+def compute_dtype(device: torch.device) -> torch.dtype:
+    """The dtype autocast would multiply in on `device` here (float32 outside autocast)."""
+    if torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
+    return torch.float32
+
+
+def _chunk_loss(logits: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row: logsumexp and the summed loss over the valid rows; logits [C, V] float32."""
+    lse = torch.logsumexp(logits, dim=-1)  # [C]
+    target_logit = logits.gather(1, targets[:, None]).squeeze(1)
+    return lse, ((lse - target_logit) * valid).sum()
+
+
+class LinearCrossEntropy(torch.autograd.Function):
+    """mean over valid rows of cross_entropy(hidden @ weight.T, targets); see the module's doc."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                chunk_rows: int, dtype: torch.dtype) -> torch.Tensor:
+        N = hidden.shape[0]
+        valid = targets != IGNORE_INDEX
+        safe_targets = targets.masked_fill(~valid, 0)
+        valid_f = valid.float()
+        n = valid_f.sum()
+        h, w = hidden.to(dtype), weight.to(dtype)  # the operands autocast would cast to, once
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_h = torch.empty_like(h) if need_h else None  # [N, d], in the product's dtype
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        scale = valid_f / n  # each valid row's share of the mean
+        for start in range(0, N, chunk_rows):
+            rows = slice(start, min(start + chunk_rows, N))
+            logits = (h[rows] @ w.T).float()  # [C, V]
+            lse, chunk_loss = _chunk_loss(logits, safe_targets[rows], valid_f[rows])
+            loss += chunk_loss
+            if grad_h is None and grad_w is None:
+                continue
+            # d loss / d logits = (softmax - one_hot) * scale, in place over the logits
+            grad = logits.sub_(lse[:, None]).exp_()
+            grad.scatter_add_(1, safe_targets[rows, None], torch.full_like(lse[:, None], -1.0))
+            grad = grad.mul_(scale[rows, None]).to(dtype)
+            if grad_h is not None:
+                torch.mm(grad, w, out=grad_h[rows])
+            if grad_w is not None:
+                grad_w += (grad.T @ h[rows]).float()
+        ctx.save_for_backward(grad_h, grad_w)
+        ctx.hidden_dtype = hidden.dtype
+        return loss / n
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):
+        grad_h, grad_w = ctx.saved_tensors
+        # The gradients were taken for d(loss) = 1; the caller's is a scalar (1 / grad_accum).
+        one = grad_loss.item() == 1.0
+        if grad_h is not None:
+            grad_h = (grad_h if one else grad_h * grad_loss).to(ctx.hidden_dtype)
+        if grad_w is not None and not one:
+            grad_w = grad_w * grad_loss
+        return grad_h, grad_w, None, None, None
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                         chunk_rows: int | None = None) -> torch.Tensor:
+    """F.cross_entropy(hidden @ weight.T, targets) (mean over targets != IGNORE_INDEX) without the
+    [N, V] logits: hidden [N, d], weight [V, d], targets [N] int64. Products in autocast's dtype
+    where autocast is on (as a Linear layer's would be), float32 otherwise. A float32 scalar."""
+    chunk_rows = chunk_rows or default_chunk_rows(weight.shape[0])
+    dtype = compute_dtype(hidden.device)
+    if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+        with torch.autocast(hidden.device.type, enabled=False):  # (dtypes chosen above, by hand)
+            return LinearCrossEntropy.apply(hidden, weight, targets, chunk_rows, dtype)
+    # no gradient wanted (evaluation): the loss alone, chunk by chunk
+    valid = targets != IGNORE_INDEX
+    safe_targets, valid_f = targets.masked_fill(~valid, 0), valid.float()
+    h, w = hidden.to(dtype), weight.to(dtype)
+    total = sum(_chunk_loss((h[i:i + chunk_rows] @ w.T).float(), safe_targets[i:i + chunk_rows],
+                            valid_f[i:i + chunk_rows])[1] for i in range(0, hidden.shape[0], chunk_rows))
+    return total / valid_f.sum()
+
+
+def reference_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The plain path `linear_cross_entropy` replaces: full logits, then F.cross_entropy (tests, benchmarks)."""
+    return F.cross_entropy(F.linear(hidden, weight).float(), targets, ignore_index=IGNORE_INDEX)

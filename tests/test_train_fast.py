@@ -1,0 +1,85 @@
+"""The fused LM head + cross-entropy (arlm.train.loss) against the plain path it replaces.
+
+References and tolerances, on fresh random inputs each run (seeded from the clock, printed on failure):
+- float32: loss and both gradients against F.cross_entropy over the full float64 logits: 1e-5
+  relative (the chunks sum in another order; float32 rounding only);
+- bf16 autocast: against the plain path under the same autocast (full bf16 logits, cast to float32):
+  the loss within 1e-5, the gradients within one bf16 rounding of their scale (the hidden states'
+  are the same products; the weight's sums over chunks in float32 where the plain path rounds the
+  whole sum to bf16 once);
+- targets of -100 take no part (as F.cross_entropy's ignore_index), and evaluation (no grad) gives
+  the same loss.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from arlm.train.loss import IGNORE_INDEX, linear_cross_entropy, reference_cross_entropy
+
+
+def random_case(seed: int, N: int = 300, d: int = 48, V: int = 1000, ignored: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(N, d, generator=g)
+    weight = torch.randn(V, d, generator=g) / d ** 0.5 * 3  # logits O(3): a softmax far from uniform
+    targets = torch.randint(0, V, (N,), generator=g)
+    if ignored:
+        targets[torch.randperm(N, generator=g)[:ignored]] = IGNORE_INDEX
+    return hidden, weight, targets
+
+
+def loss_and_grads(fn, hidden, weight, targets, dtype=None, **kw):
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+        loss = fn(h, w, targets, **kw)
+    (loss * 0.5).backward()  # a grad_output other than 1 (grad_accum divides the loss)
+    return loss.detach(), h.grad, w.grad
+
+
+@pytest.mark.parametrize("chunk_rows", [64, 77, 300, 4096])
+@pytest.mark.parametrize("ignored", [0, 40])
+def test_chunked_loss_equals_cross_entropy_float32(chunk_rows, ignored):
+    seed = time.time_ns() % 2**31
+    hidden, weight, targets = random_case(seed, ignored=ignored)
+    loss, gh, gw = loss_and_grads(linear_cross_entropy, hidden, weight, targets, chunk_rows=chunk_rows)
+    ref_loss, ref_gh, ref_gw = loss_and_grads(
+        lambda h, w, t: F.cross_entropy((h.double() @ w.double().T), t, ignore_index=IGNORE_INDEX),
+        hidden, weight, targets)
+    assert loss.dtype == torch.float32
+    msg = f"seed {seed}"
+    torch.testing.assert_close(loss, ref_loss.float(), rtol=1e-5, atol=0, msg=msg)
+    torch.testing.assert_close(gh, ref_gh, rtol=1e-5, atol=1e-7, msg=msg)
+    torch.testing.assert_close(gw, ref_gw, rtol=1e-5, atol=1e-7, msg=msg)
+    assert gh[targets == IGNORE_INDEX].abs().max().item() == 0.0 if ignored else True
+
+
+@pytest.mark.parametrize("chunk_rows", [100, 300])
+def test_chunked_loss_equals_cross_entropy_bf16_autocast(chunk_rows):
+    seed = time.time_ns() % 2**31
+    hidden, weight, targets = random_case(seed)
+    loss, gh, gw = loss_and_grads(linear_cross_entropy, hidden, weight, targets, torch.bfloat16, chunk_rows=chunk_rows)
+    ref_loss, ref_gh, ref_gw = loss_and_grads(reference_cross_entropy, hidden, weight, targets, torch.bfloat16)
+    msg = f"seed {seed}"
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0, msg=msg)
+    assert gh.dtype == gw.dtype == torch.float32
+    torch.testing.assert_close(gh, ref_gh, rtol=0, atol=2 ** -8 * ref_gh.abs().max().item(), msg=msg)
+    torch.testing.assert_close(gw, ref_gw, rtol=0, atol=2 ** -8 * ref_gw.abs().max().item(), msg=msg)
+    if chunk_rows >= hidden.shape[0]:  # one chunk: the plain path's products exactly
+        assert torch.equal(gh, ref_gh) and torch.equal(loss, ref_loss), msg
+
+
+def test_only_the_gradients_wanted_are_taken_and_no_grad_gives_the_loss():
+    hidden, weight, targets = random_case(1, ignored=10)
+    ref = reference_cross_entropy(hidden, weight, targets)
+    with torch.no_grad():
+        torch.testing.assert_close(linear_cross_entropy(hidden, weight, targets, chunk_rows=64), ref)
+    h = hidden.clone().requires_grad_()  # a frozen head (LoRA): no weight gradient is made
+    linear_cross_entropy(h, weight, targets, chunk_rows=64).backward()
+    h_ref = hidden.clone().requires_grad_()
+    reference_cross_entropy(h_ref, weight, targets).backward()
+    torch.testing.assert_close(h.grad, h_ref.grad, rtol=1e-5, atol=1e-7)
+    assert weight.grad is None
