@@ -167,7 +167,7 @@ class HFSide(Side):
 
     def forward(self, x, y):
         with torch.autocast("cpu", dtype=AMP):
-            return self.model(input_ids=x, labels=y, shift_labels=y).loss
+            return self.model(input_ids=x, labels=y, shift_labels=y.contiguous()).loss
 
     def update(self, lr):
         for group in self.optimizer.param_groups:

@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from . import fused
 from .config import ModelConfig
 from .kv_cache import KVCache
 
@@ -28,6 +29,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim) if plus_one else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad) \
+                and x.dtype == torch.float32 and not self.plus_one:
+            return fused.rms_norm(x, self.weight, self.eps)  # (training: the same values, a shorter backward)
         # Normalize in float32 like the reference implementations, then cast back (Gemma scales
         # before the cast, Llama after: each as its reference does).
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
@@ -116,12 +120,12 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         H, H_kv = self.n_head, self.n_kv_heads
         qkv = project(self.wqkv, x, dense).view(B, T, H + 2 * H_kv, self.head_dim)
-        qk, v = qkv[:, :, : H + H_kv], qkv[:, :, H + H_kv:]
+        qk, v = qkv.split([H + H_kv, H_kv], dim=2)  # (split, not slices: one backward pass, a cat)
         if hasattr(self, "q_norm"):
             qk = torch.cat([self.q_norm(qk[:, :, :H]), self.k_norm(qk[:, :, H:])], dim=2)
-        if rope is not None:
-            qk = apply_rope(qk, *rope)  # q and k heads rotated in one go
-        q, k = qk[:, :, :H], qk[:, :, H:]
+        if rope is not None:  # q and k heads rotated in one go
+            qk = fused.rope(qk, *rope) if torch.is_grad_enabled() and qk.requires_grad else apply_rope(qk, *rope)
+        q, k = qk.split([H, H_kv], dim=2)
         if self.q_scale is not None:
             q = q * self.q_scale
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T, d_head]

@@ -104,11 +104,15 @@ class LoRALinear(nn.Linear):
 def apply(model: nn.Module, rank: int, alpha: float | None = None,
           targets: str | list[str] | tuple[str, ...] = TARGETS) -> nn.Module:
     """Freeze every weight of `model` (an arlm Transformer) and add rank-`rank` adapters to the
-    `targets` projections of every block, in place; alpha defaults to 2 * rank. Returns the model."""
+    `targets` projections of every block that it has, in place; alpha defaults to 2 * rank.
+    Returns the model."""
     if rank <= 0:
         raise ConfigError(f"lora_rank must be positive, got {rank}")
     alpha = float(2 * rank if alpha is None else alpha)
-    chosen = parse_targets(targets)
+    present = {n for parts in projections(model.config).values() for n in parts}
+    chosen = tuple(t for t in parse_targets(targets) if t in present)  # (GPT-2's MLP has no gate)
+    if not chosen:
+        raise ConfigError(f"lora_targets: this model has no projection {targets!r} (it has {', '.join(sorted(present))})")
     for p in model.parameters():
         p.requires_grad_(False)
     for block in model.blocks:
