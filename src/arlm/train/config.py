@@ -75,7 +75,7 @@ class TrainConfig:
     device: str = _f("auto", "auto, cpu, cuda or cuda:N")
     dtype: str = _f("auto", "autocast dtype: auto (bfloat16 where the GPU or CPU has it natively, else "
                             "float32), float32, bfloat16, float16")
-    compile: bool = _f(False, "torch.compile the model")
+    compile: bool = _f(False, "torch.compile each transformer block (one compiled graph serves them all)")
     fused_adamw: bool = _f(True, "use the fused AdamW kernel where torch has one")
     seed: int = _f(1337, "seeds initialization, dropout and batch sampling")
     threads: int = _f(0, "torch intra-op threads; 0 leaves torch's default")

@@ -63,15 +63,21 @@ class LinearCrossEntropy(torch.autograd.Function):
         scale = valid_f / n  # each valid row's share of the mean
         for start in range(0, N, chunk_rows):
             rows = slice(start, min(start + chunk_rows, N))
-            logits = (h[rows] @ w.T).float()  # [C, V]
-            lse, chunk_loss = _chunk_loss(logits, safe_targets[rows], valid_f[rows])
-            loss += chunk_loss
+            t = safe_targets[rows, None]
+            logits = h[rows] @ w.T  # [C, V], in the product's dtype
+            # The softmax a pass at a time over the [C, V] block, in place where it can be: its
+            # row max (exact in any dtype), exp(logits - max) in float32, the row sums, and then
+            # the loss's gradient (softmax - one_hot) * scale.
+            peak = logits.amax(-1, keepdim=True).float()
+            p = torch.sub(logits, peak, out=torch.empty(logits.shape, device=logits.device)).exp_()
+            total = p.sum(-1, keepdim=True)
+            lse = (peak + total.log()).squeeze(1)
+            loss += ((lse - logits.gather(1, t).squeeze(1).float()) * valid_f[rows]).sum()
             if grad_h is None and grad_w is None:
                 continue
-            # d loss / d logits = (softmax - one_hot) * scale, in place over the logits
-            grad = logits.sub_(lse[:, None]).exp_()
-            grad.scatter_add_(1, safe_targets[rows, None], torch.full_like(lse[:, None], -1.0))
-            grad = grad.mul_(scale[rows, None]).to(dtype)
+            grad = p.mul_(scale[rows, None] / total)
+            grad.scatter_add_(1, t, -scale[rows, None])
+            grad = grad.to(dtype)
             if grad_h is not None:
                 torch.mm(grad, w, out=grad_h[rows])
             if grad_w is not None:
