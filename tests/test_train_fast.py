@@ -4,9 +4,10 @@ References and tolerances, on fresh random inputs each run (seeded from the cloc
 - float32: loss and both gradients against F.cross_entropy over the full float64 logits: 1e-5
   relative (the chunks sum in another order; float32 rounding only);
 - bf16 autocast: against the plain path under the same autocast (full bf16 logits, cast to float32):
-  the loss within 1e-5, the gradients within one bf16 rounding of their largest element (the same
-  bf16 products; the softmax's gradient is formed in another order, and the weight's sums over
-  chunks in float32 where the plain path rounds the whole sum to bf16 once);
+  the loss within 1e-5; the gradients no further from float64 (on the same bf16-rounded
+  operands) than the plain path's are, x1.25 (both round the softmax's gradient to bf16 for the
+  products; the weight's is summed over chunks in float32 where the plain path rounds the whole
+  sum to bf16 once);
 - targets of -100 take no part (as F.cross_entropy's ignore_index), and evaluation (no grad) gives
   the same loss.
 """
@@ -66,8 +67,14 @@ def test_chunked_loss_equals_cross_entropy_bf16_autocast(chunk_rows):
     msg = f"seed {seed}"
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0, msg=msg)
     assert gh.dtype == gw.dtype == torch.float32
-    torch.testing.assert_close(gh, ref_gh, rtol=0, atol=2 ** -8 * ref_gh.abs().max().item(), msg=msg)
-    torch.testing.assert_close(gw, ref_gw, rtol=0, atol=2 ** -8 * ref_gw.abs().max().item(), msg=msg)
+    # The truth: float64 from the same bf16-rounded operands. Both paths round their products to
+    # bf16; the chunked one may be no further from it than the plain one (x1.25, and 1e-7).
+    _, true_gh, true_gw = loss_and_grads(
+        lambda h, w, t: F.cross_entropy(h.bfloat16().double() @ w.bfloat16().double().T, t), hidden, weight, targets)
+    for ours, plain, truth in ((gh, ref_gh, true_gh), (gw, ref_gw, true_gw)):
+        err, plain_err = (ours - truth).abs().max().item(), (plain - truth).abs().max().item()
+        assert err <= 1.25 * plain_err + 1e-7, (msg, err, plain_err)
+        assert plain_err < 0.02 * truth.abs().max().item(), msg  # (both near the truth at all)
 
 
 def test_only_the_gradients_wanted_are_taken_and_no_grad_gives_the_loss():
