@@ -177,12 +177,16 @@ class HFSide(Side):
         self.optimizer.zero_grad(set_to_none=True)
 
 
-def make_side(name: str, base: Transformer, cfg: TrainConfig, args) -> Side:
-    """A side with its own copy of the weights (every side starts from the same ones)."""
+def make_side(name: str, base: Transformer, cfg: TrainConfig, args, own: bool = False) -> Side:
+    """A side with its own copy of the weights (every side starts from the same ones); own: an
+    arlm side trains `base` itself (a process of one side: no second copy in its memory)."""
     if name == "hf":
         return HFSide(to_hf(base), cfg)
-    model = Transformer(base.config)
-    model.load_state_dict(base.state_dict())
+    if own:
+        model = base
+    else:
+        model = Transformer(base.config)
+        model.load_state_dict(base.state_dict())
     model.train()
     if name == "lora":
         from arlm.train import lora
@@ -217,6 +221,7 @@ def run_alternating(args) -> dict:
     tokens = cfg.batch_size * cfg.context_length
     times = {s.name: [] for s in sides}  # per round: median step seconds
     losses = {s.name: [] for s in sides}
+    first_step = {}  # (the compiled side's includes compilation)
     print(f"# {machine()}; {torch.get_num_threads()} threads; context {cfg.context_length}, batch {cfg.batch_size}, "
           f"bf16 autocast; {args.rounds} rounds x {args.steps_per_round} steps a side; load {load_avg()}", flush=True)
     for r in range(args.rounds):
@@ -230,6 +235,8 @@ def run_alternating(args) -> dict:
                 losses[side.name].append(side.step(x, y, lr_at(step, cfg)))
                 step_times.append(time.perf_counter() - t0)
             times[side.name].append(float(np.median(step_times)))
+            if r == 0:
+                first_step[side.name] = step_times[0]
         print(f"round {r}: " + ", ".join(f"{s.name} {times[s.name][-1]:.2f} s/step" for s in sides)
               + f" (load {load_avg()})", flush=True)
     report = {"machine": machine(), "threads": torch.get_num_threads(), "context": cfg.context_length,
@@ -237,7 +244,8 @@ def run_alternating(args) -> dict:
     warm = slice(1, None) if args.rounds > 1 else slice(None)
     for s in sides:
         med = float(np.median(times[s.name][warm]))
-        report["sides"][s.name] = {"s_per_step": med, "tokens_per_s": tokens / med, "losses": losses[s.name]}
+        report["sides"][s.name] = {"s_per_step": med, "tokens_per_s": tokens / med, "losses": losses[s.name],
+                                   "first_step_s": first_step[s.name]}
     first = sides[0].name
     print(f"\n{'side':10s} {'s/step':>8s} {'tokens/s':>9s}  {'ratio':>6s}  loss at step 1 .. {len(losses[first])}")
     for s in sides:
@@ -245,7 +253,7 @@ def run_alternating(args) -> dict:
         per_round = np.array(times[s.name][warm]) / np.array(times[first][warm])
         rec["ratio_to_first"] = float(np.median(per_round))  # paired by round: load drifts out
         print(f"{s.name:10s} {rec['s_per_step']:8.2f} {rec['tokens_per_s']:9.0f}  {1 / rec['ratio_to_first']:6.2f}x "
-              f" {losses[s.name][0]:.4f} .. {losses[s.name][-1]:.4f}")
+              f" {losses[s.name][0]:.4f} .. {losses[s.name][-1]:.4f}   (first step {rec['first_step_s']:.1f} s)")
     for s in sides[1:]:
         diff = max(abs(a - b) for a, b in zip(losses[first], losses[s.name]))
         report["sides"][s.name]["max_loss_diff"] = diff
@@ -360,13 +368,28 @@ def run_profile(args) -> None:
 
 # -- peak memory: one process a side -----------------------------------------------------------------
 
+def proc_status_mb(field: str) -> float:
+    for line in open("/proc/self/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
 def run_single(args) -> None:
-    """One side alone in this process (--rss's children): its tokens/s and peak RSS, as JSON."""
-    data, cfg, base = setup(args)
-    side = make_side(args.single, base, cfg, args)
-    del base
+    """One side alone in this process (--rss's children): its tokens/s and memory, as JSON. The
+    training peak is the resident peak from after loading to the last step (VmHWM, reset by
+    /proc/self/clear_refs once the model is loaded), beside the process's whole peak (ru_maxrss)."""
+    import ctypes
     import gc
+
+    data, cfg, base = setup(args)
+    side = make_side(args.single, base, cfg, args, own=True)
+    del base
     gc.collect()
+    ctypes.CDLL(None).malloc_trim(0)
+    loaded = proc_status_mb("VmRSS")
+    with open("/proc/self/clear_refs", "w") as fh:  # (Linux: resets VmHWM to the current RSS)
+        fh.write("5")
     times = []
     for step in range(args.rounds * args.steps_per_round):
         x, y = batch(data, cfg, step)
@@ -377,7 +400,8 @@ def run_single(args) -> None:
     trainable = sum(p.numel() for p in side.model.parameters() if p.requires_grad)
     print(json.dumps({"side": args.single, "s_per_step": float(np.median(warm)),
                       "tokens_per_s": cfg.batch_size * cfg.context_length / float(np.median(warm)),
-                      "peak_rss_mb": peak_rss_mb(), "trainable_params": trainable}))
+                      "loaded_rss_mb": loaded, "train_peak_rss_mb": proc_status_mb("VmHWM"),
+                      "process_peak_rss_mb": peak_rss_mb(), "trainable_params": trainable}))
 
 
 def run_rss(args) -> None:
@@ -394,11 +418,15 @@ def run_rss(args) -> None:
             out = subprocess.run(base_cmd + ["--single", n], capture_output=True, text=True, check=True)
             rec = json.loads(out.stdout.strip().splitlines()[-1])
             results[n].append(rec)
-            print(f"  {n}: {rec['peak_rss_mb']:.0f} MB peak RSS, {rec['tokens_per_s']:.0f} tokens/s", flush=True)
+            print(f"  {n}: training peak RSS {rec['train_peak_rss_mb']:.0f} MB (process peak "
+                  f"{rec['process_peak_rss_mb']:.0f} MB), {rec['tokens_per_s']:.0f} tokens/s (load {load_avg()})", flush=True)
+    print(f"\n{'side':10s} {'trainable':>10s} {'loaded MB':>10s} {'train peak MB':>14s} {'process peak MB':>16s} "
+          f"{'tokens/s':>9s}")
     for n, recs in results.items():
-        print(f"{n:10s} peak RSS {np.median([r['peak_rss_mb'] for r in recs]):6.0f} MB  "
-              f"{np.median([r['tokens_per_s'] for r in recs]):6.0f} tokens/s  "
-              f"{recs[0]['trainable_params'] / 1e6:.2f}M trainable parameters")
+        med = {k: float(np.median([r[k] for r in recs])) for k in
+               ("loaded_rss_mb", "train_peak_rss_mb", "process_peak_rss_mb", "tokens_per_s")}
+        print(f"{n:10s} {recs[0]['trainable_params'] / 1e6:9.2f}M {med['loaded_rss_mb']:10.0f} "
+              f"{med['train_peak_rss_mb']:14.0f} {med['process_peak_rss_mb']:16.0f} {med['tokens_per_s']:9.0f}")
 
 
 def main() -> None:

@@ -439,10 +439,9 @@ def _train(cfg: TrainConfig, resume: bool, overwrite: bool, ddp: Distributed, de
 
 def compile_blocks(model: Transformer) -> None:
     """torch.compile each block on its own ("regional" compilation): every block runs the same code,
-    so one compiled graph serves all of them (and the first layer, whose input needs no gradient
-    under LoRA, a second), compiled in about a quarter of the whole model's time (59 s against
-    204 s for SmolLM2 on a busy 2-core machine, the same speed after). The fused head and loss
-    stay eager."""
+    so one compiled graph serves all of them (and a second the first layer under LoRA, whose input
+    needs no gradient), compiled in a fraction of the whole model's time and as fast after
+    (docs/benchmarks.md, issue 46). The fused head and loss stay eager."""
     for block in model.blocks:
         block.compile()
 
