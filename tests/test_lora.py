@@ -27,6 +27,7 @@ from arlm.train import lora
 from arlm.train.checkpoints import LATEST
 from arlm.train.data import default_corpus
 from arlm.train.trainer import configure_optimizer
+from conftest import run_arlm
 
 
 def tiny_model(family: str, seed: int = 0) -> Transformer:
@@ -134,7 +135,7 @@ def tiny_run(data_dir: Path, out_dir: Path, **overrides) -> TrainConfig:
     return TrainConfig(**{**base, **overrides})
 
 
-def test_a_lora_run_saves_resumes_and_loads_merged(char_data, tmp_path):
+def test_a_lora_run_saves_resumes_and_loads_merged(char_data, tmp_path, capfd):
     full = train(tiny_run(char_data, tmp_path / "full", lora_rank=0, max_steps=4, eval_interval=4))
     src = str(tmp_path / "full" / LATEST)
     common = dict(init_from=src, dropout=0.1, grad_accum=2, lr_decay_steps=8, eval_interval=4)
@@ -163,6 +164,10 @@ def test_a_lora_run_saves_resumes_and_loads_merged(char_data, tmp_path):
     idx = torch.randint(0, TokenData.open(char_data).vocab_size, (2, 16))
     with torch.no_grad():
         torch.testing.assert_close(loaded(idx), adapted.eval()(idx), rtol=0, atol=1e-5)
+
+    proc = run_arlm(capfd, "generate", "ROMEO:", "--model", str(tmp_path / "a" / LATEST), "--max-new-tokens", "8",
+                    "--seed", "0")
+    assert proc.returncode == 0 and proc.stdout.startswith("ROMEO:"), proc.stderr
 
     with pytest.raises(ConfigError, match="lora_rank=4 there, 8 here"):
         train(tiny_run(char_data, tmp_path / "b", max_steps=10, lora_rank=8, **common), resume=True)

@@ -134,3 +134,25 @@ def test_fused_rope_equals_apply_rope(dtype):
     apply_rope(xr, cos.double(), sin.double()).backward(go.double())
     tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2 ** -7, atol=1e-2)
     torch.testing.assert_close(xa.grad, xr.grad.to(dtype), msg=f"seed {seed}", **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_cross_entropy_gradient_equals_the_torch_passes(dtype, monkeypatch):
+    """kernels/train.cpp's in-place softmax gradient against the torch ops it replaces: the loss
+    within 1e-5 (sums in another order), the gradient within one rounding of its dtype."""
+    from arlm import kernels
+    from arlm.train.loss import softmax_xent_
+
+    if not kernels.train_kernels_available():
+        pytest.skip("the native training kernels are not built here")
+    seed = time.time_ns() % 2**31
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(37, 1003, generator=g) * 4).to(dtype)  # (a width that leaves a vector tail)
+    targets = torch.randint(0, 1003, (37,), generator=g)
+    scale = torch.rand(37, generator=g)
+    loss, grad = softmax_xent_(logits.clone(), targets, scale)
+    monkeypatch.setattr(kernels, "train_kernels_available", lambda: False)
+    ref_loss, ref_grad = softmax_xent_(logits.clone(), targets, scale)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5, msg=f"seed {seed}")
+    eps = torch.finfo(dtype).eps
+    torch.testing.assert_close(grad.float(), ref_grad.to(dtype).float(), rtol=eps, atol=1e-7, msg=f"seed {seed}")

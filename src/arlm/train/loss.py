@@ -22,12 +22,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .. import kernels
+
 IGNORE_INDEX = -100  # a target that takes no part in the loss (F.cross_entropy's default)
-CHUNK_BYTES = 1 << 28  # float32 logits per chunk: 256 MB, 1,365 rows of a 49,152-token vocabulary
+CHUNK_BYTES = 1 << 28  # logits per chunk: 256 MB, 2,730 rows of a 49,152-token vocabulary in bf16
 
 
-def default_chunk_rows(vocab_size: int) -> int:
-    return max(1, CHUNK_BYTES // (4 * vocab_size))
+def default_chunk_rows(vocab_size: int, dtype: torch.dtype) -> int:
+    return max(1, CHUNK_BYTES // (dtype.itemsize * vocab_size))
 
 
 def compute_dtype(device: torch.device) -> torch.dtype:
@@ -44,6 +46,22 @@ def _chunk_loss(logits: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor
     return lse, ((lse - target_logit) * valid).sum()
 
 
+def softmax_xent_(logits: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of logits [C, V]: the loss logsumexp - logit[target] [C] (float32), and the loss's
+    gradient (softmax - one_hot(target)) * scale [C, V], written over `logits` where the native
+    kernel does it (kernels/train.cpp: one pass through memory), else in float32 torch ops (a
+    pass each: the row max, exp(logits - max), the row sums, the scale, the target's -scale)."""
+    if logits.device.type == "cpu" and kernels.train_kernels_available():
+        return torch.ops.arlm_train.softmax_xent_(logits, targets, scale), logits
+    peak = logits.amax(-1, keepdim=True).float()  # (exact in any dtype)
+    p = torch.sub(logits, peak, out=torch.empty(logits.shape, device=logits.device)).exp_()
+    total = p.sum(-1, keepdim=True)
+    row_loss = (peak + total.log()).squeeze(1) - logits.gather(1, targets[:, None]).squeeze(1).float()
+    grad = p.mul_(scale[:, None] / total)
+    grad.scatter_add_(1, targets[:, None], -scale[:, None])
+    return row_loss, grad
+
+
 class LinearCrossEntropy(torch.autograd.Function):
     """mean over valid rows of cross_entropy(hidden @ weight.T, targets); see the module's doc."""
 
@@ -58,30 +76,25 @@ class LinearCrossEntropy(torch.autograd.Function):
         h, w = hidden.to(dtype), weight.to(dtype)  # the operands autocast would cast to, once
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_h = torch.empty_like(h) if need_h else None  # [N, d], in the product's dtype
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        grad_w = None
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
         scale = valid_f / n  # each valid row's share of the mean
         for start in range(0, N, chunk_rows):
             rows = slice(start, min(start + chunk_rows, N))
-            t = safe_targets[rows, None]
             logits = h[rows] @ w.T  # [C, V], in the product's dtype
-            # The softmax a pass at a time over the [C, V] block, in place where it can be: its
-            # row max (exact in any dtype), exp(logits - max) in float32, the row sums, and then
-            # the loss's gradient (softmax - one_hot) * scale.
-            peak = logits.amax(-1, keepdim=True).float()
-            p = torch.sub(logits, peak, out=torch.empty(logits.shape, device=logits.device)).exp_()
-            total = p.sum(-1, keepdim=True)
-            lse = (peak + total.log()).squeeze(1)
-            loss += ((lse - logits.gather(1, t).squeeze(1).float()) * valid_f[rows]).sum()
-            if grad_h is None and grad_w is None:
+            if not (need_h or need_w):
+                lse, chunk_loss = _chunk_loss(logits.float(), safe_targets[rows], valid_f[rows])
+                loss += chunk_loss
                 continue
-            grad = p.mul_(scale[rows, None] / total)
-            grad.scatter_add_(1, t, -scale[rows, None])
+            # d loss / d logits = (softmax - one_hot) * scale, over the logits in place
+            row_loss, grad = softmax_xent_(logits, safe_targets[rows], scale[rows])
+            loss += (row_loss * valid_f[rows]).sum()
             grad = grad.to(dtype)
-            if grad_h is not None:
+            if need_h:
                 torch.mm(grad, w, out=grad_h[rows])
-            if grad_w is not None:
-                grad_w += (grad.T @ h[rows]).float()
+            if need_w:  # (summed in float32 over the chunks)
+                part = (grad.T @ h[rows]).float()
+                grad_w = part if grad_w is None else grad_w.add_(part)
         ctx.save_for_backward(grad_h, grad_w)
         ctx.hidden_dtype = hidden.dtype
         return loss / n
@@ -103,8 +116,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     """F.cross_entropy(hidden @ weight.T, targets) (mean over targets != IGNORE_INDEX) without the
     [N, V] logits: hidden [N, d], weight [V, d], targets [N] int64. Products in autocast's dtype
     where autocast is on (as a Linear layer's would be), float32 otherwise. A float32 scalar."""
-    chunk_rows = chunk_rows or default_chunk_rows(weight.shape[0])
     dtype = compute_dtype(hidden.device)
+    chunk_rows = chunk_rows or default_chunk_rows(weight.shape[0], dtype)
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         with torch.autocast(hidden.device.type, enabled=False):  # (dtypes chosen above, by hand)
             return LinearCrossEntropy.apply(hidden, weight, targets, chunk_rows, dtype)
