@@ -3,18 +3,19 @@
 The plain way (`F.cross_entropy(model(idx).flatten(0, 1), targets)`) holds the [N, V] logits
 (N = B * T rows, V = 49,152 for SmolLM2) several times over: the head's product, its float32
 copy, log_softmax's output, and in the backward pass the gradient of each: at N = 4,096 that is
-~0.8 GB apiece, written and read back once a step. `linear_cross_entropy` never holds more than
-one chunk's logits. For each chunk of `chunk_rows` rows it multiplies the chunk's logits, takes
-their logsumexp and the target's logit, and at once the loss's gradient with respect to them,
-(softmax - one_hot) / n, which it multiplies back into the gradients of the hidden states and of
-the head's weight. The backward pass then only scales those by the incoming gradient (a scalar),
-so the head costs the same three matrix products as the plain way and no recomputation
-(Liger-Kernel's fused linear cross-entropy; torchtune's chunked loss recomputes instead).
+~0.8 GB apiece, each written and read back once a step. `linear_cross_entropy` holds one chunk's
+logits, in the product's dtype (bf16 under autocast), and nothing else of that size. For each
+chunk of rows it multiplies the chunk's logits, then turns them in place into the loss's gradient
+with respect to them, (softmax - one_hot) / n, taking each row's loss on the way (kernels/train.cpp:
+a row read three times while it is in cache and written once; torch ops where that is not built),
+and multiplies that back into the gradients of the hidden states and of the head's weight. The
+backward pass only scales those by the incoming gradient (a scalar), so the head costs the plain
+way's three matrix products and no recomputation (Liger-Kernel's fused linear cross-entropy;
+torchtune's chunked loss recomputes instead).
 
-The products are the plain path's: under autocast the chunk's logits are the same bf16 product of
-the same operands, cast to float32 for the softmax, and its gradient is rounded to bf16 for the two
-backward products. The weight's gradient is summed over chunks in float32 (one chunk: the plain
-path's bits).
+The products are the plain path's: under autocast the same bf16 product of the same operands, the
+softmax in float32, its gradient rounded to bf16 for the two backward products. The weight's
+gradient is summed over chunks in float32.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch.nn.functional as F
 from .. import kernels
 
 IGNORE_INDEX = -100  # a target that takes no part in the loss (F.cross_entropy's default)
-CHUNK_BYTES = 1 << 28  # logits per chunk: 256 MB, 2,730 rows of a 49,152-token vocabulary in bf16
+CHUNK_BYTES = 1 << 29  # logits per chunk: 512 MB, 5,461 rows of a 49,152-token vocabulary in bf16
 
 
 def default_chunk_rows(vocab_size: int, dtype: torch.dtype) -> int:
