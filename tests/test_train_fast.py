@@ -139,7 +139,8 @@ def test_fused_rope_equals_apply_rope(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_native_cross_entropy_gradient_equals_the_torch_passes(dtype, monkeypatch):
     """kernels/train.cpp's in-place softmax gradient against the torch ops it replaces: the loss
-    within 1e-5 (sums in another order), the gradient within one rounding of its dtype."""
+    within 1e-5 (sums in another order), the gradient within 1e-5 relative in float32 (the row sum
+    it divides by is summed in another order) and one rounding in bf16."""
     from arlm import kernels
     from arlm.train.loss import softmax_xent_
 
@@ -154,5 +155,5 @@ def test_native_cross_entropy_gradient_equals_the_torch_passes(dtype, monkeypatc
     monkeypatch.setattr(kernels, "train_kernels_available", lambda: False)
     ref_loss, ref_grad = softmax_xent_(logits.clone(), targets, scale)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5, msg=f"seed {seed}")
-    eps = torch.finfo(dtype).eps
-    torch.testing.assert_close(grad.float(), ref_grad.to(dtype).float(), rtol=eps, atol=1e-7, msg=f"seed {seed}")
+    rtol = 1e-5 if dtype == torch.float32 else torch.finfo(dtype).eps  # (bf16: one rounding apart at most)
+    torch.testing.assert_close(grad.float(), ref_grad.to(dtype).float(), rtol=rtol, atol=1e-7, msg=f"seed {seed}")
