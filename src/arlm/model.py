@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from . import fused
 from .config import ModelConfig
 from .kv_cache import KVCache
 
@@ -29,6 +30,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim) if plus_one else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad) \
+                and x.dtype == torch.float32 and not self.plus_one:
+            return fused.rms_norm(x, self.weight, self.eps)  # (training: the same values, a shorter backward)
         # Normalize in float32 like the reference implementations, then cast back (Gemma scales
         # before the cast, Llama after: each as its reference does).
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
@@ -117,12 +121,12 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         H, H_kv = self.n_head, self.n_kv_heads
         qkv = project(self.wqkv, x, dense).view(B, T, H + 2 * H_kv, self.head_dim)
-        qk, v = qkv[:, :, : H + H_kv], qkv[:, :, H + H_kv:]
+        qk, v = qkv.split([H + H_kv, H_kv], dim=2)  # (split, not slices: one backward pass, a cat)
         if hasattr(self, "q_norm"):
             qk = torch.cat([self.q_norm(qk[:, :, :H]), self.k_norm(qk[:, :, H:])], dim=2)
-        if rope is not None:
-            qk = apply_rope(qk, *rope)  # q and k heads rotated in one go
-        q, k = qk[:, :, :H], qk[:, :, H:]
+        if rope is not None:  # q and k heads rotated in one go
+            qk = fused.rope(qk, *rope) if torch.is_grad_enabled() and qk.requires_grad else apply_rope(qk, *rope)
+        q, k = qk.split([H, H_kv], dim=2)
         if self.q_scale is not None:
             q = q * self.q_scale
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T, d_head]
@@ -324,8 +328,8 @@ class Transformer(nn.Module):
     def forward(self, idx: torch.Tensor, input_pos: torch.Tensor | None = None,
                 kv_cache: KVCache | None = None, kv_len: int | None = None,
                 output_index: torch.Tensor | None = None, dense: bool = False,
-                hidden_index: torch.Tensor | None = None,
-                doc_ids: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                hidden_index: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None,
+                head: bool = True) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Logits for token ids `idx` [B, T].
 
         input_pos: [B, T] position of each token in its row (default 0 .. T-1 for every row).
@@ -343,6 +347,8 @@ class Transformer(nn.Module):
         doc_ids: [B, T] the document each token belongs to, without a cache (training rows that
             pack several conversations): a token attends only to its own document's tokens at
             positions <= its own, so `input_pos` must count from 0 within each document.
+        head: False returns the final normed hidden states [B, T, d_model] instead of logits
+            (training multiplies them into the LM head and the loss together: arlm.train.loss).
         Returns [B, T, vocab] float logits, or [B, vocab] with output_index.
         """
         B, T = idx.shape
@@ -390,6 +396,8 @@ class Transformer(nn.Module):
             sliding = cfg.sliding(i)
             x = block(x, local_rope if sliding else rope, local_mask if sliding else mask, kv_cache, input_pos,
                       kv_len, dense)
+        if not head:
+            return self.norm(x)
         h = self.norm(x[0, hidden_index]).float() if hidden_index is not None else None
         if output_index is not None:
             x = x[torch.arange(B, device=x.device), output_index]  # [B, d_model]

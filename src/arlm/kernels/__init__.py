@@ -178,6 +178,16 @@ def native_available() -> bool:
     return runtime().library(_LIBRARY, _load_kernels)
 
 
+def train_kernels_available() -> bool:
+    """Training's native passes (train.cpp: the cross-entropy gradient over a block of logits, in
+    place) are built and loaded; a library of their own, so a change to them rebuilds nothing else."""
+    def load() -> bool:
+        return (load_native("arlm_train_kernels", [Path(__file__).with_name("train.cpp")], "native training kernels")
+                and hasattr(torch.ops.arlm_train, "softmax_xent_"))
+
+    return runtime().library("arlm_train_kernels", load)
+
+
 def _load_kernels() -> bool:
     profile = runtime().profiling_kernels
     name, defines = ("arlm_kernels_profile", ("ARLM_PROFILE",)) if profile else (_LIBRARY, ())

@@ -50,7 +50,11 @@ def save_checkpoint(directory: str | Path, model: torch.nn.Module | dict[str, to
     atomic_write_text(directory / META_FILE, json.dumps(meta, indent=2))
 
 
-def read_checkpoint(directory: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer | None, str | None]:
+def read_checkpoint(directory: str | Path, merge_lora: bool = True
+                    ) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer | None, str | None]:
+    """(config, weights, tokenizer, chat template). A LoRA run's checkpoint (arlm.json's "lora")
+    holds adapters beside the frozen weights: merged into them (merge_lora), or left apart for
+    training to resume (arlm.train.lora)."""
     directory = Path(directory)
     try:
         meta = json.loads((directory / META_FILE).read_text())
@@ -66,6 +70,10 @@ def read_checkpoint(directory: str | Path) -> tuple[ModelConfig, dict[str, torch
         state = load_file(str(directory / WEIGHTS_FILE))
     except Exception as e:  # safetensors raises its own error types for damaged files
         raise LoadError(f"{directory / WEIGHTS_FILE} is not readable ({e})") from None
+    if meta.get("lora") and merge_lora:
+        from ..train.lora import merge_state  # (LoRA checkpoints only)
+
+        state = merge_state(state, config, meta["lora"])
     tok_path = directory / TOKENIZER_FILE
     tokenizer = Tokenizer.from_file(tok_path) if tok_path.exists() else None
     return config, state, tokenizer, meta.get("chat_template")

@@ -79,7 +79,7 @@ def load_latest(out_dir: str | Path) -> TrainCheckpoint:
     link = Path(out_dir) / LATEST
     if not (link / META_FILE).is_file() or not (link / STATE_FILE).is_file():
         raise LoadError(f"nothing to resume: no complete checkpoint at {link}")
-    config, weights, tokenizer, template = read_checkpoint(link)
+    config, weights, tokenizer, template = read_checkpoint(link, merge_lora=False)  # (adapters apart)
     try:
         state = torch.load(link / STATE_FILE, map_location="cpu", weights_only=True)
     except Exception as e:  # a damaged pickle raises many kinds, some with advice that does not apply

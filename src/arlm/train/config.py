@@ -17,6 +17,10 @@ from typing import Any
 from ..config import ConfigError
 
 
+# The projections a LoRA adapter can target (Llama's names; gate is the gated MLPs' only).
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+
+
 def _f(default: Any, help: str) -> Any:
     return field(default=default, metadata={"help": help})
 
@@ -55,6 +59,12 @@ class TrainConfig:
     weight_decay: float = _f(0.1, "AdamW weight decay, on matrices and embeddings only")
     grad_clip: float = _f(1.0, "clip the global gradient norm to this; 0 disables")
 
+    # low-rank adapters (arlm.train.lora): train them alone, the model's weights frozen
+    lora_rank: int = _f(0, "LoRA rank r; 0: fine-tune every weight")
+    lora_alpha: float | None = _f(None, "LoRA scale alpha (the adapters add alpha / r * B A x); default 2 * lora_rank")
+    lora_targets: str = _f(",".join(LORA_TARGETS), "the projections that get adapters, comma-separated: "
+                           + ", ".join(LORA_TARGETS))
+
     # evaluation, logging, checkpoints
     eval_interval: int = _f(250, "evaluate (and save) every N steps; 0: only at the end")
     eval_batches: int = _f(20, "batches per split in an evaluation")
@@ -65,7 +75,7 @@ class TrainConfig:
     device: str = _f("auto", "auto, cpu, cuda or cuda:N")
     dtype: str = _f("auto", "autocast dtype: auto (bfloat16 where the GPU or CPU has it natively, else "
                             "float32), float32, bfloat16, float16")
-    compile: bool = _f(False, "torch.compile the model")
+    compile: bool = _f(False, "torch.compile each transformer block (one compiled graph serves them all)")
     fsdp: bool = _f(False, "under torchrun, shard parameters, gradients and optimizer state over the processes "
                            "(FSDP2) instead of replicating them (DDP)")
     fused_adamw: bool = _f(True, "use the fused AdamW kernel where torch has one")
@@ -100,6 +110,13 @@ class TrainConfig:
             raise ConfigError(f"dropout must be in [0, 1), got {self.dropout}")
         if not (0.0 <= self.beta1 < 1.0 and 0.0 <= self.beta2 < 1.0):
             raise ConfigError("beta1 and beta2 must be in [0, 1)")
+        if self.lora_rank < 0:
+            raise ConfigError(f"lora_rank must not be negative, got {self.lora_rank}")
+        if self.lora_alpha is not None and self.lora_alpha <= 0:
+            raise ConfigError(f"lora_alpha must be positive, got {self.lora_alpha}")
+        targets = [t.strip() for t in self.lora_targets.split(",")]
+        if not all(t in LORA_TARGETS for t in targets):
+            raise ConfigError(f"lora_targets must name some of {', '.join(LORA_TARGETS)}, got {self.lora_targets!r}")
         if self.min_lr > self.lr:
             raise ConfigError(f"min_lr ({self.min_lr}) is above lr ({self.lr})")
 
@@ -122,7 +139,7 @@ class TrainConfig:
 
 # The settings that shape the model: a checkpoint resumes only under the same values.
 MODEL_SHAPE_KEYS = ("init_from", "family", "n_layer", "n_head", "n_kv_heads", "d_model", "d_ff",
-                    "context_length", "bias", "gelu_approximate")
+                    "context_length", "bias", "gelu_approximate", "lora_rank", "lora_alpha", "lora_targets")
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:

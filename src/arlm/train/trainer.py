@@ -29,15 +29,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .. import kernels
 from ..config import ConfigError, ModelConfig
 from ..loading import build_model, load_model
 from ..model import Transformer
-from . import checkpoints, parallel
+from . import checkpoints, lora, parallel
 from .config import MODEL_SHAPE_KEYS, TrainConfig, lr_at
 from .data import IGNORE, SPLITS, Batch, DataError, TokenData
+from .loss import linear_cross_entropy
 from .progress import METRICS_FILE, PLOT_FILE, MetricsLog, Progress, plot_losses
 
 EVAL_STREAM = 2**31 - 1  # seeds the fixed evaluation batches apart from the training ones
@@ -78,19 +78,37 @@ class TrainResult:
 # -- pieces ----------------------------------------------------------------------------------------
 
 def next_token_loss(model: torch.nn.Module, idx: torch.Tensor, targets: torch.Tensor,
-                    input_pos: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+                    input_pos: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None,
+                    fused: bool = True) -> torch.Tensor:
     """Mean cross-entropy of the logits against the next token, over the targets that are not
     IGNORE (every one in text data; the assistant tokens in chat data). One forward pass.
 
     idx, targets: [B, T] with targets[:, t] = the token after idx[:, t]; input_pos, doc_ids: a
-    packed batch's (`Batch`, `Transformer.forward`). At least one target must be learned.
+    packed batch's (`Batch`, `Transformer.forward`). At least one target must be learned. fused:
+    the LM head and the loss taken together, a chunk of rows at a time (arlm.train.loss); else
+    the logits whole (FSDP2: the head's weight is a shard outside the model's forward).
     """
+    if fused:
+        hidden = model(idx, input_pos=input_pos, doc_ids=doc_ids, head=False)  # [B, T, d_model]
+        return linear_cross_entropy(hidden.flatten(0, 1), unwrap(model).lm_head.weight, targets.flatten())
     logits = model(idx, input_pos=input_pos, doc_ids=doc_ids)  # [B, T, V], float32
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE)
 
 
-def batch_loss(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
-    return next_token_loss(model, batch.x, batch.y, batch.input_pos, batch.doc_ids)
+def batch_loss(model: torch.nn.Module, batch: Batch, fused: bool = True) -> torch.Tensor:
+    return next_token_loss(model, batch.x, batch.y, batch.input_pos, batch.doc_ids, fused)
+
+
+def fused_loss(cfg: TrainConfig, ddp: Distributed) -> bool:
+    """The head and loss fused (arlm.train.loss) unless FSDP2 shards the head's weight."""
+    return not (cfg.fsdp and ddp.world_size > 1)
+
+
+def unwrap(model: torch.nn.Module) -> Transformer:
+    """The Transformer inside DDP and torch.compile wrappers."""
+    while not isinstance(model, Transformer):
+        model = getattr(model, "_orig_mod", None) or model.module
+    return model
 
 
 def model_config_from_scratch(cfg: TrainConfig, vocab_size: int) -> ModelConfig:
@@ -128,14 +146,11 @@ def mixed_precision(device: torch.device, dtype: torch.dtype | None):
     if dtype is None:
         yield
         return
+    # (On CPU, torch 2.13's bf16 flash attention, forward and backward, is 2.9x the math kernel at
+    # context 256 and 3.7x at 1,024: benchmarks/train_speed.py --parts. Earlier torch's bf16
+    # flash backward was the slow one, and this forced the math kernel.)
     with torch.autocast(device.type, dtype=dtype):
-        if device.type != "cpu":
-            yield
-            return
-        # On CPU, torch's flash-attention backward is ~5x slower in bf16 than in float32, while
-        # the math kernel (two bf16 matmuls around a softmax) is about as fast as float32 flash.
-        with sdpa_kernel([SDPBackend.MATH]):
-            yield
+        yield
 
 
 def resolve_device(spec: str, local_rank: int) -> torch.device:
@@ -184,7 +199,7 @@ def evaluate(model: torch.nn.Module, data: TokenData, cfg: TrainConfig, device: 
         for b in range(ddp.rank, cfg.eval_batches, ddp.world_size):
             batch = data.batch(split, offsets[b], cfg.context_length, device)
             with mixed_precision(device, amp_dtype):
-                total += batch_loss(model, batch).float()
+                total += batch_loss(model, batch, fused=fused_loss(cfg, ddp)).float()
         if ddp.world_size > 1:
             dist.all_reduce(total)
         losses[split] = total.item() / cfg.eval_batches
@@ -194,8 +209,9 @@ def evaluate(model: torch.nn.Module, data: TokenData, cfg: TrainConfig, device: 
 
 def check_resumable(saved: dict, cfg: TrainConfig, where: Path) -> None:
     """A checkpoint resumes only under the settings that shaped its model."""
-    diffs = [f"{k}={saved.get(k)!r} there, {getattr(cfg, k)!r} here" for k in MODEL_SHAPE_KEYS
-             if saved.get(k) != getattr(cfg, k)]
+    defaults = TrainConfig()  # (a key a checkpoint from before it lacks took its default)
+    diffs = [f"{k}={saved.get(k, getattr(defaults, k))!r} there, {getattr(cfg, k)!r} here" for k in MODEL_SHAPE_KEYS
+             if saved.get(k, getattr(defaults, k)) != getattr(cfg, k)]
     if diffs:
         raise ConfigError(f"checkpoint {where} comes from an incompatible config: {'; '.join(diffs)}")
 
@@ -295,8 +311,12 @@ def _train(cfg: TrainConfig, resume: bool, overwrite: bool, ddp: Distributed, de
         check_resumable(ckpt.state.get("train_config", {}), cfg, ckpt.path)
         check_tokenizer(data, ckpt.config, ckpt.tokenizer, f"the run in {out_dir}",
                         "resume on the data the run was trained on, or start a new run (another --out-dir)")
-        model = build_model(ckpt.config, ckpt.weights, device)
+        weights, adapters = lora.split_state(ckpt.weights)
+        model = build_model(ckpt.config, weights, device)
         set_dropout(model, cfg.dropout)
+        if cfg.lora_rank:
+            lora.apply(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets)
+            lora.load_adapters(model, adapters)
         chat_template = ckpt.chat_template
     else:
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank
@@ -304,6 +324,8 @@ def _train(cfg: TrainConfig, resume: bool, overwrite: bool, ddp: Distributed, de
         # Chat data was rendered with a template (perhaps --chat-template's): the model learns
         # that one, so its checkpoints carry it for `arlm chat`.
         chat_template = data.meta.get("chat_template") or chat_template
+        if cfg.lora_rank:  # (after the weights' seed: the adapters' init draws from it too)
+            lora.apply(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets)
     model.train()
     model_config = model.config
     mode = parallel.for_run(cfg.fsdp, ddp.world_size, device, eval_batches=cfg.eval_batches, dtype=cfg.dtype,
@@ -328,13 +350,15 @@ def _train(cfg: TrainConfig, resume: bool, overwrite: bool, ddp: Distributed, de
         torch.manual_seed(cfg.seed + ddp.rank)  # dropout masks differ between ranks
 
     if cfg.compile:
-        step_model = torch.compile(step_model)
+        compile_blocks(model)
 
     log = MetricsLog(out_dir / METRICS_FILE, resume_step=start_step if resume else None) if ddp.main else None
     progress = Progress(start_step, cfg.max_steps, cfg.progress and ddp.main)
     tokens_per_step = cfg.batch_size * cfg.context_length * cfg.grad_accum
     progress.note(
         f"{model_config.family} model, {model.num_params() / 1e6:.2f}M parameters "
+        + (f"({sum(p.numel() for p in model.parameters() if p.requires_grad) / 1e6:.2f}M of them in rank-"
+           f"{cfg.lora_rank} LoRA adapters, the rest frozen) " if cfg.lora_rank else "") +
         f"({model_config.n_layer} layers, {model_config.n_head} heads, d_model {model_config.d_model}) | "
         f"data {data.meta['train_tokens']:,} train / {data.meta['val_tokens']:,} val tokens, vocab {data.vocab_size} | "
         f"{ddp.world_size} x {device.type} {str(amp_dtype or torch.float32).replace('torch.', '')} | "
@@ -369,7 +393,7 @@ def _train(cfg: TrainConfig, resume: bool, overwrite: bool, ddp: Distributed, de
             # DDP all-reduces gradients on the last micro-step only; the others accumulate locally.
             with mode.micro_step(step_model, last=micro == accum - 1):
                 with mixed_precision(device, amp_dtype):
-                    loss = batch_loss(step_model, batch) / accum
+                    loss = batch_loss(step_model, batch, fused=fused_loss(cfg, ddp)) / accum
                 scaler.scale(loss).backward()
             loss_sum += loss.detach()
         if cfg.grad_clip:
@@ -433,6 +457,15 @@ def _train(cfg: TrainConfig, resume: bool, overwrite: bool, ddp: Distributed, de
     return result
 
 
+def compile_blocks(model: Transformer) -> None:
+    """torch.compile each block on its own ("regional" compilation): every block runs the same code,
+    so one compiled graph serves all of them (and a second the first layer under LoRA, whose input
+    needs no gradient), compiled in a fraction of the whole model's time and as fast after
+    (docs/benchmarks.md, issue 46). The fused head and loss stay eager."""
+    for block in model.blocks:
+        block.compile()
+
+
 def _save(out_dir: Path, step: int, model: Transformer, model_config: ModelConfig, data: TokenData,
           chat_template: str | None, cfg: TrainConfig, optimizer, scaler, best_val: float, is_best: bool,
           history: list[dict], ddp: Distributed, mode: parallel.Single) -> Path | None:
@@ -450,7 +483,7 @@ def _save(out_dir: Path, step: int, model: Transformer, model_config: ModelConfi
     last_eval = next((r for r in reversed(history) if r["kind"] == "eval" and r["step"] == step), None)
     metrics = {k: v for k, v in (last_eval or {}).items() if k not in ("kind", "step")}
     meta = {"step": step, "metrics": metrics, "train_config": cfg.to_dict(),
-            "data": {"dir": str(data.path), "tokenizer": data.meta.get("tokenizer")}}
+            "data": {"dir": str(data.path), "tokenizer": data.meta.get("tokenizer")}, **lora.checkpoint_meta(model)}
     state = {"step": step, "optimizer": optimizer_state,
              "scaler": scaler.state_dict() if scaler.is_enabled() else None, "rng": rng,
              "best_val_loss": best_val, "world_size": ddp.world_size, "train_config": cfg.to_dict()}

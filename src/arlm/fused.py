@@ -1,0 +1,90 @@
+"""Training's RMSNorm and RoPE as autograd Functions with hand-written backward passes.
+
+Autograd differentiates `F.rms_norm` through its pieces (pow, mean, add, rsqrt, two products, the
+dtype casts): ~30 operator calls a norm, forward and backward, each a pass over the activations.
+The backward of RMSNorm has a closed form, and so has RoPE's (a rotation: its transpose rotates
+back), so each is a handful of passes here. On a CPU a training step is hundreds of such small
+passes a layer, and on a shared machine each costs a wait for both threads besides its memory
+traffic: fewer is faster either way (benchmarks/train_speed.py).
+
+The forward passes compute what the model's inference path computes, operation for operation
+(`RMSNorm.forward`, `apply_rope`); the model takes them where gradients are wanted.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
+    return torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else None
+
+
+class RMSNormFunction(torch.autograd.Function):
+    """y = w * (x / rms(x)), in float32 (x is float32: the residual stream), then in `out_dtype`.
+
+    Backward, with n = x / rms(x) and g the incoming gradient:
+        dw = sum over rows of g * n
+        dx = (g * w - n * mean(g * w * n)) / rms(x)
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype) -> torch.Tensor:
+        rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True).add_(eps))  # [..., 1]
+        normed = x * rstd
+        ctx.save_for_backward(normed, rstd, weight)
+        return (weight * normed).to(out_dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        normed, rstd, weight = ctx.saved_tensors
+        grad = grad.float()
+        gw = grad * weight
+        dot = (gw * normed).mean(-1, keepdim=True)
+        dx = gw.sub_(normed * dot).mul_(rstd)
+        dw = (grad * normed).flatten(0, -2).sum(0) if ctx.needs_input_grad[1] else None
+        return dx, dw, None, None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of a float32 x [..., d] for training. Under autocast the output is already in
+    autocast's dtype (the projection it feeds would cast it so), otherwise float32."""
+    return RMSNormFunction.apply(x, weight, eps, autocast_dtype(x) or x.dtype)
+
+
+def rope_sin_signed(sin: torch.Tensor) -> torch.Tensor:
+    """sin with its first half negated: rotate_half(x) * sin == roll(x, d/2) * this."""
+    half = sin.shape[-1] // 2
+    return torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+
+
+class RopeFunction(torch.autograd.Function):
+    """y = x * cos + rotate_half(x) * sin, in float32, cast back to x's dtype.
+
+    rotate_half(x) = cat(-x2, x1) = roll(x, d/2) * s with s = (-1 .. -1, 1 .. 1), so y is a
+    rotation R x; its gradient is R^T g = g * cos + roll(g * sin * s, d/2) (rolling by half the
+    length is its own inverse).
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(cos, sin_signed)
+        xf = x.float()
+        return (xf * cos).add_(xf.roll(x.shape[-1] // 2, -1) * sin_signed).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        cos, sin_signed = ctx.saved_tensors
+        gf = grad.float()
+        return (gf * cos).add_((gf * sin_signed).roll(grad.shape[-1] // 2, -1)).to(grad.dtype), None, None
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE for training: x [B, T, H, d]; cos, sin [B, T, 1, d] float32."""
+    return RopeFunction.apply(x, cos, rope_sin_signed(sin))
+
+
+def plain_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The autograd-through-the-pieces reference (tests)."""
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
