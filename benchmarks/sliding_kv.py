@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from arlm.engine import Engine, EngineConfig
-from arlm.engine.scheduler import FREED
+from arlm.engine.block_tables import FREED
 from arlm.kv_cache import KVCache
 from arlm.llm import LLM
 from arlm.sampling import SamplingParams
