@@ -163,7 +163,11 @@ def test_loss_learns_assistant_tokens_only(chat_data):
     data = TokenData.open(chat_data)
     batch = data.batch("train", np.arange(min(3, data.meta["train_rows"])) * 97, 96, torch.device("cpu"))
     model = Recorder(tiny_model("llama", data.vocab_size))
-    loss = next_token_loss(model, batch.x, batch.y, batch.input_pos, batch.doc_ids)
+    # (the plain path, whose logits the Recorder sees; the fused head + loss that training runs
+    # takes the same value, and tests/test_train_fast.py its gradients with ignored targets)
+    loss = next_token_loss(model, batch.x, batch.y, batch.input_pos, batch.doc_ids, fused=False)
+    fused = next_token_loss(model.model, batch.x, batch.y, batch.input_pos, batch.doc_ids, fused=True)
+    assert fused.item() == pytest.approx(loss.item(), rel=1e-5)
     loss.backward()
     learned = batch.y != IGNORE
     logp = torch.log_softmax(model.logits.detach().double(), -1)
