@@ -187,3 +187,29 @@ def test_native_cross_entropy_gradient_equals_the_torch_passes(dtype, monkeypatc
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5, msg=f"seed {seed}")
     rtol = 1e-5 if dtype == torch.float32 else torch.finfo(dtype).eps  # (bf16: one rounding apart at most)
     torch.testing.assert_close(grad.float(), ref_grad.to(dtype).float(), rtol=rtol, atol=1e-7, msg=f"seed {seed}")
+
+
+def test_native_swiglu_equals_torchs_ops():
+    """silu(gate) * up over bf16 (the autocast path) and its backward, natively, against torch's
+    ops on the same bf16 values: within two bf16 roundings (each side rounds after the silu and
+    after the product; sigmoid's float32 formula differs in its last bits)."""
+    from arlm import kernels
+    from arlm.fused import swiglu
+
+    if not kernels.train_kernels_available():
+        pytest.skip("the native training kernels are not built here")
+    seed = time.time_ns() % 2**31
+    g = torch.Generator().manual_seed(seed)
+    gate_up = (torch.randn(2, 5, 2 * 200, generator=g) * 3).bfloat16()  # (F = 200: vectors and a tail)
+    go = torch.randn(2, 5, 200, generator=g).bfloat16()
+    a = gate_up.clone().requires_grad_()
+    out = swiglu(a)
+    out.backward(go)
+    b = gate_up.clone().requires_grad_()
+    gate, up = b.chunk(2, dim=-1)
+    ref = torch.nn.functional.silu(gate) * up
+    ref.backward(go)
+    msg = f"seed {seed}"
+    assert out.grad_fn is not None and "Native" in type(out.grad_fn).__name__
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2 ** -7, atol=1e-3, msg=msg)
+    torch.testing.assert_close(a.grad.float(), b.grad.float(), rtol=2 ** -6, atol=1e-2, msg=msg)

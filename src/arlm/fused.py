@@ -1,4 +1,4 @@
-"""Training's RMSNorm and RoPE as autograd Functions with hand-written backward passes.
+"""Training's RMSNorm, RoPE and SwiGLU as autograd Functions with hand-written backward passes.
 
 Autograd differentiates `F.rms_norm` through its pieces (pow, mean, add, rsqrt, two products, the
 dtype casts): ~30 operator calls a norm, forward and backward, each a pass over the activations.
@@ -127,6 +127,30 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     if x.dtype in (torch.bfloat16, torch.float32) and x.stride(-1) == 1 and native(x):
         return NativeRope.apply(x, cos, sin)
     return RopeFunction.apply(x, cos, rope_sin_signed(sin))
+
+
+class NativeSwiGLU(torch.autograd.Function):
+    """silu(gate) * up over the fused gate/up projection's output (bf16), one pass each way
+    (kernels/train.cpp); its backward writes the fused projection's gradient directly (no cat)."""
+
+    @staticmethod
+    def forward(ctx, gate_up: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(gate_up)
+        return torch.ops.arlm_train.swiglu(gate_up)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (gate_up,) = ctx.saved_tensors
+        return torch.ops.arlm_train.swiglu_backward(grad, gate_up)
+
+
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up [..., 2F] (the halves): natively for bf16 where it is built and
+    gradients are wanted, else torch's ops (the same roundings)."""
+    if gate_up.dtype == torch.bfloat16 and torch.is_grad_enabled() and gate_up.requires_grad and native(gate_up):
+        return NativeSwiGLU.apply(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 def plain_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

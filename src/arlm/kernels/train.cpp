@@ -1,5 +1,5 @@
-// Training's fused passes: the cross-entropy gradient over a block of logits in place, and RMSNorm
-// and RoPE forward and backward, each one pass through memory where torch takes several.
+// Training's fused passes: the cross-entropy gradient over a block of logits in place, and RMSNorm,
+// RoPE and SwiGLU forward and backward, each one pass through memory where torch takes several.
 //
 // softmax_xent_(logits [C, V], targets [C], scale [C]) -> loss [C]
 //   For each row r (parallel over rows): loss[r] = logsumexp(logits[r]) - logits[r, targets[r]],
@@ -21,6 +21,10 @@
 //   y = x cos + rotate_half(x) sin, rotate_half(x) = (-x2, x1) for the halves x1, x2 of each head;
 //   inverse: the transpose, x cos + (x2, -x1) sin (the backward pass). In float32, rounded once.
 //   x's heads may be strided (a view of the fused q/k/v projection); its last dim is contiguous.
+// swiglu(gate_up [N, 2F] bf16) -> act [N, F]: silu(gate) * up, gate and up the two halves of a row,
+//   rounded to bf16 after the silu and after the product, as torch's two bf16 ops round.
+// swiglu_backward(grad [N, F], gate_up) -> d_gate_up [N, 2F]: (grad * up * silu'(gate), grad * silu(gate)),
+//   silu'(g) = sigmoid(g) (1 + g (1 - sigmoid(g))), with torch's roundings (grad * up to bf16 first).
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
 #define CPU_CAPABILITY_AVX512
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -321,6 +325,91 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
   return y;
 }
 
+// -- SwiGLU -------------------------------------------------------------------------------------
+
+inline fVec round_bf16(const fVec& v) {  // a float vector's values rounded to bf16 and back
+  fVec a, b;
+  std::tie(a, b) = at::vec::convert_bfloat16_float(at::vec::convert_float_bfloat16(v, v));
+  return a;
+}
+
+inline fVec sigmoid(const fVec& g) { return fVec(1.f) / (fVec(1.f) + g.neg().exp()); }
+
+void swiglu_rows(const at::BFloat16* gu, int64_t N, int64_t F, at::BFloat16* act) {
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const at::BFloat16* g = gu + r * 2 * F;
+      const at::BFloat16* u = g + F;
+      at::BFloat16* o = act + r * F;
+      int64_t i = 0;
+      for (; i + kStep <= F; i += kStep) {
+        fVec ga, gb, ua, ub;
+        load2(g + i, ga, gb);
+        load2(u + i, ua, ub);
+        store2(o + i, round_bf16(ga * sigmoid(ga)) * ua, round_bf16(gb * sigmoid(gb)) * ub);
+      }
+      for (; i < F; ++i) {
+        const float gi = static_cast<float>(g[i]);
+        const float silu = static_cast<float>(static_cast<at::BFloat16>(gi / (1.f + std::exp(-gi))));
+        o[i] = static_cast<at::BFloat16>(silu * static_cast<float>(u[i]));
+      }
+    }
+  });
+}
+
+void swiglu_backward_rows(const at::BFloat16* grad, const at::BFloat16* gu, int64_t N, int64_t F, at::BFloat16* dgu) {
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const at::BFloat16* gr = grad + r * F;
+      const at::BFloat16* g = gu + r * 2 * F;
+      const at::BFloat16* u = g + F;
+      at::BFloat16* dg = dgu + r * 2 * F;
+      at::BFloat16* du = dg + F;
+      int64_t i = 0;
+      for (; i + kStep <= F; i += kStep) {
+        fVec ra, rb, ga, gb, ua, ub;
+        load2(gr + i, ra, rb);
+        load2(g + i, ga, gb);
+        load2(u + i, ua, ub);
+        const fVec sa = sigmoid(ga), sb = sigmoid(gb);
+        store2(du + i, ra * round_bf16(ga * sa), rb * round_bf16(gb * sb));
+        const fVec one(1.f);
+        store2(dg + i, round_bf16(ra * ua) * (sa * (one + ga * (one - sa))),
+               round_bf16(rb * ub) * (sb * (one + gb * (one - sb))));
+      }
+      for (; i < F; ++i) {
+        const float ri = static_cast<float>(gr[i]), gi = static_cast<float>(g[i]), ui = static_cast<float>(u[i]);
+        const float si = 1.f / (1.f + std::exp(-gi));
+        du[i] = static_cast<at::BFloat16>(ri * static_cast<float>(static_cast<at::BFloat16>(gi * si)));
+        const float ru = static_cast<float>(static_cast<at::BFloat16>(ri * ui));
+        dg[i] = static_cast<at::BFloat16>(ru * (si * (1.f + gi * (1.f - si))));
+      }
+    }
+  });
+}
+
+at::Tensor swiglu(const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.scalar_type() == at::kBFloat16 && gate_up.size(-1) % 2 == 0, "swiglu: bf16 [..., 2F]");
+  auto gu = gate_up.contiguous();
+  const int64_t F = gu.size(-1) / 2, N = gu.numel() / (2 * F);
+  auto sizes = gu.sizes().vec();
+  sizes.back() = F;
+  auto act = at::empty(sizes, gu.options());
+  swiglu_rows(gu.data_ptr<at::BFloat16>(), N, F, act.data_ptr<at::BFloat16>());
+  return act;
+}
+
+at::Tensor swiglu_backward(const at::Tensor& grad, const at::Tensor& gate_up) {
+  TORCH_CHECK(grad.scalar_type() == at::kBFloat16 && gate_up.scalar_type() == at::kBFloat16, "swiglu_backward: bf16");
+  auto gu = gate_up.contiguous();
+  auto gr = grad.contiguous();
+  const int64_t F = gu.size(-1) / 2, N = gu.numel() / (2 * F);
+  TORCH_CHECK(gr.numel() == N * F, "swiglu_backward: shapes");
+  auto dgu = at::empty_like(gu);
+  swiglu_backward_rows(gr.data_ptr<at::BFloat16>(), gu.data_ptr<at::BFloat16>(), N, F, dgu.data_ptr<at::BFloat16>());
+  return dgu;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(arlm_train, m) {
@@ -328,6 +417,8 @@ TORCH_LIBRARY(arlm_train, m) {
   m.def("rms_norm(Tensor x, Tensor w, float eps, bool out_bf16) -> (Tensor, Tensor)");
   m.def("rms_norm_backward(Tensor g, Tensor x, Tensor rstd, Tensor w) -> (Tensor, Tensor)");
   m.def("rope(Tensor x, Tensor cos, Tensor sin, bool inverse) -> Tensor");
+  m.def("swiglu(Tensor gate_up) -> Tensor");
+  m.def("swiglu_backward(Tensor grad, Tensor gate_up) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(arlm_train, CPU, m) {
@@ -335,4 +426,6 @@ TORCH_LIBRARY_IMPL(arlm_train, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("rms_norm_backward", &rms_norm_backward);
   m.impl("rope", &rope);
+  m.impl("swiglu", &swiglu);
+  m.impl("swiglu_backward", &swiglu_backward);
 }
