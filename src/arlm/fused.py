@@ -1,4 +1,4 @@
-"""Training's RMSNorm and RoPE as autograd Functions with hand-written backward passes.
+"""Training's RMSNorm, RoPE and SwiGLU as autograd Functions with hand-written backward passes.
 
 Autograd differentiates `F.rms_norm` through its pieces (pow, mean, add, rsqrt, two products, the
 dtype casts): ~30 operator calls a norm, forward and backward, each a pass over the activations.
@@ -7,8 +7,10 @@ back), so each is a handful of passes here. On a CPU a training step is hundreds
 passes a layer, and on a shared machine each costs a wait for both threads besides its memory
 traffic: fewer is faster either way (benchmarks/train_speed.py).
 
-The forward passes compute what the model's inference path computes, operation for operation
-(`RMSNorm.forward`, `apply_rope`); the model takes them where gradients are wanted.
+The forward passes compute what the model's inference path computes (`RMSNorm.forward`,
+`apply_rope`): operation for operation in the torch versions, to float32 rounding (sums in another
+order) in the native ones (kernels/train.cpp: each direction one pass through memory), which serve
+where they are built. The model takes them where gradients are wanted.
 """
 
 from __future__ import annotations
@@ -19,6 +21,43 @@ import torch.nn.functional as F
 
 def autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
     return torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else None
+
+
+def native(x: torch.Tensor) -> bool:
+    """kernels/train.cpp's passes serve `x` (a CPU tensor, where they are built)."""
+    from . import kernels  # (deferred: the model module imports this one)
+
+    return x.device.type == "cpu" and kernels.train_kernels_available()
+
+
+class NativeRMSNorm(torch.autograd.Function):
+    """RMSNormFunction's arithmetic in one pass each way (kernels/train.cpp)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype) -> torch.Tensor:
+        y, rstd = torch.ops.arlm_train.rms_norm(x, weight, eps, out_dtype == torch.bfloat16)
+        ctx.save_for_backward(x, rstd, weight)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, rstd, weight = ctx.saved_tensors
+        dx, dw = torch.ops.arlm_train.rms_norm_backward(grad, x, rstd, weight)
+        return dx, dw if ctx.needs_input_grad[1] else None, None, None
+
+
+class NativeRope(torch.autograd.Function):
+    """RopeFunction's arithmetic in one pass each way (kernels/train.cpp)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(cos, sin)
+        return torch.ops.arlm_train.rope(x, cos, sin, False)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        cos, sin = ctx.saved_tensors
+        return torch.ops.arlm_train.rope(grad, cos, sin, True), None, None
 
 
 class RMSNormFunction(torch.autograd.Function):
@@ -50,7 +89,10 @@ class RMSNormFunction(torch.autograd.Function):
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm of a float32 x [..., d] for training. Under autocast the output is already in
     autocast's dtype (the projection it feeds would cast it so), otherwise float32."""
-    return RMSNormFunction.apply(x, weight, eps, autocast_dtype(x) or x.dtype)
+    out_dtype = autocast_dtype(x) or x.dtype
+    if out_dtype in (torch.bfloat16, torch.float32) and native(x):
+        return NativeRMSNorm.apply(x, weight, eps, out_dtype)
+    return RMSNormFunction.apply(x, weight, eps, out_dtype)
 
 
 def rope_sin_signed(sin: torch.Tensor) -> torch.Tensor:
@@ -82,7 +124,33 @@ class RopeFunction(torch.autograd.Function):
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """RoPE for training: x [B, T, H, d]; cos, sin [B, T, 1, d] float32."""
+    if x.dtype in (torch.bfloat16, torch.float32) and x.stride(-1) == 1 and native(x):
+        return NativeRope.apply(x, cos, sin)
     return RopeFunction.apply(x, cos, rope_sin_signed(sin))
+
+
+class NativeSwiGLU(torch.autograd.Function):
+    """silu(gate) * up over the fused gate/up projection's output (bf16), one pass each way
+    (kernels/train.cpp); its backward writes the fused projection's gradient directly (no cat)."""
+
+    @staticmethod
+    def forward(ctx, gate_up: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(gate_up)
+        return torch.ops.arlm_train.swiglu(gate_up)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (gate_up,) = ctx.saved_tensors
+        return torch.ops.arlm_train.swiglu_backward(grad, gate_up)
+
+
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up [..., 2F] (the halves): natively for bf16 where it is built and
+    gradients are wanted, else torch's ops (the same roundings)."""
+    if gate_up.dtype == torch.bfloat16 and torch.is_grad_enabled() and gate_up.requires_grad and native(gate_up):
+        return NativeSwiGLU.apply(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 def plain_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

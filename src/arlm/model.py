@@ -159,10 +159,11 @@ class MLP(nn.Module):
         self.down = nn.Linear(config.d_ff, config.d_model, bias=config.bias)
 
     def forward(self, x: torch.Tensor, dense: bool = False) -> torch.Tensor:
+        if self.kind == "swiglu":
+            return project(self.down, fused.swiglu(project(self.gate_up, x, dense)), dense)
         if self.kind != "gelu":
             gate, up = project(self.gate_up, x, dense).chunk(2, dim=-1)
-            act = F.silu(gate) if self.kind == "swiglu" else F.gelu(gate, approximate=self.approximate)
-            return project(self.down, act * up, dense)
+            return project(self.down, F.gelu(gate, approximate=self.approximate) * up, dense)
         return project(self.down, F.gelu(project(self.up, x, dense), approximate=self.approximate), dense)
 
 

@@ -1,4 +1,5 @@
-// Training's fused passes: the cross-entropy gradient over a block of logits, in place.
+// Training's fused passes: the cross-entropy gradient over a block of logits in place, and RMSNorm,
+// RoPE and SwiGLU forward and backward, each one pass through memory where torch takes several.
 //
 // softmax_xent_(logits [C, V], targets [C], scale [C]) -> loss [C]
 //   For each row r (parallel over rows): loss[r] = logsumexp(logits[r]) - logits[r, targets[r]],
@@ -10,6 +11,20 @@
 // torch needs ~7 passes over the [C, V] block for this (max, subtract, exp, sum, scale, the
 // target's -1, the cast), each through memory: the block is hundreds of MB. Here a row (V = 49,152
 // values: 96 KB in bf16) is read three times while it sits in the core's cache and written once.
+//
+// rms_norm(x [N, d] float32, w [d], eps, out_bf16) -> (y [N, d], rstd [N])
+//   y = w * (x * rstd), rstd = 1 / sqrt(mean(x^2) + eps), in bf16 (out_bf16: the projection after
+//   it multiplies in bf16 under autocast) or float32.
+// rms_norm_backward(g [N, d], x, rstd, w) -> (dx [N, d] float32, dw [d] float32)
+//   n = x * rstd:  dx = (g w - n mean(g w n)) rstd,  dw = sum over rows of g n.
+// rope(x [B, T, H, d], cos, sin [B, T, 1, d] float32, inverse) -> y [B, T, H, d], x's dtype
+//   y = x cos + rotate_half(x) sin, rotate_half(x) = (-x2, x1) for the halves x1, x2 of each head;
+//   inverse: the transpose, x cos + (x2, -x1) sin (the backward pass). In float32, rounded once.
+//   x's heads may be strided (a view of the fused q/k/v projection); its last dim is contiguous.
+// swiglu(gate_up [N, 2F] bf16) -> act [N, F]: silu(gate) * up, gate and up the two halves of a row,
+//   rounded to bf16 after the silu and after the product, as torch's two bf16 ops round.
+// swiglu_backward(grad [N, F], gate_up) -> d_gate_up [N, 2F]: (grad * up * silu'(gate), grad * silu(gate)),
+//   silu'(g) = sigmoid(g) (1 + g (1 - sigmoid(g))), with torch's roundings (grad * up to bf16 first).
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
 #define CPU_CAPABILITY_AVX512
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -22,6 +37,8 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
+#include <tuple>
 #include <cmath>
 #include <limits>
 
@@ -123,8 +140,292 @@ at::Tensor softmax_xent_(at::Tensor logits, const at::Tensor& targets, const at:
   return loss;
 }
 
+// -- RMSNorm ------------------------------------------------------------------------------------
+
+template <typename T>
+void rms_norm_rows(const float* x, const float* w, int64_t N, int64_t d, float eps, T* y, float* rstd) {
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* xr = x + r * d;
+      T* yr = y + r * d;
+      fVec acc(0.f);
+      int64_t i = 0;
+      for (; i + kStep <= d; i += kStep) {
+        fVec a, b;
+        load2(xr + i, a, b);
+        acc = at::vec::fmadd(a, a, acc);
+        acc = at::vec::fmadd(b, b, acc);
+      }
+      float ss = reduce_sum(acc);
+      for (; i < d; ++i) ss += xr[i] * xr[i];
+      const float k = 1.f / std::sqrt(ss / static_cast<float>(d) + eps);
+      rstd[r] = k;
+      const fVec vk(k);
+      for (i = 0; i + kStep <= d; i += kStep) {
+        fVec a, b, wa, wb;
+        load2(xr + i, a, b);
+        load2(w + i, wa, wb);
+        store2(yr + i, (a * vk) * wa, (b * vk) * wb);
+      }
+      for (; i < d; ++i) yr[i] = static_cast<T>((xr[i] * k) * w[i]);
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, bool out_bf16) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "rms_norm: x and w must be float32");
+  auto xc = x.contiguous();
+  const int64_t d = xc.size(-1), N = xc.numel() / d;
+  auto y = at::empty_like(xc, xc.options().dtype(out_bf16 ? at::kBFloat16 : at::kFloat));
+  auto rstd = at::empty({N}, xc.options());
+  auto wc = w.contiguous();
+  if (out_bf16) {
+    rms_norm_rows(xc.data_ptr<float>(), wc.data_ptr<float>(), N, d, static_cast<float>(eps),
+                  y.data_ptr<at::BFloat16>(), rstd.data_ptr<float>());
+  } else {
+    rms_norm_rows(xc.data_ptr<float>(), wc.data_ptr<float>(), N, d, static_cast<float>(eps), y.data_ptr<float>(),
+                  rstd.data_ptr<float>());
+  }
+  return {y, rstd};
+}
+
+template <typename T>
+void rms_norm_backward_rows(const T* g, const float* x, const float* rstd, const float* w, int64_t N, int64_t d,
+                            float* dx, float* dw_parts, int64_t chunk) {
+  // Each chunk of rows sums its share of dw into its own row of dw_parts (no two threads write one).
+  const int64_t chunks = (N + chunk - 1) / chunk;
+  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      float* dwc = dw_parts + c * d;
+      std::fill(dwc, dwc + d, 0.f);
+      for (int64_t r = c * chunk; r < std::min(N, (c + 1) * chunk); ++r) {
+        const T* gr = g + r * d;
+        const float* xr = x + r * d;
+        float* dxr = dx + r * d;
+        const float k = rstd[r];
+        const fVec vk(k);
+        fVec acc(0.f);
+        int64_t i = 0;
+        for (; i + kStep <= d; i += kStep) {  // sum of g w n
+          fVec ga, gb, xa, xb, wa, wb;
+          load2(gr + i, ga, gb);
+          load2(xr + i, xa, xb);
+          load2(w + i, wa, wb);
+          acc = at::vec::fmadd(ga * wa, xa * vk, acc);
+          acc = at::vec::fmadd(gb * wb, xb * vk, acc);
+        }
+        float dot = reduce_sum(acc);
+        for (; i < d; ++i) dot += static_cast<float>(gr[i]) * w[i] * (xr[i] * k);
+        dot /= static_cast<float>(d);
+        const fVec vdot(dot);
+        for (i = 0; i + kStep <= d; i += kStep) {
+          fVec ga, gb, xa, xb, wa, wb, da, db;
+          load2(gr + i, ga, gb);
+          load2(xr + i, xa, xb);
+          load2(w + i, wa, wb);
+          const fVec na = xa * vk, nb = xb * vk;
+          store2(dxr + i, (ga * wa - na * vdot) * vk, (gb * wb - nb * vdot) * vk);
+          load2(dwc + i, da, db);
+          store2(dwc + i, at::vec::fmadd(ga, na, da), at::vec::fmadd(gb, nb, db));
+        }
+        for (; i < d; ++i) {
+          const float n = xr[i] * k, gi = static_cast<float>(gr[i]);
+          dxr[i] = (gi * w[i] - n * dot) * k;
+          dwc[i] += gi * n;
+        }
+      }
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor& g, const at::Tensor& x, const at::Tensor& rstd,
+                                                     const at::Tensor& w) {
+  auto gc = g.contiguous();
+  auto xc = x.contiguous();
+  const int64_t d = xc.size(-1), N = xc.numel() / d;
+  TORCH_CHECK(gc.numel() == xc.numel() && rstd.numel() == N && w.numel() == d, "rms_norm_backward: shapes");
+  auto dx = at::empty_like(xc);
+  const int64_t chunk = 64;
+  auto parts = at::empty({(N + chunk - 1) / chunk, d}, xc.options());
+  auto wc = w.contiguous();
+  if (gc.scalar_type() == at::kBFloat16) {
+    rms_norm_backward_rows(gc.data_ptr<at::BFloat16>(), xc.data_ptr<float>(), rstd.data_ptr<float>(),
+                           wc.data_ptr<float>(), N, d, dx.data_ptr<float>(), parts.data_ptr<float>(), chunk);
+  } else {
+    TORCH_CHECK(gc.scalar_type() == at::kFloat, "rms_norm_backward: g must be bfloat16 or float32");
+    rms_norm_backward_rows(gc.data_ptr<float>(), xc.data_ptr<float>(), rstd.data_ptr<float>(), wc.data_ptr<float>(),
+                           N, d, dx.data_ptr<float>(), parts.data_ptr<float>(), chunk);
+  }
+  return {dx, parts.sum(0)};
+}
+
+// -- RoPE ---------------------------------------------------------------------------------------
+
+template <typename T>
+void rope_rows(const T* x, std::array<int64_t, 3> xs, const float* cos, const float* sin, std::array<int64_t, 2> cs,
+               int64_t B, int64_t Tn, int64_t H, int64_t d, bool inverse, T* y) {
+  const int64_t half = d / 2;
+  at::parallel_for(0, B * Tn, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t bt = begin; bt < end; ++bt) {
+      const int64_t b = bt / Tn, t = bt % Tn;
+      const float* c = cos + b * cs[0] + t * cs[1];
+      const float* s = sin + b * cs[0] + t * cs[1];
+      for (int64_t h = 0; h < H; ++h) {
+        const T* xr = x + b * xs[0] + t * xs[1] + h * xs[2];
+        T* yr = y + (bt * H + h) * d;
+        int64_t i = 0;
+        for (; i + kStep <= half; i += kStep) {
+          fVec x1a, x1b, x2a, x2b, c1a, c1b, c2a, c2b, s1a, s1b, s2a, s2b;
+          load2(xr + i, x1a, x1b);
+          load2(xr + half + i, x2a, x2b);
+          load2(c + i, c1a, c1b);
+          load2(c + half + i, c2a, c2b);
+          load2(s + i, s1a, s1b);
+          load2(s + half + i, s2a, s2b);
+          if (!inverse) {  // (y1, y2) = (x1 c1 - x2 s1, x2 c2 + x1 s2)
+            store2(yr + i, x1a * c1a - x2a * s1a, x1b * c1b - x2b * s1b);
+            store2(yr + half + i, x2a * c2a + x1a * s2a, x2b * c2b + x1b * s2b);
+          } else {  // the transpose: (x1 c1 + x2 s2, x2 c2 - x1 s1)
+            store2(yr + i, x1a * c1a + x2a * s2a, x1b * c1b + x2b * s2b);
+            store2(yr + half + i, x2a * c2a - x1a * s1a, x2b * c2b - x1b * s1b);
+          }
+        }
+        for (; i < half; ++i) {
+          const float x1 = static_cast<float>(xr[i]), x2 = static_cast<float>(xr[half + i]);
+          if (!inverse) {
+            yr[i] = static_cast<T>(x1 * c[i] - x2 * s[i]);
+            yr[half + i] = static_cast<T>(x2 * c[half + i] + x1 * s[half + i]);
+          } else {
+            yr[i] = static_cast<T>(x1 * c[i] + x2 * s[half + i]);
+            yr[half + i] = static_cast<T>(x2 * c[half + i] - x1 * s[i]);
+          }
+        }
+      }
+    }
+  });
+}
+
+at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool inverse) {
+  TORCH_CHECK(x.dim() == 4 && x.stride(3) == 1 && x.size(3) % 2 == 0, "rope: x must be [B, T, H, d], d even, rows contiguous");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.dim() == 4 &&
+              cos.sizes() == sin.sizes() && cos.strides() == sin.strides() && cos.stride(3) == 1,
+              "rope: cos and sin must be float32 [B, T, 1, d] alike");
+  const int64_t B = x.size(0), Tn = x.size(1), H = x.size(2), d = x.size(3);
+  auto y = at::empty({B, Tn, H, d}, x.options());
+  const std::array<int64_t, 3> xs{x.stride(0), x.stride(1), x.stride(2)};
+  const std::array<int64_t, 2> cs{cos.size(0) == 1 ? 0 : cos.stride(0), cos.size(1) == 1 ? 0 : cos.stride(1)};
+  if (x.scalar_type() == at::kBFloat16) {
+    rope_rows(x.data_ptr<at::BFloat16>(), xs, cos.data_ptr<float>(), sin.data_ptr<float>(), cs, B, Tn, H, d, inverse,
+              y.data_ptr<at::BFloat16>());
+  } else {
+    TORCH_CHECK(x.scalar_type() == at::kFloat, "rope: x must be bfloat16 or float32");
+    rope_rows(x.data_ptr<float>(), xs, cos.data_ptr<float>(), sin.data_ptr<float>(), cs, B, Tn, H, d, inverse,
+              y.data_ptr<float>());
+  }
+  return y;
+}
+
+// -- SwiGLU -------------------------------------------------------------------------------------
+
+inline fVec round_bf16(const fVec& v) {  // a float vector's values rounded to bf16 and back
+  fVec a, b;
+  std::tie(a, b) = at::vec::convert_bfloat16_float(at::vec::convert_float_bfloat16(v, v));
+  return a;
+}
+
+inline fVec sigmoid(const fVec& g) { return fVec(1.f) / (fVec(1.f) + g.neg().exp()); }
+
+void swiglu_rows(const at::BFloat16* gu, int64_t N, int64_t F, at::BFloat16* act) {
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const at::BFloat16* g = gu + r * 2 * F;
+      const at::BFloat16* u = g + F;
+      at::BFloat16* o = act + r * F;
+      int64_t i = 0;
+      for (; i + kStep <= F; i += kStep) {
+        fVec ga, gb, ua, ub;
+        load2(g + i, ga, gb);
+        load2(u + i, ua, ub);
+        store2(o + i, round_bf16(ga * sigmoid(ga)) * ua, round_bf16(gb * sigmoid(gb)) * ub);
+      }
+      for (; i < F; ++i) {
+        const float gi = static_cast<float>(g[i]);
+        const float silu = static_cast<float>(static_cast<at::BFloat16>(gi / (1.f + std::exp(-gi))));
+        o[i] = static_cast<at::BFloat16>(silu * static_cast<float>(u[i]));
+      }
+    }
+  });
+}
+
+void swiglu_backward_rows(const at::BFloat16* grad, const at::BFloat16* gu, int64_t N, int64_t F, at::BFloat16* dgu) {
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const at::BFloat16* gr = grad + r * F;
+      const at::BFloat16* g = gu + r * 2 * F;
+      const at::BFloat16* u = g + F;
+      at::BFloat16* dg = dgu + r * 2 * F;
+      at::BFloat16* du = dg + F;
+      int64_t i = 0;
+      for (; i + kStep <= F; i += kStep) {
+        fVec ra, rb, ga, gb, ua, ub;
+        load2(gr + i, ra, rb);
+        load2(g + i, ga, gb);
+        load2(u + i, ua, ub);
+        const fVec sa = sigmoid(ga), sb = sigmoid(gb);
+        store2(du + i, ra * round_bf16(ga * sa), rb * round_bf16(gb * sb));
+        const fVec one(1.f);
+        store2(dg + i, round_bf16(ra * ua) * (sa * (one + ga * (one - sa))),
+               round_bf16(rb * ub) * (sb * (one + gb * (one - sb))));
+      }
+      for (; i < F; ++i) {
+        const float ri = static_cast<float>(gr[i]), gi = static_cast<float>(g[i]), ui = static_cast<float>(u[i]);
+        const float si = 1.f / (1.f + std::exp(-gi));
+        du[i] = static_cast<at::BFloat16>(ri * static_cast<float>(static_cast<at::BFloat16>(gi * si)));
+        const float ru = static_cast<float>(static_cast<at::BFloat16>(ri * ui));
+        dg[i] = static_cast<at::BFloat16>(ru * (si * (1.f + gi * (1.f - si))));
+      }
+    }
+  });
+}
+
+at::Tensor swiglu(const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.scalar_type() == at::kBFloat16 && gate_up.size(-1) % 2 == 0, "swiglu: bf16 [..., 2F]");
+  auto gu = gate_up.contiguous();
+  const int64_t F = gu.size(-1) / 2, N = gu.numel() / (2 * F);
+  auto sizes = gu.sizes().vec();
+  sizes.back() = F;
+  auto act = at::empty(sizes, gu.options());
+  swiglu_rows(gu.data_ptr<at::BFloat16>(), N, F, act.data_ptr<at::BFloat16>());
+  return act;
+}
+
+at::Tensor swiglu_backward(const at::Tensor& grad, const at::Tensor& gate_up) {
+  TORCH_CHECK(grad.scalar_type() == at::kBFloat16 && gate_up.scalar_type() == at::kBFloat16, "swiglu_backward: bf16");
+  auto gu = gate_up.contiguous();
+  auto gr = grad.contiguous();
+  const int64_t F = gu.size(-1) / 2, N = gu.numel() / (2 * F);
+  TORCH_CHECK(gr.numel() == N * F, "swiglu_backward: shapes");
+  auto dgu = at::empty_like(gu);
+  swiglu_backward_rows(gr.data_ptr<at::BFloat16>(), gu.data_ptr<at::BFloat16>(), N, F, dgu.data_ptr<at::BFloat16>());
+  return dgu;
+}
+
 }  // namespace
 
-TORCH_LIBRARY(arlm_train, m) { m.def("softmax_xent_(Tensor(a!) logits, Tensor targets, Tensor scale) -> Tensor"); }
+TORCH_LIBRARY(arlm_train, m) {
+  m.def("softmax_xent_(Tensor(a!) logits, Tensor targets, Tensor scale) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor w, float eps, bool out_bf16) -> (Tensor, Tensor)");
+  m.def("rms_norm_backward(Tensor g, Tensor x, Tensor rstd, Tensor w) -> (Tensor, Tensor)");
+  m.def("rope(Tensor x, Tensor cos, Tensor sin, bool inverse) -> Tensor");
+  m.def("swiglu(Tensor gate_up) -> Tensor");
+  m.def("swiglu_backward(Tensor grad, Tensor gate_up) -> Tensor");
+}
 
-TORCH_LIBRARY_IMPL(arlm_train, CPU, m) { m.impl("softmax_xent_", &softmax_xent_); }
+TORCH_LIBRARY_IMPL(arlm_train, CPU, m) {
+  m.impl("softmax_xent_", &softmax_xent_);
+  m.impl("rms_norm", &rms_norm);
+  m.impl("rms_norm_backward", &rms_norm_backward);
+  m.impl("rope", &rope);
+  m.impl("swiglu", &swiglu);
+  m.impl("swiglu_backward", &swiglu_backward);
+}
