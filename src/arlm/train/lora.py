@@ -69,23 +69,24 @@ class LoRALinear(nn.Linear):
         for a in self.lora_A.values():
             nn.init.kaiming_uniform_(a, a=math.sqrt(5))  # nn.Linear's init (and PEFT's for A)
 
-    def delta(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        return F.linear(F.linear(x, self.lora_A[name]), self.lora_B[name]) * self.scale
+    def stacked(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """All parts' adapters as one pair: A [P*r, in] (the parts' A stacked) and B [out, P*r]
+        (each part's B in its own rows and its own r columns, zero elsewhere), scaled, so that
+        B @ A holds each part's scale * B_p A_p in its rows."""
+        names = list(self.parts)
+        A = torch.cat([self.lora_A[n] for n in names]) if len(names) > 1 else self.lora_A[names[0]]
+        if len(names) == 1 and self.parts[names[0]] == slice(0, self.out_features):
+            return A, self.lora_B[names[0]] * self.scale
+        B = A.new_zeros(self.out_features, len(names) * self.rank)
+        for i, n in enumerate(names):
+            B[self.parts[n], i * self.rank:(i + 1) * self.rank] = self.lora_B[n] * self.scale
+        return A, B
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
-        if len(self.parts) == 1 and next(iter(self.parts.values())) == slice(0, self.out_features):
-            return y + self.delta(x, next(iter(self.parts)))
-        # Several parts of a fused projection: each part's rows plus its own adapter's product.
-        pieces, at = [], 0
-        for name, rows in sorted(self.parts.items(), key=lambda kv: kv[1].start):
-            if rows.start > at:
-                pieces.append(y[..., at:rows.start])
-            pieces.append(y[..., rows] + self.delta(x, name))
-            at = rows.stop
-        if at < self.out_features:
-            pieces.append(y[..., at:])
-        return torch.cat(pieces, dim=-1)
+        # W x + B (A x): two thin products for all the parts at once (a fused projection's parts
+        # through B's block structure), one add.
+        A, B = self.stacked()
+        return F.linear(x, self.weight, self.bias) + F.linear(F.linear(x, A), B)
 
     @torch.no_grad()
     def merged(self) -> nn.Linear:
@@ -94,7 +95,7 @@ class LoRALinear(nn.Linear):
                           device=self.weight.device, dtype=self.weight.dtype)
         weight = self.weight.detach().clone()
         for name, rows in self.parts.items():
-            weight[rows] += self.scale * (self.lora_B[name].float() @ self.lora_A[name].float()).to(weight.dtype)
+            weight[rows] += (self.scale * (self.lora_B[name].float() @ self.lora_A[name].float())).to(weight.dtype)
         layer.weight = nn.Parameter(weight)
         if self.bias is not None:
             layer.bias = nn.Parameter(self.bias.detach().clone())
