@@ -144,7 +144,7 @@ class ArlmSide(Side):
         self.step_model = torch.compile(model) if compile_ else model
 
     def forward(self, x, y):
-        with mixed_precision(DEVICE, AMP):
+        with mixed_precision(DEVICE, AMP, x.shape[1]):
             return next_token_loss(self.step_model, x, y)
 
     def update(self, lr):
@@ -303,8 +303,7 @@ def run_parts(args) -> None:
 
     B, T, H, H_kv, d, D, V = args.batch, args.context, 9, 3, 64, 576, 49152  # SmolLM2's shapes
     g = torch.Generator().manual_seed(0)
-    q0, k0, v0 = (torch.randn(B, h, T, d, generator=g).to(AMP) for h in (H, H_kv, H_kv))
-    go = torch.randn(B, H, T, d, generator=g).to(AMP)
+    q0 = k0 = v0 = go = None  # (set per sequence length below)
 
     def attention(backend, dtype):
         def run():
@@ -315,12 +314,18 @@ def run_parts(args) -> None:
         return run
 
     print(f"# {machine()}; {torch.get_num_threads()} threads; load {load_avg()}")
-    res = time_alternating({"math bf16": attention(SDPBackend.MATH, AMP),
-                            "flash bf16": attention(SDPBackend.FLASH_ATTENTION, AMP),
-                            "flash float32": attention(SDPBackend.FLASH_ATTENTION, torch.float32)}, args.rounds)
-    print(f"attention forward + backward, one layer [B={B}, H={H}/{H_kv}, T={T}, d={d}]:")
-    for n, s in res.items():
-        print(f"  {n:16s} {s * 1e3:8.1f} ms   x30 layers {s * 30:6.2f} s")
+    print(f"attention forward + backward, one layer [B={B}, H={H}/{H_kv}, d={d}], bf16 (ms):")
+    print(f"  {'positions':>9s} {'math':>8s} {'flash':>8s} {'flash f32':>10s}  math/flash")
+    for t in sorted({64, 128, 256, 512, T}):
+        if t > T:
+            continue
+        q0, k0, v0 = (torch.randn(B, h, t, d, generator=g).to(AMP) for h in (H, H_kv, H_kv))
+        go = torch.randn(B, H, t, d, generator=g).to(AMP)
+        res = time_alternating({"math": attention(SDPBackend.MATH, AMP),
+                                "flash": attention(SDPBackend.FLASH_ATTENTION, AMP),
+                                "flash f32": attention(SDPBackend.FLASH_ATTENTION, torch.float32)}, args.rounds)
+        print(f"  {t:9d} {res['math'] * 1e3:8.1f} {res['flash'] * 1e3:8.1f} {res['flash f32'] * 1e3:10.1f}  "
+              f"{res['math'] / res['flash']:6.2f}x")
 
     hidden = torch.randn(B * T, D, generator=g)
     weight = (torch.randn(V, D, generator=g) * 0.05).requires_grad_()
@@ -335,9 +340,21 @@ def run_parts(args) -> None:
             weight.grad = None
         return run
 
-    fns = {"plain (full logits)": head(reference_cross_entropy)}
-    for rows in (256, 512, 1024, 2048, 4096):
-        if rows <= B * T:
+    def torch_passes(h, w, t):  # the fused path with the native kernel switched off
+        from arlm import kernels
+
+        native = kernels.train_kernels_available
+        kernels.train_kernels_available = lambda: False
+        try:
+            return linear_cross_entropy(h, w, t)
+        finally:
+            kernels.train_kernels_available = native
+
+    fns = {"plain (full logits)": head(reference_cross_entropy),
+           "fused (default chunks)": head(linear_cross_entropy),
+           "fused, torch passes": head(torch_passes)}
+    for rows in (512, 1024, 2048):
+        if rows < B * T:
             fns[f"fused, {rows}-row chunks"] = head(linear_cross_entropy, chunk_rows=rows)
     res = time_alternating(fns, args.rounds)
     print(f"LM head + cross-entropy, forward + backward [{B * T} rows, {D} -> {V}] (bf16 autocast):")

@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .. import kernels
@@ -120,17 +121,26 @@ def autocast_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype | None
     return None if cfg.dtype == "float32" else getattr(torch, cfg.dtype)
 
 
+# Below this many positions a CPU step runs attention in the math kernel (two bf16 matmuls around
+# a softmax), from it on in flash attention: under bf16 autocast torch 2.13's two trade places
+# with the sequence length (benchmarks/train_speed.py --parts: the math kernel 2-3x faster at
+# 64-128 positions, flash ahead from 256 and 2.5-5x at 512-1,024).
+FLASH_ATTENTION_FROM = 256
+
+
 @contextmanager
-def mixed_precision(device: torch.device, dtype: torch.dtype | None):
-    """The context a forward pass runs in: autocast to `dtype` (None: plain float32)."""
+def mixed_precision(device: torch.device, dtype: torch.dtype | None, seq_len: int | None = None):
+    """The context a forward pass runs in: autocast to `dtype` (None: plain float32), and on CPU
+    the attention kernel for sequences of `seq_len` positions (None: torch's choice)."""
     if dtype is None:
         yield
         return
-    # (On CPU, torch 2.13's bf16 flash attention, forward and backward, is 2.9x the math kernel at
-    # context 256 and 3.7x at 1,024: benchmarks/train_speed.py --parts. Earlier torch's bf16
-    # flash backward was the slow one, and this forced the math kernel.)
     with torch.autocast(device.type, dtype=dtype):
-        yield
+        if device.type == "cpu" and seq_len is not None and seq_len < FLASH_ATTENTION_FROM:
+            with sdpa_kernel([SDPBackend.MATH]):
+                yield
+        else:
+            yield
 
 
 def resolve_device(spec: str, local_rank: int) -> torch.device:
@@ -178,7 +188,7 @@ def evaluate(model: torch.nn.Module, data: TokenData, cfg: TrainConfig, device: 
         total = torch.zeros((), device=device)
         for b in range(ddp.rank, cfg.eval_batches, ddp.world_size):
             x, y = data.batch(split, offsets[b], cfg.context_length, device)
-            with mixed_precision(device, amp_dtype):
+            with mixed_precision(device, amp_dtype, cfg.context_length):
                 total += next_token_loss(model, x, y).float()
         if ddp.world_size > 1:
             dist.all_reduce(total)
@@ -373,7 +383,7 @@ def _train(cfg: TrainConfig, resume: bool, overwrite: bool, ddp: Distributed, de
             # Gradients are all-reduced on the last micro-step only; the others accumulate locally.
             last = micro == accum - 1
             with (nullcontext() if last or ddp.world_size == 1 else no_sync(step_model)):
-                with mixed_precision(device, amp_dtype):
+                with mixed_precision(device, amp_dtype, cfg.context_length):
                     loss = next_token_loss(step_model, x, y) / accum
                 scaler.scale(loss).backward()
             loss_sum += loss.detach()
