@@ -124,8 +124,9 @@ def autocast_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype | None
 # Below this many positions a CPU step runs attention in the math kernel (two bf16 matmuls around
 # a softmax), from it on in flash attention: under bf16 autocast torch 2.13's two trade places
 # with the sequence length (benchmarks/train_speed.py --parts, SmolLM2's heads: the math kernel
-# 1.4-1.5x faster at 64-128 positions, flash 1.5x at 256, 2.7x at 512, 5.3x at 1,024; on the
-# Shakespeare recipe's 64 positions and 32-wide heads flash took 1.5x the whole step).
+# 1.4-1.5x faster at 64-128 positions, flash 1.5x at 256, 2.7x at 512, 5.3x at 1,024; with flash
+# at 64 positions the Shakespeare recipe ran at 0.56x (GPT-2) and 0.72x (Llama) of the math
+# kernel's tokens/s: benchmarks/train_ab.py, docs/benchmarks.md).
 FLASH_ATTENTION_FROM = 256
 
 
