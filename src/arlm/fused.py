@@ -24,10 +24,11 @@ def autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
 
 
 def native(x: torch.Tensor) -> bool:
-    """kernels/train.cpp's passes serve `x` (a CPU tensor, where they are built)."""
+    """kernels/train.cpp's passes serve `x` (a CPU tensor, where they are built; not under
+    torch.compile, which fuses the torch versions itself and cannot trace the native ops)."""
     from . import kernels  # (deferred: the model module imports this one)
 
-    return x.device.type == "cpu" and kernels.train_kernels_available()
+    return x.device.type == "cpu" and not torch.compiler.is_compiling() and kernels.train_kernels_available()
 
 
 class NativeRMSNorm(torch.autograd.Function):

@@ -40,11 +40,13 @@ def compute_dtype(device: torch.device) -> torch.dtype:
     return torch.float32
 
 
-def _chunk_loss(logits: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row: logsumexp and the summed loss over the valid rows; logits [C, V] float32."""
-    lse = torch.logsumexp(logits, dim=-1)  # [C]
-    target_logit = logits.gather(1, targets[:, None]).squeeze(1)
-    return lse, ((lse - target_logit) * valid).sum()
+def row_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """logsumexp(logits) - logits[target] per row of logits [C, V] (float32 [C]); `logits` may be
+    overwritten (the native kernel's pass writes a gradient over it, here scaled by zero)."""
+    if logits.device.type == "cpu" and kernels.train_kernels_available():
+        return torch.ops.arlm_train.softmax_xent_(logits, targets, torch.zeros(len(targets), device=logits.device))
+    logits = logits.float()
+    return torch.logsumexp(logits, dim=-1) - logits.gather(1, targets[:, None]).squeeze(1)
 
 
 def softmax_xent_(logits: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,8 +86,7 @@ class LinearCrossEntropy(torch.autograd.Function):
             rows = slice(start, min(start + chunk_rows, N))
             logits = h[rows] @ w.T  # [C, V], in the product's dtype
             if not (need_h or need_w):
-                lse, chunk_loss = _chunk_loss(logits.float(), safe_targets[rows], valid_f[rows])
-                loss += chunk_loss
+                loss += (row_losses(logits, safe_targets[rows]) * valid_f[rows]).sum()
                 continue
             # d loss / d logits = (softmax - one_hot) * scale, over the logits in place
             row_loss, grad = softmax_xent_(logits, safe_targets[rows], scale[rows])
@@ -126,8 +127,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     valid = targets != IGNORE_INDEX
     safe_targets, valid_f = targets.masked_fill(~valid, 0), valid.float()
     h, w = hidden.to(dtype), weight.to(dtype)
-    total = sum(_chunk_loss((h[i:i + chunk_rows] @ w.T).float(), safe_targets[i:i + chunk_rows],
-                            valid_f[i:i + chunk_rows])[1] for i in range(0, hidden.shape[0], chunk_rows))
+    total = sum((row_losses(h[i:i + chunk_rows] @ w.T, safe_targets[i:i + chunk_rows]) * valid_f[i:i + chunk_rows]).sum()
+                for i in range(0, hidden.shape[0], chunk_rows))
     return total / valid_f.sum()
 
 

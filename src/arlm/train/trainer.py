@@ -29,6 +29,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .. import kernels
 from ..config import ConfigError, ModelConfig
@@ -140,17 +141,28 @@ def autocast_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype | None
     return None if cfg.dtype == "float32" else getattr(torch, cfg.dtype)
 
 
+# Below this many positions a CPU step runs attention in the math kernel (two bf16 matmuls around
+# a softmax), from it on in flash attention: under bf16 autocast torch 2.13's two trade places
+# with the sequence length (benchmarks/train_speed.py --parts, SmolLM2's heads: the math kernel
+# 1.4-1.5x faster at 64-128 positions, flash 1.5x at 256, 2.7x at 512, 5.3x at 1,024; with flash
+# at 64 positions the Shakespeare recipe ran at 0.56x (GPT-2) and 0.72x (Llama) of the math
+# kernel's tokens/s: benchmarks/train_ab.py, docs/benchmarks.md).
+FLASH_ATTENTION_FROM = 256
+
+
 @contextmanager
-def mixed_precision(device: torch.device, dtype: torch.dtype | None):
-    """The context a forward pass runs in: autocast to `dtype` (None: plain float32)."""
+def mixed_precision(device: torch.device, dtype: torch.dtype | None, seq_len: int | None = None):
+    """The context a forward pass runs in: autocast to `dtype` (None: plain float32), and on CPU
+    the attention kernel for sequences of `seq_len` positions (None: torch's choice)."""
     if dtype is None:
         yield
         return
-    # (On CPU, torch 2.13's bf16 flash attention, forward and backward, is 2.9x the math kernel at
-    # context 256 and 3.7x at 1,024: benchmarks/train_speed.py --parts. Earlier torch's bf16
-    # flash backward was the slow one, and this forced the math kernel.)
     with torch.autocast(device.type, dtype=dtype):
-        yield
+        if device.type == "cpu" and seq_len is not None and seq_len < FLASH_ATTENTION_FROM:
+            with sdpa_kernel([SDPBackend.MATH]):
+                yield
+        else:
+            yield
 
 
 def resolve_device(spec: str, local_rank: int) -> torch.device:
@@ -198,7 +210,7 @@ def evaluate(model: torch.nn.Module, data: TokenData, cfg: TrainConfig, device: 
         total = torch.zeros((), device=device)
         for b in range(ddp.rank, cfg.eval_batches, ddp.world_size):
             batch = data.batch(split, offsets[b], cfg.context_length, device)
-            with mixed_precision(device, amp_dtype):
+            with mixed_precision(device, amp_dtype, cfg.context_length):
                 total += batch_loss(model, batch, fused=fused_loss(cfg, ddp)).float()
         if ddp.world_size > 1:
             dist.all_reduce(total)
@@ -392,7 +404,7 @@ def _train(cfg: TrainConfig, resume: bool, overwrite: bool, ddp: Distributed, de
             batch = data.batch("train", offsets[micro * ddp.world_size + ddp.rank], cfg.context_length, device)
             # DDP all-reduces gradients on the last micro-step only; the others accumulate locally.
             with mode.micro_step(step_model, last=micro == accum - 1):
-                with mixed_precision(device, amp_dtype):
+                with mixed_precision(device, amp_dtype, cfg.context_length):
                     loss = batch_loss(step_model, batch, fused=fused_loss(cfg, ddp)) / accum
                 scaler.scale(loss).backward()
             loss_sum += loss.detach()
