@@ -9,7 +9,7 @@
    over a contiguous cache (by rows, as `LLM.generate` runs it), at batch 1, 8 and 32 with the
    same context; then a whole `Engine.step` over the pool (scheduler and sampling included); then
    prefix caching: requests that share a system prompt, prefill tokens and time with and without it.
-2. HTTP: starts `arlm serve` (OMP_NUM_THREADS=--threads) and drives it with 1, 8 and 32 concurrent
+2. HTTP: starts `arlm serve --threads THREADS` (pinned, as llama-server -t) and drives it with 1, 8 and 32 concurrent
    streaming clients, each a different prompt, greedy, exactly --max-tokens tokens (ignore_eos):
    total output tokens/s, median and p95 time to first token, and the ratio to serving the same
    requests one at a time. Then the same load against llama.cpp's server on the same GGUF
@@ -293,7 +293,8 @@ def bench_http(args) -> dict:
             url = f"http://127.0.0.1:{port}"
             servers["arlm"] = url, run_server([sys.executable, "-m", "arlm", "serve", "--model", args.model,
                                                "--port", str(port), "--kv-cache-memory", "1GiB",
-                                               "--quantize", args.quantize], env, url)
+                                               "--quantize", args.quantize, "--threads", str(args.threads)],
+                                              env, url)  # (pinned as llama-server's -t: the client is a neighbour)
         binary = find_llama_server(args.llama_server) if args.servers in ("both", "llama.cpp") else None
         if binary is None and args.servers != "arlm":
             print("\nllama.cpp: skipped (no llama-server: pass --llama-server PATH, put it on PATH, or build it "
