@@ -194,20 +194,32 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 300.0) -> No
 
 async def one_stream(client, url: str, model: str, prompt: str,
                      max_tokens: int) -> tuple[float, int, float, list[float]]:
-    """(time to first token, tokens, total seconds, the gaps between tokens) of one streaming completion."""
+    """(time to first token, tokens, total seconds, the gaps between chunks) of one streaming completion.
+
+    Tokens are the server's count (the final chunk's usage, `stream_options.include_usage`), or
+    max_tokens where the stream ended for length: not the chunks, as a server holds back a token
+    that ends inside a UTF-8 character (or a stop string's prefix) and sends it with the next, so
+    a model that emits byte tokens streams fewer chunks than tokens."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "ignore_eos": True}
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
-    arrivals = []  # both servers stream one token per chunk
+    arrivals = []
+    usage, finish = None, None
     async with client.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            if json.loads(line[6:]).get("choices"):
-                arrivals.append(time.perf_counter())
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                usage = chunk["usage"].get("completion_tokens")
+            for choice in chunk.get("choices") or []:
+                finish = choice.get("finish_reason") or finish
+                if choice.get("text"):
+                    arrivals.append(time.perf_counter())
     gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
-    return (arrivals[0] - t0 if arrivals else float("nan")), len(arrivals), time.perf_counter() - t0, gaps
+    tokens = usage if usage is not None else max_tokens if finish == "length" else len(arrivals)
+    return (arrivals[0] - t0 if arrivals else float("nan")), tokens, time.perf_counter() - t0, gaps
 
 
 async def load(url: str, model: str, prompts: list[str], max_tokens: int, concurrent: bool) -> dict:
