@@ -54,7 +54,7 @@ from arlm.model import Transformer  # noqa: E402
 from arlm.train import TokenData, TrainConfig, lr_at, prepare  # noqa: E402
 from arlm.train.data import default_corpus  # noqa: E402
 from arlm.train.trainer import (configure_optimizer, mixed_precision, next_token_loss,  # noqa: E402
-                                sample_step_offsets)
+                                sample_step_offsets, use_shadow_weights)
 from bench_args import positive_int  # noqa: E402
 
 DEVICE = torch.device("cpu")
@@ -141,7 +141,8 @@ class ArlmSide(Side):
 
     def __init__(self, name: str, model: Transformer, cfg: TrainConfig, compile_: bool = False):
         self.name, self.model, self.cfg = name, model, cfg
-        self.optimizer = configure_optimizer(model, cfg, DEVICE)
+        shadows = use_shadow_weights(cfg, DEVICE, AMP, world_size=1) and not compile_
+        self.optimizer = configure_optimizer(model, cfg, DEVICE, shadow_weights=shadows)
         self.step_model = torch.compile(model) if compile_ else model
 
     def forward(self, x, y):
@@ -151,7 +152,7 @@ class ArlmSide(Side):
     def update(self, lr):
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        self.optimizer.clip_grad_norm_(self.cfg.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 

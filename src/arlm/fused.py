@@ -130,6 +130,33 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return RopeFunction.apply(x, cos, rope_sin_signed(sin))
 
 
+class NativeQKVRope(torch.autograd.Function):
+    """q, k, v out of the fused q/k/v projection, q and k rotated, in one pass each way
+    (kernels/train.cpp): the backward pass writes the projection's gradient directly, where split,
+    rope and cat would take a rope pass and two cats."""
+
+    @staticmethod
+    def forward(ctx, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_head: int, n_kv_heads: int):
+        ctx.save_for_backward(cos, sin)
+        return torch.ops.arlm_train.rope_qkv(qkv, cos, sin, n_head, n_kv_heads)
+
+    @staticmethod
+    def backward(ctx, gq: torch.Tensor | None, gk: torch.Tensor | None, gv: torch.Tensor | None):
+        cos, sin = ctx.saved_tensors  # (an unused output's gradient arrives as zeros: materialized)
+        return torch.ops.arlm_train.rope_qkv_backward(gq, gk, gv, cos, sin), None, None, None, None
+
+
+def qkv_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_head: int,
+             n_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(q [B, T, n_head, d], k, v [B, T, n_kv_heads, d]) from qkv [B, T, n_head + 2 n_kv_heads, d]
+    with q and k rotated (cos, sin [B, T, 1, d] float32): the native pass where it serves (training
+    on CPU, bf16 or float32), else None (the caller splits and rotates)."""
+    if qkv.dtype in (torch.bfloat16, torch.float32) and qkv.stride(-1) == 1 and torch.is_grad_enabled() \
+            and qkv.requires_grad and native(qkv):
+        return NativeQKVRope.apply(qkv, cos, sin, n_head, n_kv_heads)
+    return None
+
+
 class NativeSwiGLU(torch.autograd.Function):
     """silu(gate) * up over the fused gate/up projection's output (bf16), one pass each way
     (kernels/train.cpp); its backward writes the fused projection's gradient directly (no cat)."""

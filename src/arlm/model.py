@@ -91,10 +91,26 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (x * cos + rotated * sin).to(x.dtype)
 
 
+def compute_weight(layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    """The bf16 copy of `layer`'s weight that training keeps beside it (`layer.shadow`, written by
+    arlm.train.optim.ShadowAdamW: what autocast would cast the weight to), where autocast multiplies
+    in its dtype here; else None."""
+    shadow = layer.__dict__.get("shadow")
+    if shadow is None or not torch.is_autocast_enabled(x.device.type) \
+            or torch.get_autocast_dtype(x.device.type) != shadow.dtype:
+        return None
+    return shadow
+
+
 def project(layer: nn.Module, x: torch.Tensor, dense: bool) -> torch.Tensor:
     """layer(x); dense: a quantized layer that keeps a float copy multiplies with it instead
-    (`arlm.quant.QuantizedLinear.forward`: the prompt's compute-bound GEMMs)."""
-    return layer(x, dense=True) if dense and getattr(layer, "dense_weight", None) is not None else layer(x)
+    (`arlm.quant.QuantizedLinear.forward`: the prompt's compute-bound GEMMs). A Linear with a
+    training shadow (`compute_weight`) multiplies with that."""
+    if dense and getattr(layer, "dense_weight", None) is not None:
+        return layer(x, dense=True)
+    if type(layer) is nn.Linear and (shadow := compute_weight(layer, x)) is not None:
+        return F.linear(x, shadow, layer.bias)
+    return layer(x)
 
 
 class Attention(nn.Module):
@@ -121,12 +137,16 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         H, H_kv = self.n_head, self.n_kv_heads
         qkv = project(self.wqkv, x, dense).view(B, T, H + 2 * H_kv, self.head_dim)
-        qk, v = qkv.split([H + H_kv, H_kv], dim=2)  # (split, not slices: one backward pass, a cat)
-        if hasattr(self, "q_norm"):
-            qk = torch.cat([self.q_norm(qk[:, :, :H]), self.k_norm(qk[:, :, H:])], dim=2)
-        if rope is not None:  # q and k heads rotated in one go
-            qk = fused.rope(qk, *rope) if torch.is_grad_enabled() and qk.requires_grad else apply_rope(qk, *rope)
-        q, k = qk.split([H, H_kv], dim=2)
+        split = fused.qkv_rope(qkv, *rope, H, H_kv) if rope is not None and not hasattr(self, "q_norm") else None
+        if split is not None:  # (training: one pass each way, no split/rope/cat)
+            q, k, v = split
+        else:
+            qk, v = qkv.split([H + H_kv, H_kv], dim=2)  # (split, not slices: one backward pass, a cat)
+            if hasattr(self, "q_norm"):
+                qk = torch.cat([self.q_norm(qk[:, :, :H]), self.k_norm(qk[:, :, H:])], dim=2)
+            if rope is not None:  # q and k heads rotated in one go
+                qk = fused.rope(qk, *rope) if torch.is_grad_enabled() and qk.requires_grad else apply_rope(qk, *rope)
+            q, k = qk.split([H, H_kv], dim=2)
         if self.q_scale is not None:
             q = q * self.q_scale
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T, d_head]
