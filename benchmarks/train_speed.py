@@ -212,8 +212,10 @@ def setup(args) -> tuple[TokenData, TrainConfig, Transformer]:
     return data, cfg, base
 
 
-def batch(data: TokenData, cfg: TrainConfig, step: int):
-    return data.batch("train", sample_step_offsets(data, cfg, step)[0], cfg.context_length, DEVICE)
+def batch(data: TokenData, cfg: TrainConfig, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step `step`'s (inputs, targets), as `arlm train` draws them (a text batch: no packing)."""
+    b = data.batch("train", sample_step_offsets(data, cfg, step)[0], cfg.context_length, DEVICE)
+    return b.x, b.y
 
 
 def run_alternating(args) -> dict:
