@@ -46,6 +46,11 @@ class ShadowAdamW(AdamW):
     def __init__(self, model: nn.Module, groups: list[dict], **kwargs) -> None:
         super().__init__(groups, **kwargs)
         self.grad_shadows = attach_shadows(model)  # master -> its bf16 leaf (the block matrices)
+        emb, head = getattr(model, "tok_emb", None), getattr(model, "lm_head", None)
+        if emb is not None and head is not None and emb.weight is head.weight and emb.weight.requires_grad:
+            # A tied embedding's gradient as its rows (sparse) instead of a dense [V, d] zero-fill
+            # and add: the head's dense gradient joins it, so the sum the step reads is dense.
+            emb.sparse = True
         self.copies = {id(p): s for p, s in _compute_copies(model)}  # id(master) -> bf16 copy to rewrite
         self._grad_scale = 1.0
 
