@@ -96,6 +96,38 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return RMSNormFunction.apply(x, weight, eps, out_dtype)
 
 
+class NativeAddRMSNorm(torch.autograd.Function):
+    """(x + h, rms_norm(x + h)) in one native pass each way (kernels/train.cpp): the backward pass
+    adds the residual stream's gradient to the norm's and writes the branch's in h's dtype, where
+    autograd would add the two and cast."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype):
+        s, y, rstd = torch.ops.arlm_train.add_rms_norm(x, h, weight, eps, out_dtype == torch.bfloat16)
+        ctx.save_for_backward(s, rstd, weight)
+        ctx.h_bf16 = h.dtype == torch.bfloat16
+        return s, y
+
+    @staticmethod
+    def backward(ctx, gs: torch.Tensor, gy: torch.Tensor):
+        s, rstd, weight = ctx.saved_tensors
+        dx, dh, dw = torch.ops.arlm_train.add_rms_norm_backward(gs, gy, s, rstd, weight, ctx.h_bf16)
+        return dx, dh, dw if ctx.needs_input_grad[2] else None, None, None
+
+
+def add_rms_norm(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(x + h, RMSNorm of it) for training, x float32 (the residual stream), h bf16 or float32
+    (a branch's output): the native pass where it serves, else None (the caller adds, then norms).
+    The norm's output is `rms_norm`'s: in autocast's dtype under autocast, else float32."""
+    out_dtype = autocast_dtype(x) or x.dtype
+    if x.dtype == torch.float32 and h.dtype in (torch.bfloat16, torch.float32) and h.shape == x.shape \
+            and out_dtype in (torch.bfloat16, torch.float32) and torch.is_grad_enabled() \
+            and (x.requires_grad or h.requires_grad or weight.requires_grad) and native(x):
+        return NativeAddRMSNorm.apply(x, h, weight, eps, out_dtype)
+    return None
+
+
 def rope_sin_signed(sin: torch.Tensor) -> torch.Tensor:
     """sin with its first half negated: rotate_half(x) * sin == roll(x, d/2) * this."""
     half = sin.shape[-1] // 2

@@ -187,6 +187,17 @@ class MLP(nn.Module):
         return project(self.down, F.gelu(project(self.up, x, dense), approximate=self.approximate), dense)
 
 
+def add_norm(x: torch.Tensor, h: torch.Tensor, norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + h, norm(x + h)): a residual add and the norm after it, in one pass each way where
+    training's native pass serves (arlm.fused.add_rms_norm), else as written."""
+    if isinstance(norm, RMSNorm) and not norm.plus_one:
+        both = fused.add_rms_norm(x, h, norm.weight, norm.eps)
+        if both is not None:
+            return both
+    x = x + h
+    return x, norm(x)
+
+
 class Block(nn.Module):
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
@@ -202,8 +213,8 @@ class Block(nn.Module):
         h = self.attn(self.attn_norm(x), rope, mask, kv_cache, input_pos, kv_len, dense)
         if hasattr(self, "attn_post_norm"):
             h = self.attn_post_norm(h)
-        x = x + self.resid_dropout(h)
-        h = self.mlp(self.mlp_norm(x), dense)
+        x, normed = add_norm(x, self.resid_dropout(h), self.mlp_norm)
+        h = self.mlp(normed, dense)
         if hasattr(self, "mlp_post_norm"):
             h = self.mlp_post_norm(h)
         return x + self.resid_dropout(h)

@@ -17,6 +17,8 @@
 //   it multiplies in bf16 under autocast) or float32.
 // rms_norm_backward(g [N, d], x, rstd, w) -> (dx [N, d] float32, dw [d] float32)
 //   n = x * rstd:  dx = (g w - n mean(g w n)) rstd,  dw = sum over rows of g n.
+// add_rms_norm(x, h, w, eps, out_bf16) -> (x + h, rms_norm(x + h), rstd); its backward adds the
+//   residual stream's gradient and writes the branch's in its dtype (one pass each way).
 // rope(x [B, T, H, d], cos, sin [B, T, 1, d] float32, inverse) -> y [B, T, H, d], x's dtype
 //   y = x cos + rotate_half(x) sin, rotate_half(x) = (-x2, x1) for the halves x1, x2 of each head;
 //   inverse: the transpose, x cos + (x2, -x1) sin (the backward pass). In float32, rounded once.
@@ -25,6 +27,7 @@
 // rope_qkv_backward(gq, gk, gv, cos, sin) -> the projection's gradient [B, T, H + 2 H_kv, d].
 // adamw_(param, grad, exp_avg, exp_avg_sq, step, shadow?, ...): one AdamW step in one pass, the
 //   bf16 copy of the new weights written on the way.
+// norms(tensors) -> [n] float32: each one's 2-norm (bf16 or float32; clipping's per-tensor norms).
 // swiglu(gate_up [N, 2F] bf16) -> act [N, F]: silu(gate) * up, gate and up the two halves of a row,
 //   rounded to bf16 after the silu and after the product, as torch's two bf16 ops round.
 // swiglu_backward(grad [N, F], gate_up) -> d_gate_up [N, 2F]: (grad * up * silu'(gate), grad * silu(gate)),
@@ -46,6 +49,7 @@
 #include <cmath>
 #include <limits>
 #include <optional>
+#include <vector>
 
 namespace {
 
@@ -194,9 +198,12 @@ std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const at::Tenso
   return {y, rstd};
 }
 
-template <typename T>
+template <typename T, typename H = float>
 void rms_norm_backward_rows(const T* g, const float* x, const float* rstd, const float* w, int64_t N, int64_t d,
-                            float* dx, float* dw_parts, int64_t chunk) {
+                            float* dx, float* dw_parts, int64_t chunk, const float* gres = nullptr,
+                            H* dh = nullptr) {
+  // gres: a gradient arriving at x besides the norm's (add_rms_norm's residual stream), added to
+  // dx; dh: dx written once more in H (the residual branch's gradient, in its dtype).
   // Each chunk of rows sums its share of dw into its own row of dw_parts (no two threads write one).
   const int64_t chunks = (N + chunk - 1) / chunk;
   at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
@@ -229,13 +236,22 @@ void rms_norm_backward_rows(const T* g, const float* x, const float* rstd, const
           load2(xr + i, xa, xb);
           load2(w + i, wa, wb);
           const fVec na = xa * vk, nb = xb * vk;
-          store2(dxr + i, (ga * wa - na * vdot) * vk, (gb * wb - nb * vdot) * vk);
+          fVec dxa = (ga * wa - na * vdot) * vk, dxb = (gb * wb - nb * vdot) * vk;
+          if (gres) {
+            fVec ra, rb;
+            load2(gres + r * d + i, ra, rb);
+            dxa = dxa + ra;
+            dxb = dxb + rb;
+          }
+          store2(dxr + i, dxa, dxb);
+          if (dh) store2(dh + r * d + i, dxa, dxb);
           load2(dwc + i, da, db);
           store2(dwc + i, at::vec::fmadd(ga, na, da), at::vec::fmadd(gb, nb, db));
         }
         for (; i < d; ++i) {
           const float n = xr[i] * k, gi = static_cast<float>(gr[i]);
-          dxr[i] = (gi * w[i] - n * dot) * k;
+          dxr[i] = (gi * w[i] - n * dot) * k + (gres ? gres[r * d + i] : 0.f);
+          if (dh) dh[r * d + i] = static_cast<H>(dxr[i]);
           dwc[i] += gi * n;
         }
       }
@@ -262,6 +278,81 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor& g, const 
                            N, d, dx.data_ptr<float>(), parts.data_ptr<float>(), chunk);
   }
   return {dx, parts.sum(0)};
+}
+
+// -- the residual add and RMSNorm together -------------------------------------------------------
+//
+// add_rms_norm(x [N, d] float32, h [N, d] bf16 or float32, w, eps, out_bf16) -> (s, y, rstd):
+//   s = x + h (float32: the residual stream), y = rms_norm(s) as rms_norm gives it. One pass where
+//   the add and the norm take two, the mixed-dtype add a slow one.
+// add_rms_norm_backward(gs [N, d] float32, gy, s, rstd, w, h_bf16) -> (dx, dh, dw):
+//   dx = gs + the norm's gradient at s (float32), dh = the same values in h's dtype, dw.
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& h,
+                                                            const at::Tensor& w, double eps, bool out_bf16) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat && h.sizes() == x.sizes(),
+              "add_rms_norm: x float32, h of x's shape");
+  auto xc = x.contiguous();
+  auto hc = h.contiguous();
+  const int64_t d = xc.size(-1), N = xc.numel() / d;
+  auto sum = at::empty_like(xc);
+  float* sp = sum.data_ptr<float>();
+  const float* xp = xc.data_ptr<float>();
+  auto add_rows = [&](auto* hp) {
+    at::parallel_for(0, N * d / kStep + 1, 4096, [&](int64_t u0, int64_t u1) {
+      const int64_t begin = std::min(N * d, u0 * kStep), end = std::min(N * d, u1 * kStep);
+      int64_t i = begin;
+      for (; i + kStep <= end; i += kStep) {
+        fVec a, b, c, e;
+        load2(xp + i, a, b);
+        load2(hp + i, c, e);
+        store2(sp + i, a + c, b + e);
+      }
+      for (; i < end; ++i) sp[i] = xp[i] + static_cast<float>(hp[i]);
+    });
+  };
+  if (hc.scalar_type() == at::kBFloat16) {
+    add_rows(hc.data_ptr<at::BFloat16>());
+  } else {
+    TORCH_CHECK(hc.scalar_type() == at::kFloat, "add_rms_norm: h must be bfloat16 or float32");
+    add_rows(hc.data_ptr<float>());
+  }
+  auto [y, rstd] = rms_norm(sum, w, eps, out_bf16);
+  return {sum, y, rstd};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> add_rms_norm_backward(const at::Tensor& gs, const at::Tensor& gy,
+                                                                     const at::Tensor& s, const at::Tensor& rstd,
+                                                                     const at::Tensor& w, bool h_bf16) {
+  auto gsc = gs.to(at::kFloat).contiguous();
+  auto gyc = gy.contiguous();
+  auto sc = s.contiguous();
+  const int64_t d = sc.size(-1), N = sc.numel() / d;
+  TORCH_CHECK(gsc.numel() == sc.numel() && gyc.numel() == sc.numel() && rstd.numel() == N && w.numel() == d,
+              "add_rms_norm_backward: shapes");
+  auto dx = at::empty_like(sc);
+  auto dh = at::empty_like(sc, sc.options().dtype(h_bf16 ? at::kBFloat16 : at::kFloat));
+  const int64_t chunk = 64;
+  auto parts = at::empty({(N + chunk - 1) / chunk, d}, sc.options());
+  auto wc = w.contiguous();
+  auto run = [&](auto* g) {
+    if (h_bf16) {
+      rms_norm_backward_rows(g, sc.data_ptr<float>(), rstd.data_ptr<float>(), wc.data_ptr<float>(), N, d,
+                             dx.data_ptr<float>(), parts.data_ptr<float>(), chunk, gsc.data_ptr<float>(),
+                             dh.data_ptr<at::BFloat16>());
+    } else {
+      rms_norm_backward_rows(g, sc.data_ptr<float>(), rstd.data_ptr<float>(), wc.data_ptr<float>(), N, d,
+                             dx.data_ptr<float>(), parts.data_ptr<float>(), chunk, gsc.data_ptr<float>(),
+                             dh.data_ptr<float>());
+    }
+  };
+  if (gyc.scalar_type() == at::kBFloat16) {
+    run(gyc.data_ptr<at::BFloat16>());
+  } else {
+    TORCH_CHECK(gyc.scalar_type() == at::kFloat, "add_rms_norm_backward: gy must be bfloat16 or float32");
+    run(gyc.data_ptr<float>());
+  }
+  return {dx, dh, parts.sum(0)};
 }
 
 // -- RoPE ---------------------------------------------------------------------------------------
@@ -520,6 +611,61 @@ void adamw_(at::Tensor param, const at::Tensor& grad, at::Tensor exp_avg, at::Te
   }
 }
 
+// -- gradient norms --------------------------------------------------------------------------------
+//
+// norms(tensors) -> [n] float32: each tensor's 2-norm, bf16 or float32, summed in double per
+// thread's share (clip_grad_norm_'s per-tensor norms, without widening a bf16 gradient to a
+// float32 copy first: torch's norm with dtype=float32 makes that copy).
+
+template <typename T>
+double sum_squares(const T* x, int64_t n) {
+  const int64_t units = (n + kStep - 1) / kStep;
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), units / 256));
+  std::vector<double> partial(parts, 0.0);
+  at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t begin = std::min(n, units * p / parts * kStep), end = std::min(n, units * (p + 1) / parts * kStep);
+      fVec acc(0.f);
+      double total = 0.0;
+      int64_t i = begin, since = 0;
+      for (; i + kStep <= end; i += kStep) {
+        fVec a, b;
+        load2(x + i, a, b);
+        acc = at::vec::fmadd(a, a, acc);
+        acc = at::vec::fmadd(b, b, acc);
+        if (++since == 1024) {  // (folded into double now and then: float lanes stay accurate)
+          total += reduce_sum(acc);
+          acc = fVec(0.f);
+          since = 0;
+        }
+      }
+      total += reduce_sum(acc);
+      for (; i < end; ++i) total += static_cast<double>(static_cast<float>(x[i])) * static_cast<float>(x[i]);
+      partial[p] = total;
+    }
+  });
+  double total = 0.0;
+  for (double v : partial) total += v;
+  return total;
+}
+
+at::Tensor norms(const std::vector<at::Tensor>& tensors) {
+  auto out = at::empty({static_cast<int64_t>(tensors.size())}, at::TensorOptions().dtype(at::kFloat));
+  float* o = out.data_ptr<float>();
+  for (size_t k = 0; k < tensors.size(); ++k) {
+    auto t = tensors[k].contiguous();
+    double ss;
+    if (t.scalar_type() == at::kBFloat16) {
+      ss = sum_squares(t.data_ptr<at::BFloat16>(), t.numel());
+    } else {
+      TORCH_CHECK(t.scalar_type() == at::kFloat, "norms: bfloat16 or float32 tensors");
+      ss = sum_squares(t.data_ptr<float>(), t.numel());
+    }
+    o[k] = static_cast<float>(std::sqrt(ss));
+  }
+  return out;
+}
+
 // -- SwiGLU -------------------------------------------------------------------------------------
 
 inline fVec round_bf16(const fVec& v) {  // a float vector's values rounded to bf16 and back
@@ -615,6 +761,9 @@ TORCH_LIBRARY(arlm_train, m) {
   m.def("swiglu(Tensor gate_up) -> Tensor");
   m.def("swiglu_backward(Tensor grad, Tensor gate_up) -> Tensor");
   m.def("rope_qkv(Tensor qkv, Tensor cos, Tensor sin, int n_head, int n_kv_heads) -> (Tensor, Tensor, Tensor)");
+  m.def("norms(Tensor[] tensors) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor h, Tensor w, float eps, bool out_bf16) -> (Tensor, Tensor, Tensor)");
+  m.def("add_rms_norm_backward(Tensor gs, Tensor gy, Tensor s, Tensor rstd, Tensor w, bool h_bf16) -> (Tensor, Tensor, Tensor)");
   m.def("rope_qkv_backward(Tensor gq, Tensor gk, Tensor gv, Tensor cos, Tensor sin) -> Tensor");
   m.def("adamw_(Tensor(a!) param, Tensor grad, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, Tensor(d!) step, "
         "Tensor(e!)? shadow, float lr, float beta1, float beta2, float weight_decay, float eps, float grad_scale) -> ()");
@@ -629,5 +778,8 @@ TORCH_LIBRARY_IMPL(arlm_train, CPU, m) {
   m.impl("swiglu_backward", &swiglu_backward);
   m.impl("rope_qkv", &rope_qkv);
   m.impl("rope_qkv_backward", &rope_qkv_backward);
+  m.impl("norms", &norms);
+  m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("add_rms_norm_backward", &add_rms_norm_backward);
   m.impl("adamw_", &adamw_);
 }

@@ -64,7 +64,8 @@ class ShadowAdamW(AdamW):
         grads = [g for group in self.param_groups for p in group["params"] if (g := self._grad(p)) is not None]
         if not grads:
             return torch.zeros(())
-        total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32)))
+        # (each tensor's norm natively: torch's, asked for float32, first widens every bf16 gradient)
+        total = torch.linalg.vector_norm(torch.ops.arlm_train.norms(grads))
         self._grad_scale = float(torch.clamp(max_norm / (total + 1e-6), max=1.0))
         return total
 
