@@ -209,15 +209,24 @@ class Block(nn.Module):
         if config.post_norms:  # Gemma's "sandwich": each branch's output normed before its residual add
             self.attn_post_norm, self.mlp_post_norm = make_norm(config), make_norm(config)
 
-    def forward(self, x, rope, mask, kv_cache, input_pos, kv_len, dense: bool = False):
-        h = self.attn(self.attn_norm(x), rope, mask, kv_cache, input_pos, kv_len, dense)
+    def forward(self, x, rope, mask, kv_cache, input_pos, kv_len, dense: bool = False,
+                residual: torch.Tensor | None = None, defer: bool = False):
+        """x [B, T, d_model] -> the block's output. residual: the previous block's MLP output, not
+        yet added to x (this block adds it in its first norm's pass); defer: return (x, h) with
+        this block's MLP output h not added either (training: `Transformer.forward`)."""
+        if residual is None:
+            normed = self.attn_norm(x)
+        else:
+            x, normed = add_norm(x, residual, self.attn_norm)
+        h = self.attn(normed, rope, mask, kv_cache, input_pos, kv_len, dense)
         if hasattr(self, "attn_post_norm"):
             h = self.attn_post_norm(h)
         x, normed = add_norm(x, self.resid_dropout(h), self.mlp_norm)
         h = self.mlp(normed, dense)
         if hasattr(self, "mlp_post_norm"):
             h = self.mlp_post_norm(h)
-        return x + self.resid_dropout(h)
+        h = self.resid_dropout(h)
+        return (x, h) if defer else x + h
 
 
 @contextmanager
@@ -424,10 +433,19 @@ class Transformer(nn.Module):
             if cfg.sliding_window:
                 local_mask = (visible & (input_pos[:, None, :] > pos - cfg.sliding_window)).unsqueeze(1)
 
+        # Training adds each block's MLP output in the next norm's pass (add_norm), not on its own.
+        defer = kv_cache is None and torch.is_grad_enabled() and isinstance(self.norm, RMSNorm) \
+            and not self.norm.plus_one and fused.native(x)
+        residual = None
         for i, block in enumerate(self.blocks):
             sliding = cfg.sliding(i)
-            x = block(x, local_rope if sliding else rope, local_mask if sliding else mask, kv_cache, input_pos,
-                      kv_len, dense)
+            out = block(x, local_rope if sliding else rope, local_mask if sliding else mask, kv_cache, input_pos,
+                        kv_len, dense, residual=residual, defer=defer)
+            x, residual = out if defer else (out, None)
+        if residual is not None:
+            if not head:
+                return add_norm(x, residual, self.norm)[1]
+            x = x + residual
         if not head:
             return self.norm(x)
         h = self.norm(x[0, hidden_index]).float() if hidden_index is not None else None
