@@ -633,7 +633,7 @@ double sum_squares(const T* x, int64_t n) {
         load2(x + i, a, b);
         acc = at::vec::fmadd(a, a, acc);
         acc = at::vec::fmadd(b, b, acc);
-        if (++since == 1024) {  // (folded into double now and then: float lanes stay accurate)
+        if (++since == 64) {  // (folded into double often: float lanes stay accurate)
           total += reduce_sum(acc);
           acc = fVec(0.f);
           since = 0;
