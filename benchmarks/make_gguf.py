@@ -19,8 +19,9 @@ What the file holds, as the converter would write it from an HF checkpoint of th
 - random weights: N(0, 0.02) for every matrix and bias (the HF initializers' std), norms at
   their HF initial value (1; Gemma's w = 0, stored 1), a fixed seed per tensor name;
 - a real tokenizer: SmolLM2's for the Llama and Qwen shapes, padded to the shape's vocabulary
-  with `<|reserved_special_token_N|>` control tokens (as Llama 3's own vocabulary ends), so the
-  embedding and head have the real size; Gemma 3 270M's for gemma-3-1b (the same 262,144-token
+  as the converter pads a vocabulary smaller than the embedding (`[PAD<id>]`, token type
+  UNUSED: ordinary vocabulary entries no merge reaches, not special tokens), so the embedding
+  and head have the real size; Gemma 3 270M's for gemma-3-1b (the same 262,144-token
   vocabulary Gemma 3 1B has).
 Tensors are generated and written one at a time: memory holds the largest tensor, not the model.
 """
@@ -188,7 +189,8 @@ def tensors(shape: Shape, seed: int) -> Iterator[Tensor]:
 
 def tokenizer_fields(source: str, vocab_size: int) -> list[tuple]:
     """(key, value, value type, element type) of every tokenizer.* field of the GGUF that arlm
-    resolves `source` to, the token list padded to `vocab_size` with reserved control tokens."""
+    resolves `source` to, the token list padded to `vocab_size` as the converter pads it
+    (`[PAD<id>]`, UNUSED)."""
     import gguf
 
     from arlm.loading import resolve_model_path
@@ -203,8 +205,8 @@ def tokenizer_fields(source: str, vocab_size: int) -> list[tuple]:
             if len(value) > vocab_size:
                 raise ValueError(f"{source}'s tokenizer has {len(value)} tokens, more than the vocabulary {vocab_size}")
             n = vocab_size - len(value)
-            pad = {"tokenizer.ggml.tokens": [f"<|reserved_special_token_{i}|>" for i in range(n)],
-                   "tokenizer.ggml.token_type": [int(gguf.TokenType.CONTROL)] * n,
+            pad = {"tokenizer.ggml.tokens": [f"[PAD{i}]" for i in range(len(value), vocab_size)],
+                   "tokenizer.ggml.token_type": [int(gguf.TokenType.UNUSED)] * n,
                    "tokenizer.ggml.scores": [0.0] * n}[key]
             value = value + pad
         out.append((key, value, f.types[0], f.types[1] if len(f.types) > 1 else None))

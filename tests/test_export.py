@@ -218,6 +218,40 @@ def test_checkpoint_to_gguf_reads_back(name, bpe_tokenizer, tmp_path, capfd):
         assert torch.equal(got[:, -1].argmax(-1), want[:, -1].argmax(-1)), kind
 
 
+def test_a_lora_checkpoint_exports_merged(bpe_tokenizer, tmp_path, capfd):
+    """A LoRA run's checkpoint (frozen weights + adapters, arlm.json's "lora", as `arlm train
+    --lora-rank` saves it) -> `--to hf` and `--to gguf` carry the adapters merged: transformers'
+    logits and the F32 GGUF's equal the adapted model's (the adapters change them: not the base's)."""
+    from arlm.loading import build_model
+    from arlm.train import lora
+
+    config = tiny_config("llama-gqa", bpe_tokenizer.vocab_size)
+    base = randomize_(Transformer(config), 391).eval()
+    adapted = randomize_(Transformer(config), 391)
+    lora.apply(adapted, rank=4, alpha=8.0, targets="q,v,gate,down")
+    g = torch.Generator().manual_seed(392)
+    with torch.no_grad():
+        for name, p in adapted.named_parameters():
+            if ".lora_B." in name:  # non-zero B, as after training
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    adapted.eval()
+    save_checkpoint(tmp_path / "ckpt", adapted, config, bpe_tokenizer, extra={"step": 0, **lora.checkpoint_meta(adapted)},
+                    chat_template=CHATML)
+    ids = fresh_ids(config.vocab_size, 391)
+    want = logits(adapted, ids)
+    assert (want - logits(base, ids)).abs().max() > 0.1  # the adapters matter
+
+    r = run_arlm(capfd, "export", str(tmp_path / "ckpt"), "--to", "hf", str(tmp_path / "hf"))
+    assert r.returncode == 0, r.stderr
+    torch.testing.assert_close(logits(transformers_model(tmp_path / "hf"), ids), want, atol=ATOL, rtol=0)
+
+    r = run_arlm(capfd, "export", str(tmp_path / "ckpt"), "--to", "gguf", str(tmp_path / "m.gguf"), "--type", "f32")
+    assert r.returncode == 0, r.stderr
+    back = read_gguf(tmp_path / "m.gguf")
+    assert not any(lora.is_adapter_key(k) for k in back.state_dict)
+    torch.testing.assert_close(logits(build_model(back.config, back.state_dict), ids), want, atol=ATOL, rtol=0)
+
+
 # -- SmolLM2 ---------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
