@@ -1,0 +1,142 @@
+// GGUF's K-quant blocks straight into a8_linear.cpp's packed layouts, at a first load's speed.
+//
+// The Python path (loading.gguf_blocks.k_quant_fields, then kernels.pack_q4_k / pack_q6_k) reads
+// every block's fields into [N, K] tensors and repacks them with torch ops: ~8 s of a 1B Q4_K_M
+// file's first load. This does the same byte moves per block, in one pass over the file's rows,
+// with the same result bit for bit (tests/test_gguf_pack.py checks the two against each other).
+//
+//   pack_k_blocks(blocks uint8 [N, S, bytes], kind) -> (wp, scale, supers), N a multiple of 16:
+//   Q4_K (144 bytes a super-block of 256): wp [N/16, K/8, 64] (channel c's byte 4c + t of
+//     8 K-values 8p..8p+7: q[8p + t] | q[8p + 4 + t] << 4), scale uint8 [N/16, K/32, 32] (16
+//     channels' 6-bit sc, then their m), supers float16 [N/16, S, 32] (d, then dmin);
+//   Q6_K (210 bytes): wp [N/16, K/8, 96] (u = q + 32: the same 64 bytes of its low 4 bits, then 32
+//     of its top 2, placed where a8_linear.cpp's load_q6 rotation finds them), scale int8
+//     [N/16, K/16, 16], supers float16 [N/16, S, 16] (d).
+
+#include <torch/extension.h>
+
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+constexpr int64_t kQ4KBytes = 144, kQ6KBytes = 210, kSuper = 256;
+
+// One Q4_K super-block's 8 groups' 6-bit scales and mins (ggml's get_scale_min_k4).
+inline void q4k_scales(const uint8_t* raw, uint8_t* sc, uint8_t* m) {
+  for (int j = 0; j < 4; ++j) {
+    sc[j] = raw[j] & 63;
+    m[j] = raw[j + 4] & 63;
+    sc[j + 4] = (raw[j + 8] & 0x0F) | ((raw[j] >> 6) << 4);
+    m[j + 4] = (raw[j + 8] >> 4) | ((raw[j + 4] >> 6) << 4);
+  }
+}
+
+// One super-block's 256 values (Q4_K: q 0..15; Q6_K: u = q + 32, 0..63) in element order.
+inline void q4k_values(const uint8_t* blk, uint8_t* q) {
+  const uint8_t* nib = blk + 16;
+  for (int i = 0; i < 4; ++i)  // 32 bytes hold two groups: low nibbles the first, high the second
+    for (int j = 0; j < 32; ++j) {
+      q[64 * i + j] = nib[32 * i + j] & 0x0F;
+      q[64 * i + 32 + j] = nib[32 * i + j] >> 4;
+    }
+}
+
+inline void q6k_values(const uint8_t* blk, uint8_t* u) {
+  for (int half = 0; half < 2; ++half) {
+    const uint8_t* ql = blk + 64 * half;
+    const uint8_t* qh = blk + 128 + 32 * half;
+    for (int j = 0; j < 64; ++j) {
+      u[128 * half + j] = ql[j] & 0x0F;
+      u[128 * half + 64 + j] = ql[j] >> 4;
+    }
+    for (int s = 0; s < 4; ++s)
+      for (int j = 0; j < 32; ++j) u[128 * half + 32 * s + j] |= ((qh[j] >> (2 * s)) & 3) << 4;
+  }
+}
+
+// The top-bit bytes of Q6_K's layout for 8 K-values of 16 channels: top[c][t'] (c channel,
+// t' = 4h + t the K-value) -> 32 stored bytes, byte 16h + 4w + b carrying at bits 2s..2s+1 the
+// top bits of lane L = kLaneAtShift[s]'s channel 4L + w, K-value 4h + (b - kByteOffset[s]) mod 4
+// (kernels/__init__.py's _Q6_LANE_AT_SHIFT / _Q6_BYTE_OFFSET).
+constexpr int kLaneAtShift[4] = {2, 3, 0, 1};
+constexpr int kByteOffset[4] = {1, 1, 0, 0};
+
+inline void q6k_top_bytes(const uint8_t (&top)[16][8], uint8_t* out) {
+  for (int h = 0; h < 2; ++h)
+    for (int w = 0; w < 4; ++w)
+      for (int b = 0; b < 4; ++b) {
+        uint8_t v = 0;
+        for (int s = 0; s < 4; ++s) {
+          const int c = 4 * kLaneAtShift[s] + w, t = (b - kByteOffset[s] + 4) % 4;
+          v |= static_cast<uint8_t>(top[c][4 * h + t] << (2 * s));
+        }
+        out[16 * h + 4 * w + b] = v;
+      }
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_k_blocks(const at::Tensor& blocks, int64_t kind) {
+  TORCH_CHECK(blocks.dim() == 3 && blocks.scalar_type() == at::kByte && blocks.is_contiguous(),
+              "pack_k_blocks: blocks [N, K/256, bytes] contiguous uint8");
+  TORCH_CHECK(kind == 4 || kind == 6, "pack_k_blocks: kind 4 (Q4_K) or 6 (Q6_K)");
+  const bool q6 = kind == 6;
+  const int64_t N = blocks.size(0), S = blocks.size(1), K = S * kSuper, NB = N / 16;
+  TORCH_CHECK(N % 16 == 0, "pack_k_blocks: N a multiple of 16");
+  TORCH_CHECK(blocks.size(2) == (q6 ? kQ6KBytes : kQ4KBytes), "pack_k_blocks: ", blocks.size(2),
+              " bytes a block, not ", q6 ? "Q6_K's 210" : "Q4_K's 144");
+  const auto u8 = blocks.options();
+  at::Tensor wp = at::empty({NB, K / 8, q6 ? 96 : 64}, u8);
+  at::Tensor scale = q6 ? at::empty({NB, K / 16, 16}, u8.dtype(at::kChar)) : at::empty({NB, K / 32, 32}, u8);
+  at::Tensor supers = at::empty({NB, S, q6 ? 16 : 32}, u8.dtype(at::kHalf));
+  const uint8_t* in = blocks.data_ptr<uint8_t>();
+  uint8_t* wo = wp.data_ptr<uint8_t>();
+  uint8_t* so = static_cast<uint8_t*>(scale.data_ptr());
+  uint16_t* dout = reinterpret_cast<uint16_t*>(supers.data_ptr<at::Half>());
+  const int64_t bytes = blocks.size(2), chunk = q6 ? 96 : 64;
+  at::parallel_for(0, NB * S, 1, [&](int64_t i0, int64_t i1) {
+    uint8_t q[16][kSuper];
+    for (int64_t i = i0; i < i1; ++i) {  // (tile nb, super-block s): 16 channels' 256 K-values
+      const int64_t nb = i / S, s = i % S;
+      for (int c = 0; c < 16; ++c) {
+        const uint8_t* blk = in + ((nb * 16 + c) * S + s) * bytes;
+        if (q6) {
+          q6k_values(blk, q[c]);
+          for (int g = 0; g < 16; ++g) so[(nb * (K / 16) + s * 16 + g) * 16 + c] = blk[192 + g];
+          std::memcpy(dout + (nb * S + s) * 16 + c, blk + 208, 2);
+        } else {
+          q4k_values(blk, q[c]);
+          uint8_t sc[8], m[8];
+          q4k_scales(blk + 4, sc, m);
+          for (int g = 0; g < 8; ++g) {
+            uint8_t* at = so + (nb * (K / 32) + s * 8 + g) * 32;
+            at[c] = sc[g];
+            at[16 + c] = m[g];
+          }
+          std::memcpy(dout + (nb * S + s) * 32 + c, blk, 2);
+          std::memcpy(dout + (nb * S + s) * 32 + 16 + c, blk + 2, 2);
+        }
+      }
+      for (int p = 0; p < kSuper / 8; ++p) {  // 8 K-values at a time
+        uint8_t* o = wo + (nb * (K / 8) + s * (kSuper / 8) + p) * chunk;
+        for (int c = 0; c < 16; ++c)
+          for (int t = 0; t < 4; ++t)
+            o[4 * c + t] = (q[c][8 * p + t] & 0x0F) | ((q[c][8 * p + 4 + t] & 0x0F) << 4);
+        if (q6) {
+          uint8_t top[16][8];
+          for (int c = 0; c < 16; ++c)
+            for (int t = 0; t < 8; ++t) top[c][t] = q[c][8 * p + t] >> 4;
+          q6k_top_bytes(top, o + 64);
+        }
+      }
+    }
+  });
+  return {wp, scale, supers};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(arlm, m) {
+  m.def("pack_k_blocks(Tensor blocks, int kind) -> (Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(arlm, CPU, m) { m.impl("pack_k_blocks", &pack_k_blocks); }
