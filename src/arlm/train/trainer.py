@@ -34,6 +34,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from .. import kernels
 from ..config import ConfigError, ModelConfig
 from ..loading import build_model, load_model
+from ..loading.adapters import split_state
 from ..model import Transformer, compute_weight
 from . import checkpoints, lora, parallel
 from .config import MODEL_SHAPE_KEYS, TrainConfig, lr_at
@@ -551,7 +552,7 @@ def _resumed_model(cfg: TrainConfig, data: TokenData, ckpt: checkpoints.TrainChe
     check_resumable(ckpt.state.get("train_config", {}), cfg, ckpt.path)
     check_tokenizer(data, ckpt.config, ckpt.tokenizer, f"the run in {out_dir}",
                     "resume on the data the run was trained on, or start a new run (another --out-dir)")
-    weights, adapters = lora.split_state(ckpt.weights)
+    weights, adapters = split_state(ckpt.weights)
     model = build_model(ckpt.config, weights, device)
     set_dropout(model, cfg.dropout)
     if cfg.lora_rank:
