@@ -198,10 +198,11 @@ def label_replicas(pages: list[tuple[str, str]]) -> str:
     return "".join(line + "\n" for lines in families.values() for line in lines)
 
 
-def render_replicas(pages: dict[str, tuple[str, dict[str, str]]], router: dict[str, int]) -> str:
+def render_replicas(pages: dict[str, tuple[str, dict[str, str]]], router: dict[str, int], prefix_chars: int) -> str:
     """The page of `arlm serve --replicas`' ingress: every replica's page labelled with it
     (`pages`: replica id -> (its page, where it runs: pid, node, node_id)), which replica runs
-    where, and the prefix router's decisions (`router`: router_stats.COUNTS)."""
+    where, and the prefix router's decisions (`router`: router_stats.COUNTS; `prefix_chars`: the
+    shortest prefix it routes by, cluster.PREFIX_CHARS)."""
     out: list[str] = []
     _metric(out, "arlm_replica_info", "gauge", "The replicas answering: their process, their node's address and Ray id.",
             [(1, {"replica": r, **where}) for r, (_, where) in sorted(pages.items())])
@@ -210,6 +211,7 @@ def render_replicas(pages: dict[str, tuple[str, dict[str, str]]], router: dict[s
     _metric(out, "arlm_router_fallbacks_total", "counter",
             "Requests whose prefix replica was too busy: the least loaded took them.", [(router["fallbacks"], None)])
     _metric(out, "arlm_router_unkeyed_total", "counter",
-            "POSTed requests without a prompt prefix (256 characters) to route by: the least loaded took them.",
+            f"POSTed requests without a prompt prefix ({prefix_chars} characters) to route by: the least loaded "
+            "took them.",
             [(router["no_prefix"], None)])
     return label_replicas([(r, page) for r, (page, _) in sorted(pages.items())]) + "\n".join(out) + "\n"
