@@ -22,7 +22,8 @@ from ..tokenizer import Tokenizer, TokenizerError
 from . import cache
 from .checkpoint import is_checkpoint_dir, read_checkpoint
 from .errors import LoadError
-from .gguf import GGUF_MAGIC, open_gguf, quantized_model, read_gguf
+from .gguf import GGUF_MAGIC, open_gguf, read_gguf
+from .gguf_layers import quantized_model
 from .hf import read_hf_dir
 from .loaded import LoadedModel
 
