@@ -319,6 +319,8 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> Tr
 
 
 def _train(cfg: TrainConfig, resume: bool, overwrite: bool, ddp: Distributed, device: torch.device) -> TrainResult:
+    """The loop: each step, then its log line, evaluation and checkpoint where they are due
+    (`Run`'s phases); evaluating and saving are kept out of the training time."""
     t_start = time.perf_counter()
     run = Run.open(cfg, resume, overwrite, ddp, device)
     if run.start_step == 0 and cfg.eval_interval:
