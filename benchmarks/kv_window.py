@@ -40,6 +40,7 @@ from arlm.kv_cache import kv_dtype_name  # noqa: E402
 from arlm.llm import LLM  # noqa: E402
 from arlm.perplexity import evaluate, stream_nll  # noqa: E402
 from arlm.sampling import SamplingParams  # noqa: E402
+from arlm.settings import KV_SINKS  # noqa: E402
 from bench_args import positive_int  # noqa: E402
 from run import machine  # noqa: E402
 
@@ -144,7 +145,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tokens", type=positive_int, default=12288)
     p.add_argument("--window", type=positive_int, default=1024)
-    p.add_argument("--sinks", type=int, default=4)
+    p.add_argument("--sinks", type=int, default=KV_SINKS)
     p.add_argument("--kv-dtype", default="auto")
     p.add_argument("--generate", type=int, default=None, help="tokens to generate (default: 4x the window)")
     p.add_argument("--rounds", type=positive_int, default=2,

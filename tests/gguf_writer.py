@@ -24,11 +24,11 @@ def random_k_blocks(kind: str, rows: int, cols: int, seed: int) -> np.ndarray:
     """Random K-quant blocks (Q4_K, Q5_K, Q6_K) for a [rows, cols] matrix, as raw bytes [rows,
     cols / 256 * bytes]: every byte random but the float16 scales, small enough for weights of
     ~0.1 (gguf cannot quantize to these types, so a test's K-quant matrices are random)."""
-    from arlm.loading.gguf import _K_BLOCK
+    from arlm.loading.gguf_blocks import K_BLOCK_BYTES
 
     rng = np.random.default_rng(seed)
     S = cols // 256
-    b = rng.integers(0, 256, (rows, S, _K_BLOCK[kind]), dtype=np.uint8)
+    b = rng.integers(0, 256, (rows, S, K_BLOCK_BYTES[kind]), dtype=np.uint8)
     scales = rng.uniform(1e-5, 1e-4 if kind == "Q6_K" else 2e-4, (rows, S, 2)).astype(np.float16)
     halves = scales.view(np.uint8).reshape(rows, S, 2, 2)
     if kind == "Q6_K":

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from arlm.loading import LoadError, cache, load_quantized_gguf
-from arlm.loading import gguf as gguf_loading
+from arlm.loading import gguf_layers as gguf_loading
 from arlm.quant import (Int8Linear, KQuantLinear, Q4Linear, Q5Linear, Q8Linear, QuantizedEmbedding, QuantizedLinear,
                         SplitLinear, prepare)
 

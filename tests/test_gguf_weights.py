@@ -391,21 +391,21 @@ def test_blocks_read_as_stored_dequantize_as_gguf_does(kind):
     bit, as Q8_0's and Q4_1's own do; and a Q8Linear built from the widened blocks holds them."""
     import gguf
 
-    from arlm.loading.gguf import _BLOCK, _as_q8_0, _dequantize_blocks
+    from arlm.loading.gguf_blocks import BLOCK_BYTES, as_q8_0, dequantize_blocks
 
     rng = np.random.default_rng(5)
     N, G = 7, 5
-    b = rng.integers(0, 256, (N, G, _BLOCK[kind]), dtype=np.uint8)
+    b = rng.integers(0, 256, (N, G, BLOCK_BYTES[kind]), dtype=np.uint8)
     scales = rng.standard_normal((N, G, 2 if kind == "Q4_1" else 1)).astype(np.float16)  # d (and m)
     b[..., :2] = scales[..., :1].view(np.uint8).reshape(N, G, 2)
     if kind == "Q4_1":
         b[..., 2:4] = scales[..., 1:].view(np.uint8).reshape(N, G, 2)
     want = gguf.quants.dequantize(b.reshape(N, -1), gguf.GGMLQuantizationType[kind]).reshape(N, 32 * G)
     got = np.empty((N, 32 * G), np.float32)
-    _dequantize_blocks(b, kind, got)
+    dequantize_blocks(b, kind, got)
     assert np.array_equal(got, want)
     if kind != "Q4_1":
-        q8 = _as_q8_0(b, kind)
+        q8 = as_q8_0(b, kind)
         assert np.array_equal(gguf.quants.dequantize(q8.reshape(N, -1), gguf.GGMLQuantizationType.Q8_0)
                               .reshape(N, 32 * G), want)
 
@@ -416,12 +416,12 @@ def _k_blocks(kind: str, N: int, S: int, seed: int) -> np.ndarray:
     """Random K-quant super-blocks [N, S, bytes] (Q5_0, Q4_0: their blocks of 32, [N, 8 S, 22 or
     18]): every byte random (every 6-bit scale and min, every high bit) but the float16 d (and
     dmin), kept finite."""
-    from arlm.loading.gguf import _BLOCK, _K_BLOCK
+    from arlm.loading.gguf_blocks import BLOCK_BYTES, K_BLOCK_BYTES
 
     rng = np.random.default_rng(seed)
     if kind in ("Q5_0", "Q4_0"):
         S *= 8
-    b = rng.integers(0, 256, (N, S, _K_BLOCK.get(kind) or _BLOCK[kind]), dtype=np.uint8)
+    b = rng.integers(0, 256, (N, S, K_BLOCK_BYTES.get(kind) or BLOCK_BYTES[kind]), dtype=np.uint8)
     halves = rng.uniform(1e-3, 5e-2, (N, S, 2)).astype(np.float16).view(np.uint8).reshape(N, S, 2, 2)
     if kind in ("Q5_0", "Q4_0"):
         b[..., 0:2] = halves[:, :, 0]
@@ -433,7 +433,8 @@ def _k_blocks(kind: str, N: int, S: int, seed: int) -> np.ndarray:
 
 
 def _k_layer(kind: str, b: np.ndarray):
-    from arlm.loading.gguf import k_quant_fields, q4_0_layer, q5_0_layer
+    from arlm.loading.gguf_blocks import k_quant_fields
+    from arlm.loading.gguf_layers import q4_0_layer, q5_0_layer
 
     if kind == "Q5_0":
         return q5_0_layer(b)
@@ -528,7 +529,7 @@ def test_k_quant_kernels_match_float64(kind, M):
 
 def _row_layer(kind: str, b: np.ndarray):
     """The row layout's exact form of Q4_K / Q6_K blocks (CPUs without the packed kernels)."""
-    from arlm.loading.gguf import k_quant_fields
+    from arlm.loading.gguf_blocks import k_quant_fields
 
     f = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in k_quant_fields(b, kind).items()}
     if kind == "Q4_K":

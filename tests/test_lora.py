@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 
 from arlm.config import ConfigError, ModelConfig
 from arlm.loading import load_model
+from arlm.loading.adapters import merge_state
 from arlm.model import Transformer
 from arlm.train import TokenData, TrainConfig, next_token_loss, prepare, train
 from arlm.train import lora
@@ -108,7 +109,7 @@ def test_merge_equals_the_adapted_model(family):
         adapted = model(idx)
         state = model.state_dict()
         meta = lora.checkpoint_meta(model)["lora"]
-        merged_state = lora.merge_state(state, model.config, meta)
+        merged_state = merge_state(state, model.config, meta)
         merged = lora.merge(model)
         out = merged(idx)
     assert (adapted - tiny_model(family).eval()(idx)).abs().max() > 0.1  # the adapters matter

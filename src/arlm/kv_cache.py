@@ -228,6 +228,45 @@ def check_pool_fits(nbytes: int, device: str | torch.device = "cpu", reserved: i
                          f"may take at most {POOL_MEMORY_FRACTION:.0%} of it")
 
 
+class RowFormat:
+    """How the cache stores a row (the d_head values of one token and KV head): a torch float
+    dtype as it is, or a quantized record of bytes ("int8", "int4": `quantize_rows`), with the
+    kernels' `kv_format` number; and how torch reads rows and queries back in that format."""
+
+    def __init__(self, dtype: KVDtype, head_dim: int) -> None:
+        dtype = parse_kv_dtype(dtype)
+        check_head_dim(dtype, head_dim)
+        self.dtype, self.head_dim = dtype, head_dim
+        self.format = int(_FORMAT.get(dtype, KVFormat.FLOAT) if isinstance(dtype, str) else KVFormat.FLOAT)
+
+    @property
+    def quantized(self) -> bool:
+        return isinstance(self.dtype, str)
+
+    def store(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """New K/V rows [..., d_head] as the pool stores them."""
+        if self.quantized:
+            return quantize_rows(k, self.dtype), quantize_rows(v, self.dtype, value=True)
+        return k.to(self.dtype), v.to(self.dtype)
+
+    def load(self, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stored rows back as `dtype` values [..., d_head]."""
+        if self.quantized:
+            return (dequantize_rows(k, self.dtype, self.head_dim).to(dtype),
+                    dequantize_rows(v, self.dtype, self.head_dim, value=True).to(dtype))
+        return k.to(dtype), v.to(dtype)
+
+    def query(self, q: torch.Tensor) -> torch.Tensor:
+        """Query heads [..., d_head] as attention over this cache reads them: a quantized cache's
+        quantized too (`quantize_query`, the kernels' integer scores; int4's in the rotated space
+        its keys are stored in, then rotated back), a float cache's as they are."""
+        if self.dtype == "int8":
+            return quantize_query(q)
+        if self.dtype == "int4":
+            return hadamard(quantize_query(hadamard(q.float()))).to(q.dtype)
+        return q
+
+
 class KVCache:
     """K/V blocks for every layer, plus the block table of the batch being run (if any)."""
 
@@ -237,10 +276,8 @@ class KVCache:
                  n_local_blocks: int = 0) -> None:
         if n_blocks < 1 or block_size < 1:
             raise ValueError(f"need at least one block of at least one slot, got {n_blocks} x {block_size}")
-        dtype = parse_kv_dtype(dtype)
-        check_head_dim(dtype, head_dim)
-        self.kv_dtype, self.head_dim = dtype, head_dim
-        self.format = int(_FORMAT.get(dtype, KVFormat.FLOAT) if isinstance(dtype, str) else KVFormat.FLOAT)
+        self.row_format = RowFormat(dtype, head_dim)
+        dtype = self.row_format.dtype
         # Split (a pool's sliding-window layers in blocks of their own): layer l's K/V are
         # (local, index) = self.store[l] of self.k (full layers) or self.k_local (sliding layers).
         split = bool(n_local_blocks) and sliding is not None and any(sliding) and not all(sliding)
@@ -315,11 +352,16 @@ class KVCache:
     @property
     def dtype(self) -> KVDtype:
         """The cached elements' type: a torch float dtype, or "int8" / "int4"."""
-        return self.kv_dtype
+        return self.row_format.dtype
 
     @property
     def quantized(self) -> bool:
-        return isinstance(self.kv_dtype, str)
+        return self.row_format.quantized
+
+    @property
+    def format(self) -> int:
+        """The kernels' kv_format number of the rows (`layout.KVFormat`)."""
+        return self.row_format.format
 
     @property
     def bytes_per_token(self) -> int:
@@ -384,28 +426,9 @@ class KVCache:
         view.block_table, view.seq_index = None, None
         return view
 
-    def _store(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """New K/V rows [..., d_head] as the pool stores them."""
-        if self.quantized:
-            return quantize_rows(k, self.kv_dtype), quantize_rows(v, self.kv_dtype, value=True)
-        return k.to(self.k.dtype), v.to(self.v.dtype)
-
-    def _load(self, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Stored rows back as `dtype` values [..., d_head]."""
-        if self.quantized:
-            return (dequantize_rows(k, self.kv_dtype, self.head_dim).to(dtype),
-                    dequantize_rows(v, self.kv_dtype, self.head_dim, value=True).to(dtype))
-        return k.to(dtype), v.to(dtype)
-
     def query(self, q: torch.Tensor) -> torch.Tensor:
-        """Query heads [..., d_head] as attention over this cache reads them: a quantized cache's
-        quantized too (`quantize_query`, the kernels' integer scores; int4's in the rotated space
-        its keys are stored in, then rotated back), a float cache's as they are."""
-        if self.kv_dtype == "int8":
-            return quantize_query(q)
-        if self.kv_dtype == "int4":
-            return hadamard(quantize_query(hadamard(q.float()))).to(q.dtype)
-        return q
+        """Query heads as attention over this cache reads them (`RowFormat.query`)."""
+        return self.row_format.query(q)
 
     def update(self, layer: int, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -415,13 +438,13 @@ class KVCache:
         """
         assert not self.split, "a split pool is read through block tables"
         B = k.shape[0]
-        k_rows, v_rows = self._store(k, v)
+        k_rows, v_rows = self.row_format.store(k, v)
         k_layer, v_layer = self.k[layer, :B], self.v[layer, :B]
         k_layer.scatter_(2, input_pos[:, None, :, None].expand_as(k_rows), k_rows)
         v_layer.scatter_(2, input_pos[:, None, :, None].expand_as(v_rows), v_rows)
         k_out, v_out = k_layer[:, :, :kv_len], v_layer[:, :, :kv_len]
         if k_out.dtype != k.dtype:  # a narrower cache: stored narrow (or quantized), attended in the model's dtype
-            return self._load(k_out, v_out, k.dtype)
+            return self.row_format.load(k_out, v_out, k.dtype)
         return k_out, v_out
 
     # -- through a block table ----------------------------------------------------------------------
@@ -487,16 +510,16 @@ class KVCache:
         table = table[self.seq_index]  # [N, max_blocks]
         rows = torch.arange(len(pos), device=pos.device)
         blocks = table[rows, pos // bs]
-        k_rows, v_rows = self._store(k, v)
+        k_rows, v_rows = self.row_format.store(k, v)
         k_pool[blocks, :, pos % bs] = k_rows
         v_pool[blocks, :, pos % bs] = v_rows
         n = int(pos.max()) // bs + 1  # blocks the longest query reads
         N, H_kv, d = k.shape
         # [N, H_kv, n*bs, d], widened to q's dtype where the pool is narrower (or quantized)
         keys, values = (pool[table[:, :n]].transpose(1, 2).reshape(N, H_kv, n * bs, -1) for pool in (k_pool, v_pool))
-        keys, values = self._load(keys, values, q.dtype)
+        keys, values = self.row_format.load(keys, values, q.dtype)
         if self.window:
-            return self._attend_window(pos, q, keys, values)
+            return window_attention(pos, q, keys, values, self.window, self.sinks, self.rope, self.row_format)
         q = self.query(q)
         slots = torch.arange(n * bs, device=pos.device)[None, :]
         mask = slots <= pos[:, None]
@@ -507,27 +530,30 @@ class KVCache:
                                            enable_gqa=q.shape[1] != H_kv)
         return y[:, :, 0, :]  # [N, H, d]
 
-    def _attend_window(self, pos: torch.Tensor, q: torch.Tensor, keys: torch.Tensor,
-                       values: torch.Tensor) -> torch.Tensor:
-        """`set_window`'s attention by its definition: q [N, H, d], keys/values [N, H_kv, slots, d]."""
-        W, S = self.window, self.sinks
-        cos, sin = self.rope
-        N, H, d = q.shape
-        slots = torch.arange(keys.shape[2], device=pos.device)
-        split = pos >= S + W  # these queries read sinks + window; the rest read 0..p
-        back = torch.where(split, pos - (S + W - 1), torch.zeros_like(pos))
-        c, s_ = cos[back][:, None, :], sin[back][:, None, :]  # [N, 1, d]
-        a, b = q.chunk(2, dim=-1)
-        # rotated back by `back` positions: (a cos + b sin, b cos - a sin)
-        q_sink = torch.cat([a * c[..., : d // 2] + b * s_[..., : d // 2], b * c[..., d // 2:] - a * s_[..., d // 2:]], -1)
-        q, q_sink = self.query(q), self.query(q_sink)  # (each quantized as the kernels do, for an int8 cache)
-        rep = H // keys.shape[1]
-        k, v = keys.repeat_interleave(rep, 1), values.repeat_interleave(rep, 1)  # [N, H, slots, d]
-        scores = torch.einsum("nhd,nhtd->nht", q, k)
-        sink_scores = torch.einsum("nhd,nhtd->nht", q_sink, k)
-        sink = (slots[None, :] < S) & split[:, None]  # [N, slots]
-        scores = torch.where(sink[:, None, :], sink_scores, scores) * d ** -0.5
-        visible = (slots[None, :] <= pos[:, None]) & (~split[:, None] | (slots[None, :] < S)
-                                                      | (slots[None, :] > pos[:, None] - W))
-        scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
-        return torch.einsum("nht,nhtd->nhd", scores.softmax(-1), v)
+
+def window_attention(pos: torch.Tensor, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, window: int,
+                     sinks: int, rope: tuple[torch.Tensor, torch.Tensor], rows: RowFormat) -> torch.Tensor:
+    """`KVCache.set_window`'s attention by its definition, torch's reference for the kernel:
+    q [N, H, d] at positions pos [N], keys/values [N, H_kv, slots, d] (each query's sequence's
+    slots), queries read as `rows` stores keys (`RowFormat.query`). Returns [N, H, d]."""
+    W, S = window, sinks
+    cos, sin = rope
+    N, H, d = q.shape
+    slots = torch.arange(keys.shape[2], device=pos.device)
+    split = pos >= S + W  # these queries read sinks + window; the rest read 0..p
+    back = torch.where(split, pos - (S + W - 1), torch.zeros_like(pos))
+    c, s_ = cos[back][:, None, :], sin[back][:, None, :]  # [N, 1, d]
+    a, b = q.chunk(2, dim=-1)
+    # rotated back by `back` positions: (a cos + b sin, b cos - a sin)
+    q_sink = torch.cat([a * c[..., : d // 2] + b * s_[..., : d // 2], b * c[..., d // 2:] - a * s_[..., d // 2:]], -1)
+    q, q_sink = rows.query(q), rows.query(q_sink)  # (each quantized as the kernels do, for an int8 cache)
+    rep = H // keys.shape[1]
+    k, v = keys.repeat_interleave(rep, 1), values.repeat_interleave(rep, 1)  # [N, H, slots, d]
+    scores = torch.einsum("nhd,nhtd->nht", q, k)
+    sink_scores = torch.einsum("nhd,nhtd->nht", q_sink, k)
+    sink = (slots[None, :] < S) & split[:, None]  # [N, slots]
+    scores = torch.where(sink[:, None, :], sink_scores, scores) * d ** -0.5
+    visible = (slots[None, :] <= pos[:, None]) & (~split[:, None] | (slots[None, :] < S)
+                                                  | (slots[None, :] > pos[:, None] - W))
+    scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
+    return torch.einsum("nht,nhtd->nhd", scores.softmax(-1), v)

@@ -20,7 +20,7 @@ import torch
 from . import kernels
 from .engine import Engine, EngineConfig, FinishReason, ModelRunner, Request, RequestOutput, decode_step
 from .engine.block_pool import DEFAULT_BLOCK_SIZE
-from .engine.engine import window_blocks
+from .engine.cache_layout import window_blocks
 from .engine.speculative import Drafter, ModelDrafter, NgramDrafter, SpecRates, SpeculativeConfig
 from .loading import LoadedModel, load_model
 from .kv_cache import KVDtype, check_head_dim, kv_dtype_name, parse_kv_dtype

@@ -45,7 +45,7 @@ import torch
 
 from .engine import Engine, EngineConfig
 from .engine.block_pool import DEFAULT_BLOCK_SIZE
-from .engine.engine import window_blocks
+from .engine.cache_layout import window_blocks
 from .files import create_tmp, replace_durably
 from .sampling import SamplingParams
 from .settings import KV_SINKS

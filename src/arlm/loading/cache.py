@@ -43,6 +43,7 @@ from ..model import Transformer
 from ..quant import (Int8Linear, KQuantLinear, Q4Linear, Q5Linear, Q8Linear, Q8MinsLinear, QuantizedEmbedding,
                      QuantizedLinear, SplitLinear)
 from ..tokenizer import Tokenizer
+from .loaded import LoadedModel
 
 FORMAT = 10  # (a layer kind or field the loader adds is a new format: the old directories are rebuilt)
 _ALIGN = 64
@@ -223,11 +224,9 @@ def save(path: Path, layout: str, loaded, replace: bool = False) -> Path | None:
 
 # -- loading ---------------------------------------------------------------------------------------
 
-def load(path: Path, layout: str):
+def load(path: Path, layout: str) -> LoadedModel | None:
     """The cached model for this file and layout as a LoadedModel, or None where there is none
     (or it cannot be read: it is rebuilt)."""
-    from . import LoadedModel  # (a cycle: arlm.loading imports this module before it defines LoadedModel)
-
     directory = cache_dir(path, layout)
     try:
         manifest = json.loads((directory / "manifest.json").read_text())

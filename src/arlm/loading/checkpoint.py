@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 from ..config import ConfigError, ModelConfig
 from ..files import atomic_write, atomic_write_text
 from ..tokenizer import Tokenizer
+from .adapters import merge_state
 from .errors import LoadError
 
 FORMAT = "arlm-checkpoint"
@@ -71,8 +72,6 @@ def read_checkpoint(directory: str | Path, merge_lora: bool = True
     except Exception as e:  # safetensors raises its own error types for damaged files
         raise LoadError(f"{directory / WEIGHTS_FILE} is not readable ({e})") from None
     if meta.get("lora") and merge_lora:
-        from ..train.lora import merge_state  # (LoRA checkpoints only)
-
         state = merge_state(state, config, meta["lora"])
     tok_path = directory / TOKENIZER_FILE
     tokenizer = Tokenizer.from_file(tok_path) if tok_path.exists() else None

@@ -388,7 +388,7 @@ class Ingress:
             for r in missing:  # (one at a time: calls from one request share its id, which Ray's
                 if not await self._replica_metrics(r, pages):  # router matches them by: at once,
                     silent.add(r)  # one would wait for ever)
-        text = render_replicas(pages, ROUTER_COUNTS)
+        text = render_replicas(pages, ROUTER_COUNTS, PREFIX_CHARS)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def _replica_metrics(self, replica: str | None, pages: dict) -> bool:

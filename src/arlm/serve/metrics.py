@@ -50,14 +50,21 @@ def _histogram(out: list[str], name: str, help_: str, h: Histogram) -> None:
 
 def render(engine: AsyncEngine, http_requests: dict[tuple[str, int], int], time_to_first_token: Histogram,
            grammar_compile: Histogram | None = None) -> str:
-    """All metrics as one text page. Read from the event loop while the engine thread runs:
-    each number is read once, so a page may mix two consecutive steps, never torn values."""
-    from ..kv_cache import kv_dtype_name
-
-    e = engine.engine
-    stats, sched = e.stats, e.scheduler
-    pool = sched.pool
+    """All metrics as one text page, a family of them at a time. Read from the event loop while
+    the engine thread runs: each number is read once, so a page may mix two consecutive steps,
+    never torn values."""
     out: list[str] = []
+    _requests(out, engine, http_requests)
+    _kv_cache(out, engine)
+    _threads(out, engine)
+    _steps(out, engine, time_to_first_token)
+    _grammars(out, engine, grammar_compile)
+    return "\n".join(out) + "\n"
+
+
+def _requests(out: list[str], engine: AsyncEngine, http_requests: dict[tuple[str, int], int]) -> None:
+    """HTTP requests, the engine's requests and tokens, its queue and running batch."""
+    stats = engine.engine.stats
     _metric(out, "arlm_http_requests_total", "counter", "HTTP requests by endpoint and status code.",
             [(n, {"endpoint": ep, "code": str(code)}) for (ep, code), n in sorted(http_requests.items())])
     _metric(out, "arlm_requests_total", "counter", "Generation requests accepted by the engine.",
@@ -70,6 +77,15 @@ def render(engine: AsyncEngine, http_requests: dict[tuple[str, int], int], time_
     _metric(out, "arlm_num_requests_waiting", "gauge", "Requests waiting to be scheduled (queue depth).",
             [(engine.num_waiting, None)])
     _metric(out, "arlm_num_requests_running", "gauge", "Sequences in the running batch.", [(engine.num_running, None)])
+
+
+def _kv_cache(out: list[str], engine: AsyncEngine) -> None:
+    """The KV pool's blocks and bytes, the matrix path, the prefix cache and preemptions."""
+    from ..kv_cache import kv_dtype_name
+
+    e = engine.engine
+    sched = e.scheduler
+    pool = sched.pool
     _metric(out, "arlm_kv_cache_usage_ratio", "gauge", "Fraction of KV blocks held by sequences (0..1).",
             [(pool.utilization, None)])
     _metric(out, "arlm_kv_cache_blocks", "gauge", "KV blocks in the pool, by state.",
@@ -97,7 +113,11 @@ def render(engine: AsyncEngine, http_requests: dict[tuple[str, int], int], time_
             [(sched.stats.prefix_hits, None)])
     _metric(out, "arlm_num_preemptions_total", "counter", "Sequences preempted (freed, to be recomputed).",
             [(sched.stats.preemptions, None)])
-    gov = e.runtime.threads
+
+
+def _threads(out: list[str], engine: AsyncEngine) -> None:
+    """The thread governor's width."""
+    gov = engine.engine.runtime.threads
     _metric(out, "arlm_threads", "gauge", "Threads of the engine's steps: in use now, and the most it may use "
             "(fewer while other processes keep cores busy, unless --threads pinned them).",
             [(gov.width, {"state": "in_use"}), (gov.widest, {"state": "max"})])
@@ -105,6 +125,12 @@ def render(engine: AsyncEngine, http_requests: dict[tuple[str, int], int], time_
             [(int(gov.pinned is not None), None)])
     _metric(out, "arlm_thread_width_changes_total", "counter", "Times the steps' thread width changed.",
             [(gov.changes, None)])
+
+
+def _steps(out: list[str], engine: AsyncEngine, time_to_first_token: Histogram) -> None:
+    """The engine's steps, speculative decoding's rates, the time to first token, and whether the
+    engine keeps up."""
+    stats = engine.engine.stats
     _metric(out, "arlm_engine_steps_total", "counter", "Forward passes run by the engine.", [(stats.steps, None)])
     _metric(out, "arlm_engine_step_seconds_total", "counter", "Time spent in engine steps.",
             [(round(stats.step_seconds, 6), None)])
@@ -129,7 +155,11 @@ def render(engine: AsyncEngine, http_requests: dict[tuple[str, int], int], time_
     _metric(out, "arlm_engine_stalled_seconds", "gauge", "Seconds the engine has had requests to serve without "
             "completing a step (0 while it keeps up; /health answers 503 past --health-step-timeout).",
             [(round(engine.stalled, 3), None)])
-    grammars = e.grammars
+
+
+def _grammars(out: list[str], engine: AsyncEngine, grammar_compile: Histogram | None) -> None:
+    """Structured outputs' grammars: compiling, compiled, refused, and the time they take."""
+    grammars = engine.engine.grammars
     if grammars is not None:
         _metric(out, "arlm_grammar_compiling", "gauge", "Grammars being compiled or queued for the compiler.",
                 [(grammars.pending, None)])
@@ -142,7 +172,6 @@ def render(engine: AsyncEngine, http_requests: dict[tuple[str, int], int], time_
     if grammar_compile is not None:
         _histogram(out, "arlm_grammar_compile_seconds", "Time to compile a request's grammar (off the engine's "
                    "step and the event loop).", grammar_compile)
-    return "\n".join(out) + "\n"
 
 
 def label_replicas(pages: list[tuple[str, str]]) -> str:
@@ -169,10 +198,11 @@ def label_replicas(pages: list[tuple[str, str]]) -> str:
     return "".join(line + "\n" for lines in families.values() for line in lines)
 
 
-def render_replicas(pages: dict[str, tuple[str, dict[str, str]]], router: dict[str, int]) -> str:
+def render_replicas(pages: dict[str, tuple[str, dict[str, str]]], router: dict[str, int], prefix_chars: int) -> str:
     """The page of `arlm serve --replicas`' ingress: every replica's page labelled with it
     (`pages`: replica id -> (its page, where it runs: pid, node, node_id)), which replica runs
-    where, and the prefix router's decisions (`router`: router_stats.COUNTS)."""
+    where, and the prefix router's decisions (`router`: router_stats.COUNTS; `prefix_chars`: the
+    shortest prefix it routes by, cluster.PREFIX_CHARS)."""
     out: list[str] = []
     _metric(out, "arlm_replica_info", "gauge", "The replicas answering: their process, their node's address and Ray id.",
             [(1, {"replica": r, **where}) for r, (_, where) in sorted(pages.items())])
@@ -181,6 +211,7 @@ def render_replicas(pages: dict[str, tuple[str, dict[str, str]]], router: dict[s
     _metric(out, "arlm_router_fallbacks_total", "counter",
             "Requests whose prefix replica was too busy: the least loaded took them.", [(router["fallbacks"], None)])
     _metric(out, "arlm_router_unkeyed_total", "counter",
-            "POSTed requests without a prompt prefix (256 characters) to route by: the least loaded took them.",
+            f"POSTed requests without a prompt prefix ({prefix_chars} characters) to route by: the least loaded "
+            "took them.",
             [(router["no_prefix"], None)])
     return label_replicas([(r, page) for r, (page, _) in sorted(pages.items())]) + "\n".join(out) + "\n"

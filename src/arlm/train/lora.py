@@ -10,10 +10,8 @@ arlm fuses q, k and v into one projection (`attn.wqkv`) and gate and up into ano
 (`mlp.gate_up`); each of those parts gets an adapter of its own (PEFT's q_proj, k_proj, ...),
 over its rows of the fused output.
 
-In a checkpoint the adapted model's state dict holds the base weights under their usual names and
-each adapter as `<projection>.lora_A.<part>` / `<projection>.lora_B.<part>`; arlm.json records
-`"lora": {"rank", "alpha", "targets"}`. `read_checkpoint` merges them on load (generation, export);
-training's resume keeps them apart (`split_state`, `load_adapters`).
+How a checkpoint holds them (and merges them on load) is arlm.loading.adapters'; training's
+resume keeps them apart (`split_state`, `load_adapters`).
 """
 
 from __future__ import annotations
@@ -24,23 +22,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..config import ConfigError, ModelConfig
+from ..config import ConfigError
+from ..loading.adapters import is_adapter_key, projections
 from ..model import compute_weight
 from .config import LORA_TARGETS as TARGETS
-
-
-def projections(config: ModelConfig) -> dict[str, dict[str, slice]]:
-    """Each adaptable projection of a block (its name under `blocks.<i>.`) -> its parts' output rows."""
-    H, H_kv, hd = config.n_head, config.n_kv_heads, config.head_dim
-    q, kv = H * hd, H_kv * hd
-    out = {"attn.wqkv": {"q": slice(0, q), "k": slice(q, q + kv), "v": slice(q + kv, q + 2 * kv)},
-           "attn.wo": {"o": slice(0, config.d_model)}}
-    if config.mlp == "gelu":
-        out["mlp.up"] = {"up": slice(0, config.d_ff)}
-    else:
-        out["mlp.gate_up"] = {"gate": slice(0, config.d_ff), "up": slice(config.d_ff, 2 * config.d_ff)}
-    out["mlp.down"] = {"down": slice(0, config.d_model)}
-    return out
 
 
 def parse_targets(targets: str | list[str] | tuple[str, ...]) -> tuple[str, ...]:
@@ -148,16 +133,6 @@ def checkpoint_meta(model: nn.Module) -> dict:
     return {"lora": dict(model.lora)} if getattr(model, "lora", None) else {}
 
 
-def is_adapter_key(key: str) -> bool:
-    return ".lora_A." in key or ".lora_B." in key
-
-
-def split_state(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """A checkpoint's state dict -> (base weights, adapters)."""
-    base = {k: v for k, v in state.items() if not is_adapter_key(k)}
-    return base, {k: v for k, v in state.items() if is_adapter_key(k)}
-
-
 def load_adapters(model: nn.Module, adapters: dict[str, torch.Tensor]) -> None:
     """Set the adapters of an `apply`-ed model from a checkpoint's (every one, shapes checked)."""
     own = {k: v for k, v in model.state_dict().items() if is_adapter_key(k)}
@@ -167,20 +142,3 @@ def load_adapters(model: nn.Module, adapters: dict[str, torch.Tensor]) -> None:
     with torch.no_grad():
         for k, v in adapters.items():
             own[k].copy_(v)
-
-
-def merge_state(state: dict[str, torch.Tensor], config: ModelConfig, lora: dict) -> dict[str, torch.Tensor]:
-    """A checkpoint's state dict with adapters -> plain weights with them merged in (float32)."""
-    base, adapters = split_state(state)
-    scale = float(lora["alpha"]) / int(lora["rank"])
-    out = dict(base)
-    for i in range(config.n_layer):
-        for path, parts in projections(config).items():
-            key = f"blocks.{i}.{path}"
-            for name, rows in parts.items():
-                a, b = adapters.get(f"{key}.lora_A.{name}"), adapters.get(f"{key}.lora_B.{name}")
-                if a is not None:
-                    if out[f"{key}.weight"] is base[f"{key}.weight"]:  # (copied before the first change)
-                        out[f"{key}.weight"] = base[f"{key}.weight"].float().clone()
-                    out[f"{key}.weight"][rows] += scale * (b.float() @ a.float())
-    return out

@@ -34,6 +34,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from .. import kernels
 from ..config import ConfigError, ModelConfig
 from ..loading import build_model, load_model
+from ..loading.adapters import split_state
 from ..model import Transformer, compute_weight
 from . import checkpoints, lora, parallel
 from .config import MODEL_SHAPE_KEYS, TrainConfig, lr_at
@@ -318,111 +319,177 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> Tr
 
 
 def _train(cfg: TrainConfig, resume: bool, overwrite: bool, ddp: Distributed, device: torch.device) -> TrainResult:
+    """The loop: each step, then its log line, evaluation and checkpoint where they are due
+    (`Run`'s phases); evaluating and saving are kept out of the training time."""
     t_start = time.perf_counter()
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    if cfg.grad_accum % ddp.world_size:
-        raise ConfigError(f"grad_accum ({cfg.grad_accum}) must be a multiple of the number of processes "
-                          f"({ddp.world_size})")
-    accum = cfg.grad_accum // ddp.world_size  # micro-steps on this rank
-    data = TokenData.open(cfg.data_dir)
-    data.check_context(cfg.context_length)
-    out_dir = Path(cfg.out_dir)
-    if out_dir.exists() and not out_dir.is_dir():
-        raise ConfigError(f"--out-dir {out_dir} is a file, not a directory")
-    if not resume and not overwrite and checkpoints.pointer_target(out_dir) is not None:
-        raise ConfigError(f"{out_dir} already holds a training run: pass --resume to continue it, "
-                          "--overwrite to start over, or another --out-dir")
+    run = Run.open(cfg, resume, overwrite, ddp, device)
+    if run.start_step == 0 and cfg.eval_interval:
+        run.evaluate(0)
+    window = LogWindow(device, run.tokens_per_step)
+    for step in range(run.start_step, cfg.max_steps):
+        lr = run.train_step(step, window.loss_sum)
+        done = step + 1
+        window.steps += 1
+        run.progress.step()
+        if done % cfg.log_interval == 0 or done == cfg.max_steps:
+            run.log(done, lr, window)
+        evaluated = done == cfg.max_steps or (cfg.eval_interval and done % cfg.eval_interval == 0)
+        saving = done == cfg.max_steps or (cfg.checkpoint_interval and done % cfg.checkpoint_interval == 0)
+        if evaluated or saving:
+            t_pause = time.perf_counter()
+            run.evaluate_and_save(done, evaluated, saving)
+            run.progress.paused += time.perf_counter() - t_pause
+            window.t0 += time.perf_counter() - t_pause  # evaluation and saving are not training time
+    return run.finish(window, t_start)
 
-    ckpt = None
-    if resume:
-        ckpt = checkpoints.load_latest(out_dir)
-        check_resumable(ckpt.state.get("train_config", {}), cfg, ckpt.path)
-        check_tokenizer(data, ckpt.config, ckpt.tokenizer, f"the run in {out_dir}",
-                        "resume on the data the run was trained on, or start a new run (another --out-dir)")
-        weights, adapters = lora.split_state(ckpt.weights)
-        model = build_model(ckpt.config, weights, device)
-        set_dropout(model, cfg.dropout)
-        if cfg.lora_rank:
-            lora.apply(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets)
-            lora.load_adapters(model, adapters)
-        chat_template = ckpt.chat_template
-    else:
-        torch.manual_seed(cfg.seed)  # the same initial weights on every rank
-        model, chat_template = init_model(cfg, data, device)
-        # Chat data was rendered with a template (perhaps --chat-template's): the model learns
-        # that one, so its checkpoints carry it for `arlm chat`.
-        chat_template = data.meta.get("chat_template") or chat_template
-        if cfg.lora_rank:  # (after the weights' seed: the adapters' init draws from it too)
-            lora.apply(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets)
-    model.train()
-    model_config = model.config
-    mode = parallel.for_run(cfg.fsdp, ddp.world_size, device, eval_batches=cfg.eval_batches, dtype=cfg.dtype,
-                            compile=cfg.compile)
-    step_model = mode.wrap(model)  # before the optimizer: FSDP2 replaces the parameters with shards
 
-    amp_dtype = autocast_dtype(cfg, device)
-    optimizer = configure_optimizer(model, cfg, device, use_shadow_weights(cfg, device, amp_dtype, ddp.world_size))
-    scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
-    start_step, best_val = 0, math.inf
-    if ckpt is not None:
-        mode.load_optimizer_state_dict(model, optimizer, ckpt.state["optimizer"])
-        if ckpt.state.get("scaler"):
-            scaler.load_state_dict(ckpt.state["scaler"])
-        start_step, best_val = ckpt.step, ckpt.state["best_val_loss"]
-        if start_step >= cfg.max_steps:
-            raise ConfigError(f"the run in {out_dir} is at step {start_step} already: --max-steps {cfg.max_steps} "
-                              "leaves nothing to train (raise it to go on)")
-        _restore_rng(ckpt.state.get("rng", []), ddp, cfg, start_step)
-        del ckpt  # the weights now live in the model
-    else:
-        torch.manual_seed(cfg.seed + ddp.rank)  # dropout masks differ between ranks
+class LogWindow:
+    """The steps since the last log line: their loss, summed on the device (read back once a
+    window: the host sync), and their time; and the run's training time and tokens, the first
+    window (warm-up, compilation) left out unless it is the only one."""
 
-    if cfg.compile:
-        compile_blocks(model)
+    def __init__(self, device: torch.device, tokens_per_step: int) -> None:
+        self.loss_sum = torch.zeros((), device=device)
+        self.tokens_per_step = tokens_per_step
+        self.t0, self.steps = time.perf_counter(), 0
+        self.warm, self.train_s, self.train_tokens = False, 0.0, 0
+        self.first = (0.0, 0)  # (seconds, tokens) of the warm-up window
 
-    log = MetricsLog(out_dir / METRICS_FILE, resume_step=start_step if resume else None) if ddp.main else None
-    progress = Progress(start_step, cfg.max_steps, cfg.progress and ddp.main)
-    tokens_per_step = cfg.batch_size * cfg.context_length * cfg.grad_accum
-    progress.note(
-        f"{model_config.family} model, {model.num_params() / 1e6:.2f}M parameters "
-        + (f"({sum(p.numel() for p in model.parameters() if p.requires_grad) / 1e6:.2f}M of them in rank-"
-           f"{cfg.lora_rank} LoRA adapters, the rest frozen) " if cfg.lora_rank else "") +
-        f"({model_config.n_layer} layers, {model_config.n_head} heads, d_model {model_config.d_model}) | "
-        f"data {data.meta['train_tokens']:,} train / {data.meta['val_tokens']:,} val tokens, vocab {data.vocab_size} | "
-        f"{ddp.world_size} x {device.type} {str(amp_dtype or torch.float32).replace('torch.', '')} | "
-        f"{tokens_per_step:,} tokens/step ({cfg.grad_accum} x {cfg.batch_size} x {cfg.context_length})")
+    def close(self, ddp: Distributed) -> tuple[float, float]:
+        """End the window: (its mean loss over every rank, its tokens a second); `restart` then
+        starts the next."""
+        if ddp.world_size > 1:
+            dist.all_reduce(self.loss_sum)
+            self.loss_sum /= ddp.world_size
+        mean_loss = self.loss_sum.item() / self.steps  # the host sync of this window
+        elapsed = time.perf_counter() - self.t0
+        tokens = self.steps * self.tokens_per_step
+        if self.warm:
+            self.train_s += elapsed
+            self.train_tokens += tokens
+        else:
+            self.first = (elapsed, tokens)
+        self.warm = True
+        return mean_loss, tokens / elapsed
 
-    result = TrainResult(start_step, out_dir, best_val_loss=best_val)
+    def restart(self) -> None:
+        self.loss_sum.zero_()
+        self.t0, self.steps = time.perf_counter(), 0
 
-    def record(entry: dict) -> None:
-        result.history.append(entry)
-        if log is not None:
-            log.write(entry)
+    def rate(self) -> tuple[float, float]:
+        """(seconds, tokens a second) of training after warm-up (the first window's alone where
+        there was no other)."""
+        train_s, tokens = (self.train_s, self.train_tokens) if self.train_s or self.first[0] <= 0 else self.first
+        return train_s, tokens / train_s if train_s else 0.0
 
-    def run_eval(step: int) -> dict[str, float]:
-        losses = evaluate(model, data, cfg, device, amp_dtype, ddp)
-        record({"kind": "eval", "step": step, "val_loss": losses["val"], "val_ppl": math.exp(losses["val"]),
-                "train_loss": losses["train"]})
-        return losses
 
-    if start_step == 0 and cfg.eval_interval:
-        run_eval(0)
+@dataclass
+class Run:
+    """One training run's parts (`Run.open`), shared by its phases: a step (`train_step`), a log
+    line (`log`), evaluation and checkpoints (`evaluate_and_save`), the end (`finish`)."""
 
-    loss_sum = torch.zeros((), device=device)  # summed on the device; read back every log_interval
-    t_window, window_steps, warm, train_tokens = time.perf_counter(), 0, False, 0
-    first_window = (0.0, 0)  # (seconds, tokens) of the warm-up window
-    for step in range(start_step, cfg.max_steps):
+    cfg: TrainConfig
+    ddp: Distributed
+    device: torch.device
+    data: TokenData
+    out_dir: Path
+    model: Transformer
+    step_model: torch.nn.Module  # the model as each step calls it (wrapped by DDP or FSDP)
+    mode: parallel.Single
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    amp_dtype: torch.dtype | None
+    chat_template: str | None
+    start_step: int
+    result: TrainResult
+    metrics: MetricsLog | None  # rank 0's metrics file
+    progress: Progress
+
+    @classmethod
+    def open(cls, cfg: TrainConfig, resume: bool, overwrite: bool, ddp: Distributed, device: torch.device) -> Run:
+        """Check the run's settings and directory, build (or resume) the model, its optimizer and
+        its state; ConfigError naming the flag where the run cannot start."""
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        if cfg.grad_accum % ddp.world_size:
+            raise ConfigError(f"grad_accum ({cfg.grad_accum}) must be a multiple of the number of processes "
+                              f"({ddp.world_size})")
+        data = TokenData.open(cfg.data_dir)
+        data.check_context(cfg.context_length)
+        out_dir = Path(cfg.out_dir)
+        if out_dir.exists() and not out_dir.is_dir():
+            raise ConfigError(f"--out-dir {out_dir} is a file, not a directory")
+        if not resume and not overwrite and checkpoints.pointer_target(out_dir) is not None:
+            raise ConfigError(f"{out_dir} already holds a training run: pass --resume to continue it, "
+                              "--overwrite to start over, or another --out-dir")
+        ckpt = checkpoints.load_latest(out_dir) if resume else None
+        model, chat_template = _resumed_model(cfg, data, ckpt, out_dir, device) if ckpt is not None else \
+            _new_model(cfg, data, device)
+        model.train()
+        mode = parallel.for_run(cfg.fsdp, ddp.world_size, device, eval_batches=cfg.eval_batches, dtype=cfg.dtype,
+                                compile=cfg.compile)
+        step_model = mode.wrap(model)  # before the optimizer: FSDP2 replaces the parameters with shards
+        amp_dtype = autocast_dtype(cfg, device)
+        optimizer = configure_optimizer(model, cfg, device, use_shadow_weights(cfg, device, amp_dtype, ddp.world_size))
+        scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
+        start_step, best_val = 0, math.inf
+        if ckpt is not None:
+            start_step, best_val = _restore_state(ckpt, cfg, ddp, mode, model, optimizer, scaler, out_dir)
+            del ckpt  # the weights now live in the model
+        else:
+            torch.manual_seed(cfg.seed + ddp.rank)  # dropout masks differ between ranks
+        if cfg.compile:
+            compile_blocks(model)
+        metrics = MetricsLog(out_dir / METRICS_FILE, resume_step=start_step if resume else None) if ddp.main else None
+        progress = Progress(start_step, cfg.max_steps, cfg.progress and ddp.main)
+        run = cls(cfg, ddp, device, data, out_dir, model, step_model, mode, optimizer, scaler, amp_dtype,
+                  chat_template, start_step, TrainResult(start_step, out_dir, best_val_loss=best_val), metrics,
+                  progress)
+        progress.note(run.summary())
+        return run
+
+    @property
+    def accum(self) -> int:
+        """Micro-steps a step on this rank."""
+        return self.cfg.grad_accum // self.ddp.world_size
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.cfg.batch_size * self.cfg.context_length * self.cfg.grad_accum
+
+    def summary(self) -> str:
+        """The run's first line: the model, the data, the processes and a step's size."""
+        cfg, model, mc, data = self.cfg, self.model, self.model.config, self.data
+        return (f"{mc.family} model, {model.num_params() / 1e6:.2f}M parameters "
+                + (f"({sum(p.numel() for p in model.parameters() if p.requires_grad) / 1e6:.2f}M of them in rank-"
+                   f"{cfg.lora_rank} LoRA adapters, the rest frozen) " if cfg.lora_rank else "") +
+                f"({mc.n_layer} layers, {mc.n_head} heads, d_model {mc.d_model}) | "
+                f"data {data.meta['train_tokens']:,} train / {data.meta['val_tokens']:,} val tokens, "
+                f"vocab {data.vocab_size} | "
+                f"{self.ddp.world_size} x {self.device.type} "
+                f"{str(self.amp_dtype or torch.float32).replace('torch.', '')} | "
+                f"{self.tokens_per_step:,} tokens/step ({cfg.grad_accum} x {cfg.batch_size} x {cfg.context_length})")
+
+    def record(self, entry: dict) -> None:
+        self.result.history.append(entry)
+        if self.metrics is not None:
+            self.metrics.write(entry)
+
+    def train_step(self, step: int, loss_sum: torch.Tensor) -> float:
+        """One optimizer step over this rank's micro-batches, their loss added to `loss_sum`;
+        the step's learning rate."""
+        cfg, ddp, optimizer, scaler, accum = self.cfg, self.ddp, self.optimizer, self.scaler, self.accum
         lr = lr_at(step, cfg)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        offsets = sample_step_offsets(data, cfg, step)
+        offsets = sample_step_offsets(self.data, cfg, step)
         for micro in range(accum):
-            batch = data.batch("train", offsets[micro * ddp.world_size + ddp.rank], cfg.context_length, device)
+            batch = self.data.batch("train", offsets[micro * ddp.world_size + ddp.rank], cfg.context_length,
+                                    self.device)
             # DDP all-reduces gradients on the last micro-step only; the others accumulate locally.
-            with mode.micro_step(step_model, last=micro == accum - 1):
-                with mixed_precision(device, amp_dtype, cfg.context_length):
-                    loss = batch_loss(step_model, batch, fused=fused_loss(cfg, ddp)) / accum
+            with self.mode.micro_step(self.step_model, last=micro == accum - 1):
+                with mixed_precision(self.device, self.amp_dtype, cfg.context_length):
+                    loss = batch_loss(self.step_model, batch, fused=fused_loss(cfg, ddp)) / accum
                 scaler.scale(loss).backward()
             loss_sum += loss.detach()
         if cfg.grad_clip:
@@ -432,58 +499,95 @@ def _train(cfg: TrainConfig, resume: bool, overwrite: bool, ddp: Distributed, de
         scaler.step(optimizer)
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
-        done, window_steps = step + 1, window_steps + 1
-        progress.step()
+        return lr
 
-        if done % cfg.log_interval == 0 or done == cfg.max_steps:
-            if ddp.world_size > 1:
-                dist.all_reduce(loss_sum)
-                loss_sum /= ddp.world_size
-            mean_loss = loss_sum.item() / window_steps  # the host sync of this window
-            elapsed = time.perf_counter() - t_window
-            tokens_per_s = window_steps * tokens_per_step / elapsed
-            record({"kind": "train", "step": done, "loss": mean_loss, "lr": lr, "tokens_per_s": tokens_per_s})
-            progress.log(done, mean_loss, lr, tokens_per_s)
-            if warm:  # the first window pays for warm-up (and compilation): kept out of the rate
-                result.train_s += elapsed
-                train_tokens += window_steps * tokens_per_step
-            else:  # unless it is the only one (a very short run)
-                first_window = (elapsed, window_steps * tokens_per_step)
-            warm = True
-            loss_sum.zero_()
-            t_window, window_steps = time.perf_counter(), 0
+    def log(self, done: int, lr: float, window: LogWindow) -> None:
+        """The log line of the steps up to `done`: their mean loss and rate, recorded and shown."""
+        mean_loss, tokens_per_s = window.close(self.ddp)
+        self.record({"kind": "train", "step": done, "loss": mean_loss, "lr": lr, "tokens_per_s": tokens_per_s})
+        self.progress.log(done, mean_loss, lr, tokens_per_s)
+        window.restart()
 
-        evaluated = done == cfg.max_steps or (cfg.eval_interval and done % cfg.eval_interval == 0)
-        saving = done == cfg.max_steps or (cfg.checkpoint_interval and done % cfg.checkpoint_interval == 0)
-        if evaluated or saving:
-            t_pause = time.perf_counter()
-            is_best = False
-            if evaluated:
-                losses = run_eval(done)
-                is_best = losses["val"] < result.best_val_loss
-                result.best_val_loss = min(result.best_val_loss, losses["val"])
-                progress.note(f"step {done}: val loss {losses['val']:.4f} (ppl {math.exp(losses['val']):.2f}), "
-                              f"train loss {losses['train']:.4f}" + (" [best]" if is_best else ""))
-            if saving:
-                where = _save(out_dir, done, model, model_config, data, chat_template, cfg, optimizer, scaler,
-                              result.best_val_loss, is_best, result.history, ddp, mode)
-                if where is not None:
-                    progress.note(f"step {done}: saved {where}")
-            progress.paused += time.perf_counter() - t_pause
-            t_window += time.perf_counter() - t_pause  # evaluation and saving are not training time
+    def evaluate(self, step: int) -> dict[str, float]:
+        losses = evaluate(self.model, self.data, self.cfg, self.device, self.amp_dtype, self.ddp)
+        self.record({"kind": "eval", "step": step, "val_loss": losses["val"], "val_ppl": math.exp(losses["val"]),
+                     "train_loss": losses["train"]})
+        return losses
 
-    progress.close()
-    result.step = max(start_step, cfg.max_steps)
-    if not result.train_s and first_window[0] > 0:
-        result.train_s, train_tokens = first_window
-    result.tokens_per_s = train_tokens / result.train_s if result.train_s else 0.0
-    if ddp.main and cfg.plot and result.history:
-        plot_losses(log.records if log else result.history, out_dir / PLOT_FILE,
-                    title=f"{model_config.family} {model.num_params() / 1e6:.2f}M, {Path(cfg.data_dir).name}")
-    if ddp.world_size > 1:
-        dist.barrier()  # leave together: a rank that tears down while rank 0 still saves can abort it
-    result.wall_s = time.perf_counter() - t_start
-    return result
+    def evaluate_and_save(self, done: int, evaluated: bool, saving: bool) -> None:
+        """The evaluation and the checkpoint due after step `done` (a best one marked as such)."""
+        result, progress = self.result, self.progress
+        is_best = False
+        if evaluated:
+            losses = self.evaluate(done)
+            is_best = losses["val"] < result.best_val_loss
+            result.best_val_loss = min(result.best_val_loss, losses["val"])
+            progress.note(f"step {done}: val loss {losses['val']:.4f} (ppl {math.exp(losses['val']):.2f}), "
+                          f"train loss {losses['train']:.4f}" + (" [best]" if is_best else ""))
+        if saving:
+            where = _save(self.out_dir, done, self.model, self.model.config, self.data, self.chat_template, self.cfg,
+                          self.optimizer, self.scaler, result.best_val_loss, is_best, result.history, self.ddp,
+                          self.mode)
+            if where is not None:
+                progress.note(f"step {done}: saved {where}")
+
+    def finish(self, window: LogWindow, t_start: float) -> TrainResult:
+        """The run's result (its rate after warm-up, its wall time), the loss plot; every rank
+        leaves together."""
+        cfg, result = self.cfg, self.result
+        self.progress.close()
+        result.step = max(self.start_step, cfg.max_steps)
+        result.train_s, result.tokens_per_s = window.rate()
+        if self.ddp.main and cfg.plot and result.history:
+            plot_losses(self.metrics.records if self.metrics else result.history, self.out_dir / PLOT_FILE,
+                        title=f"{self.model.config.family} {self.model.num_params() / 1e6:.2f}M, "
+                              f"{Path(cfg.data_dir).name}")
+        if self.ddp.world_size > 1:
+            dist.barrier()  # leave together: a rank that tears down while rank 0 still saves can abort it
+        result.wall_s = time.perf_counter() - t_start
+        return result
+
+
+def _resumed_model(cfg: TrainConfig, data: TokenData, ckpt: checkpoints.TrainCheckpoint, out_dir: Path,
+                   device: torch.device) -> tuple[Transformer, str | None]:
+    """The checkpoint's model (and its adapters) and chat template, checked against this run."""
+    check_resumable(ckpt.state.get("train_config", {}), cfg, ckpt.path)
+    check_tokenizer(data, ckpt.config, ckpt.tokenizer, f"the run in {out_dir}",
+                    "resume on the data the run was trained on, or start a new run (another --out-dir)")
+    weights, adapters = split_state(ckpt.weights)
+    model = build_model(ckpt.config, weights, device)
+    set_dropout(model, cfg.dropout)
+    if cfg.lora_rank:
+        lora.apply(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets)
+        lora.load_adapters(model, adapters)
+    return model, ckpt.chat_template
+
+
+def _new_model(cfg: TrainConfig, data: TokenData, device: torch.device) -> tuple[Transformer, str | None]:
+    """A model to train from `cfg` (from scratch or a base model) and its chat template."""
+    torch.manual_seed(cfg.seed)  # the same initial weights on every rank
+    model, chat_template = init_model(cfg, data, device)
+    # Chat data was rendered with a template (perhaps --chat-template's): the model learns
+    # that one, so its checkpoints carry it for `arlm chat`.
+    chat_template = data.meta.get("chat_template") or chat_template
+    if cfg.lora_rank:  # (after the weights' seed: the adapters' init draws from it too)
+        lora.apply(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets)
+    return model, chat_template
+
+
+def _restore_state(ckpt: checkpoints.TrainCheckpoint, cfg: TrainConfig, ddp: Distributed, mode: parallel.Single,
+                   model: Transformer, optimizer, scaler: torch.amp.GradScaler, out_dir: Path) -> tuple[int, float]:
+    """The optimizer's, the scaler's and the RNGs' state from the checkpoint; (its step, its best
+    validation loss)."""
+    mode.load_optimizer_state_dict(model, optimizer, ckpt.state["optimizer"])
+    if ckpt.state.get("scaler"):
+        scaler.load_state_dict(ckpt.state["scaler"])
+    start_step, best_val = ckpt.step, ckpt.state["best_val_loss"]
+    if start_step >= cfg.max_steps:
+        raise ConfigError(f"the run in {out_dir} is at step {start_step} already: --max-steps {cfg.max_steps} "
+                          "leaves nothing to train (raise it to go on)")
+    _restore_rng(ckpt.state.get("rng", []), ddp, cfg, start_step)
+    return start_step, best_val
 
 
 def compile_blocks(model: Transformer) -> None:
