@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from arlm import kernels
-from arlm.loading.gguf import k_quant_fields
+from arlm.loading.gguf_blocks import k_quant_fields
 
 pytestmark = pytest.mark.skipif(not kernels.native_available(), reason="native kernels not built")
 

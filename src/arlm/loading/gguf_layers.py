@@ -123,8 +123,12 @@ def _k_quant_layer(blocks: _Stacked, kind: str) -> KQuantLinear:
             return KQuantLinear(kind, K, n)
 
     def make(start: int, stop: int) -> KQuantLinear:
-        f = _k_fields(blocks.rows(start, stop), kind)
         chunk = layer(stop - start)
+        if kind in ("Q4_K", "Q6_K") and (stop - start) % 16 == 0 and kernels.native_available():
+            # the blocks' bytes moved once, natively (a copy: the file's map is read-only)
+            chunk._set(*kernels.pack_k_blocks(torch.from_numpy(np.array(blocks.rows(start, stop))), kind))
+            return chunk
+        f = _k_fields(blocks.rows(start, stop), kind)
         if kind != "Q6_K":
             chunk._set(*kernels.pack_q4_k(f["q"], f["sc"], f["m"], f["d"], f["dmin"], five_bit=kind == "Q5_K"))
         else:
