@@ -345,12 +345,13 @@ def pack_q4_k(q: torch.Tensor, sc: torch.Tensor, m: torch.Tensor, d: torch.Tenso
             torch.cat([pack_scales(d.half()), pack_scales(dmin.half())], dim=2).contiguous())
 
 
-def pack_k_blocks(blocks: torch.Tensor, kind: str) -> tuple[torch.Tensor, ...]:
-    """A GGUF file's Q4_K or Q6_K super-blocks, uint8 [N, K/256, 144 or 210] (N a multiple of 16)
-    -> `pack_q4_k`'s / `pack_q6_k`'s layout of them, bit for bit, natively (gguf_pack.cpp: the
-    file's bytes moved once, where the fields-then-pack path takes ~10x longer). Only where
+def pack_gguf_blocks(blocks: torch.Tensor, kind: str) -> tuple[torch.Tensor, ...]:
+    """A GGUF file's Q4_K, Q6_K or Q8_0 blocks, uint8 [N, K / block, bytes] (N a multiple of 16)
+    -> the packed layout of them, bit for bit `pack_q4_k`'s / `pack_q6_k`'s (of their fields) and
+    `pack_int8` + `pack_scales`' (of Q8_0's values and scales), natively (gguf_pack.cpp: the file's
+    bytes moved once, where the fields-then-pack path takes 10-40x longer). Only where
     native_available() holds (it loads the kernels)."""
-    return torch.ops.arlm.pack_k_blocks(blocks.contiguous(), {"Q4_K": 4, "Q6_K": 6}[kind])
+    return tuple(torch.ops.arlm.pack_gguf_blocks(blocks.contiguous(), {"Q4_K": 4, "Q6_K": 6, "Q8_0": 8}[kind]))
 
 
 def pack_q5(q: torch.Tensor) -> torch.Tensor:

@@ -1,11 +1,15 @@
-// GGUF's K-quant blocks straight into a8_linear.cpp's packed layouts, at a first load's speed.
+// GGUF's Q4_K, Q6_K and Q8_0 blocks straight into a8_linear.cpp's packed layouts, at a first
+// load's speed.
 //
-// The Python path (loading.gguf_blocks.k_quant_fields, then kernels.pack_q4_k / pack_q6_k) reads
-// every block's fields into [N, K] tensors and repacks them with torch ops: ~8 s of a 1B Q4_K_M
-// file's first load. This does the same byte moves per block, in one pass over the file's rows,
-// with the same result bit for bit (tests/test_gguf_pack.py checks the two against each other).
+// The Python path (loading.gguf_blocks.k_quant_fields, then kernels.pack_q4_k / pack_q6_k; the
+// Q8_0 values, then pack_int8 / pack_scales) reads every block's fields into [N, K] tensors and
+// repacks them with torch ops: ~8 s of a 1B Q4_K_M file's first load. This does the same byte
+// moves per block, in one pass over the file's rows, with the same result bit for bit
+// (tests/test_gguf_pack.py checks the two against each other).
 //
-//   pack_k_blocks(blocks uint8 [N, S, bytes], kind) -> (wp, scale, supers), N a multiple of 16:
+//   pack_gguf_blocks(blocks uint8 [N, S, bytes], kind) -> tensors, N a multiple of 16:
+//   Q8_0 (34 bytes a block of 32: d, 32 int8): wp [N/16, K/4, 64] (channel c's byte 4c + t of
+//     K-values 4j..4j+3: q[4j + t] XOR 0x80), scale float16 [N/16, K/32, 16];
 //   Q4_K (144 bytes a super-block of 256): wp [N/16, K/8, 64] (channel c's byte 4c + t of
 //     8 K-values 8p..8p+7: q[8p + t] | q[8p + 4 + t] << 4), scale uint8 [N/16, K/32, 32] (16
 //     channels' 6-bit sc, then their m), supers float16 [N/16, S, 32] (d, then dmin);
@@ -17,10 +21,11 @@
 
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace {
 
-constexpr int64_t kQ4KBytes = 144, kQ6KBytes = 210, kSuper = 256;
+constexpr int64_t kQ4KBytes = 144, kQ6KBytes = 210, kQ8Bytes = 34, kSuper = 256;
 
 // One Q4_K super-block's 8 groups' 6-bit scales and mins (ggml's get_scale_min_k4).
 inline void q4k_scales(const uint8_t* raw, uint8_t* sc, uint8_t* m) {
@@ -76,13 +81,9 @@ inline void q6k_top_bytes(const uint8_t (&top)[16][8], uint8_t* out) {
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_k_blocks(const at::Tensor& blocks, int64_t kind) {
-  TORCH_CHECK(blocks.dim() == 3 && blocks.scalar_type() == at::kByte && blocks.is_contiguous(),
-              "pack_k_blocks: blocks [N, K/256, bytes] contiguous uint8");
-  TORCH_CHECK(kind == 4 || kind == 6, "pack_k_blocks: kind 4 (Q4_K) or 6 (Q6_K)");
   const bool q6 = kind == 6;
   const int64_t N = blocks.size(0), S = blocks.size(1), K = S * kSuper, NB = N / 16;
-  TORCH_CHECK(N % 16 == 0, "pack_k_blocks: N a multiple of 16");
-  TORCH_CHECK(blocks.size(2) == (q6 ? kQ6KBytes : kQ4KBytes), "pack_k_blocks: ", blocks.size(2),
+  TORCH_CHECK(blocks.size(2) == (q6 ? kQ6KBytes : kQ4KBytes), "pack_gguf_blocks: ", blocks.size(2),
               " bytes a block, not ", q6 ? "Q6_K's 210" : "Q4_K's 144");
   const auto u8 = blocks.options();
   at::Tensor wp = at::empty({NB, K / 8, q6 ? 96 : 64}, u8);
@@ -133,10 +134,43 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_k_blocks(const at::Tensor& b
   return {wp, scale, supers};
 }
 
+std::vector<at::Tensor> pack_q8_0_blocks(const at::Tensor& blocks) {
+  TORCH_CHECK(blocks.size(2) == kQ8Bytes, "pack_gguf_blocks: ", blocks.size(2), " bytes a block, not Q8_0's 34");
+  const int64_t N = blocks.size(0), G = blocks.size(1), K = 32 * G, NB = N / 16;
+  at::Tensor wp = at::empty({NB, K / 4, 64}, blocks.options());
+  at::Tensor scale = at::empty({NB, G, 16}, blocks.options().dtype(at::kHalf));
+  const uint8_t* in = blocks.data_ptr<uint8_t>();
+  uint8_t* wo = wp.data_ptr<uint8_t>();
+  uint16_t* so = reinterpret_cast<uint16_t*>(scale.data_ptr<at::Half>());
+  at::parallel_for(0, NB * G, 16, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {  // (tile nb, group g): 16 channels' 32 K-values
+      const int64_t nb = i / G, g = i % G;
+      uint8_t* o = wo + (nb * (K / 4) + g * 8) * 64;
+      for (int c = 0; c < 16; ++c) {
+        const uint8_t* blk = in + ((nb * 16 + c) * G + g) * kQ8Bytes;
+        std::memcpy(so + (nb * G + g) * 16 + c, blk, 2);
+        for (int j = 0; j < 8; ++j)
+          for (int t = 0; t < 4; ++t) o[64 * j + 4 * c + t] = blk[2 + 4 * j + t] ^ 0x80;
+      }
+    }
+  });
+  return {wp, scale};
+}
+
+std::vector<at::Tensor> pack_gguf_blocks(const at::Tensor& blocks, int64_t kind) {
+  TORCH_CHECK(blocks.dim() == 3 && blocks.scalar_type() == at::kByte && blocks.is_contiguous(),
+              "pack_gguf_blocks: blocks [N, K/block, bytes] contiguous uint8");
+  TORCH_CHECK(blocks.size(0) % 16 == 0, "pack_gguf_blocks: N a multiple of 16");
+  TORCH_CHECK(kind == 4 || kind == 6 || kind == 8, "pack_gguf_blocks: kind 4 (Q4_K), 6 (Q6_K) or 8 (Q8_0)");
+  if (kind == 8) return pack_q8_0_blocks(blocks);
+  auto [wp, scale, supers] = pack_k_blocks(blocks, kind);
+  return {wp, scale, supers};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(arlm, m) {
-  m.def("pack_k_blocks(Tensor blocks, int kind) -> (Tensor, Tensor, Tensor)");
+  m.def("pack_gguf_blocks(Tensor blocks, int kind) -> Tensor[]");
 }
 
-TORCH_LIBRARY_IMPL(arlm, CPU, m) { m.impl("pack_k_blocks", &pack_k_blocks); }
+TORCH_LIBRARY_IMPL(arlm, CPU, m) { m.impl("pack_gguf_blocks", &pack_gguf_blocks); }

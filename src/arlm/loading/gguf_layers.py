@@ -126,7 +126,7 @@ def _k_quant_layer(blocks: _Stacked, kind: str) -> KQuantLinear:
         chunk = layer(stop - start)
         if kind in ("Q4_K", "Q6_K") and (stop - start) % 16 == 0 and kernels.native_available():
             # the blocks' bytes moved once, natively (a copy: the file's map is read-only)
-            chunk._set(*kernels.pack_k_blocks(torch.from_numpy(np.array(blocks.rows(start, stop))), kind))
+            chunk._set(*kernels.pack_gguf_blocks(torch.from_numpy(np.array(blocks.rows(start, stop))), kind))
             return chunk
         f = _k_fields(blocks.rows(start, stop), kind)
         if kind != "Q6_K":
@@ -208,9 +208,13 @@ def _block_layer(blocks: _Stacked, kinds: list[str], as_q8: bool = False) -> Q4L
             return cls(32 * G, n)
 
     def make(start: int, stop: int) -> Q4Linear | Q8Linear:
-        b = blocks.rows(start, stop, None if q4 else lambda i, rows: as_q8_0(rows, kinds[i]))
         n = stop - start
         chunk = layer(n)
+        if set(kinds) == {"Q8_0"} and n % 16 == 0 and chunk.allow_packed and kernels.packed_available():
+            # packed natively, as `int8_activations` would pack the rows (a copy: the map is read-only)
+            chunk._set(*kernels.pack_gguf_blocks(torch.from_numpy(np.array(blocks.rows(start, stop))), "Q8_0"))
+            return chunk
+        b = blocks.rows(start, stop, None if q4 else lambda i, rows: as_q8_0(rows, kinds[i]))
         scale = torch.from_numpy(np.ascontiguousarray(b[..., 0:2]).view(np.float16).reshape(n, G))
         if q4_0:
             chunk._set(torch.from_numpy(np.ascontiguousarray(b[..., 2:]).reshape(n, 16 * G)), scale,
