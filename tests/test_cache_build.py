@@ -114,6 +114,50 @@ def test_the_streamed_build_is_the_in_memory_model(gguf_file, tmp_path, monkeypa
     _assert_same_model(again.model, want)
 
 
+def test_a_new_build_sweeps_what_nothing_will_read(gguf_file, tmp_path, monkeypatch):
+    """Caches of files no longer anywhere, of an older format, and stale temporary builds go when a
+    new cache is written; a cache whose content another path still has (found by hash), a build
+    in progress (a fresh temporary directory) and what is not a cache directory stay."""
+    import json
+    import os
+    import shutil
+    import time
+
+    monkeypatch.setenv("ARLM_CACHE", str(tmp_path / "cache"))
+    root = tmp_path / "cache" / "models"
+    a, b = tmp_path / "a.gguf", tmp_path / "b.gguf"
+    shutil.copy(gguf_file, a)
+    load_quantized_gguf(a)
+    (built,) = [d for d in root.iterdir() if d.is_dir()]
+    shutil.copy(gguf_file, b)
+    load_quantized_gguf(b)  # the same content: found by hash, loaded from the directory a built
+    a.unlink()
+
+    def fake(name: str, source: str | None = None, age_s: float = 0.0):
+        d = root / name
+        d.mkdir()
+        if source is not None:
+            (d / "manifest.json").write_text(json.dumps({"source": source}))
+        os.utime(d, (time.time() - age_s, time.time() - age_s))
+        return d
+
+    gone = [fake(f"{'1' * 32}-packed-v{cache.FORMAT}", source=str(tmp_path / "deleted.gguf")),
+            fake(f"{'2' * 32}-packed-v{cache.FORMAT - 1}"),
+            fake(f"{'3' * 32}-packed-v{cache.FORMAT}.tmpold", age_s=2 * cache.STALE_BUILD_S)]
+    stay = [built, fake(f"{'4' * 32}-packed-v{cache.FORMAT}.tmpnew"), fake("notes"),
+            fake(f"{'5' * 32}-packed-v{cache.FORMAT}")]  # (no manifest yet: unreadable, left)
+    assert sorted(cache.evict_orphans(root)) == sorted(gone)
+    assert all(d.exists() for d in stay) and not any(d.exists() for d in gone)
+    assert not any(str(a) in stamp for stamp in json.loads((root / "index.json").read_text()))
+    b.unlink()  # now nothing has the built directory's content: the next build sweeps it
+    c = tmp_path / "c.gguf"
+    shutil.copy(gguf_file, c)
+    with open(c, "ab") as f:
+        f.write(b"\0" * 32)  # (other bytes: a new hash, a new build)
+    load_quantized_gguf(c)
+    assert not built.exists() and len([d for d in root.iterdir() if d.name.endswith(f"-v{cache.FORMAT}")]) == 2
+
+
 @needs_packed
 def test_store_leaves_meta_tensors_and_writes_each_once(gguf_file, tmp_path, monkeypatch):
     # Each weight is written as it comes and let go: what the model keeps is meta tensors (no

@@ -21,6 +21,13 @@ A file is found again by its content hash; `index.json` maps (path, size, mtime,
 hash so the ~0.1 s of hashing is paid once per file version. Everything is written to a
 temporary directory first and renamed into place: a failure or a crash midway leaves no
 half-written cache (a killed process leaves its temporary directory, `<name>.tmp*`).
+
+Nothing else would ever remove a directory (a 4.7 GB one for an 8B Q4_K_M file), so every new one
+written sweeps the root (`evict_orphans`): the directories no file is at any more (neither the
+one it was built from nor one `index.json` found with its content since), of an older FORMAT,
+and temporary directories a killed build left (older than an hour: a younger one may be another
+process's build in progress) go, and `index.json` forgets the files no longer there. A process
+still mapping a removed directory keeps its pages.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ import mmap
 import os
 import shutil
 import tempfile
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -204,7 +212,48 @@ class Builder:
             shutil.rmtree(self.tmp, ignore_errors=True)
             if not self.final.exists():
                 raise
+        evict_orphans(self.final.parent)
         return self.final
+
+
+STALE_BUILD_S = 3600  # a temporary directory older than this is a killed build's
+
+
+def evict_orphans(root: Path) -> list[Path]:
+    """Remove the cache directories under `root` nothing will read again (the module doc): no file
+    it was built from or found by since is where it was (the manifest's source, `index.json`'s
+    paths with its hash), an older FORMAT, a stale temporary build; `index.json`'s entries for
+    files no longer there dropped. The directories removed."""
+    index_path = root / "index.json"
+    try:
+        index = json.loads(index_path.read_text())
+    except (OSError, ValueError):
+        index = {}
+    kept = {stamp: h for stamp, h in index.items() if Path(stamp.split("|")[0]).exists()}
+    live = {h[:32] for h in kept.values()}
+    removed = []
+    for d in root.iterdir() if root.is_dir() else ():
+        if not d.is_dir():
+            continue
+        try:
+            if ".tmp" in d.name:
+                orphan = time.time() - d.stat().st_mtime > STALE_BUILD_S
+            elif not d.name.endswith(f"-v{FORMAT}"):
+                orphan = "-v" in d.name  # (a cache directory of an older format; nothing else)
+            else:
+                source = Path(json.loads((d / "manifest.json").read_text())["source"])
+                orphan = d.name.split("-")[0] not in live and not source.exists()
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # (being written, or unreadable: left as it is)
+        if orphan:
+            shutil.rmtree(d, ignore_errors=True)
+            removed.append(d)
+    if len(kept) < len(index):
+        try:
+            atomic_write_text(index_path, json.dumps(kept))
+        except OSError:
+            pass
+    return removed
 
 
 def save(path: Path, layout: str, loaded, replace: bool = False) -> Path | None:
