@@ -150,12 +150,17 @@ def test_a_new_build_sweeps_what_nothing_will_read(gguf_file, tmp_path, monkeypa
     assert all(d.exists() for d in stay) and not any(d.exists() for d in gone)
     assert not any(str(a) in stamp for stamp in json.loads((root / "index.json").read_text()))
     b.unlink()  # now nothing has the built directory's content: the next build sweeps it
-    c = tmp_path / "c.gguf"
-    shutil.copy(gguf_file, c)
-    with open(c, "ab") as f:
-        f.write(b"\0" * 32)  # (other bytes: a new hash, a new build)
+    c, d = tmp_path / "c.gguf", tmp_path / "d.gguf"
+    for path, tail in ((c, 32), (d, 64)):  # (other bytes: a new hash, a new build)
+        shutil.copy(gguf_file, path)
+        with open(path, "ab") as f:
+            f.write(b"\0" * tail)
+    monkeypatch.setenv("ARLM_CACHE_SWEEP", "0")  # (off: the build leaves the orphan)
     load_quantized_gguf(c)
-    assert not built.exists() and len([d for d in root.iterdir() if d.name.endswith(f"-v{cache.FORMAT}")]) == 2
+    assert built.exists()
+    monkeypatch.delenv("ARLM_CACHE_SWEEP")
+    load_quantized_gguf(d)
+    assert not built.exists() and len([d for d in root.iterdir() if d.name.endswith(f"-v{cache.FORMAT}")]) == 3
 
 
 @needs_packed

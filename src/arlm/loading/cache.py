@@ -27,7 +27,8 @@ written sweeps the root (`evict_orphans`): the directories no file is at any mor
 one it was built from nor one `index.json` found with its content since), of an older FORMAT,
 and temporary directories a killed build left (older than an hour: a younger one may be another
 process's build in progress) go, and `index.json` forgets the files no longer there. A process
-still mapping a removed directory keeps its pages.
+still mapping a removed directory keeps its pages. ARLM_CACHE_SWEEP=0 turns the sweep off (a
+cache shared by machines that see the files at other paths).
 """
 
 from __future__ import annotations
@@ -212,7 +213,8 @@ class Builder:
             shutil.rmtree(self.tmp, ignore_errors=True)
             if not self.final.exists():
                 raise
-        evict_orphans(self.final.parent)
+        if os.environ.get("ARLM_CACHE_SWEEP", "1") != "0":  # (0: a cache shared by machines with other paths)
+            evict_orphans(self.final.parent)
         return self.final
 
 
