@@ -115,7 +115,7 @@ def matmul_params(config) -> int:
     """Multiply-adds per token in the layers' matrices (the head apart)."""
     d, hd = config.d_model, config.head_dim
     attn = d * (config.n_head + 2 * config.n_kv_heads) * hd + config.n_head * hd * d
-    mlp = d * config.d_ff * (3 if config.mlp == "swiglu" else 2)
+    mlp = d * config.d_ff * (2 if config.mlp == "gelu" else 3)  # a gated MLP (SwiGLU, GeGLU): gate, up, down
     return config.n_layer * (attn + mlp)
 
 
