@@ -293,7 +293,7 @@ def test_residual_activations_are_near_float(kind, M):
     assert torch.equal(layer(x), twice)
     layer.int8_activations = False  # rows layout (CPUs without the packed kernels): x and its
     layer._a8 = True                 # 8-bit rounding error as a pair of 8-bit rows
-    _, d = kernels.quantize_activations(x - kernels._dequantized_activations(x))
+    _, d = kernels.quantize_activations(x - kernels.dequantized_activations(x))
     rows_bound = (d.double() / 2).repeat_interleave(32, 1) @ dense.abs().T
     rows = layer(x).double()
     assert ((rows - exact).abs() <= rows_bound * (1 + 1e-5) + 1e-6 * exact.abs().max().item()).all()

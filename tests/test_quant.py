@@ -237,7 +237,7 @@ def test_a8_fallback_matches_native():
     s8 = torch.rand(40, generator=g) * 0.01
     w4 = torch.randint(0, 256, (40, 288), generator=g, dtype=torch.uint8)
     s4, m4 = (torch.rand(40, 18, generator=g) * 0.05).half(), (torch.randn(40, 18, generator=g) * 0.05).half()
-    deq = kernels._dequantized_activations(x)
+    deq = kernels.dequantized_activations(x)
     for native, fallback in ((kernels.int8_linear_a8(x, w8, s8), kernels._fallback(deq, w8, s8)),
                              (kernels.q4_linear_a8(x, w4, s4, m4),
                               torch.nn.functional.linear(deq, kernels.unpack_q4(w4, s4, m4)))):

@@ -140,7 +140,7 @@ class QuantizedLinear(nn.Module, ABC):
             y = kernels.linear_a8p_residual(x2, *self.tensors())
         else:  # each row and its residual as two rows of x, then their products added
             M = x2.shape[0]
-            pairs = torch.stack([x2, x2 - kernels._dequantized_activations(x2)], 1).view(2 * M, -1)
+            pairs = torch.stack([x2, x2 - kernels.dequantized_activations(x2)], 1).view(2 * M, -1)
             y = self._matmul(pairs).view(M, 2, -1).sum(1)
         if self.bias is not None:
             y = y + self.bias
@@ -312,7 +312,7 @@ class Q8MinsLinear(Q8Linear):
         return (q * d[..., None] + m[..., None]).view(T, K)
 
     def _matmul(self, x):
-        a = kernels._dequantized_activations(x) if self.int8_activations else x
+        a = kernels.dequantized_activations(x) if self.int8_activations else x
         sums = a.view(x.shape[0], -1, self.GROUP).sum(-1)
         # row by row (a matrix-vector product each): a row's result does not depend on its batch
         return super()._matmul(x) + torch.stack([self.mins @ s for s in sums])

@@ -253,7 +253,9 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.view(M, K), d
 
 
-def _dequantized_activations(x: torch.Tensor) -> torch.Tensor:
+def dequantized_activations(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] as the integer kernels read it: int8 per group of 32 (`quantize_activations`),
+    back in float32."""
     q, d = quantize_activations(x)
     return (q.view(*d.shape, 32).float() * d[..., None]).view(q.shape)
 
@@ -262,14 +264,14 @@ def q4_linear_a8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, mins: to
     """Like `q4_linear`, with x quantized to 8 bits per group of 32 first (integer dot products)."""
     if x.device.type == "cpu" and native_available():
         return torch.ops.arlm.q4_linear_a8(x.contiguous(), w, scale, mins)
-    return torch.nn.functional.linear(_dequantized_activations(x), unpack_q4(w, scale, mins))
+    return torch.nn.functional.linear(dequantized_activations(x), unpack_q4(w, scale, mins))
 
 
 def int8_linear_a8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """Like `int8_linear`, with x quantized to 8 bits per group of 32 first (K a multiple of 32)."""
     if x.device.type == "cpu" and native_available():
         return torch.ops.arlm.int8_linear_a8(x.contiguous(), w, scale)
-    return _fallback(_dequantized_activations(x), w, scale)
+    return _fallback(dequantized_activations(x), w, scale)
 
 
 def packed_available() -> bool:

@@ -18,7 +18,7 @@ from collections import deque
 from pathlib import Path
 
 from ..engine.hooks import StepHook, StepResult
-from .tracer import _phase
+from .tracer import phase
 
 HERE = Path(__file__).parent
 KEEPALIVE = 15.0  # seconds between SSE comments on an idle stream
@@ -41,7 +41,7 @@ class LiveTrace(StepHook):
 
     def scheduled(self, engine, batch) -> None:
         # (the phases now: the step's postprocessing moves each request on)
-        self._batch = [{"id": seq.request_id, "phase": _phase(batch, i), "tokens": batch.num_tokens[i]}
+        self._batch = [{"id": seq.request_id, "phase": phase(batch, i), "tokens": batch.num_tokens[i]}
                        for i, seq in enumerate(batch.seqs)]
 
     def stepped(self, engine, result: StepResult) -> None:

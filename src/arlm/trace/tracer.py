@@ -115,11 +115,12 @@ def matmul_params(config) -> int:
     """Multiply-adds per token in the layers' matrices (the head apart)."""
     d, hd = config.d_model, config.head_dim
     attn = d * (config.n_head + 2 * config.n_kv_heads) * hd + config.n_head * hd * d
-    mlp = d * config.d_ff * (3 if config.mlp == "swiglu" else 2)
+    mlp = d * config.d_ff * (2 if config.mlp == "gelu" else 3)  # a gated MLP (SwiGLU, GeGLU): gate, up, down
     return config.n_layer * (attn + mlp)
 
 
-def _phase(batch, i: int) -> str:
+def phase(batch, i: int) -> str:
+    """Row i's part of a step: "verify" (a draft checked), "decode" or "prefill"."""
     if batch.drafts[i]:
         return "verify"
     return "decode" if batch.decodes(i) else "prefill"
@@ -193,7 +194,7 @@ class Tracer(StepHook):
         for i, seq in enumerate(batch.seqs):
             self.seq_order.setdefault(seq.request_id, len(self.seq_order))
             pre.append({"computed": seq.num_computed, "dropped": seq.num_dropped,
-                        "input": batch.input_ids(i), "draft": list(batch.drafts[i]), "phase": _phase(batch, i),
+                        "input": batch.input_ids(i), "draft": list(batch.drafts[i]), "phase": phase(batch, i),
                         "blocks": [int(b) for b in seq.blocks], "samples": batch.samples(i)})
         return pre
 
