@@ -143,7 +143,7 @@ class Builder:
             raise
         self._offset = 0
         self._records: dict[int, tuple[torch.Tensor, dict]] = {}
-        self.source = path
+        self.source = Path(path).resolve()  # (absolute: the sweep checks it from any directory)
 
     def __enter__(self) -> "Builder":
         return self
