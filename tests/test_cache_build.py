@@ -115,9 +115,10 @@ def test_the_streamed_build_is_the_in_memory_model(gguf_file, tmp_path, monkeypa
 
 
 def test_a_new_build_sweeps_what_nothing_will_read(gguf_file, tmp_path, monkeypatch):
-    """Caches of files no longer anywhere, of an older format, and stale temporary builds go when a
-    new cache is written; a cache whose content another path still has (found by hash), a build
-    in progress (a fresh temporary directory) and what is not a cache directory stay."""
+    """Caches of file versions no longer anywhere (deleted, or rewritten in place), of an older
+    format, and stale temporary builds go when a new cache is written; a cache whose content
+    another path still has (found by hash), a build in progress (a temporary directory with a
+    fresh file), a newer arlm's format and what arlm did not name stay."""
     import json
     import os
     import shutil
@@ -125,42 +126,61 @@ def test_a_new_build_sweeps_what_nothing_will_read(gguf_file, tmp_path, monkeypa
 
     monkeypatch.setenv("ARLM_CACHE", str(tmp_path / "cache"))
     root = tmp_path / "cache" / "models"
-    a, b = tmp_path / "a.gguf", tmp_path / "b.gguf"
-    shutil.copy(gguf_file, a)
+    a, b, e = tmp_path / "a.gguf", tmp_path / "b.gguf", tmp_path / "e.gguf"
+
+    def copy(path, tail: int = 0) -> None:  # (other bytes at the end: another hash, another build)
+        shutil.copy(gguf_file, path)
+        with open(path, "ab") as f:
+            f.write(b"\0" * tail)
+
+    def built_dirs() -> set:
+        return {d for d in root.iterdir() if d.name.endswith(f"-v{cache.FORMAT}")}
+
+    copy(a)
     load_quantized_gguf(a)
-    (built,) = [d for d in root.iterdir() if d.is_dir()]
-    shutil.copy(gguf_file, b)
+    (built,) = built_dirs()
+    copy(b)
     load_quantized_gguf(b)  # the same content: found by hash, loaded from the directory a built
     a.unlink()
+    copy(e, 16)
+    load_quantized_gguf(e)
+    (rewritten,) = built_dirs() - {built}
+    copy(e, 48)  # e rewritten in place: its old version's directory is read by nothing now
 
-    def fake(name: str, source: str | None = None, age_s: float = 0.0):
+    def fake(name: str, source: str | None = None, age_s: float = 0.0, fresh_file: bool = False):
         d = root / name
         d.mkdir()
         if source is not None:
             (d / "manifest.json").write_text(json.dumps({"source": source}))
+        if fresh_file:
+            (d / "weights.bin").write_bytes(b"being written")
         os.utime(d, (time.time() - age_s, time.time() - age_s))
         return d
 
-    gone = [fake(f"{'1' * 32}-packed-v{cache.FORMAT}", source=str(tmp_path / "deleted.gguf")),
-            fake(f"{'2' * 32}-packed-v{cache.FORMAT - 1}"),
+    h = "0123456789abcdef" * 2
+    gone = [rewritten, fake(f"{'1' * 32}-packed-v{cache.FORMAT}", source=str(tmp_path / "deleted.gguf")),
+            fake(f"{'2' * 32}-packed-v{cache.FORMAT - 1}", source=str(tmp_path / "old.gguf")),
             fake(f"{'3' * 32}-packed-v{cache.FORMAT}.tmpold", age_s=2 * cache.STALE_BUILD_S)]
-    stay = [built, fake(f"{'4' * 32}-packed-v{cache.FORMAT}.tmpnew"), fake("notes"),
-            fake(f"{'5' * 32}-packed-v{cache.FORMAT}")]  # (no manifest yet: unreadable, left)
+    stay = [built, fake(f"{'4' * 32}-packed-v{cache.FORMAT}.tmpnew"),
+            fake(f"{'6' * 32}-packed-v{cache.FORMAT}.tmpslow", age_s=2 * cache.STALE_BUILD_S, fresh_file=True),
+            fake(f"{h}-packed-v{cache.FORMAT + 1}", source=str(tmp_path / "deleted.gguf")),
+            fake("llava-v1.5-7b", age_s=2 * cache.STALE_BUILD_S), fake("data.tmp", age_s=2 * cache.STALE_BUILD_S),
+            fake(f"{'5' * 32}-packed-v{cache.FORMAT}"),  # (no manifest yet: unreadable, left)
+            fake(f"{'7' * 32}-packed-v{cache.FORMAT}", source="relative/old.gguf")]  # (a path as given: unknown)
     assert sorted(cache.evict_orphans(root)) == sorted(gone)
     assert all(d.exists() for d in stay) and not any(d.exists() for d in gone)
     assert not any(str(a) in stamp for stamp in json.loads((root / "index.json").read_text()))
+
     b.unlink()  # now nothing has the built directory's content: the next build sweeps it
     c, d = tmp_path / "c.gguf", tmp_path / "d.gguf"
-    for path, tail in ((c, 32), (d, 64)):  # (other bytes: a new hash, a new build)
-        shutil.copy(gguf_file, path)
-        with open(path, "ab") as f:
-            f.write(b"\0" * tail)
+    copy(c, 32)
+    copy(d, 64)
     monkeypatch.setenv("ARLM_CACHE_SWEEP", "0")  # (off: the build leaves the orphan)
     load_quantized_gguf(c)
     assert built.exists()
     monkeypatch.delenv("ARLM_CACHE_SWEEP")
     load_quantized_gguf(d)
-    assert not built.exists() and len([d for d in root.iterdir() if d.name.endswith(f"-v{cache.FORMAT}")]) == 3
+    assert not built.exists() and len(built_dirs()) == 4  # c's, d's, and the two fakes without a readable source
 
 
 @needs_packed

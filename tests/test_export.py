@@ -223,6 +223,7 @@ def test_a_lora_checkpoint_exports_merged(bpe_tokenizer, tmp_path, capfd):
     --lora-rank` saves it) -> `--to hf` and `--to gguf` carry the adapters merged: transformers'
     logits and the F32 GGUF's equal the adapted model's (the adapters change them: not the base's)."""
     from arlm.loading import build_model
+    from arlm.loading.adapters import is_adapter_key
     from arlm.train import lora
 
     config = tiny_config("llama-gqa", bpe_tokenizer.vocab_size)
@@ -248,7 +249,7 @@ def test_a_lora_checkpoint_exports_merged(bpe_tokenizer, tmp_path, capfd):
     r = run_arlm(capfd, "export", str(tmp_path / "ckpt"), "--to", "gguf", str(tmp_path / "m.gguf"), "--type", "f32")
     assert r.returncode == 0, r.stderr
     back = read_gguf(tmp_path / "m.gguf")
-    assert not any(lora.is_adapter_key(k) for k in back.state_dict)
+    assert not any(is_adapter_key(k) for k in back.state_dict)
     torch.testing.assert_close(logits(build_model(back.config, back.state_dict), ids), want, atol=ATOL, rtol=0)
 
 

@@ -2,8 +2,9 @@
 straight into the packed layouts) equals the fields-then-pack path (k_quant_fields, then
 pack_q4_k / pack_q6_k; Q8_0's values, then pack_int8 / pack_scales) bit for bit, on random
 blocks: every byte random but the float16 scales (finite values: the Python path widens them to
-float32 and back, which keeps every finite value's bits); and a Q8_0 GGUF loads to the same
-layer either way."""
+float32 and back, which keeps every finite value's bits); and the loader's layers
+(gguf_layers._k_quant_layer, _block_layer: parts stacked, chunks across a part's end) hold the
+same tensors with the native packing on and off."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from arlm import kernels
+from arlm.loading import gguf_layers
 from arlm.loading.gguf_blocks import k_quant_fields
 
 pytestmark = pytest.mark.skipif(not kernels.native_available(), reason="native kernels not built")
@@ -61,3 +63,26 @@ def test_bad_blocks_are_refused():
         kernels.pack_gguf_blocks(torch.zeros(8, 1, 144, dtype=torch.uint8), "Q4_K")
     with pytest.raises(RuntimeError, match="Q6_K's 210"):
         kernels.pack_gguf_blocks(torch.zeros(16, 1, 144, dtype=torch.uint8), "Q6_K")
+
+
+@pytest.mark.parametrize("kind, parts", [("Q4_K", (48, 32)), ("Q6_K", (64,)), ("Q8_0", (48, 32)), ("Q8_0", (40, 17))])
+def test_the_loader_packs_the_same_either_way(kind, parts, monkeypatch):
+    """The hooks in gguf_layers: a fused weight's parts, converted 16 rows a chunk (chunks across
+    the first part's end), natively and by the fields path: every tensor equal (57 rows: not
+    packable, the row layout either way)."""
+    supers = 2
+    blocks = [random_blocks(kind, n, supers if kind != "Q8_0" else 8 * supers, seed=n + i)
+              for i, n in enumerate(parts)]
+    monkeypatch.setattr(gguf_layers, "_CHUNK_WEIGHTS", 16 * 256 * supers)
+
+    def layer(native: bool):
+        monkeypatch.setattr(gguf_layers, "NATIVE_PACKING", native)
+        stacked = gguf_layers._Stacked(blocks)
+        if kind == "Q8_0":
+            return gguf_layers._block_layer(stacked, ["Q8_0"] * len(parts))
+        return gguf_layers._k_quant_layer(stacked, kind)
+
+    native, fields = layer(True), layer(False)
+    assert native.packed == fields.packed == (sum(parts) % 16 == 0)
+    for got, want in zip(native.tensors(), fields.tensors(), strict=True):
+        assert got.dtype == want.dtype and torch.equal(got, want)

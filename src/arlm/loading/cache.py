@@ -23,24 +23,29 @@ temporary directory first and renamed into place: a failure or a crash midway le
 half-written cache (a killed process leaves its temporary directory, `<name>.tmp*`).
 
 Nothing else would ever remove a directory (a 4.7 GB one for an 8B Q4_K_M file), so every new one
-written sweeps the root (`evict_orphans`): the directories no file is at any more (neither the
-one it was built from nor one `index.json` found with its content since), of an older FORMAT,
-and temporary directories a killed build left (older than an hour: a younger one may be another
-process's build in progress) go, and `index.json` forgets the files no longer there. A process
-still mapping a removed directory keeps its pages. ARLM_CACHE_SWEEP=0 turns the sweep off (a
+written sweeps the root (`evict_orphans`): the directories no file version is at any more
+(neither the one it was built from, gone or rewritten, nor one `index.json` found with its
+content since), of an older FORMAT, and temporary directories a killed build left (nothing in
+them changed for an hour: a younger one may be another process's build in progress) go, and
+`index.json` forgets the file versions no longer there. Only directories named as arlm names
+them are looked at (a newer arlm's FORMAT stays); the sweep and `index.json`'s updates hold the
+root's lock. A process still mapping a removed directory keeps its pages. ARLM_CACHE_SWEEP=0 turns the sweep off (a
 cache shared by machines that see the files at other paths).
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import mmap
+import re
 import os
 import shutil
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -63,10 +68,39 @@ def cache_root() -> Path:
     return cache_home() / "models"
 
 
+def _stamp(path: Path) -> str:
+    """What `index.json` keys a file version by: its absolute path, size, mtime and inode."""
+    st = path.stat()
+    return f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}"
+
+
+def _current(stamp: str) -> bool:
+    """The file version `stamp` names is still at its path (not gone, not rewritten)."""
+    path = stamp.rsplit("|", 3)[0]
+    try:
+        return _stamp(Path(path)) == stamp
+    except OSError:
+        return False
+
+
+@contextmanager
+def _locked(root: Path):
+    """The root's lock file held (flock): `index.json`'s read-modify-write and the sweep, one
+    process at a time. Where it cannot be taken (a read-only root), without it."""
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        f = open(root / ".lock", "a")
+    except OSError:
+        yield
+        return
+    with f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
 def file_hash(path: Path) -> str:
     """The sha256 of the file's bytes, remembered per (path, size, mtime, inode)."""
-    st = path.stat()
-    stamp = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}"
+    stamp = _stamp(path)
     index_path = cache_root() / "index.json"
     try:
         index = json.loads(index_path.read_text())
@@ -77,8 +111,12 @@ def file_hash(path: Path) -> str:
     with open(path, "rb") as f:
         digest = hashlib.file_digest(f, "sha256").hexdigest()
     try:
-        index_path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(index_path, json.dumps({**index, stamp: digest}))
+        with _locked(index_path.parent):
+            try:
+                index = json.loads(index_path.read_text())  # (again: another process may have added to it)
+            except (OSError, ValueError):
+                index = {}
+            atomic_write_text(index_path, json.dumps({**index, stamp: digest}))
     except OSError:
         pass  # a read-only cache: hash again next time
     return digest
@@ -199,7 +237,7 @@ class Builder:
         """Write the rest (the manifest, the tokenizer) of `loaded` (a LoadedModel whose tensors
         were `store`d, or are written now) and rename the directory into place; the directory.
         Where another process put one there meanwhile, that one stays."""
-        manifest = {"format": FORMAT, "source": str(self.source), "name": loaded.name,
+        manifest = {"format": FORMAT, "source": str(self.source), "stamp": _stamp(self.source), "name": loaded.name,
                     "config": loaded.config.to_dict(), "chat_template": loaded.chat_template,
                     "bos_id": loaded.tokenizer.bos_id, "eos_ids": loaded.tokenizer.eos_ids,
                     "add_bos": loaded.tokenizer.add_bos, "requantized": loaded.requantized,
@@ -218,43 +256,57 @@ class Builder:
         return self.final
 
 
-STALE_BUILD_S = 3600  # a temporary directory older than this is a killed build's
+STALE_BUILD_S = 3600  # a temporary directory whose files have not changed for this long is a killed build's
+_CACHE_NAME = re.compile(r"[0-9a-f]{32}-[a-z0-9_]+-v(\d+)(\.tmp\w+)?")
+
+
+def _orphan(d: Path, live: set[str]) -> bool:
+    """Whether the directory `d` of the cache root is a cache nothing will read again (the module
+    doc); anything not named as arlm names its directories is not."""
+    m = _CACHE_NAME.fullmatch(d.name)
+    if m is None:
+        return False
+    if m.group(2):  # a build's temporary directory: stale when nothing in it changed for an hour
+        newest = max([d.stat().st_mtime] + [f.stat().st_mtime for f in d.iterdir()])
+        return time.time() - newest > STALE_BUILD_S
+    version = int(m.group(1))
+    if version != FORMAT:
+        return version < FORMAT and (d / "manifest.json").exists()  # (a newer arlm's stays)
+    if d.name[:32] in live:
+        return False
+    manifest = json.loads((d / "manifest.json").read_text())
+    source, stamp = Path(manifest["source"]), manifest.get("stamp")
+    if not source.is_absolute():
+        return False  # (an early manifest's path as given: from here, unknown)
+    return not source.exists() or (stamp is not None and not _current(stamp))
 
 
 def evict_orphans(root: Path) -> list[Path]:
     """Remove the cache directories under `root` nothing will read again (the module doc): no file
-    it was built from or found by since is where it was (the manifest's source, `index.json`'s
-    paths with its hash), an older FORMAT, a stale temporary build; `index.json`'s entries for
-    files no longer there dropped. The directories removed."""
-    index_path = root / "index.json"
-    try:
-        index = json.loads(index_path.read_text())
-    except (OSError, ValueError):
-        index = {}
-    kept = {stamp: h for stamp, h in index.items() if Path(stamp.split("|")[0]).exists()}
-    live = {h[:32] for h in kept.values()}
-    removed = []
-    for d in root.iterdir() if root.is_dir() else ():
-        if not d.is_dir():
-            continue
+    version it was built from or found by since is where it was (the manifest's source and stamp,
+    `index.json`'s current entries with its hash), an older FORMAT, a stale temporary build; and
+    `index.json`'s entries of file versions no longer there. Under the root's lock. The
+    directories removed."""
+    index_path, removed = root / "index.json", []
+    with _locked(root):
         try:
-            if ".tmp" in d.name:
-                orphan = time.time() - d.stat().st_mtime > STALE_BUILD_S
-            elif not d.name.endswith(f"-v{FORMAT}"):
-                orphan = "-v" in d.name  # (a cache directory of an older format; nothing else)
-            else:
-                source = Path(json.loads((d / "manifest.json").read_text())["source"])
-                orphan = d.name.split("-")[0] not in live and not source.exists()
-        except (OSError, ValueError, KeyError, TypeError):
-            continue  # (being written, or unreadable: left as it is)
-        if orphan:
-            shutil.rmtree(d, ignore_errors=True)
-            removed.append(d)
-    if len(kept) < len(index):
-        try:
-            atomic_write_text(index_path, json.dumps(kept))
-        except OSError:
-            pass
+            index = json.loads(index_path.read_text())
+        except (OSError, ValueError):
+            index = {}
+        kept = {stamp: h for stamp, h in index.items() if _current(stamp)}
+        live = {h[:32] for h in kept.values()}
+        for d in root.iterdir() if root.is_dir() else ():
+            try:
+                if d.is_dir() and _orphan(d, live):
+                    shutil.rmtree(d, ignore_errors=True)
+                    removed.append(d)
+            except (OSError, ValueError, KeyError, TypeError):
+                continue  # (being written, or unreadable: left as it is)
+        if len(kept) < len(index):
+            try:
+                atomic_write_text(index_path, json.dumps(kept))
+            except OSError:
+                pass
     return removed
 
 

@@ -64,6 +64,10 @@ class _Stacked:
 # Weights converted at a time (`_by_rows`): the numpy fields and the packing's temporaries are
 # several bytes a weight (Q6_K's ~8), a few tens of MB a chunk whatever the matrix's size.
 _CHUNK_WEIGHTS = 1 << 22
+# Q4_K, Q6_K and Q8_0 blocks packed by kernels.pack_gguf_blocks (one native pass), where the
+# layer is packed (N a multiple of 16) and the kernels are built; False: the fields-then-pack path
+# (its result bit for bit: tests/test_gguf_pack.py compares the two through these functions).
+NATIVE_PACKING = True
 
 
 def _by_rows(make: Callable[[int, int], QuantizedLinear], layer: QuantizedLinear, blocks: _Stacked) -> QuantizedLinear:
@@ -124,9 +128,10 @@ def _k_quant_layer(blocks: _Stacked, kind: str) -> KQuantLinear:
 
     def make(start: int, stop: int) -> KQuantLinear:
         chunk = layer(stop - start)
-        if kind in ("Q4_K", "Q6_K") and (stop - start) % 16 == 0 and kernels.native_available():
-            # the blocks' bytes moved once, natively (a copy: the file's map is read-only)
-            chunk._set(*kernels.pack_gguf_blocks(torch.from_numpy(np.array(blocks.rows(start, stop))), kind))
+        if NATIVE_PACKING and kind in ("Q4_K", "Q6_K") and blocks.N % 16 == 0 and kernels.native_available():
+            # the blocks' bytes moved once, natively (copied where they are the file's read-only map)
+            rows = np.require(blocks.rows(start, stop), requirements=["C", "W"])
+            chunk._set(*kernels.pack_gguf_blocks(torch.from_numpy(rows), kind))
             return chunk
         f = _k_fields(blocks.rows(start, stop), kind)
         if kind != "Q6_K":
@@ -210,9 +215,10 @@ def _block_layer(blocks: _Stacked, kinds: list[str], as_q8: bool = False) -> Q4L
     def make(start: int, stop: int) -> Q4Linear | Q8Linear:
         n = stop - start
         chunk = layer(n)
-        if set(kinds) == {"Q8_0"} and n % 16 == 0 and chunk.allow_packed and kernels.packed_available():
-            # packed natively, as `int8_activations` would pack the rows (a copy: the map is read-only)
-            chunk._set(*kernels.pack_gguf_blocks(torch.from_numpy(np.array(blocks.rows(start, stop))), "Q8_0"))
+        if NATIVE_PACKING and set(kinds) == {"Q8_0"} and blocks.N % 16 == 0 and kernels.packed_available():
+            # packed natively, as `int8_activations` would pack the rows (copied where they are the file's map)
+            rows = np.require(blocks.rows(start, stop), requirements=["C", "W"])
+            chunk._set(*kernels.pack_gguf_blocks(torch.from_numpy(rows), "Q8_0"))
             return chunk
         b = blocks.rows(start, stop, None if q4 else lambda i, rows: as_q8_0(rows, kinds[i]))
         scale = torch.from_numpy(np.ascontiguousarray(b[..., 0:2]).view(np.float16).reshape(n, G))
