@@ -1,7 +1,8 @@
 """The `arlm` command in a subprocess: bad input fails cleanly; --json and piped chat match the API.
 
 Bad input: non-zero exit, exactly one line on stderr naming the problem, no traceback, nothing on
-stdout. These fail before the model loads, so they are cheap and run two at a time.
+stdout. These fail before the model loads, so they are cheap and run one after another in one
+process.
 """
 
 from __future__ import annotations
@@ -70,28 +71,55 @@ def bad_inputs(tmp: Path, gguf: Path) -> dict[str, tuple[list[str], str]]:
     }
 
 
+# `python -c BAD_RUNS CASES`: each command line of CASES (JSON) through `arlm`'s main() in turn, in
+# this one process, its stdin empty and its fd 1 and fd 2 captured apart (what the terminal would
+# show, C-level writes included); one JSON line a case, [exit code, stdout, stderr], on the
+# original fd 1. The first case pays the imports (and would show anything they print).
+BAD_RUNS = """
+import json, os, sys, tempfile
+from arlm.cli import main
+report = os.dup(1)
+null = os.open(os.devnull, os.O_RDONLY)
+os.dup2(null, 0)
+for argv in json.loads(sys.argv[1]):
+    files = [tempfile.TemporaryFile(), tempfile.TemporaryFile()]
+    saved = [os.dup(1), os.dup(2)]
+    sys.stdout.flush(); sys.stderr.flush()
+    os.dup2(files[0].fileno(), 1); os.dup2(files[1].fileno(), 2)
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse's own errors
+        code = e.code
+    sys.stdout.flush(); sys.stderr.flush()
+    os.dup2(saved[0], 1); os.dup2(saved[1], 2)
+    texts = []
+    for f in files:
+        f.seek(0)
+        texts.append(f.read().decode(errors="replace"))
+    os.write(report, (json.dumps([code, *texts]) + "\\n").encode())
+"""
+
+
 @pytest.fixture(scope="module")
 def bad_runs(tmp_path_factory, smollm2_path):
-    """Run every bad-input command, two at a time (the reference machine's cores: more at once
-    only share them, and each one's time-out would count the others' turns), and collect
-    (returncode, stdout, stderr, the word its error must contain)."""
-    import concurrent.futures as cf
+    """Every bad-input command, one after another in one process of its own (BAD_RUNS: one
+    interpreter's imports for all of them, not one each): name -> (returncode, stdout, stderr,
+    the word its error must contain). test_console_script_entry_point and
+    test_help_and_usage_errors_import_nothing_heavy run commands in processes of their own."""
+    import json
 
     cases = bad_inputs(tmp_path_factory.mktemp("cli"), smollm2_path)
     assert sorted(cases) == sorted(BAD_INPUTS)
-    # The kernels built first, here: on a fresh machine (an empty ~/.cache/arlm) each command would
-    # build them itself, all at once into one directory, each saying so on stderr (one line more).
+    # The kernels built first, here: on a fresh machine (an empty ~/.cache/arlm) the first command
+    # would build them, saying so on stderr (one line more).
     from arlm import kernels
 
     kernels.native_available()
-
-    def run(name: str) -> tuple:
-        r = subprocess.run([sys.executable, "-m", "arlm", *cases[name][0]], capture_output=True, text=True,
-                           stdin=subprocess.DEVNULL, env=ENV, timeout=300)
-        return r.returncode, r.stdout, r.stderr, cases[name][1]
-
-    with cf.ThreadPoolExecutor(2) as pool:
-        return dict(zip(cases, pool.map(run, cases)))
+    r = subprocess.run([sys.executable, "-c", BAD_RUNS, json.dumps([args for args, _ in cases.values()])],
+                       capture_output=True, text=True, env=ENV, timeout=300 + 30 * len(cases))
+    lines = r.stdout.splitlines()
+    assert r.returncode == 0 and len(lines) == len(cases), r.stdout[-2000:] + r.stderr[-2000:]
+    return {name: (*json.loads(line), cases[name][1]) for name, line in zip(cases, lines)}
 
 
 BAD_INPUTS = ["empty-prompt", "unknown-model-name", "missing-path", "not-gguf", "truncated-gguf",
