@@ -31,7 +31,9 @@ from arlm.llm import LLM
 from arlm.sampling import SamplingParams
 from run import engine_run
 from sizes import prompt_ids
+from arlm.runtime import runtime
 torch.set_num_threads({threads})
+runtime().threads.pin({threads})  # (the kernels' speed, not the governor's reading of a busy machine)
 llm = LLM.load({model!r})
 ids = prompt_ids(llm, {tokens}, 0)
 wall, cpu = [], []

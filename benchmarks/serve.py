@@ -9,7 +9,7 @@
    over a contiguous cache (by rows, as `LLM.generate` runs it), at batch 1, 8 and 32 with the
    same context; then a whole `Engine.step` over the pool (scheduler and sampling included); then
    prefix caching: requests that share a system prompt, prefill tokens and time with and without it.
-2. HTTP: starts `arlm serve` (OMP_NUM_THREADS=--threads) and drives it with 1, 8 and 32 concurrent
+2. HTTP: starts `arlm serve --threads THREADS` (pinned, as llama-server -t) and drives it with 1, 8 and 32 concurrent
    streaming clients, each a different prompt, greedy, exactly --max-tokens tokens (ignore_eos):
    total output tokens/s, median and p95 time to first token, and the ratio to serving the same
    requests one at a time. Then the same load against llama.cpp's server on the same GGUF
@@ -194,20 +194,32 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 300.0) -> No
 
 async def one_stream(client, url: str, model: str, prompt: str,
                      max_tokens: int) -> tuple[float, int, float, list[float]]:
-    """(time to first token, tokens, total seconds, the gaps between tokens) of one streaming completion."""
+    """(time to first token, tokens, total seconds, the gaps between chunks) of one streaming completion.
+
+    Tokens are the server's count (the final chunk's usage, `stream_options.include_usage`), or
+    max_tokens where the stream ended for length: not the chunks, as a server holds back a token
+    that ends inside a UTF-8 character (or a stop string's prefix) and sends it with the next, so
+    a model that emits byte tokens streams fewer chunks than tokens."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "ignore_eos": True}
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
-    arrivals = []  # both servers stream one token per chunk
+    arrivals = []
+    usage, finish = None, None
     async with client.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            if json.loads(line[6:]).get("choices"):
-                arrivals.append(time.perf_counter())
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                usage = chunk["usage"].get("completion_tokens")
+            for choice in chunk.get("choices") or []:
+                finish = choice.get("finish_reason") or finish
+                if choice.get("text"):
+                    arrivals.append(time.perf_counter())
     gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
-    return (arrivals[0] - t0 if arrivals else float("nan")), len(arrivals), time.perf_counter() - t0, gaps
+    tokens = usage if usage is not None else max_tokens if finish == "length" else len(arrivals)
+    return (arrivals[0] - t0 if arrivals else float("nan")), tokens, time.perf_counter() - t0, gaps
 
 
 async def load(url: str, model: str, prompts: list[str], max_tokens: int, concurrent: bool) -> dict:
@@ -293,7 +305,8 @@ def bench_http(args) -> dict:
             url = f"http://127.0.0.1:{port}"
             servers["arlm"] = url, run_server([sys.executable, "-m", "arlm", "serve", "--model", args.model,
                                                "--port", str(port), "--kv-cache-memory", "1GiB",
-                                               "--quantize", args.quantize], env, url)
+                                               "--quantize", args.quantize, "--threads", str(args.threads)],
+                                              env, url)  # (pinned as llama-server's -t: the client is a neighbour)
         binary = find_llama_server(args.llama_server) if args.servers in ("both", "llama.cpp") else None
         if binary is None and args.servers != "arlm":
             print("\nllama.cpp: skipped (no llama-server: pass --llama-server PATH, put it on PATH, or build it "

@@ -119,9 +119,9 @@ def arlm_speeds(llm: LLM, parts: set[str]) -> dict[str, float]:
     return got
 
 
-def start_commands(path: Path, threads: int) -> dict[str, list[str]]:
+def start_commands(path: Path, threads: int, activations: str) -> dict[str, list[str]]:
     return {"arlm": ARLM + ["generate", PROMPT, "--model", str(path), "--max-new-tokens", "1", "--temperature", "0",
-                            "--threads", str(threads)],
+                            "--threads", str(threads), "--activations", activations],
             "llama.cpp": [sys.executable, "-c", LLAMA_CPP.format(threads=threads), str(path), PROMPT]}
 
 
@@ -154,10 +154,11 @@ def measure_file(path: Path, args, parts: set[str]) -> dict:
     """Every measure of one file: {"arlm": {...}, "llama.cpp": {...}} of medians, and the rounds."""
     lib = os.environ.get("LLAMA_CPP_LIB_PATH", str(BIN))
     env = {"arlm": None, "llama.cpp": {**os.environ, "LLAMA_CPP_LIB_PATH": lib}}
-    llm = LLM.load(str(path))  # (builds arlm's layout cache for this file, if not yet built)
+    # (builds arlm's layout cache for this file, if not yet built)
+    llm = LLM.load(str(path), activations=args.activations)
     speed_parts = parts & {"decode1", "decode8", "prefill"}
     start = bool(parts & {"start", "rss"})  # (one set of start-up runs measures both)
-    cmds = start_commands(path, args.threads)
+    cmds = start_commands(path, args.threads, args.activations)
     arlm_speeds(llm, speed_parts | {"decode1"})  # (a warm-up: the first steps build the kernels' scratch)
     if start:
         for engine in cmds:
@@ -210,6 +211,9 @@ def main() -> int:
     p.add_argument("--threads", type=positive_int, default=2)
     p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of: {', '.join(PARTS)}")
     p.add_argument("--gguf-dir", type=Path, default=make_gguf.DEFAULT_OUT, help="where make_gguf.py keeps its files")
+    p.add_argument("--activations", choices=("int8x2", "int8"), default="int8x2",
+                   help="arlm's activation precision: int8x2 (the default: float32's answers) or int8 (one 8-bit "
+                        "pass, as llama.cpp takes its activations)")
     p.add_argument("--json", default=None, help="also write the results here")
     args = p.parse_args()
     shapes, kinds, parts = args.shapes.split(","), args.types.split(","), set(args.parts.split(","))
@@ -225,7 +229,8 @@ def main() -> int:
             return 1
     runtime().threads.pin(args.threads)  # (torch's threads too: the read rate below runs on them)
     args.read_gbs = memory_bandwidth_gbs()
-    print(f"CPU: {cpu_line()}; threads {args.threads}; best read rate {args.read_gbs:.1f} GB/s", flush=True)
+    print(f"CPU: {cpu_line()}; threads {args.threads}; arlm activations {args.activations}; "
+          f"best read rate {args.read_gbs:.1f} GB/s", flush=True)
     results = {}
     for shape in shapes:
         for path in make_gguf.make(shape, kinds, args.gguf_dir.expanduser(), make_gguf.DEFAULT_QUANTIZE):

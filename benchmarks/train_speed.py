@@ -22,8 +22,9 @@ load of a shared machine; the first round (allocator and kernel warm-up) is left
 each side's median step time and tokens/s, the median of the per-round ratios, and each side's
 loss at every step (the same data and initial weights: they agree to bf16 rounding).
 
-Other sides: `lora` (arlm with `--lora-rank` adapters, arlm.train.lora) and `compiled` (arlm under
-torch.compile, each block). --rss runs each side in a process of its own, alternately, and reports
+Other sides: `lora` (arlm with `--lora-rank` adapters, arlm.train.lora), `compiled` (arlm under
+torch.compile, each block) and `autocast` (arlm's step with torch's fused AdamW over the float32
+weights under autocast, as before bf16 shadow weights: arlm.train.optim). --rss runs each side in a process of its own, alternately, and reports
 its peak RSS while training and tokens/s; --ops counts the operator calls of one step of each
 side; --parts times the pieces that were chosen between (attention kernels by sequence length,
 the head + loss); --profile splits one step of each side into forward, backward and optimizer and
@@ -54,7 +55,7 @@ from arlm.model import Transformer  # noqa: E402
 from arlm.train import TokenData, TrainConfig, lr_at, prepare  # noqa: E402
 from arlm.train.data import default_corpus  # noqa: E402
 from arlm.train.trainer import (configure_optimizer, mixed_precision, next_token_loss,  # noqa: E402
-                                sample_step_offsets)
+                                sample_step_offsets, use_shadow_weights)
 from bench_args import positive_int  # noqa: E402
 
 DEVICE = torch.device("cpu")
@@ -139,9 +140,11 @@ class Side:
 class ArlmSide(Side):
     """The trainer's step (arlm.train.trainer._train's loop body with grad_accum 1)."""
 
-    def __init__(self, name: str, model: Transformer, cfg: TrainConfig, compile_: bool = False):
+    def __init__(self, name: str, model: Transformer, cfg: TrainConfig, compile_: bool = False,
+                 shadows: bool = True):
         self.name, self.model, self.cfg = name, model, cfg
-        self.optimizer = configure_optimizer(model, cfg, DEVICE)
+        shadows = shadows and use_shadow_weights(cfg, DEVICE, AMP, world_size=1) and not compile_
+        self.optimizer = configure_optimizer(model, cfg, DEVICE, shadow_weights=shadows)
         self.step_model = torch.compile(model) if compile_ else model
 
     def forward(self, x, y):
@@ -151,7 +154,7 @@ class ArlmSide(Side):
     def update(self, lr):
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        self.optimizer.clip_grad_norm_(self.cfg.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
@@ -193,7 +196,7 @@ def make_side(name: str, base: Transformer, cfg: TrainConfig, args, own: bool = 
         from arlm.train import lora
 
         lora.apply(model, rank=args.lora_rank, alpha=args.lora_alpha, targets=args.lora_targets.split(","))
-    return ArlmSide(name, model, cfg, compile_=name == "compiled" or args.compile)
+    return ArlmSide(name, model, cfg, compile_=name == "compiled" or args.compile, shadows=name != "autocast")
 
 
 # -- runs ---------------------------------------------------------------------------------------------
@@ -211,8 +214,10 @@ def setup(args) -> tuple[TokenData, TrainConfig, Transformer]:
     return data, cfg, base
 
 
-def batch(data: TokenData, cfg: TrainConfig, step: int):
-    return data.batch("train", sample_step_offsets(data, cfg, step)[0], cfg.context_length, DEVICE)
+def batch(data: TokenData, cfg: TrainConfig, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step `step`'s (inputs, targets), as `arlm train` draws them (a text batch: no packing)."""
+    b = data.batch("train", sample_step_offsets(data, cfg, step)[0], cfg.context_length, DEVICE)
+    return b.x, b.y
 
 
 def run_alternating(args) -> dict:
@@ -490,7 +495,7 @@ def main() -> None:
     p.add_argument("--threads", type=positive_int, default=2)
     p.add_argument("--lr", type=float, default=5e-5)
     p.add_argument("--data", default=str(ROOT / "out/data/tinyshakespeare_smollm2"))
-    p.add_argument("--sides", default="arlm,hf", help="comma-separated: arlm, hf, lora, compiled")
+    p.add_argument("--sides", default="arlm,hf", help="comma-separated: arlm, hf, lora, compiled, autocast")
     p.add_argument("--compile", action="store_true", help="torch.compile every arlm side")
     p.add_argument("--lora-rank", type=positive_int, default=8)
     p.add_argument("--lora-alpha", type=float, default=16.0)

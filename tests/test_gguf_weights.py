@@ -491,7 +491,7 @@ def test_layouts_hold_about_the_files_bytes(kind):
 @needs_packed
 def test_prompt_rows_take_the_amx_tiles_where_the_cpu_has_them():
     """So that the M = 37 and 80 cases above and below compare the two kernels on such a CPU
-    (ARLM_AMX=0 in the environment turns the tiles off)."""
+    (conftest sets ARLM_AMX=1; without it the tiles are off)."""
     assert kernels.amx_active() == amx_int8_expected()
 
 

@@ -96,6 +96,38 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return RMSNormFunction.apply(x, weight, eps, out_dtype)
 
 
+class NativeAddRMSNorm(torch.autograd.Function):
+    """(x + h, rms_norm(x + h)) in one native pass each way (kernels/train.cpp): the backward pass
+    adds the residual stream's gradient to the norm's and writes the branch's in h's dtype, where
+    autograd would add the two and cast."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype):
+        s, y, rstd = torch.ops.arlm_train.add_rms_norm(x, h, weight, eps, out_dtype == torch.bfloat16)
+        ctx.save_for_backward(s, rstd, weight)
+        ctx.h_bf16 = h.dtype == torch.bfloat16
+        return s, y
+
+    @staticmethod
+    def backward(ctx, gs: torch.Tensor, gy: torch.Tensor):
+        s, rstd, weight = ctx.saved_tensors
+        dx, dh, dw = torch.ops.arlm_train.add_rms_norm_backward(gs, gy, s, rstd, weight, ctx.h_bf16)
+        return dx, dh, dw if ctx.needs_input_grad[2] else None, None, None
+
+
+def add_rms_norm(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(x + h, RMSNorm of it) for training, x float32 (the residual stream), h bf16 or float32
+    (a branch's output): the native pass where it serves, else None (the caller adds, then norms).
+    The norm's output is `rms_norm`'s: in autocast's dtype under autocast, else float32."""
+    out_dtype = autocast_dtype(x) or x.dtype
+    if x.dtype == torch.float32 and h.dtype in (torch.bfloat16, torch.float32) and h.shape == x.shape \
+            and out_dtype in (torch.bfloat16, torch.float32) and torch.is_grad_enabled() \
+            and (x.requires_grad or h.requires_grad or weight.requires_grad) and native(x):
+        return NativeAddRMSNorm.apply(x, h, weight, eps, out_dtype)
+    return None
+
+
 def rope_sin_signed(sin: torch.Tensor) -> torch.Tensor:
     """sin with its first half negated: rotate_half(x) * sin == roll(x, d/2) * this."""
     half = sin.shape[-1] // 2
@@ -128,6 +160,33 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     if x.dtype in (torch.bfloat16, torch.float32) and x.stride(-1) == 1 and native(x):
         return NativeRope.apply(x, cos, sin)
     return RopeFunction.apply(x, cos, rope_sin_signed(sin))
+
+
+class NativeQKVRope(torch.autograd.Function):
+    """q, k, v out of the fused q/k/v projection, q and k rotated, in one pass each way
+    (kernels/train.cpp): the backward pass writes the projection's gradient directly, where split,
+    rope and cat would take a rope pass and two cats."""
+
+    @staticmethod
+    def forward(ctx, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_head: int, n_kv_heads: int):
+        ctx.save_for_backward(cos, sin)
+        return torch.ops.arlm_train.rope_qkv(qkv, cos, sin, n_head, n_kv_heads)
+
+    @staticmethod
+    def backward(ctx, gq: torch.Tensor | None, gk: torch.Tensor | None, gv: torch.Tensor | None):
+        cos, sin = ctx.saved_tensors  # (an unused output's gradient arrives as zeros: materialized)
+        return torch.ops.arlm_train.rope_qkv_backward(gq, gk, gv, cos, sin), None, None, None, None
+
+
+def qkv_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_head: int,
+             n_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(q [B, T, n_head, d], k, v [B, T, n_kv_heads, d]) from qkv [B, T, n_head + 2 n_kv_heads, d]
+    with q and k rotated (cos, sin [B, T, 1, d] float32): the native pass where it serves (training
+    on CPU, bf16 or float32), else None (the caller splits and rotates)."""
+    if qkv.dtype in (torch.bfloat16, torch.float32) and qkv.stride(-1) == 1 and torch.is_grad_enabled() \
+            and qkv.requires_grad and native(qkv):
+        return NativeQKVRope.apply(qkv, cos, sin, n_head, n_kv_heads)
+    return None
 
 
 class NativeSwiGLU(torch.autograd.Function):

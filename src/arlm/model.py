@@ -91,10 +91,26 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (x * cos + rotated * sin).to(x.dtype)
 
 
+def compute_weight(layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    """The bf16 copy of `layer`'s weight that training keeps beside it (`layer.shadow`, written by
+    arlm.train.optim.ShadowAdamW: what autocast would cast the weight to), where autocast multiplies
+    in its dtype here; else None."""
+    shadow = layer.__dict__.get("shadow")
+    if shadow is None or not torch.is_autocast_enabled(x.device.type) \
+            or torch.get_autocast_dtype(x.device.type) != shadow.dtype:
+        return None
+    return shadow
+
+
 def project(layer: nn.Module, x: torch.Tensor, dense: bool) -> torch.Tensor:
     """layer(x); dense: a quantized layer that keeps a float copy multiplies with it instead
-    (`arlm.quant.QuantizedLinear.forward`: the prompt's compute-bound GEMMs)."""
-    return layer(x, dense=True) if dense and getattr(layer, "dense_weight", None) is not None else layer(x)
+    (`arlm.quant.QuantizedLinear.forward`: the prompt's compute-bound GEMMs). A Linear with a
+    training shadow (`compute_weight`) multiplies with that."""
+    if dense and getattr(layer, "dense_weight", None) is not None:
+        return layer(x, dense=True)
+    if type(layer) is nn.Linear and (shadow := compute_weight(layer, x)) is not None:
+        return F.linear(x, shadow, layer.bias)
+    return layer(x)
 
 
 class Attention(nn.Module):
@@ -121,12 +137,16 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         H, H_kv = self.n_head, self.n_kv_heads
         qkv = project(self.wqkv, x, dense).view(B, T, H + 2 * H_kv, self.head_dim)
-        qk, v = qkv.split([H + H_kv, H_kv], dim=2)  # (split, not slices: one backward pass, a cat)
-        if hasattr(self, "q_norm"):
-            qk = torch.cat([self.q_norm(qk[:, :, :H]), self.k_norm(qk[:, :, H:])], dim=2)
-        if rope is not None:  # q and k heads rotated in one go
-            qk = fused.rope(qk, *rope) if torch.is_grad_enabled() and qk.requires_grad else apply_rope(qk, *rope)
-        q, k = qk.split([H, H_kv], dim=2)
+        split = fused.qkv_rope(qkv, *rope, H, H_kv) if rope is not None and not hasattr(self, "q_norm") else None
+        if split is not None:  # (training: one pass each way, no split/rope/cat)
+            q, k, v = split
+        else:
+            qk, v = qkv.split([H + H_kv, H_kv], dim=2)  # (split, not slices: one backward pass, a cat)
+            if hasattr(self, "q_norm"):
+                qk = torch.cat([self.q_norm(qk[:, :, :H]), self.k_norm(qk[:, :, H:])], dim=2)
+            if rope is not None:  # q and k heads rotated in one go
+                qk = fused.rope(qk, *rope) if torch.is_grad_enabled() and qk.requires_grad else apply_rope(qk, *rope)
+            q, k = qk.split([H, H_kv], dim=2)
         if self.q_scale is not None:
             q = q * self.q_scale
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T, d_head]
@@ -167,6 +187,17 @@ class MLP(nn.Module):
         return project(self.down, F.gelu(project(self.up, x, dense), approximate=self.approximate), dense)
 
 
+def add_norm(x: torch.Tensor, h: torch.Tensor, norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + h, norm(x + h)): a residual add and the norm after it, in one pass each way where
+    training's native pass serves (arlm.fused.add_rms_norm), else as written."""
+    if isinstance(norm, RMSNorm) and not norm.plus_one:
+        both = fused.add_rms_norm(x, h, norm.weight, norm.eps)
+        if both is not None:
+            return both
+    x = x + h
+    return x, norm(x)
+
+
 class Block(nn.Module):
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
@@ -178,15 +209,24 @@ class Block(nn.Module):
         if config.post_norms:  # Gemma's "sandwich": each branch's output normed before its residual add
             self.attn_post_norm, self.mlp_post_norm = make_norm(config), make_norm(config)
 
-    def forward(self, x, rope, mask, kv_cache, input_pos, kv_len, dense: bool = False):
-        h = self.attn(self.attn_norm(x), rope, mask, kv_cache, input_pos, kv_len, dense)
+    def forward(self, x, rope, mask, kv_cache, input_pos, kv_len, dense: bool = False,
+                residual: torch.Tensor | None = None, defer: bool = False):
+        """x [B, T, d_model] -> the block's output. residual: the previous block's MLP output, not
+        yet added to x (this block adds it in its first norm's pass); defer: return (x, h) with
+        this block's MLP output h not added either (training: `Transformer.forward`)."""
+        if residual is None:
+            normed = self.attn_norm(x)
+        else:
+            x, normed = add_norm(x, residual, self.attn_norm)
+        h = self.attn(normed, rope, mask, kv_cache, input_pos, kv_len, dense)
         if hasattr(self, "attn_post_norm"):
             h = self.attn_post_norm(h)
-        x = x + self.resid_dropout(h)
-        h = self.mlp(self.mlp_norm(x), dense)
+        x, normed = add_norm(x, self.resid_dropout(h), self.mlp_norm)
+        h = self.mlp(normed, dense)
         if hasattr(self, "mlp_post_norm"):
             h = self.mlp_post_norm(h)
-        return x + self.resid_dropout(h)
+        h = self.resid_dropout(h)
+        return (x, h) if defer else x + h
 
 
 @contextmanager
@@ -393,10 +433,19 @@ class Transformer(nn.Module):
             if cfg.sliding_window:
                 local_mask = (visible & (input_pos[:, None, :] > pos - cfg.sliding_window)).unsqueeze(1)
 
+        # Training adds each block's MLP output in the next norm's pass (add_norm), not on its own.
+        defer = kv_cache is None and torch.is_grad_enabled() and isinstance(self.norm, RMSNorm) \
+            and not self.norm.plus_one and fused.native(x)
+        residual = None
         for i, block in enumerate(self.blocks):
             sliding = cfg.sliding(i)
-            x = block(x, local_rope if sliding else rope, local_mask if sliding else mask, kv_cache, input_pos,
-                      kv_len, dense)
+            out = block(x, local_rope if sliding else rope, local_mask if sliding else mask, kv_cache, input_pos,
+                        kv_len, dense, residual=residual, defer=defer)
+            x, residual = out if defer else (out, None)
+        if residual is not None:
+            if not head:
+                return add_norm(x, residual, self.norm)[1]
+            x = x + residual
         if not head:
             return self.norm(x)
         h = self.norm(x[0, hidden_index]).float() if hidden_index is not None else None

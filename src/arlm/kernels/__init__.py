@@ -144,8 +144,8 @@ def auto_matmul_path() -> str:
 
 def amx_active() -> bool:
     """Whether the packed kernels take the prompt's rows 16 at a time on the AMX tiles: built with
-    AMX-INT8, granted the tiles by Linux, and not turned off (ARLM_AMX=0). Each row's result is the
-    one AVX512-VNNI gives it, bit for bit."""
+    AMX-INT8, granted the tiles by Linux, and turned on (ARLM_AMX=1; off by default: they did not
+    pay here). Each row's result is the one AVX512-VNNI gives it, bit for bit."""
     return packed_available() and torch.ops.arlm.amx_active()
 
 

@@ -693,11 +693,14 @@ void half_sums(const int8_t* q, const int8_t* lo, int64_t M, int64_t K, int32_t*
 #ifdef ARLM_AMX
 
 // Linux grants the tile registers' state only to a process that asks (arch_prctl
-// ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA); asked once. ARLM_AMX=0 turns the tiles off.
+// ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA); asked once. Off unless ARLM_AMX=1: measured beside
+// the VNNI kernels the tiles gave a whole prefill 0.88-1.02x (3B Q4_K_M, 2 threads) and a Q6_K
+// layer at K = 8,192 ~0.65-0.9x: the per-group float work, the same in both, is the time
+// (docs/benchmarks.md, "The sizes users run").
 bool amx_ready() {
   static const bool ready = [] {
     const char* env = std::getenv("ARLM_AMX");
-    if (env && std::strcmp(env, "0") == 0) return false;
+    if (!env || std::strcmp(env, "1") != 0) return false;
     constexpr long kReqXcompPerm = 0x1023, kXtiledata = 18;
     return syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0;
   }();

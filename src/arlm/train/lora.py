@@ -25,6 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..config import ConfigError, ModelConfig
+from ..model import compute_weight
 from .config import LORA_TARGETS as TARGETS
 
 
@@ -86,7 +87,8 @@ class LoRALinear(nn.Linear):
         # W x + B (A x): two thin products for all the parts at once (a fused projection's parts
         # through B's block structure), one add.
         A, B = self.stacked()
-        return F.linear(x, self.weight, self.bias) + F.linear(F.linear(x, A), B)
+        shadow = compute_weight(self, x)  # (the frozen weight's bf16 copy under autocast, made once)
+        return F.linear(x, self.weight if shadow is None else shadow, self.bias) + F.linear(F.linear(x, A), B)
 
     @torch.no_grad()
     def merged(self) -> nn.Linear:

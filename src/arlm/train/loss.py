@@ -70,13 +70,14 @@ class LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                chunk_rows: int, dtype: torch.dtype) -> torch.Tensor:
+                chunk_rows: int, dtype: torch.dtype, weight_lowp: torch.Tensor | None) -> torch.Tensor:
         N = hidden.shape[0]
         valid = targets != IGNORE_INDEX
         safe_targets = targets.masked_fill(~valid, 0)
         valid_f = valid.float()
         n = valid_f.sum()
-        h, w = hidden.to(dtype), weight.to(dtype)  # the operands autocast would cast to, once
+        h = hidden.to(dtype)  # the operands autocast would cast to, once
+        w = weight_lowp if weight_lowp is not None and weight_lowp.dtype == dtype else weight.to(dtype)
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_h = torch.empty_like(h) if need_h else None  # [N, d], in the product's dtype
         grad_w = None
@@ -110,23 +111,26 @@ class LinearCrossEntropy(torch.autograd.Function):
             grad_h = (grad_h if one else grad_h * grad_loss).to(ctx.hidden_dtype)
         if grad_w is not None and not one:
             grad_w = grad_w * grad_loss
-        return grad_h, grad_w, None, None, None
+        return grad_h, grad_w, None, None, None, None
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                         chunk_rows: int | None = None) -> torch.Tensor:
+                         chunk_rows: int | None = None, weight_lowp: torch.Tensor | None = None) -> torch.Tensor:
     """F.cross_entropy(hidden @ weight.T, targets) (mean over targets != IGNORE_INDEX) without the
     [N, V] logits: hidden [N, d], weight [V, d], targets [N] int64. Products in autocast's dtype
-    where autocast is on (as a Linear layer's would be), float32 otherwise. A float32 scalar."""
+    where autocast is on (as a Linear layer's would be), float32 otherwise. A float32 scalar.
+    weight_lowp: weight already in that dtype (a training shadow, arlm.train.optim), multiplied
+    with instead of casting `weight`; the gradient still goes to `weight`, in float32."""
     dtype = compute_dtype(hidden.device)
     chunk_rows = chunk_rows or default_chunk_rows(weight.shape[0], dtype)
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         with torch.autocast(hidden.device.type, enabled=False):  # (dtypes chosen above, by hand)
-            return LinearCrossEntropy.apply(hidden, weight, targets, chunk_rows, dtype)
+            return LinearCrossEntropy.apply(hidden, weight, targets, chunk_rows, dtype, weight_lowp)
     # no gradient wanted (evaluation): the loss alone, chunk by chunk
     valid = targets != IGNORE_INDEX
     safe_targets, valid_f = targets.masked_fill(~valid, 0), valid.float()
-    h, w = hidden.to(dtype), weight.to(dtype)
+    h = hidden.to(dtype)
+    w = weight_lowp if weight_lowp is not None and weight_lowp.dtype == dtype else weight.to(dtype)
     total = sum((row_losses(h[i:i + chunk_rows] @ w.T, safe_targets[i:i + chunk_rows]) * valid_f[i:i + chunk_rows]).sum()
                 for i in range(0, hidden.shape[0], chunk_rows))
     return total / valid_f.sum()

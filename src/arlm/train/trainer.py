@@ -34,11 +34,12 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from .. import kernels
 from ..config import ConfigError, ModelConfig
 from ..loading import build_model, load_model
-from ..model import Transformer
+from ..model import Transformer, compute_weight
 from . import checkpoints, lora, parallel
 from .config import MODEL_SHAPE_KEYS, TrainConfig, lr_at
 from .data import IGNORE, SPLITS, Batch, DataError, TokenData
 from .loss import linear_cross_entropy
+from .optim import AdamW, ShadowAdamW
 from .progress import METRICS_FILE, PLOT_FILE, MetricsLog, Progress, plot_losses
 
 EVAL_STREAM = 2**31 - 1  # seeds the fixed evaluation batches apart from the training ones
@@ -91,7 +92,9 @@ def next_token_loss(model: torch.nn.Module, idx: torch.Tensor, targets: torch.Te
     """
     if fused:
         hidden = model(idx, input_pos=input_pos, doc_ids=doc_ids, head=False)  # [B, T, d_model]
-        return linear_cross_entropy(hidden.flatten(0, 1), unwrap(model).lm_head.weight, targets.flatten())
+        head = unwrap(model).lm_head
+        return linear_cross_entropy(hidden.flatten(0, 1), head.weight, targets.flatten(),
+                                    weight_lowp=compute_weight(head, hidden))
     logits = model(idx, input_pos=input_pos, doc_ids=doc_ids)  # [B, T, V], float32
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE)
 
@@ -123,14 +126,28 @@ def model_config_from_scratch(cfg: TrainConfig, vocab_size: int) -> ModelConfig:
     return ModelConfig.for_family(cfg.family, **overrides)
 
 
-def configure_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices and embeddings (dim >= 2), not on biases and norms."""
+def configure_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device,
+                        shadow_weights: bool = False) -> AdamW:
+    """AdamW with weight decay on matrices and embeddings (dim >= 2), not on biases and norms.
+    shadow_weights: ShadowAdamW, which keeps the bf16 weights the forward pass multiplies with
+    (arlm.train.optim; `use_shadow_weights` says where it applies)."""
     params = [p for p in model.parameters() if p.requires_grad]  # a tied head appears once
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    if shadow_weights:
+        return ShadowAdamW(model, groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
     # The fused kernel updates every parameter in one launch (CPU and CUDA): no per-tensor loop.
     fused = cfg.fused_adamw and device.type in ("cpu", "cuda")
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=fused or None)
+    return AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=fused or None)
+
+
+def use_shadow_weights(cfg: TrainConfig, device: torch.device, amp_dtype: torch.dtype | None,
+                       world_size: int) -> bool:
+    """Whether the step trains through bf16 shadow weights (arlm.train.optim): bf16 autocast on
+    CPU with the native kernels, one process, no gradient accumulation or torch.compile, the fused
+    AdamW allowed; elsewhere torch's AdamW over the float32 weights under autocast."""
+    return (device.type == "cpu" and amp_dtype == torch.bfloat16 and world_size == 1 and cfg.grad_accum == 1
+            and not cfg.compile and cfg.fused_adamw and kernels.train_kernels_available())
 
 
 def autocast_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype | None:
@@ -344,8 +361,8 @@ def _train(cfg: TrainConfig, resume: bool, overwrite: bool, ddp: Distributed, de
                             compile=cfg.compile)
     step_model = mode.wrap(model)  # before the optimizer: FSDP2 replaces the parameters with shards
 
-    optimizer = configure_optimizer(model, cfg, device)
     amp_dtype = autocast_dtype(cfg, device)
+    optimizer = configure_optimizer(model, cfg, device, use_shadow_weights(cfg, device, amp_dtype, ddp.world_size))
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
     start_step, best_val = 0, math.inf
     if ckpt is not None:
@@ -411,7 +428,7 @@ def _train(cfg: TrainConfig, resume: bool, overwrite: bool, ddp: Distributed, de
         if cfg.grad_clip:
             scaler.unscale_(optimizer)
             # (Sharded: the norm of DTensor gradients is the global one, every rank's shards reduced.)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            optimizer.clip_grad_norm_(cfg.grad_clip)
         scaler.step(optimizer)
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
