@@ -2,32 +2,40 @@
 sent beside ordinary traffic.
 
 For each hostile case, while 8 ordinary greedy streams run beside it, each ordinary stream
-takes at most 2x the engine steps it takes alone (from its arrival to its last token), /health
-answers (200) while at most MAX_HEALTH_STEPS engine steps pass, the server's RSS stays bounded and
-the ordinary outputs equal their solo runs; the hostile request itself gets either a 4xx naming
-the field at fault (OpenAI's error body) or completes normally (200), never a 500 and never a
-hang. A greedy request after the storm equals its run before.
+takes at most 2x the engine's time it takes alone (from its arrival to its last token: in engine
+CPU seconds, and in engine steps), /health answers (200) while the HTTP event loop spends under a
+second on other work (and at most MAX_HEALTH_STEPS engine steps pass), the server's RSS stays
+bounded and the ordinary outputs equal their solo runs; the hostile request itself gets either a
+4xx naming the field at fault (OpenAI's error body) or completes normally (200), never a 500 and
+never a hang. A greedy request after the storm equals its run before.
 
-The clock is the engine's step counter, not seconds (tests/step_log.py: the server's engine
-logs each request's arrival and each step's rows): a loaded machine makes every step slower, not
-the scheduler's decisions, so the outcome does not follow the machine's load. Drafting is fixed
-(`--speculative-fixed`) for the same reason: adaptive drafting drafts by the steps' wall time.
-What the steps cost in seconds beside each kind of hostile request is benchmarks/fairness.py's.
+The clocks are the server's threads' CPU time and the engine's step counter, not seconds
+(tests/step_log.py: the server's engine logs each request's arrival, each step's rows and the
+engine thread's CPU time in it; the event loop's thread is read from /proc): a loaded machine
+stretches every step's wall time, not the work a step does nor the scheduler's decisions, so the
+outcome does not follow the machine's load. A hostile request that makes every step costlier (a
+logit bias over the vocabulary, a grammar's masks) costs the streams engine CPU; one that holds
+them back costs them steps; one that holds the event loop costs it CPU time while /health waits
+(or, where the loop waits on something, engine steps pass meanwhile). Drafting is fixed
+(`--speculative-fixed`): adaptive drafting drafts by the steps' wall time. What the steps cost in
+seconds beside each kind of hostile request is benchmarks/fairness.py's.
 
 One server for the module (`--speculative ngram`, so that grammars, logprobs and drafting meet in
-one step). The reference for the ordinary streams' steps is their run as a set of 8 with nothing
-else ("alone"); for their texts, each prompt run by itself. A case that leaves the server dead or
-busy gets a fresh server, so the cases after it still measure something.
+one step). The reference for the ordinary streams' cost is their run as a set of 8 with nothing
+else ("alone": each stream's median of BASELINE_RUNS runs); for their texts, each prompt run by
+itself. A case that leaves the server dead or busy gets a fresh server, so the cases after it
+still measure something.
 
-Every case's numbers (status, the streams' steps against alone, /health's most steps, RSS) are
-printed, and the whole table with the last test: run with `pytest -rA` to read them for passing
-cases too.
+Every case's numbers (status, the streams' CPU and steps against alone, /health's worst loop CPU
+and steps, RSS) are printed, and the whole table with the last test: run with `pytest -rA` to
+read them for passing cases too.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -41,7 +49,7 @@ import httpx
 import pytest
 
 from servers import HTTP_TIMEOUT, MODEL, ServerProcess, free_port
-from step_log import StepLog
+from step_log import StepLog, thread_cpu
 
 pytestmark = pytest.mark.slow
 
@@ -53,18 +61,22 @@ SERVER_THREADS = 1
 PROMPTS = ["The cat sat on the", "Once upon a time", "def fibonacci(n):", "The capital of France is",
            "1, 2, 3, 4,", "Hello, my name is", "In 1492, Columbus", "The best way to learn Python is"]
 STREAM_TOKENS = 32
-MAX_RATIO = 2.0  # an ordinary stream's engine steps beside a hostile request over its steps alone
+BASELINE_RUNS = 3
+# An ordinary stream's engine CPU seconds (and engine steps) beside a hostile request over its own alone
+MAX_RATIO = 2.0
+# The HTTP event loop's CPU seconds while one /health call is answered: ~0 while the loop is free;
+# one request's work on it (a 10 MB body parsed, a grammar compiled on it) is what it waits behind.
+MAX_HEALTH_LOOP_CPU_S = 1.0
 # Engine steps while one /health call is answered (on the HTTP loop, beside the engine's thread):
-# ~0-2 while the loop is free; a loop held by one request's work (a 10 MB body parsed, a grammar
-# compiled on it) lets dozens pass.
+# ~0-2 while the loop is free; a loop held waiting (not computing) lets dozens pass.
 MAX_HEALTH_STEPS = 16
 HEALTH_EVERY_S = 0.2  # (how often /health is asked: a sampling rate, not a bound)
 HEALTH_TIMEOUT_S = 60.0  # a /health call that takes longer fails: a hang guard
 HOSTILE_TIMEOUT_S = 300.0  # the hostile request's own time-out: reaching it is a hang (a guard, not a bound)
 RSS_MARGIN = 1.5 * 2**30  # bytes over the RSS measured before the battery
 # What a hostile request that legitimately generates asks for: enough to overlap the ordinary
-# streams (32 tokens each) four times over.
-HOSTILE_TOKENS = 128
+# streams (32 tokens each) several times over.
+HOSTILE_TOKENS = 256
 
 
 # -- the server -----------------------------------------------------------------------------------
@@ -99,11 +111,12 @@ class HostileServer(ServerProcess):
             return 0
 
     def healthy(self) -> bool:
-        """Alive, /health 200 within 5 s and nothing running or waiting within 60 s."""
+        """Alive, /health 200 (HEALTH_TIMEOUT_S: a hang guard) and nothing running or waiting
+        within 60 s."""
         if self.proc.poll() is not None:
             return False
         try:
-            if httpx.get(f"{self.url}/health", timeout=5).status_code != 200:
+            if httpx.get(f"{self.url}/health", timeout=HEALTH_TIMEOUT_S).status_code != 200:
                 return False
             m = self.wait_idle(timeout=60)
         except (httpx.HTTPError, KeyError):
@@ -122,7 +135,9 @@ class Battery:
     server: HostileServer
     solo: list[str] = field(default_factory=list)  # each prompt's text, run by itself
     prompts: dict[str, int] = field(default_factory=dict)  # the engine's prompt digest -> its index in PROMPTS
-    alone: list[int] = field(default_factory=list)  # each prompt's engine steps in the 8 streams alone
+    alone: list[float] = field(default_factory=list)  # each prompt's engine steps in the 8 streams alone
+    alone_cpu: list[float] = field(default_factory=list)  # and the engine's CPU seconds over them
+    alone_runs: list[list[float]] = field(default_factory=list)  # the CPU seconds of each run
     rss0: int = 0  # bytes, before the battery (after the baseline's runs)
     before: str = ""  # the greedy request's text before the battery
     restarts: list[str] = field(default_factory=list)  # the cases after which the server was replaced
@@ -157,10 +172,12 @@ def stream_chat(url: str, prompt: str) -> str:
     return text
 
 
-def run_streams(server: HostileServer, prompts: dict[str, int]) -> tuple[list[str | Exception], list[int | None]]:
+def run_streams(server: HostileServer, prompts: dict[str, int]) -> tuple[list[str | Exception], list[int | None],
+                                                                        list[float | None]]:
     """The 8 ordinary streams at once: each reply's text (or error), and each one's engine steps
-    from its arrival to its last token (None: it never reached the engine). `prompts`: the
-    engine's digest of each stream's prompt -> its index (`Battery.prompts`)."""
+    from its arrival to its last token and the engine thread's CPU seconds over them (None: it
+    never reached the engine). `prompts`: the engine's digest of each stream's prompt -> its
+    index (`Battery.prompts`)."""
     out: list[str | Exception] = [""] * len(PROMPTS)
 
     def one(i: int) -> None:
@@ -179,19 +196,21 @@ def run_streams(server: HostileServer, prompts: dict[str, int]) -> tuple[list[st
         t.join()
     steps.read()  # (a step is logged before its tokens go out: the streams' last steps are in)
     spans: list[int | None] = [None] * len(PROMPTS)
+    cpu: list[float | None] = [None] * len(PROMPTS)
     for rid, prompt in steps.arrivals(arrived).items():
         if prompt in prompts and rid in steps.last:  # (one that failed before its first step: None)
-            spans[prompts[prompt]] = steps.span(rid)
-    return out, spans
+            spans[prompts[prompt]], cpu[prompts[prompt]] = steps.span(rid), steps.span_cpu(rid)
+    return out, spans, cpu
 
 
 class Watch:
     """/health every HEALTH_EVERY_S seconds and the server's RSS, from a thread, until stopped:
-    the most engine steps that passed while one /health call was answered, the statuses other
-    than 200 and the largest RSS seen."""
+    the most CPU seconds the HTTP event loop's thread spent and the most engine steps that passed
+    while one /health call was answered, the statuses other than 200 and the largest RSS seen."""
 
     def __init__(self, server: HostileServer) -> None:
         self.server = server
+        self.max_loop_cpu = 0.0
         self.max_steps = 0
         self.calls = 0
         self.bad: list[str] = []
@@ -200,16 +219,26 @@ class Watch:
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
-        steps = self.server.steps
+        steps, pid = self.server.steps, self.server.proc.pid
+        steps.read()
+        tid = steps.http_tid  # (known since the battery's first request)
+
+        def loop_cpu() -> float:
+            try:
+                return thread_cpu(pid, tid)
+            except OSError:  # (the server exited: its /health fails too)
+                return 0.0
+
         with httpx.Client(timeout=HEALTH_TIMEOUT_S) as c:
             while not self._stop.is_set():
-                before = steps.read()
+                before, cpu = steps.read(), loop_cpu()
                 try:
                     status = c.get(f"{self.server.url}/health").status_code
                     if status != 200:
                         self.bad.append(str(status))
                 except httpx.HTTPError as e:
                     self.bad.append(type(e).__name__)
+                self.max_loop_cpu = max(self.max_loop_cpu, loop_cpu() - cpu)
                 self.max_steps = max(self.max_steps, steps.read() - before)
                 self.calls += 1
                 self.max_rss = max(self.max_rss, self.server.rss())
@@ -247,14 +276,20 @@ def battery():
             server.steps.read()
             (digest,) = server.steps.arrivals(arrived).values()
             b.prompts[digest] = i
-        assert len(b.prompts) == len(PROMPTS)
-        texts, spans = run_streams(server, b.prompts)
-        assert texts == b.solo, f"the 8 streams at once differ from their solo runs: {texts} vs {b.solo}"
-        b.alone = spans
+        assert len(b.prompts) == len(PROMPTS) and server.steps.http_tid is not None
+        run_streams(server, b.prompts)  # (a warm-up: the first batch's steps do more)
+        runs = []
+        for _ in range(BASELINE_RUNS):
+            texts, spans, cpu = run_streams(server, b.prompts)
+            assert texts == b.solo, f"the 8 streams at once differ from their solo runs: {texts} vs {b.solo}"
+            runs.append((spans, cpu))
+        b.alone = [statistics.median(run[0][i] for run in runs) for i in range(len(PROMPTS))]
+        b.alone_cpu = [statistics.median(run[1][i] for run in runs) for i in range(len(PROMPTS))]
+        b.alone_runs = [[round(c, 3) for c in run[1]] for run in runs]
         b.before = greedy_probe(server.url)
         server.wait_idle()
         b.rss0 = server.rss()
-        print(f"\nalone: the 8 streams' engine steps {b.alone}, RSS {b.rss0 / 2**20:.0f} MiB")
+        print(f"\nalone: {alone(b)}, RSS {b.rss0 / 2**20:.0f} MiB")
         yield b
     finally:
         b.server.stop()
@@ -481,12 +516,17 @@ def send(url: str, case: Case, body: dict | bytes) -> dict:
     return out
 
 
+def alone(b: Battery) -> str:
+    return (f"the 8 streams' engine CPU {[round(c, 3) for c in b.alone_cpu]} s (runs {b.alone_runs}), "
+            f"engine steps {b.alone}")
+
+
 def row(case_id: str, r: dict) -> str:
     """One case's line of the table."""
     status = f"{r['status']}" + (f" ({r['param']})" if r.get("param") else "")
     bad = f" non-200: {','.join(sorted(set(r['health_bad'])))}" if r["health_bad"] else ""
-    return (f"{case_id:26} {status:22} {r['seconds']:6.1f}s  steps x{r['ratio']:4.2f} {r['spans']}  "
-            f"health max {r['health_steps']:3d} steps ({r['health_calls']} calls){bad}  "
+    return (f"{case_id:26} {status:22} {r['seconds']:6.1f}s  CPU x{r['cpu_ratio']:4.2f} steps x{r['ratio']:4.2f}  "
+            f"health max loop {r['health_loop_cpu']:4.2f} s, {r['health_steps']:3d} steps ({r['health_calls']} calls){bad}  "
             f"RSS max {r['rss_max'] / 2**20:5.0f} MiB  "
             f"outputs {'equal' if r['outputs_equal'] else 'DIFFER'}{'  RESTARTED' if r.get('restarted') else ''}"
             f"  | {r['message'][:160]}")
@@ -499,8 +539,9 @@ def server_reason(server: HostileServer) -> str:
     return lines[-1][:300] if lines else ""
 
 
-def step_ratio(spans: list[int | None], alone: list[int]) -> float:
-    """The largest of each stream's engine steps over its steps alone (inf: one never ran)."""
+def step_ratio(spans: list[float | None], alone: list[float]) -> float:
+    """The largest of each stream's engine steps (or CPU seconds) over its own alone (inf: one
+    never ran)."""
     return max(float("inf") if s is None else s / a for s, a in zip(spans, alone))
 
 
@@ -513,11 +554,12 @@ def test_hostile(battery: Battery, case: Case):
     with Watch(server) as watch:
         hostile.start()
         time.sleep(0.05)  # (the hostile request first, the ordinary ones after it: an order, no bound)
-        texts, spans = run_streams(server, battery.prompts)
+        texts, spans, cpu = run_streams(server, battery.prompts)
         hostile.join(HOSTILE_TIMEOUT_S + 10)
     r = dict(box) or {"status": "timeout", "message": "the client thread did not return", "param": None,
                       "seconds": HOSTILE_TIMEOUT_S}
-    r.update(spans=spans, ratio=step_ratio(spans, battery.alone), health_steps=watch.max_steps,
+    r.update(spans=spans, ratio=step_ratio(spans, battery.alone), cpu=[c if c is None else round(c, 3) for c in cpu],
+             cpu_ratio=step_ratio(cpu, battery.alone_cpu), health_loop_cpu=watch.max_loop_cpu, health_steps=watch.max_steps,
              health_calls=watch.calls, health_bad=watch.bad, rss_max=max(watch.max_rss, server.rss()),
              outputs_equal=texts == battery.solo,
              errors=[f"{PROMPTS[i]!r}: {t}" for i, t in enumerate(texts) if isinstance(t, Exception)])
@@ -530,8 +572,10 @@ def test_hostile(battery: Battery, case: Case):
     print("\n" + row(case.id, r))
 
     what = (f"[{case.id}: {case.note or 'as named'}] hostile: {r['status']} param={r.get('param')!r}: "
-            f"{r['message']}; the streams' engine steps {spans} against {battery.alone} alone "
-            f"(x{r['ratio']:.2f}); /health: at most {r['health_steps']} engine steps while one was answered; "
+            f"{r['message']}; the streams' engine CPU {r['cpu']} s against {[round(c, 3) for c in battery.alone_cpu]} "
+            f"alone (x{r['cpu_ratio']:.2f}), their engine steps {spans} against {battery.alone} (x{r['ratio']:.2f}); "
+            f"/health: at most {r['health_loop_cpu']:.2f} s of the event loop's CPU and {r['health_steps']} engine "
+            f"steps while one was answered; "
             f"RSS max {r['rss_max'] / 2**20:.0f} MiB (before {battery.rss0 / 2**20:.0f} MiB)")
     failures = []
     if r["status"] not in case.statuses:
@@ -541,11 +585,14 @@ def test_hostile(battery: Battery, case: Case):
     if r["status"] in range(400, 500) and case.params and not (
             isinstance(r["param"], str) and r["param"].startswith(case.params)):
         failures.append(f"the 4xx names {r['param']!r}, not one of {case.params}")
+    if r["cpu_ratio"] > MAX_RATIO:
+        failures.append(f"an ordinary stream took {r['cpu_ratio']:.2f}x its engine CPU time alone (> {MAX_RATIO})")
     if r["ratio"] > MAX_RATIO:
         failures.append(f"an ordinary stream took {r['ratio']:.2f}x its engine steps alone (> {MAX_RATIO})")
-    if r["health_steps"] > MAX_HEALTH_STEPS or r["health_bad"]:
-        failures.append(f"/health: {r['health_steps']} engine steps passed while one was answered "
-                        f"(> {MAX_HEALTH_STEPS}), non-200: {r['health_bad']}")
+    if r["health_loop_cpu"] >= MAX_HEALTH_LOOP_CPU_S or r["health_steps"] > MAX_HEALTH_STEPS or r["health_bad"]:
+        failures.append(f"/health: the event loop spent {r['health_loop_cpu']:.2f} s on other work (>= "
+                        f"{MAX_HEALTH_LOOP_CPU_S}) and {r['health_steps']} engine steps passed (> {MAX_HEALTH_STEPS}) "
+                        f"while one was answered, non-200: {r['health_bad']}")
     if r["rss_max"] > battery.rss0 + RSS_MARGIN:
         failures.append(f"RSS {r['rss_max'] / 2**20:.0f} MiB over {(battery.rss0 + RSS_MARGIN) / 2**20:.0f} MiB")
     if not r["outputs_equal"]:
@@ -559,7 +606,7 @@ def test_greedy_after_storm(battery: Battery):
     """The greedy request after every case equals its run before them (on the same server,
     unless a case left it dead: then the restart is named)."""
     after = greedy_probe(battery.server.url)
-    print(f"\nalone: the 8 streams' engine steps {battery.alone}, "
+    print(f"\nalone: {alone(battery)}, "
           f"RSS before {battery.rss0 / 2**20:.0f} MiB, now {battery.server.rss() / 2**20:.0f} MiB")
     for case_id, r in battery.results.items():
         print(row(case_id, r))
