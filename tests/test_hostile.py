@@ -220,14 +220,14 @@ class Watch:
 
     def _run(self) -> None:
         steps, pid = self.server.steps, self.server.proc.pid
-        steps.read()
-        tid = steps.http_tid  # (known since the battery's first request)
 
-        def loop_cpu() -> float:
+        def loop_cpu() -> float | None:
+            """The event loop thread's CPU seconds (None: not known yet, a fresh server before its
+            first request; or the server exited: its /health fails too)."""
             try:
-                return thread_cpu(pid, tid)
-            except OSError:  # (the server exited: its /health fails too)
-                return 0.0
+                return None if steps.http_tid is None else thread_cpu(pid, steps.http_tid)
+            except OSError:
+                return None
 
         with httpx.Client(timeout=HEALTH_TIMEOUT_S) as c:
             while not self._stop.is_set():
@@ -238,7 +238,8 @@ class Watch:
                         self.bad.append(str(status))
                 except httpx.HTTPError as e:
                     self.bad.append(type(e).__name__)
-                self.max_loop_cpu = max(self.max_loop_cpu, loop_cpu() - cpu)
+                if cpu is not None and (after := loop_cpu()) is not None:
+                    self.max_loop_cpu = max(self.max_loop_cpu, after - cpu)
                 self.max_steps = max(self.max_steps, steps.read() - before)
                 self.calls += 1
                 self.max_rss = max(self.max_rss, self.server.rss())
