@@ -340,15 +340,16 @@ def test_sigterm_drains(servers, gate):
     replicated, _ = servers
     url = replicated.url
     results = {}
+    prefix = SYSTEM[:300]  # (one hashed chunk of the router's: the long ones' replica; 4,000 tokens still fit)
 
     def whole() -> None:  # (not streamed: its answer would come at its end)
         results["whole"] = httpx.post(f"{url}/v1/completions", json={
-            "model": MODEL, "prompt": SYSTEM + "Twice upon a time", "max_tokens": 4000, "temperature": 0,
+            "model": MODEL, "prompt": prefix + "Twice upon a time", "max_tokens": 4000, "temperature": 0,
             "ignore_eos": True}, headers=AUTH, timeout=300)
 
     (gate / "hold").touch()  # (each engine stops once every request it holds has its first token)
     try:
-        long = Stream(url, 4000, prompt=SYSTEM + "Once upon a time")
+        long = Stream(url, 4000, prompt=prefix + "Once upon a time")
         assert long.started.wait(300) and long.tokens() >= 1, long.lines
         waiter = threading.Thread(target=whole)
         waiter.start()
