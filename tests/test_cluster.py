@@ -347,6 +347,8 @@ def test_sigterm_drains(servers, gate):
             "model": MODEL, "prompt": prefix + "Twice upon a time", "max_tokens": 4000, "temperature": 0,
             "ignore_eos": True}, headers=AUTH, timeout=300)
 
+    # (both replicas running, as Ray reports them: the ingress's /health is 503 while fewer are)
+    until(lambda: httpx.get(f"{url}/health", timeout=60).status_code == 200, "both replicas running")
     (gate / "hold").touch()  # (each engine stops once every request it holds has its first token)
     try:
         long = Stream(url, 4000, prompt=prefix + "Once upon a time")
