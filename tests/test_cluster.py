@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from servers import BAD, KEY, MODEL, ServerProcess
+from servers import BAD, HTTP_TIMEOUT, KEY, MODEL, ServerProcess
 from test_serve_protocols import BAD_EMBEDDINGS, BAD_MESSAGES, BAD_RESPONSES
 
 pytestmark = pytest.mark.slow
@@ -132,7 +132,7 @@ def samples(url: str, name: str) -> list:
     """The samples of one family of the ingress's /metrics (every replica's, labelled with it)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = httpx.get(f"{url}/metrics", headers=AUTH, timeout=60).text
+    text = httpx.get(f"{url}/metrics", headers=AUTH, timeout=HTTP_TIMEOUT).text
     return [s for f in text_string_to_metric_families(text) if f.name == name for s in f.samples]
 
 
@@ -218,7 +218,7 @@ def test_bad_input_gets_the_single_process_answer(servers):
 
 
 def metric(url: str, name: str) -> float:
-    for line in httpx.get(f"{url}/metrics", headers=AUTH, timeout=60).text.splitlines():
+    for line in httpx.get(f"{url}/metrics", headers=AUTH, timeout=HTTP_TIMEOUT).text.splitlines():
         if line.startswith(name + " "):
             return float(line.split()[1])
     raise AssertionError(f"{name} not in /metrics")
@@ -232,7 +232,7 @@ def test_metrics_name_each_replica(servers):
     replicated, single = servers
 
     def families(url: str) -> dict:
-        text = httpx.get(f"{url}/metrics", headers=AUTH, timeout=60).text
+        text = httpx.get(f"{url}/metrics", headers=AUTH, timeout=HTTP_TIMEOUT).text
         return {f.name: f for f in text_string_to_metric_families(text)}
 
     def requests(fams: dict) -> dict[str, float]:
@@ -289,7 +289,7 @@ def test_a_replica_lost_mid_stream(servers):
     statuses = []
 
     def restarted() -> bool:
-        statuses.append(httpx.get(f"{url}/health", timeout=30).status_code)
+        statuses.append(httpx.get(f"{url}/health", timeout=HTTP_TIMEOUT).status_code)
         if statuses[-1] == 503 and len(statuses) == statuses.index(503) + 1:  # (degraded: the survivor serves)
             r = chat(url, "Hi!")
             assert r.status_code == 200 and r.headers["x-arlm-replica"] != str(pid), r.text
@@ -348,7 +348,7 @@ def test_sigterm_drains(servers, gate):
             "ignore_eos": True}, headers=AUTH, timeout=300)
 
     # (both replicas running, as Ray reports them: the ingress's /health is 503 while fewer are)
-    until(lambda: httpx.get(f"{url}/health", timeout=60).status_code == 200, "both replicas running")
+    until(lambda: httpx.get(f"{url}/health", timeout=HTTP_TIMEOUT).status_code == 200, "both replicas running")
     (gate / "hold").touch()  # (each engine stops once every request it holds has its first token)
     try:
         long = Stream(url, 4000, prompt=prefix + "Once upon a time")
@@ -362,13 +362,13 @@ def test_sigterm_drains(servers, gate):
         replicated.proc.send_signal(signal.SIGTERM)
 
         def draining() -> bool:  # (until the drain begins, the replicas answer; no engine's step)
-            r = httpx.get(f"{url}/v1/models", headers=AUTH, timeout=60)
+            r = httpx.get(f"{url}/v1/models", headers=AUTH, timeout=HTTP_TIMEOUT)
             assert r.status_code in (200, 503), r.text
             return r.status_code == 503 and r.json()["error"]["code"] == "draining"
 
         until(draining, "the drain begun")
         r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2},
-                       headers=AUTH, timeout=60)
+                       headers=AUTH, timeout=HTTP_TIMEOUT)
         assert r.status_code == 503 and r.json()["error"]["code"] == "draining", r.text  # new requests refused
         assert short.is_alive() and short.tokens() < 24, short.lines  # (still held: running at the signal)
         (gate / f"release-{short.pid}").touch()
