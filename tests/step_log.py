@@ -140,10 +140,12 @@ class StepLog:
         with self._lock:
             return self.last[rid] - self.added[rid][0]
 
-    def span_cpu(self, rid: str) -> float:
-        """The engine thread's CPU seconds over those steps (the request's and its neighbours')."""
+    def span_cpu(self, rids: list[str]) -> float:
+        """The engine thread's CPU seconds over the steps from the first of the requests' arrivals
+        to the last step that computed one of them (theirs and their neighbours')."""
         with self._lock:
-            return self.cpu_at[self.last[rid]] - self.cpu_at[self.added[rid][0]]
+            return (self.cpu_at[max(self.last[rid] for rid in rids)]
+                    - self.cpu_at[min(self.added[rid][0] for rid in rids)])
 
 
 if __name__ == "__main__":
