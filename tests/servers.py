@@ -32,12 +32,12 @@ def free_port() -> int:
 class ServerProcess:
     """`python -m arlm serve ...` on a free loopback port, its output in a temp file."""
 
-    def __init__(self, *args: str) -> None:
+    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
         # One thread per server: two servers and pytest share the CI machine's two cores.
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
         self.proc = subprocess.Popen([sys.executable, "-m", "arlm", "serve", "--model", MODEL, "--port", str(self.port),
                                       *args], stdout=self.log, stderr=subprocess.STDOUT, env=env)
 

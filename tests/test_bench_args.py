@@ -1,6 +1,7 @@
 """The benchmark scripts reject a bad number the way argparse does: one `script: error: ...` line
-and exit code 2, before a model is loaded or any work is done (each script costs its imports,
-~1-2 s, and nothing more). Every case was a traceback, some of them after seconds of work.
+and exit code 2, before a model is loaded or any work is done. Every case was a traceback, some of
+them after seconds of work. (All the cases run in two processes: a script's imports, torch's
+and arlm's, cost ~1-2 s each time a process makes them.)
 """
 
 from __future__ import annotations
@@ -12,24 +13,29 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow  # a subprocess or a model load per test
+pytestmark = pytest.mark.slow  # every benchmark script imported (two processes), a GGUF read
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
 # A hang guard for each script (its imports take ~1-2 s on a quiet machine).
 TIMEOUT = 300
 
-# The script run as `python script.py ...` would run it, but ended at the first sign of work:
-# opening model weights or the training text, or starting a process (a server, a busy loop, or
-# `uname` for the machine's description). A check of the arguments made after any of these
-# fails the test whatever the machine's speed (a time limit would depend on its load).
+# The scripts run as `python script.py ...` would run them (`runpy`, as __main__), each ended at
+# the first sign of work: opening model weights or the training text, or starting a process (a
+# server, a busy loop, or `uname` for the machine's description). A check of the arguments made
+# after any of these fails the test whatever the machine's speed (a time limit would depend on
+# its load). One process runs many cases, one after another (argv: the cases as JSON): each
+# script's own code runs afresh for each case, the libraries it imports (torch, arlm) are
+# imported once, not once a case. A case's result is one JSON line on fd 1; work seen ends the
+# process (exit 3) after a line naming the case.
 WATCH = """
-import os, runpy, sys
-script = sys.argv[1]
-sys.argv = sys.argv[1:]
-sys.path.insert(0, os.path.dirname(script))
+import contextlib, io, json, os, runpy, sys, traceback
+cases = json.loads(sys.argv[1])  # [[script, argv, cwd], ...]
 WORK = (".gguf", ".safetensors", "weights.bin", "tinyshakespeare.txt")
 SPAWN = {"subprocess.Popen", "os.posix_spawn", "os.fork", "os.system", "os.exec"}
+current = [None]
+def report(**result):
+    os.write(1, (json.dumps({"case": current[0], **result}) + "\\n").encode())
 def hook(event, args):
     if event == "open" and args and isinstance(args[0], (str, bytes)) and os.fsdecode(args[0]).endswith(WORK):
         what = "opened " + os.fsdecode(args[0])
@@ -37,11 +43,55 @@ def hook(event, args):
         what = event + " " + repr(args[:2])
     else:
         return
-    os.write(2, ("work before the arguments were checked: " + what + "\\n").encode())
+    report(code=3, stdout="", stderr="work before the arguments were checked: " + what)
     os._exit(3)
 sys.addaudithook(hook)
-runpy.run_path(script, run_name="__main__")
+for i, (script, argv, cwd) in enumerate(cases):
+    current[0] = i
+    sys.path.insert(0, os.path.dirname(script))
+    os.chdir(cwd)
+    sys.argv = [script, *argv]
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            runpy.run_path(script, run_name="__main__")
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else int(e.code is not None)
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+    report(code=code, stdout=out.getvalue(), stderr=err.getvalue())
 """
+WORKERS = 2  # processes running the cases (the reference machine's cores)
+
+
+def run_cases(cases: list[tuple[str, list[str], Path]]) -> list[dict]:
+    """Each case (script, argv, cwd) run under WATCH: {code, stdout, stderr}, in order; the cases
+    split between WORKERS processes run side by side."""
+    import concurrent.futures as cf
+    import json
+
+    def worker(part: list[int]) -> dict[int, dict]:
+        proc = subprocess.run([sys.executable, "-c", WATCH, json.dumps(
+            [[str(BENCH / cases[i][0]), cases[i][1], str(cases[i][2])] for i in part])],
+            capture_output=True, text=True, timeout=TIMEOUT * len(part))
+        got = {}
+        for line in proc.stdout.splitlines():
+            if line.startswith('{"case"'):
+                r = json.loads(line)
+                got[part[r.pop("case")]] = r
+        for i in part:  # (cases after one that ended the process: not run)
+            got.setdefault(i, {"code": None, "stdout": "", "stderr": f"not run: the worker ended with "
+                               f"{proc.returncode} before it:\n{proc.stderr[-2000:]}"})
+        return got
+
+    parts = [list(range(len(cases)))[k::WORKERS] for k in range(WORKERS)]
+    results: dict[int, dict] = {}
+    with cf.ThreadPoolExecutor(WORKERS) as pool:
+        for got in pool.map(worker, parts):
+            results.update(got)
+    return [results[i] for i in range(len(cases))]
+
 
 CASES = [
     ("run.py", ["--threads", "0"]),
@@ -83,23 +133,38 @@ CASES = [
 ]
 
 
+SCRIPTS = sorted(p.name for p in BENCH.glob("*.py") if p.name != "bench_args.py")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    """Every case of CASES (in an empty directory of its own) and every script's --help, run once:
+    (script, argv) -> (result, that directory)."""
+    cases = []
+    for script, argv in CASES:
+        cwd = tmp_path_factory.mktemp("case")
+        if script == "train_shakespeare_char.py":
+            argv = [*argv, "--out", str(cwd)]  # were the check missing, nothing lands in the repo
+        cases.append((script, argv, cwd))
+    cases += [(script, ["--help"], tmp_path_factory.mktemp("help")) for script in SCRIPTS]
+    results = run_cases(cases)
+    keys = [(s, tuple(a)) for s, a in CASES] + [(s, ("--help",)) for s in SCRIPTS]
+    return {key: (r, cwd) for key, r, (_, _, cwd) in zip(keys, results, cases)}
+
+
 @pytest.mark.parametrize("script,argv", CASES, ids=[f"{s}:{' '.join(a)}" for s, a in CASES])
-def test_bad_argument_is_argparse_error(script, argv, tmp_path):
-    if script == "train_shakespeare_char.py":
-        argv = [*argv, "--out", str(tmp_path)]  # were the check missing, nothing lands in the repo
-    proc = subprocess.run([sys.executable, "-c", WATCH, str(BENCH / script), *argv], capture_output=True, text=True,
-                          timeout=TIMEOUT, cwd=tmp_path)
-    assert proc.returncode == 2, proc.stdout + proc.stderr  # (3: WATCH saw work start)
-    assert "Traceback" not in proc.stderr, proc.stderr
-    assert f"{script}: error: " in proc.stderr, proc.stderr
-    assert list(tmp_path.iterdir()) == [], "the script wrote files before failing"
+def test_bad_argument_is_argparse_error(script, argv, runs):
+    r, cwd = runs[script, tuple(argv)]
+    assert r["code"] == 2, r["stdout"] + r["stderr"]  # (3: WATCH saw work start)
+    assert "Traceback" not in r["stderr"], r["stderr"]
+    assert f"{script}: error: " in r["stderr"], r["stderr"]
+    assert list(cwd.iterdir()) == [], "the script wrote files before failing"
 
 
-@pytest.mark.parametrize("script", sorted(p.name for p in BENCH.glob("*.py") if p.name != "bench_args.py"))
-def test_help_still_works(script):
-    proc = subprocess.run([sys.executable, str(BENCH / script), "--help"], capture_output=True, text=True,
-                          timeout=TIMEOUT)
-    assert proc.returncode == 0 and "usage:" in proc.stdout, proc.stderr
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_help_still_works(script, runs):
+    r, _ = runs[script, ("--help",)]
+    assert r["code"] == 0 and "usage:" in r["stdout"], r["stderr"]
 
 
 def test_int_types_accept_their_range():

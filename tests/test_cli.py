@@ -1,7 +1,8 @@
 """The `arlm` command in a subprocess: bad input fails cleanly; --json and piped chat match the API.
 
 Bad input: non-zero exit, exactly one line on stderr naming the problem, no traceback, nothing on
-stdout. These fail before the model loads, so they are cheap and run concurrently.
+stdout. These fail before the model loads, so they are cheap and run one after another in one
+process.
 """
 
 from __future__ import annotations
@@ -70,24 +71,55 @@ def bad_inputs(tmp: Path, gguf: Path) -> dict[str, tuple[list[str], str]]:
     }
 
 
+# `python -c BAD_RUNS CASES`: each command line of CASES (JSON) through `arlm`'s main() in turn, in
+# this one process, its stdin empty and its fd 1 and fd 2 captured apart (what the terminal would
+# show, C-level writes included); one JSON line a case, [exit code, stdout, stderr], on the
+# original fd 1. The first case pays the imports (and would show anything they print).
+BAD_RUNS = """
+import json, os, sys, tempfile
+from arlm.cli import main
+report = os.dup(1)
+null = os.open(os.devnull, os.O_RDONLY)
+os.dup2(null, 0)
+for argv in json.loads(sys.argv[1]):
+    files = [tempfile.TemporaryFile(), tempfile.TemporaryFile()]
+    saved = [os.dup(1), os.dup(2)]
+    sys.stdout.flush(); sys.stderr.flush()
+    os.dup2(files[0].fileno(), 1); os.dup2(files[1].fileno(), 2)
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse's own errors
+        code = e.code
+    sys.stdout.flush(); sys.stderr.flush()
+    os.dup2(saved[0], 1); os.dup2(saved[1], 2)
+    texts = []
+    for f in files:
+        f.seek(0)
+        texts.append(f.read().decode(errors="replace"))
+    os.write(report, (json.dumps([code, *texts]) + "\\n").encode())
+"""
+
+
 @pytest.fixture(scope="module")
 def bad_runs(tmp_path_factory, smollm2_path):
-    """Start every bad-input command at once and collect (returncode, stdout, stderr)."""
+    """Every bad-input command, one after another in one process of its own (BAD_RUNS: one
+    interpreter's imports for all of them, not one each): name -> (returncode, stdout, stderr,
+    the word its error must contain). test_console_script_entry_point and
+    test_help_and_usage_errors_import_nothing_heavy run commands in processes of their own."""
+    import json
+
     cases = bad_inputs(tmp_path_factory.mktemp("cli"), smollm2_path)
     assert sorted(cases) == sorted(BAD_INPUTS)
-    # The kernels built first, here: on a fresh machine (an empty ~/.cache/arlm) each command would
-    # build them itself, all at once into one directory, each saying so on stderr (one line more).
+    # The kernels built first, here: on a fresh machine (an empty ~/.cache/arlm) the first command
+    # would build them, saying so on stderr (one line more).
     from arlm import kernels
 
     kernels.native_available()
-    procs = {name: subprocess.Popen([sys.executable, "-m", "arlm", *args], stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, env=ENV)
-             for name, (args, _) in cases.items()}
-    results = {}
-    for name, p in procs.items():
-        out, err = p.communicate(timeout=300)
-        results[name] = (p.returncode, out, err, cases[name][1])
-    return results
+    r = subprocess.run([sys.executable, "-c", BAD_RUNS, json.dumps([args for args, _ in cases.values()])],
+                       capture_output=True, text=True, env=ENV, timeout=300 + 30 * len(cases))
+    lines = r.stdout.splitlines()
+    assert r.returncode == 0 and len(lines) == len(cases), r.stdout[-2000:] + r.stderr[-2000:]
+    return {name: (*json.loads(line), cases[name][1]) for name, line in zip(cases, lines)}
 
 
 BAD_INPUTS = ["empty-prompt", "unknown-model-name", "missing-path", "not-gguf", "truncated-gguf",
@@ -223,8 +255,9 @@ def test_chat_through_stdin_two_turns(smollm2):
 
 @pytest.mark.slow
 def test_prompt_bytes_that_are_not_utf8_become_replacement_characters():
+    # (the default path: the weights' type is beside the point, and it loads at once)
     r = subprocess.run([sys.executable, "-m", "arlm", "generate", b"ab\xff\xfecd", "--temperature", "0",
-                        "--max-new-tokens", "2", "--quantize", "none"], capture_output=True, env=ENV, timeout=300)
+                        "--max-new-tokens", "2"], capture_output=True, env=ENV, timeout=300)
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("ab\ufffd\ufffdcd".encode()), r.stdout
 
@@ -232,7 +265,7 @@ def test_prompt_bytes_that_are_not_utf8_become_replacement_characters():
 @pytest.mark.slow
 def test_chat_turn_that_does_not_fit_fails_the_exit_code_not_the_session():
     too_long = "word " * 400
-    r = arlm("chat", "--temperature", "0", "--max-new-tokens", "8", "--max-context", "256", "--quantize", "none",
+    r = arlm("chat", "--temperature", "0", "--max-new-tokens", "8", "--max-context", "256",
              stdin=f"{too_long}\nHello!\n")
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert "a reply of up to 8 tokens" in r.stderr and "do not fit the context window of 256" in r.stderr

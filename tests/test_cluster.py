@@ -5,16 +5,18 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
+import os
 import random
 import socket
 import subprocess
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 
-from servers import BAD, KEY, MODEL, ServerProcess
+from servers import BAD, HTTP_TIMEOUT, KEY, MODEL, ServerProcess
 from test_serve_protocols import BAD_EMBEDDINGS, BAD_MESSAGES, BAD_RESPONSES
 
 pytestmark = pytest.mark.slow
@@ -28,6 +30,14 @@ SYSTEM = "You are the support assistant of a parcel company; answer in one short
 # stream (3 s of it at 8 tokens/s there) by far.
 START_TIMEOUT = 600  # --replica-start-timeout: then the server gives up and says so
 DRAIN_TIMEOUT = 30  # --drain-timeout: the product's default
+# How long the ingress's router waits for a replica's answer to its queue-length probe. Ray's
+# 0.1 s is missed on a loaded machine, and then Ray sends the request to the next replica the
+# router ranked instead of the one it chose (a prefix not where its blocks are, two streams on
+# one replica): here the answer is awaited, as it comes at any load (a hang guard's size).
+QUEUE_PROBE_DEADLINE_S = 30
+# tests/replica_gate: on the replicated server's PYTHONPATH, it gives each replica's engine a gate
+# (its `hold` file) that test_sigterm_drains holds the streams at
+GATE_PATH = str(Path(__file__).with_name("replica_gate"))
 
 
 def port_below_ephemeral() -> int:
@@ -51,13 +61,21 @@ def port_below_ephemeral() -> int:
 
 
 @pytest.fixture(scope="module")
-def servers():
+def gate(tmp_path_factory) -> Path:
+    """The replicas' engine gate's directory (tests/replica_gate/sitecustomize.py)."""
+    return tmp_path_factory.mktemp("gate")
+
+
+@pytest.fixture(scope="module")
+def servers(gate):
     """(replicated, single): the same flags, one behind Ray Serve with 2 replicas of 1 thread."""
     single = ServerProcess("--kv-cache-tokens", "4096", "--api-key", KEY)
     port = port_below_ephemeral()  # (the last --port given is the one taken)
+    env = {"PYTHONPATH": os.pathsep.join(p for p in (GATE_PATH, os.environ.get("PYTHONPATH")) if p),
+           "ARLM_TEST_ENGINE_GATE": str(gate), "RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S": str(QUEUE_PROBE_DEADLINE_S)}
     replicated = ServerProcess("--kv-cache-tokens", "4096", "--api-key", KEY, "--replicas", "2",
                                "--threads-per-replica", "1", "--drain-timeout", str(DRAIN_TIMEOUT),
-                               "--replica-start-timeout", str(START_TIMEOUT), "--port", str(port))
+                               "--replica-start-timeout", str(START_TIMEOUT), "--port", str(port), env=env)
     replicated.port, replicated.url = port, f"http://127.0.0.1:{port}"
     try:
         single.wait_ready()
@@ -78,9 +96,9 @@ class Stream(threading.Thread):
     """A streamed completion read on its own thread: its non-empty lines as they come, the replica
     serving it (`pid`), `started` set at its first token (or its end); `leave()` closes it."""
 
-    def __init__(self, url: str, max_tokens: int) -> None:
+    def __init__(self, url: str, max_tokens: int, prompt: str = "Once upon a time") -> None:
         super().__init__(daemon=True)
-        self.url, self.max_tokens = url, max_tokens
+        self.url, self.max_tokens, self.prompt = url, max_tokens, prompt
         self.lines: list[str] = []
         self.pid: str | None = None
         self.started, self.left = threading.Event(), threading.Event()
@@ -89,7 +107,7 @@ class Stream(threading.Thread):
     def run(self) -> None:
         try:
             with httpx.stream("POST", f"{self.url}/v1/completions", json={
-                    "model": MODEL, "prompt": "Once upon a time", "max_tokens": self.max_tokens, "temperature": 0,
+                    "model": MODEL, "prompt": self.prompt, "max_tokens": self.max_tokens, "temperature": 0,
                     "stream": True, "ignore_eos": True}, headers=AUTH, timeout=300) as r:
                 self.pid = r.headers.get("x-arlm-replica")
                 for line in r.iter_lines():
@@ -114,7 +132,7 @@ def samples(url: str, name: str) -> list:
     """The samples of one family of the ingress's /metrics (every replica's, labelled with it)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = httpx.get(f"{url}/metrics", headers=AUTH, timeout=60).text
+    text = httpx.get(f"{url}/metrics", headers=AUTH, timeout=HTTP_TIMEOUT).text
     return [s for f in text_string_to_metric_families(text) if f.name == name for s in f.samples]
 
 
@@ -200,7 +218,7 @@ def test_bad_input_gets_the_single_process_answer(servers):
 
 
 def metric(url: str, name: str) -> float:
-    for line in httpx.get(f"{url}/metrics", headers=AUTH, timeout=60).text.splitlines():
+    for line in httpx.get(f"{url}/metrics", headers=AUTH, timeout=HTTP_TIMEOUT).text.splitlines():
         if line.startswith(name + " "):
             return float(line.split()[1])
     raise AssertionError(f"{name} not in /metrics")
@@ -214,7 +232,7 @@ def test_metrics_name_each_replica(servers):
     replicated, single = servers
 
     def families(url: str) -> dict:
-        text = httpx.get(f"{url}/metrics", headers=AUTH, timeout=60).text
+        text = httpx.get(f"{url}/metrics", headers=AUTH, timeout=HTTP_TIMEOUT).text
         return {f.name: f for f in text_string_to_metric_families(text)}
 
     def requests(fams: dict) -> dict[str, float]:
@@ -271,7 +289,7 @@ def test_a_replica_lost_mid_stream(servers):
     statuses = []
 
     def restarted() -> bool:
-        statuses.append(httpx.get(f"{url}/health", timeout=30).status_code)
+        statuses.append(httpx.get(f"{url}/health", timeout=HTTP_TIMEOUT).status_code)
         if statuses[-1] == 503 and len(statuses) == statuses.index(503) + 1:  # (degraded: the survivor serves)
             r = chat(url, "Hi!")
             assert r.status_code == 200 and r.headers["x-arlm-replica"] != str(pid), r.text
@@ -298,41 +316,66 @@ def test_a_replica_lost_mid_stream(servers):
     assert {first.pid, second.pid} == pids, (first.pid, second.pid, pids)
 
 
-def test_sigterm_drains(servers):
+def in_engines(url: str) -> dict[str, float]:
+    """Each replica's requests running or waiting, by its process id (the x-arlm-replica header)."""
+    pids = {s.labels["replica"]: s.labels["pid"] for s in samples(url, "arlm_replica_info")}
+    held: dict[str, float] = {}
+    for name in ("arlm_num_requests_running", "arlm_num_requests_waiting"):
+        for s in samples(url, name):
+            held[pids[s.labels["replica"]]] = held.get(pids[s.labels["replica"]], 0) + s.value
+    return held
+
+
+def test_sigterm_drains(servers, gate):
     """(Last: it stops the server.) SIGTERM: new requests get 503; the streams running go on: a
-    short one finishes (24 tokens: a fraction of --drain-timeout even on a loaded machine), a long
-    one (4,000 tokens: more than any CPU makes in it) ends with an error event at the timeout; a
-    long answer not streamed gets a 503 then; the process exits. Each is running when SIGTERM comes."""
+    short one finishes, a long one ends with an error event at --drain-timeout; a long answer not
+    streamed gets a 503 then; the process exits. Each is running when SIGTERM comes, held there
+    by the replicas' engine gate (tests/replica_gate): the long ones, on one replica (their prompt's
+    prefix), until the drain's time is up; the short one, alone on the other, until the drain has
+    begun, then it has 23 tokens to make in the 30 s (the one bound left: ~100x a loaded machine's
+    pace). No outcome follows the machine's speed: a fast one does not finish the long ones first,
+    a loaded one has them all running when the signal comes."""
     import signal
 
     replicated, _ = servers
     url = replicated.url
     results = {}
+    prefix = SYSTEM[:300]  # (one hashed chunk of the router's: the long ones' replica; 4,000 tokens still fit)
 
     def whole() -> None:  # (not streamed: its answer would come at its end)
         results["whole"] = httpx.post(f"{url}/v1/completions", json={
-            "model": MODEL, "prompt": "Twice upon a time", "max_tokens": 4000, "temperature": 0,
+            "model": MODEL, "prompt": prefix + "Twice upon a time", "max_tokens": 4000, "temperature": 0,
             "ignore_eos": True}, headers=AUTH, timeout=300)
 
-    long = Stream(url, 4000)
-    waiter = threading.Thread(target=whole)
-    waiter.start()
-    assert long.started.wait(300) and long.tokens() >= 1, long.lines
-    until(lambda: sum(s.value for name in ("arlm_num_requests_running", "arlm_num_requests_waiting")
-                      for s in samples(url, name)) >= 2, "the long answer in an engine")
-    short = Stream(url, 24)
-    assert short.started.wait(300) and short.tokens() >= 1, short.lines
-    replicated.proc.send_signal(signal.SIGTERM)
+    # (both replicas running, as Ray reports them: the ingress's /health is 503 while fewer are)
+    until(lambda: httpx.get(f"{url}/health", timeout=HTTP_TIMEOUT).status_code == 200, "both replicas running")
+    (gate / "hold").touch()  # (each engine stops once every request it holds has its first token)
+    try:
+        long = Stream(url, 4000, prompt=prefix + "Once upon a time")
+        assert long.started.wait(300) and long.tokens() >= 1, long.lines
+        waiter = threading.Thread(target=whole)
+        waiter.start()
+        until(lambda: in_engines(url).get(long.pid, 0) >= 2, "the long answer in the long stream's engine")
+        short = Stream(url, 24)  # (no prefix to route by: to the replica with nothing outstanding)
+        assert short.started.wait(300) and short.tokens() >= 1, short.lines
+        assert short.pid != long.pid, (short.pid, long.pid, in_engines(url))
+        replicated.proc.send_signal(signal.SIGTERM)
 
-    def refused() -> bool:  # (until the drain begins, a new request is still served)
+        def draining() -> bool:  # (until the drain begins, the replicas answer; no engine's step)
+            r = httpx.get(f"{url}/v1/models", headers=AUTH, timeout=HTTP_TIMEOUT)
+            assert r.status_code in (200, 503), r.text
+            return r.status_code == 503 and r.json()["error"]["code"] == "draining"
+
+        until(draining, "the drain begun")
         r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2},
-                       headers=AUTH, timeout=60)
-        assert r.status_code in (200, 503), r.text
-        return r.status_code == 503 and r.json()["error"]["code"] == "draining"
-
-    until(refused, "new requests refused")  # (the long stream holds the drain open until its timeout)
-    for t in (short, long, waiter):
-        t.join(DRAIN_TIMEOUT + 120)
+                       headers=AUTH, timeout=HTTP_TIMEOUT)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "draining", r.text  # new requests refused
+        assert short.is_alive() and short.tokens() < 24, short.lines  # (still held: running at the signal)
+        (gate / f"release-{short.pid}").touch()
+        for t in (short, long, waiter):
+            t.join(DRAIN_TIMEOUT + 120)
+    finally:
+        (gate / "hold").unlink(missing_ok=True)  # (the long ones' engine: its aborts, then its exit)
     assert short.lines[-1] == "data: [DONE]" and short.tokens() == 24, short.lines
     assert all("error" not in line for line in short.lines)
     assert long.lines[-1] == "data: [DONE]" and json.loads(long.lines[-2][6:])["error"]["code"] == "draining"

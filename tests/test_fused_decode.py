@@ -304,18 +304,31 @@ def _forward_nll(model, tokens):
     return torch.nn.functional.cross_entropy(logits, ids[0, 1:]).item()
 
 
+@pytest.fixture(scope="module")
+def forward_nll(smollm2, val_tokens):
+    """mode -> (SmolLM2 quantized that way, or float32 for None; its uncached forward NLL), each
+    made once for the module (the cases below share the float32 reference and the "auto" model)."""
+    made = {}
+
+    def get(mode):
+        if mode not in made:
+            model = smollm2.model if mode is None else quantize(copy.deepcopy(smollm2.model), mode)
+            made[mode] = (model, _forward_nll(model, val_tokens))
+        return made[mode]
+    return get
+
+
 @pytest.mark.parametrize("mode,kv_dtype", [("auto", torch.float16), ("auto", torch.float32),
                                            ("int8", torch.float32)])
 @pytest.mark.slow
-def test_quantized_native_step_perplexity(smollm2, val_tokens, mode, kv_dtype):
+def test_quantized_native_step_perplexity(forward_nll, val_tokens, mode, kv_dtype):
     # 1,024 tokens decoded one at a time through the native step: perplexity within 1% of the
     # float32 model's, and of the same quantized model's uncached forward pass (module path).
     # ("auto" with a float16 cache is LLM's default on CPU.)
-    model = quantize(copy.deepcopy(smollm2.model), mode)
+    model, module_nll = forward_nll(mode)
     native = native_decode_fn(model)
     assert native is not None
-    nll = [_forward_nll(smollm2.model, val_tokens), _decode_nll(model, val_tokens, native, kv_dtype),
-           _forward_nll(model, val_tokens)]
+    nll = [forward_nll(None)[1], _decode_nll(model, val_tokens, native, kv_dtype), module_nll]
     ppl = torch.tensor(nll).exp()
     assert 5 < ppl[0] < 100
     assert abs(ppl[1] / ppl[0] - 1) <= 0.01, ppl  # the stated bound: within 1% of float32

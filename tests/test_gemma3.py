@@ -51,6 +51,14 @@ def gemma(gemma_path):
     return LLM.load(str(gemma_path), quantize=None)
 
 
+@pytest.fixture(scope="module")
+def gemma_default():
+    """`LLM.load("gemma3-270m")`: the default path, loaded once (the tests change nothing of it)."""
+    from arlm.llm import LLM
+
+    return LLM.load("gemma3-270m")
+
+
 def test_config_is_gemma3_270m(gemma):
     c = gemma.model.config
     assert (c.n_layer, c.d_model, c.n_head, c.n_kv_heads, c.head_dim, c.vocab_size) == (18, 640, 4, 1, 256, 262144)
@@ -90,12 +98,11 @@ def test_greedy_tokens_equal_transformers(gemma, hf_gemma):
     assert got[0] == want
 
 
-def test_default_path_reads_every_block_as_stored_and_answers_as_float32(gemma):
-    from arlm.llm import LLM
+def test_default_path_reads_every_block_as_stored_and_answers_as_float32(gemma, gemma_default):
     from arlm.sampling import SamplingParams
     from cpu_flags import packed_expected
 
-    default = LLM.load("gemma3-270m")
+    default = gemma_default
     assert default.engine.runner.native is not None  # the native layer stack, not the modules
     params = SamplingParams(max_new_tokens=32, temperature=0.0, ignore_eos=True)
     prompt = [gemma.tokenizer.encode("The cat sat on the")]
@@ -114,14 +121,13 @@ def test_generate_command_runs_the_default_path(capfd):
     assert r.stdout.startswith("The cat sat on the") and len(r.stdout) > len("The cat sat on the") + 8
 
 
-def test_trace_counts_the_sliding_layers_reads():
+def test_trace_counts_the_sliding_layers_reads(gemma_default):
     """`arlm trace` on Gemma 3 names its sliding-window layers, and a step past the window counts
     their K/V reads at 512 slots (15 layers) beside the full layers' every slot (3)."""
-    from arlm.llm import LLM
     from arlm.sampling import SamplingParams
     from arlm.trace import run_trace
 
-    llm = LLM.load("gemma3-270m")
+    llm = gemma_default
     ids = torch.randint(1000, 200000, (600,), generator=torch.Generator().manual_seed(3)).tolist()
     trace = run_trace(llm, [ids], SamplingParams(max_new_tokens=2, temperature=0.0), measure=False)
     mod = trace["model"]

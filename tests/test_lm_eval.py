@@ -64,7 +64,8 @@ def setup(tmp_path_factory, smollm2_default):
     return tasks, tok
 
 
-def _evaluate(model: str, model_args: str, tasks_dir: Path, tasks: list[str]) -> dict:
+def _evaluate(model, model_args: str | None, tasks_dir: Path, tasks: list[str]) -> dict:
+    """lm-eval's run of `tasks`: `model` a registered name with its `model_args`, or an LM."""
     import lm_eval
     from lm_eval.tasks import TaskManager
 
@@ -84,8 +85,8 @@ def _loglikelihoods(results: dict, task: str) -> np.ndarray:
     return np.array([ll(r) for s in samples for r in s["resps"]], dtype=np.float64)
 
 
-@pytest.mark.slow  # a server process, and HF's own load of the model
-def test_lm_eval_through_the_server_matches_hf(setup, smollm2_path):
+@pytest.mark.slow  # a server process, and HF's model
+def test_lm_eval_through_the_server_matches_hf(setup, hf_smollm2):
     tasks, tok = setup
     server = ServerProcess("--quantize", "none", "--kv-cache-tokens", "4096")
     try:
@@ -95,8 +96,11 @@ def test_lm_eval_through_the_server_matches_hf(setup, smollm2_path):
         ours = _evaluate("local-completions", args, tasks, ["arlm_mc", "arlm_gen"])
     finally:
         server.stop()
-    ref = _evaluate("hf", f"pretrained={smollm2_path.parent},gguf_file={smollm2_path.name},tokenizer={tok},"
-                          "dtype=float32,device=cpu", tasks, ["arlm_mc"])
+    # lm-eval's `hf` model over the session's HF load of the same GGUF (float32, on the CPU): what
+    # `model=hf,pretrained=...,gguf_file=...,dtype=float32` loads, without dequantizing it again
+    from lm_eval.models.huggingface import HFLM
+
+    ref = _evaluate(HFLM(pretrained=hf_smollm2, tokenizer=str(tok), batch_size=4), None, tasks, ["arlm_mc"])
     a, b = _loglikelihoods(ours, "arlm_mc"), _loglikelihoods(ref, "arlm_mc")
     assert a.shape == b.shape == (39,)  # 10 items, 39 choices
     print(f"lm-eval: max |loglikelihood difference| {np.abs(a - b).max():.2e} over {len(a)} choices; accuracy "

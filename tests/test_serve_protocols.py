@@ -16,16 +16,24 @@ MODEL = "smollm2"
 
 
 @pytest.fixture(scope="module")
+def smollm2(smollm2_default):
+    """SmolLM2 on its default path (what `arlm serve` runs; several times faster to decode than the
+    float32 model): the app's model, and the reference for its embeddings."""
+    return smollm2_default
+
+
+@pytest.fixture(scope="module")
 def app(smollm2):
-    """The app over a real engine of its own on the float32 SmolLM2's runner, served in process."""
+    """The app over a real engine of its own on SmolLM2's runner, served in process."""
     from fastapi.testclient import TestClient
 
     from arlm.engine import AsyncEngine, Engine, EngineConfig
     from arlm.serve import api
     from arlm.structured import Grammars
 
-    engine = Engine(smollm2.runner, smollm2.tokenizer.eos_ids, EngineConfig(kv_cache_tokens=4096,
-                                                                            max_num_batched_tokens=64))
+    # (the cache's element type as `arlm serve` resolves it: float16 beside the native step)
+    config = EngineConfig(kv_cache_tokens=4096, max_num_batched_tokens=64, kv_dtype=smollm2.kv_dtype)
+    engine = Engine(smollm2.runner, smollm2.tokenizer.eos_ids, config)
     engine.grammars = Grammars(smollm2.tokenizer, smollm2.model.config.vocab_size)
     with TestClient(api.create_app(api.Server(smollm2, AsyncEngine(engine), MODEL, api_key="k"))) as http:
         yield http, engine

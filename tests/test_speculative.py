@@ -10,8 +10,6 @@ must reject two deliberately broken rules, so that it can fail.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -27,7 +25,7 @@ from arlm.model import Transformer
 from arlm.quant import quantize
 from arlm.sampling import SamplingParams, penalized, warped_probs
 
-from conftest import FixedStepCost, randomize_
+from conftest import FixedStepCost, randomize_, run_arlm
 
 
 STATIC = dict(block_size=None, max_num_seqs=1024, max_num_batched_tokens=1 << 20)
@@ -520,29 +518,27 @@ def test_bad_speculative_settings(llm):
         llm.drafter(3)
 
 
-def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "arlm", *args], capture_output=True, text=True, timeout=300)
-
-
-@pytest.mark.slow  # two model loads in subprocesses
-def test_cli_generate_speculative():
+@pytest.mark.slow  # two model loads
+def test_cli_generate_speculative(capfd):
+    # (`arlm generate` through its main() in this process: the command's flags and output, without
+    # a new interpreter's imports for each of its six runs)
     # (both at one fixed width: left to itself each would narrow under load, and where prefill
     # runs torch's float GEMMs, another width sums in another order)
     args = ("generate", COPY, "--chat", "--temperature", "0", "--max-new-tokens", "30", "--json",
             "--threads", str(torch.get_num_threads()))
     # (fixed drafts, --speculative-fixed: the adaptive rule follows the process's measured step
     # times, and under load it may draft nothing, leaving accepted == 0)
-    r = run_cli(*args, "--speculative", "ngram", "--speculative-fixed")
+    r = run_arlm(capfd, *args, "--speculative", "ngram", "--speculative-fixed")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
-    plain = json.loads(run_cli(*args).stdout)
+    plain = json.loads(run_arlm(capfd, *args).stdout)
     assert out["text"] == plain["text"]
     spec = out["stats"]["speculative"]
     assert spec["proposed"] >= spec["accepted"] > 0 and spec["tokens_per_pass"] > 1
     for bad, msg in ((["--speculative", "self:x"], "self:N"), (["--speculative", "no-such-model"], "unknown model"),
                      (["--speculative", "ngram", "--prompt-lookup-min", "5"], "n-gram"),
                      (["--speculative", "ngram", "--num-speculative-tokens", "0"], "positive integer")):
-        r = run_cli("generate", "Hi", "--max-new-tokens", "2", *bad)
+        r = run_arlm(capfd, "generate", "Hi", "--max-new-tokens", "2", *bad)
         assert r.returncode == 2 and msg in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 

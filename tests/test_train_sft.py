@@ -31,7 +31,7 @@ from arlm.llm import render_chat, template_tokens
 from arlm.model import Transformer
 from arlm.train import TrainConfig, next_token_loss, train
 from arlm.train.chat import ChatEncoder, parse_conversation
-from arlm.train.data import IGNORE, ChatData, TokenData, prepare_chat, pretrained_tokenizer_and_template
+from arlm.train.data import IGNORE, ChatData, TokenData, prepare_chat
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "chat_answer_format.jsonl"
@@ -67,9 +67,26 @@ def write_jsonl(path: Path, rows: list) -> Path:
     return path
 
 
+@pytest.fixture(scope="module", autouse=True)
+def tokenizers_read_once():
+    """Each `prepare --chat --tokenizer smollm2` reads SmolLM2's tokenizer from its GGUF's metadata
+    (~1 s): the module's dozen runs share the first read (a cache by model name; what is read, and
+    how, is unchanged)."""
+    import functools
+
+    import arlm.train.data as data
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(data, "pretrained_tokenizer_and_template",
+                   functools.lru_cache(maxsize=None)(data.pretrained_tokenizer_and_template))
+        yield
+
+
 @pytest.fixture(scope="module")
 def smollm2_chat():
-    return pretrained_tokenizer_and_template("smollm2")
+    import arlm.train.data as data
+
+    return data.pretrained_tokenizer_and_template("smollm2")
 
 
 @pytest.fixture(scope="module")
@@ -305,7 +322,7 @@ HELD_OUT = ["What is the capital of England?", "How many wheels does a bicycle h
 
 
 @pytest.mark.slow
-def test_finetuned_smollm2_answers_in_the_learned_format(tmp_path, capsys):
+def test_finetuned_smollm2_answers_in_the_learned_format(tmp_path, capsys, smollm2_default):
     """Every reply in the example set is "ANSWER: <word>."; SmolLM2-135M-Instruct never answers
     so. After four steps of two rows (~20 conversations) its greedy replies to questions it never
     saw follow the format and stop there, through `arlm chat`'s path (the checkpoint's template,
@@ -321,7 +338,7 @@ def test_finetuned_smollm2_answers_in_the_learned_format(tmp_path, capsys):
                       weight_decay=0.0, eval_interval=0, eval_batches=1, log_interval=1, progress=False, plot=False,
                       dtype="float32"))
     greedy = SamplingParams(max_new_tokens=16, temperature=0)
-    tuned, base = LLM.load(str(tmp_path / "run" / "latest"), quantize=None), LLM.load("smollm2")
+    tuned, base = LLM.load(str(tmp_path / "run" / "latest"), quantize=None), smollm2_default  # (LLM.load("smollm2"))
     for llm, follows in ((tuned, True), (base, False)):
         prompts = [llm.apply_chat_template([{"role": "user", "content": q}]) for q in HELD_OUT]
         replies = [c.text for c in llm.generate(prompts, greedy)]

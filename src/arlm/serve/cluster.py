@@ -193,7 +193,12 @@ class PrefixRouter(Addressed, RequestRouter):
         return [[chosen], [r for r in candidate_replicas if r is not chosen]]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
-        self.place(pending_request, replica_id)
+        # (only a request still placed: Ray registers the completion callback before it awaits the
+        # replica's acceptance and calls this, and a quick answer — a 400, a /metrics page — can
+        # complete in between; placed again, it counted on that replica for ever, which then got
+        # fewer requests than it should: two streams on one replica while the other stood idle)
+        if pending_request.metadata.internal_request_id in self.placed:
+            self.place(pending_request, replica_id)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         self.unplace(internal_request_id)
