@@ -69,12 +69,17 @@ def test_chunked_loss_equals_cross_entropy_bf16_autocast(chunk_rows, backend):
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0, msg=msg)
     assert gh.dtype == gw.dtype == torch.float32
     # The truth: float64 from the same bf16-rounded operands. Both paths round their products to
-    # bf16; the chunked one may be no further from it than the plain one (x1.25, and 1e-7).
+    # bf16; the chunked one may be no further from it than the plain one (x1.25, and 1e-7), but
+    # for the weight gradient it sums one bf16 product a chunk where the plain path rounds one
+    # product of all rows: each extra chunk may add a bf16 unit roundoff (2^-8) of the largest
+    # value (seeds 571614681 and 162 went 1.36x and 1.62x the plain error with 3 chunks).
     _, true_gh, true_gw = loss_and_grads(
         lambda h, w, t: F.cross_entropy(h.bfloat16().double() @ w.bfloat16().double().T, t), hidden, weight, targets)
-    for ours, plain, truth in ((gh, ref_gh, true_gh), (gw, ref_gw, true_gw)):
+    extra_chunks = -(-len(targets) // chunk_rows) - 1
+    for ours, plain, truth, sums in ((gh, ref_gh, true_gh, False), (gw, ref_gw, true_gw, True)):
         err, plain_err = (ours - truth).abs().max().item(), (plain - truth).abs().max().item()
-        assert err <= 1.25 * plain_err + 1e-7, (msg, err, plain_err)
+        rounding = extra_chunks * 2**-8 * truth.abs().max().item() if sums else 0.0
+        assert err <= 1.25 * plain_err + rounding + 1e-7, (msg, err, plain_err)
         assert plain_err < 0.02 * truth.abs().max().item(), msg  # (both near the truth at all)
 
 
