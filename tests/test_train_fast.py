@@ -363,8 +363,10 @@ def test_shadow_weights_train_as_autocast_does(tie):
 
 def test_lora_trains_through_frozen_shadows():
     """Under LoRA the frozen bases and head multiply through bf16 copies made once (no cast a step):
-    the adapters train as they do under autocast over the float32 bases (losses within 1e-6), and
-    the bases are untouched."""
+    the adapters train as they do under autocast over the float32 bases, and the bases are
+    untouched. The first two losses are equal bit for bit (the copies are the casts autocast makes);
+    the third within 5e-6: the adapters' two AdamW updates by the native step and by torch's round
+    differently in float32 (up to 1.25e-6 over 360 seeds; seed 1885575448 failed a flat 1e-6)."""
     from arlm import kernels
     from arlm.train import lora
     from arlm.train.config import TrainConfig
@@ -387,8 +389,9 @@ def test_lora_trains_through_frozen_shadows():
     opt_plain = configure_optimizer(models[0], cfg, torch.device("cpu"))
     opt_shadow = configure_optimizer(models[1], cfg, torch.device("cpu"), shadow_weights=True)
     assert not opt_shadow.grad_shadows and sum(hasattr(m, "shadow") for m in models[1].modules()) == 2 * 4 + 1
-    torch.testing.assert_close(train_steps(models[1], opt_shadow, batches), train_steps(models[0], opt_plain, batches),
-                               rtol=1e-6, atol=0, msg=f"seed {seed}")
+    shadow, plain = train_steps(models[1], opt_shadow, batches), train_steps(models[0], opt_plain, batches)
+    assert shadow[:2] == plain[:2], f"seed {seed}"
+    torch.testing.assert_close(shadow, plain, rtol=5e-6, atol=0, msg=f"seed {seed}")
     after = models[1].state_dict()
     assert all(torch.equal(after[k], v) for k, v in frozen.items())
 
