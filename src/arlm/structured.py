@@ -208,6 +208,11 @@ class Grammars:
                                                             eos_token=eos[0] if eos and len(eos) == 1 else eos)
             return self._ll_tokenizer
 
+    def prepare(self) -> None:
+        """llguidance loaded and its view of the tokenizer built now, not by the first grammar
+        (whose time-out would pay for them)."""
+        self.ll_tokenizer.vocab_size
+
     @property
     def words(self) -> int:
         """The mask's size in 32-bit words."""
