@@ -114,6 +114,27 @@ def test_the_streamed_build_is_the_in_memory_model(gguf_file, tmp_path, monkeypa
     _assert_same_model(again.model, want)
 
 
+def test_a_first_load_parses_the_file_once(gguf_file, tmp_path, monkeypatch):
+    """A file never loaded is parsed while its bytes are hashed, and that parse builds the cache
+    (once); a copy at a new path is found in the cache by its hash; a path remembered is not parsed."""
+    import shutil
+
+    import arlm.loading as loading
+
+    monkeypatch.setenv("ARLM_CACHE", str(tmp_path))
+    opened, real = [], loading.open_gguf
+    monkeypatch.setattr(loading, "open_gguf", lambda p: opened.append(p) or real(p))
+    first = load_quantized_gguf(gguf_file)
+    assert opened == [gguf_file]
+    copy = tmp_path / "copy.gguf"
+    shutil.copy(gguf_file, copy)
+    _assert_same_model(load_quantized_gguf(copy).model, first.model)
+    assert len(_leftovers(tmp_path)) == 1
+    parsed = len(opened)
+    load_quantized_gguf(copy)
+    assert len(opened) == parsed
+
+
 def test_a_new_build_sweeps_what_nothing_will_read(gguf_file, tmp_path, monkeypatch):
     """Caches of file versions no longer anywhere (deleted, or rewritten in place), of an older
     format, and stale temporary builds go when a new cache is written; a cache whose content

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -104,8 +105,14 @@ def load_quantized_gguf(path: Path) -> LoadedModel:
     (`arlm.loading.cache`), which the first load builds from the file (`_build_cache`); built in
     memory where the cache cannot be written."""
     layout = "packed" if kernels.packed_available() else "rows"
+    gf = None
+    if not cache.hash_remembered(path):  # a file (version) never loaded: parsed while its bytes are hashed
+        with ThreadPoolExecutor(1) as pool:  # (hashlib lets go of the GIL: the two share the cores)
+            digest = pool.submit(cache.file_hash, path)
+            gf = open_gguf(path)
+            digest.result()
     loaded = cache.load(path, layout)
-    if loaded is None and _build_cache(path, layout):
+    if loaded is None and _build_cache(path, layout, gf):
         loaded = cache.load(path, layout)
     if loaded is None:  # a read-only cache: nothing lost but time
         gf, model, requantized = quantized_model(path)
@@ -123,12 +130,13 @@ def _gguf_tokenizer(gf) -> Tokenizer:
         raise LoadError(f"{gf.path}: cannot build its tokenizer ({e})") from None
 
 
-def _build_cache(path: Path, layout: str) -> bool:
+def _build_cache(path: Path, layout: str, gf=None) -> bool:
     """The file's model into the cache a weight at a time: each converted to the kernels' layout
     (`prepare`), appended to the cache's weights.bin and let go (`cache.Builder.store`), the
     file's pages handed back as they are read, so the first load's memory is about one weight's
     beside the process's own, not the model's twice. A progress bar on stderr where it is a
-    terminal. False where the cache cannot be written (nothing is left of the attempt)."""
+    terminal. gf: the file, where it is open already. False where the cache cannot be written
+    (nothing is left of the attempt)."""
     from tqdm import tqdm  # (first loads only)
 
     try:
@@ -151,7 +159,7 @@ def _build_cache(path: Path, layout: str) -> bool:
 
     try:
         with builder:
-            gf = open_gguf(path)
+            gf = gf or open_gguf(path)
             tokenizer = _gguf_tokenizer(gf)
             gf.tokenizer_fields = {}  # (built: its lists, ~85 MB for a 262,144-token vocabulary, go first)
             with tqdm(total=gf.weight_bytes(), unit="B", unit_scale=True, leave=False, file=sys.stderr,

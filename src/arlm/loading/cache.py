@@ -98,6 +98,14 @@ def _locked(root: Path):
         yield
 
 
+def hash_remembered(path: Path) -> bool:
+    """Whether `index.json` holds this file version's sha256 (`file_hash` reads no byte of it)."""
+    try:
+        return _stamp(path) in json.loads((cache_root() / "index.json").read_text())
+    except (OSError, ValueError):
+        return False
+
+
 def file_hash(path: Path) -> str:
     """The sha256 of the file's bytes, remembered per (path, size, mtime, inode)."""
     stamp = _stamp(path)
