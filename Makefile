@@ -46,9 +46,13 @@ run: install
 test: install-test
 	$(PY) -m pytest -q --durations=25 tests
 
-# The same without the tests marked slow: under two minutes on 2 cores, for the edit-test loop.
+# The same without the tests marked slow, for the edit-test loop: two pytest processes of one
+# thread each, a test file apiece (99 s on 2 cores, where one process of two threads takes ~165 s:
+# much of a short test is Python, on one core; two processes of two threads each oversubscribe
+# the cores and take longer). Not for `make test`: its servers and replica clusters are sized for
+# one test at a time.
 test-fast: install-test
-	$(PY) -m pytest -q -m "not slow" tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadfile -m "not slow" tests
 
 # The decode/prefill harness: arlm beside HF transformers (and llama.cpp after `make bench-peers`).
 bench: install-test
