@@ -245,6 +245,8 @@ def read_conversations(files: list[str | Path], encoder: ChatEncoder, max_tokens
     Without `skip_bad` the first bad line is a DataError naming its file and line."""
     convs, bad = [], []
     for f in map(Path, files):
+        if f.is_dir():
+            raise DataError(f"chat file {f} is a directory: name the .jsonl files in it")
         if not f.is_file():
             raise DataError(f"chat file not found: {f}")
         for lineno, parsed in read_chat_file(f):
@@ -284,6 +286,10 @@ def prepare_chat(inputs: list[str | Path], out_dir: str | Path, tokenizer: str, 
     if not template:
         raise DataError(f"{tokenizer} has no chat template: give one with --chat-template FILE")
     convs, bad = read_conversations(inputs, ChatEncoder(template, tok), context_length + 1, skip_bad)
+    if not convs:
+        files = ", ".join(map(str, inputs))
+        raise DataError(f"no conversation to train on in {files}: " + (
+            f"--skip-bad skipped all {len(bad)} line(s); the first: {bad[0]}" if bad else "no line but blank ones"))
     n_train = int(len(convs) * (1.0 - val_fraction))
     if n_train < 1 or n_train == len(convs):
         raise DataError(f"{len(convs)} conversation(s) cannot be split into training and validation at "
