@@ -116,6 +116,17 @@ def test_prepare_with_a_model_tokenizer(smollm2_data):
     assert ids[:3] == data.tokenizer.encode(SHAKESPEARE[:20])[:3]
 
 
+@pytest.mark.parametrize("tokenizer", ["char", "smollm2"])
+def test_vocab_size_is_refused_where_the_tokenizer_brings_its_own(tokenizer, tmp_path, capsys):
+    (tmp_path / "corpus.txt").write_text(SHAKESPEARE[:1_000], encoding="utf-8")
+    argv = ["prepare", str(tmp_path / "corpus.txt"), "--tokenizer", tokenizer, "--vocab-size", "300",
+            "--out", str(tmp_path / "d")]
+    assert arlm_main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--vocab-size applies with --tokenizer bpe" in err, err
+    assert not (tmp_path / "d").exists()
+
+
 # -- configuration ---------------------------------------------------------------------------------
 
 def test_config_file_then_overrides(tmp_path):

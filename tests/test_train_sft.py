@@ -327,6 +327,8 @@ def test_a_directory_as_the_chat_file(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv, match", [
+    (["--tokenizer", "smollm2", "--context-length", "64", "--vocab-size", "100"],
+     "--vocab-size does not apply with --chat"),
     (["--tokenizer", "char", "--context-length", "64"], "--chat needs --tokenizer MODEL"),
     (["--tokenizer", "smollm2"], "--chat needs --context-length N"),
     (["--tokenizer", "smollm2", "--context-length", "64", "--chat-template", "no-such-file"], "no such file"),
