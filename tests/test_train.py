@@ -146,6 +146,15 @@ def test_config_file_then_overrides(tmp_path):
         load_config(None, {"n_embd": 8})
 
 
+@pytest.mark.parametrize("flag", ["--lr", "--min-lr", "--grad-clip", "--weight-decay", "--lora-alpha"])
+@pytest.mark.parametrize("value", ["nan", "inf"])
+def test_a_setting_that_is_not_a_finite_number_is_refused(flag, value, tmp_path, capsys):
+    argv = ["train", flag, value, "--lora-rank", "2", "--data-dir", str(tmp_path / "none"), "--out-dir", str(tmp_path)]
+    assert arlm_main(argv) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == f"arlm: error: {flag[2:].replace('-', '_')} must be a finite number, got {float(value)}", err
+
+
 def test_lr_schedule_is_nanogpts():
     cfg = TrainConfig(lr=1e-3, min_lr=1e-4, warmup_steps=100, max_steps=2000)
     assert lr_at(0, cfg) == pytest.approx(1e-3 * 1 / 101)
