@@ -155,6 +155,36 @@ def test_a_setting_that_is_not_a_finite_number_is_refused(flag, value, tmp_path,
     assert err == f"arlm: error: {flag[2:].replace('-', '_')} must be a finite number, got {float(value)}", err
 
 
+def test_metrics_and_plot_are_rewritten_atomically(tmp_path, monkeypatch):
+    """A write that fails partway (a full disk, a kill) through the resume's rewrite of
+    metrics.jsonl or through loss.png leaves the file as it was, and no temp file."""
+    import matplotlib.figure
+
+    from arlm.train.progress import MetricsLog, plot_losses
+
+    metrics, plot = tmp_path / "metrics.jsonl", tmp_path / "loss.png"
+    records = [{"kind": "train", "step": s, "loss": 4.0 - s, "lr": 1e-3, "tokens_per_s": 1.0} for s in (1, 2, 3)]
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in records))
+    plot.write_bytes(b"the last run's plot")
+    before = {p: p.read_bytes() for p in (metrics, plot)}
+
+    def half_then_full_disk(path, data, *args, **kwargs):
+        with open(path, "w") as fh:
+            fh.write(data[: len(data) // 2])
+        raise OSError(28, "No space left on device")
+
+    with monkeypatch.context() as mp:
+        mp.setattr(Path, "write_text", half_then_full_disk)
+        mp.setattr(matplotlib.figure.Figure, "savefig", lambda fig, fname, **kw: half_then_full_disk(fname, "PNG"))
+        with pytest.raises(OSError, match="No space left"):
+            MetricsLog(metrics, resume_step=2)
+        with pytest.raises(OSError, match="No space left"):
+            plot_losses(records, plot)
+    assert {p: p.read_bytes() for p in tmp_path.iterdir()} == before
+    assert [r["step"] for r in MetricsLog(metrics, resume_step=2).records] == [1, 2]
+    assert plot_losses(records, plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_lr_schedule_is_nanogpts():
     cfg = TrainConfig(lr=1e-3, min_lr=1e-4, warmup_steps=100, max_steps=2000)
     assert lr_at(0, cfg) == pytest.approx(1e-3 * 1 / 101)
