@@ -155,6 +155,16 @@ def test_a_setting_that_is_not_a_finite_number_is_refused(flag, value, tmp_path,
     assert err == f"arlm: error: {flag[2:].replace('-', '_')} must be a finite number, got {float(value)}", err
 
 
+def test_a_meta_json_that_is_not_an_object_is_named(tmp_path, capsys):
+    (tmp_path / "corpus.txt").write_text(SHAKESPEARE[:1_000], encoding="utf-8")
+    prepare([tmp_path / "corpus.txt"], tmp_path / "d", tokenizer="char")
+    (tmp_path / "d" / "meta.json").write_text("[1]")
+    assert arlm_main(["train", "--data-dir", str(tmp_path / "d"), "--out-dir", str(tmp_path / "run")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"data in {tmp_path / 'd'} is incomplete or inconsistent" in err, err
+    assert "meta.json is not readable" in err, err
+
+
 def test_metrics_and_plot_are_rewritten_atomically(tmp_path, monkeypatch):
     """A write that fails partway (a full disk, a kill) through the resume's rewrite of
     metrics.jsonl or through loss.png leaves the file as it was, and no temp file."""

@@ -321,6 +321,18 @@ def test_no_conversation_at_all_names_the_file(lines, match, tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
+def test_a_tokenizer_checkpoint_whose_metadata_is_not_an_object(tmp_path, capsys):
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "arlm.json").write_text("[1]")
+    (tmp_path / "ckpt" / "tokenizer.json").write_text("{}")
+    chat = write_jsonl(tmp_path / "chat.jsonl", [GOOD, GOOD])
+    argv = prepare_argv(chat, tmp_path / "out")
+    argv[argv.index("smollm2")] = str(tmp_path / "ckpt")
+    assert arlm_main(argv) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == f"arlm: error: {tmp_path / 'ckpt'} is not an arlm checkpoint", err
+
+
 def test_a_directory_as_the_chat_file(tmp_path, capsys):
     assert arlm_main(prepare_argv(tmp_path, tmp_path / "out")) == 1
     assert f"chat file {tmp_path} is a directory" in capsys.readouterr().err
