@@ -155,6 +155,12 @@ def test_a_setting_that_is_not_a_finite_number_is_refused(flag, value, tmp_path,
     assert err == f"arlm: error: {flag[2:].replace('-', '_')} must be a finite number, got {float(value)}", err
 
 
+def test_resume_and_overwrite_together_are_refused(tmp_path, capsys):
+    assert arlm_main(["train", "--resume", "--overwrite", "--out-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--overwrite: not allowed with argument --resume" in err, err
+
+
 def test_a_meta_json_that_is_not_an_object_is_named(tmp_path, capsys):
     (tmp_path / "corpus.txt").write_text(SHAKESPEARE[:1_000], encoding="utf-8")
     prepare([tmp_path / "corpus.txt"], tmp_path / "d", tokenizer="char")

@@ -124,8 +124,9 @@ def add_train(sub) -> None:
         description="Settings come from the defaults (nanoGPT's tiny-Shakespeare CPU recipe), then --config, "
                     "then these flags. Run `torchrun --nproc_per_node=K -m arlm train ...` for DDP.")
     p.add_argument("--config", default=None, metavar="FILE", help="TOML or YAML file of settings (flat key = value)")
-    p.add_argument("--resume", action="store_true", help="continue exactly from <out_dir>/latest")
-    p.add_argument("--overwrite", action="store_true", help="start over in an out_dir that holds a run")
+    run = p.add_mutually_exclusive_group()
+    run.add_argument("--resume", action="store_true", help="continue exactly from <out_dir>/latest")
+    run.add_argument("--overwrite", action="store_true", help="start over in an out_dir that holds a run")
     settings = p.add_argument_group("settings")
     hints = typing.get_type_hints(TrainConfig)
     for f in dataclasses.fields(TrainConfig):
