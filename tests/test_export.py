@@ -450,6 +450,28 @@ def test_bad_inputs_fail_in_one_line_and_write_nothing(bpe_tokenizer, tmp_path, 
     assert (tmp_path / "taken" / "x").exists() and (tmp_path / "file").read_text() == "not a directory"
 
 
+@pytest.mark.parametrize("damage", [b"", b"[1, 2]", b'{"model": "none"}', b"\xff\xfe"])
+def test_a_damaged_tokenizer_file_is_named(damage, bpe_tokenizer, tmp_path, capfd):
+    write_tiny_checkpoint(tmp_path / "ckpt", "llama-gqa", bpe_tokenizer, 400)
+    (tmp_path / "ckpt" / "tokenizer.json").write_bytes(damage)
+    r = run_arlm(capfd, "export", str(tmp_path / "ckpt"), "--to", "hf", str(tmp_path / "out"))
+    assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert f"arlm: error: {tmp_path / 'ckpt' / 'tokenizer.json'} is not a readable tokenizer.json (" in r.stderr, r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("damage, reason", [(b"[1, 2]", "is not an arlm checkpoint"),
+                                           (b"{", "arlm.json is not readable checkpoint metadata"),
+                                           (b"\xff\xfe", "arlm.json is not readable checkpoint metadata")])
+def test_damaged_checkpoint_metadata_is_named(damage, reason, bpe_tokenizer, tmp_path, capfd):
+    write_tiny_checkpoint(tmp_path / "ckpt", "llama-gqa", bpe_tokenizer, 410)
+    (tmp_path / "ckpt" / "arlm.json").write_bytes(damage)
+    r = run_arlm(capfd, "export", str(tmp_path / "ckpt"), "--to", "hf", str(tmp_path / "out"))
+    assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert r.stderr.startswith(f"arlm: error: {tmp_path / 'ckpt'}") and reason in r.stderr, r.stderr
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("to", ["hf", "gguf"])
 def test_a_failure_midway_leaves_nothing(to, bpe_tokenizer, tmp_path, capfd, monkeypatch):
     """A write that fails after its first bytes (a full disk) leaves no file, directory or temp

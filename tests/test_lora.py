@@ -79,6 +79,14 @@ def test_targets_are_checked():
     assert model.lora["targets"] == ["q", "k", "v", "o", "up", "down"]
 
 
+@pytest.mark.parametrize("setting", [{"lora_alpha": 8.0}, {"lora_targets": "q,v"}])
+def test_lora_settings_without_a_rank_are_refused_not_ignored(setting):
+    (name,) = setting
+    with pytest.raises(ConfigError, match=f"{name} applies with lora_rank > 0"):
+        TrainConfig(**setting)
+    TrainConfig(lora_rank=2, **setting)
+
+
 def test_only_adapters_train_and_the_optimizer_holds_only_theirs():
     model = tiny_model("llama")
     lora.apply(model, rank=4, alpha=8.0, targets="q,v,gate,down")
@@ -139,7 +147,8 @@ def tiny_run(data_dir: Path, out_dir: Path, **overrides) -> TrainConfig:
 
 
 def test_a_lora_run_saves_resumes_and_loads_merged(char_data, tmp_path, capfd):
-    full = train(tiny_run(char_data, tmp_path / "full", lora_rank=0, max_steps=4, eval_interval=4))
+    full = train(tiny_run(char_data, tmp_path / "full", lora_rank=0, lora_alpha=None, lora_targets=",".join(lora.TARGETS),
+                          max_steps=4, eval_interval=4))  # (a full fine-tune: no LoRA setting applies)
     src = str(tmp_path / "full" / LATEST)
     common = dict(init_from=src, dropout=0.1, grad_accum=2, lr_decay_steps=8, eval_interval=4)
     straight = train(tiny_run(char_data, tmp_path / "a", max_steps=8, **common))

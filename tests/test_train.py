@@ -116,6 +116,17 @@ def test_prepare_with_a_model_tokenizer(smollm2_data):
     assert ids[:3] == data.tokenizer.encode(SHAKESPEARE[:20])[:3]
 
 
+@pytest.mark.parametrize("tokenizer", ["char", "smollm2"])
+def test_vocab_size_is_refused_where_the_tokenizer_brings_its_own(tokenizer, tmp_path, capsys):
+    (tmp_path / "corpus.txt").write_text(SHAKESPEARE[:1_000], encoding="utf-8")
+    argv = ["prepare", str(tmp_path / "corpus.txt"), "--tokenizer", tokenizer, "--vocab-size", "300",
+            "--out", str(tmp_path / "d")]
+    assert arlm_main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--vocab-size applies with --tokenizer bpe" in err, err
+    assert not (tmp_path / "d").exists()
+
+
 # -- configuration ---------------------------------------------------------------------------------
 
 def test_config_file_then_overrides(tmp_path):
@@ -133,6 +144,61 @@ def test_config_file_then_overrides(tmp_path):
         load_config(tmp_path / "typo.toml")
     with pytest.raises(ConfigError, match="unknown key.*n_embd"):
         load_config(None, {"n_embd": 8})
+
+
+@pytest.mark.parametrize("flag", ["--lr", "--min-lr", "--grad-clip", "--weight-decay", "--lora-alpha"])
+@pytest.mark.parametrize("value", ["nan", "inf"])
+def test_a_setting_that_is_not_a_finite_number_is_refused(flag, value, tmp_path, capsys):
+    argv = ["train", flag, value, "--lora-rank", "2", "--data-dir", str(tmp_path / "none"), "--out-dir", str(tmp_path)]
+    assert arlm_main(argv) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == f"arlm: error: {flag[2:].replace('-', '_')} must be a finite number, got {float(value)}", err
+
+
+def test_resume_and_overwrite_together_are_refused(tmp_path, capsys):
+    assert arlm_main(["train", "--resume", "--overwrite", "--out-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--overwrite: not allowed with argument --resume" in err, err
+
+
+def test_a_meta_json_that_is_not_an_object_is_named(tmp_path, capsys):
+    (tmp_path / "corpus.txt").write_text(SHAKESPEARE[:1_000], encoding="utf-8")
+    prepare([tmp_path / "corpus.txt"], tmp_path / "d", tokenizer="char")
+    (tmp_path / "d" / "meta.json").write_text("[1]")
+    assert arlm_main(["train", "--data-dir", str(tmp_path / "d"), "--out-dir", str(tmp_path / "run")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"data in {tmp_path / 'd'} is incomplete or inconsistent" in err, err
+    assert "meta.json is not readable" in err, err
+
+
+def test_metrics_and_plot_are_rewritten_atomically(tmp_path, monkeypatch):
+    """A write that fails partway (a full disk, a kill) through the resume's rewrite of
+    metrics.jsonl or through loss.png leaves the file as it was, and no temp file."""
+    import matplotlib.figure
+
+    from arlm.train.progress import MetricsLog, plot_losses
+
+    metrics, plot = tmp_path / "metrics.jsonl", tmp_path / "loss.png"
+    records = [{"kind": "train", "step": s, "loss": 4.0 - s, "lr": 1e-3, "tokens_per_s": 1.0} for s in (1, 2, 3)]
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in records))
+    plot.write_bytes(b"the last run's plot")
+    before = {p: p.read_bytes() for p in (metrics, plot)}
+
+    def half_then_full_disk(path, data, *args, **kwargs):
+        with open(path, "w") as fh:
+            fh.write(data[: len(data) // 2])
+        raise OSError(28, "No space left on device")
+
+    with monkeypatch.context() as mp:
+        mp.setattr(Path, "write_text", half_then_full_disk)
+        mp.setattr(matplotlib.figure.Figure, "savefig", lambda fig, fname, **kw: half_then_full_disk(fname, "PNG"))
+        with pytest.raises(OSError, match="No space left"):
+            MetricsLog(metrics, resume_step=2)
+        with pytest.raises(OSError, match="No space left"):
+            plot_losses(records, plot)
+    assert {p: p.read_bytes() for p in tmp_path.iterdir()} == before
+    assert [r["step"] for r in MetricsLog(metrics, resume_step=2).records] == [1, 2]
+    assert plot_losses(records, plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_lr_schedule_is_nanogpts():

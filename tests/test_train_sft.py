@@ -248,6 +248,7 @@ BAD_LINES = {
     "mixed prompt and completion": ({"prompt": "Hi", "completion": [{"role": "assistant", "content": "Hi"}]},
                                     "both be strings or both be message lists"),
     "too long": ({"prompt": "word " * 80, "completion": "ok"}, "longer than a row of 65"),
+    "nested past the recursion limit": ("[" * 100_000 + "]" * 100_000, "JSON nested too deeply"),
 }
 
 
@@ -287,7 +288,59 @@ def test_skip_bad_skips_every_bad_line_and_says_how_many(tmp_path, capsys):
     assert [entry.split(": ", 1)[0] for entry in data.meta["skipped"]] == [f"{chat}:{n}" for n in range(2, 2 + len(bad))]
 
 
+@pytest.mark.parametrize("template, reason", [
+    ("{{ messages[0]['content'] + 1 }}", "chat template failed: TypeError: can only concatenate str"),
+    ("{{ 1 // (messages | length - messages | length) }}", "chat template failed: ZeroDivisionError"),
+])
+def test_a_template_that_fails_in_python_names_the_line(template, reason, tmp_path, capsys):
+    chat = write_jsonl(tmp_path / "chat.jsonl", [GOOD, GOOD])
+    assert arlm_main(prepare_argv(chat, tmp_path / "out", "--chat-template", template)) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"{chat}:1: {reason}" in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_byte_order_mark_is_not_a_bad_line(tmp_path, capsys):
+    chat = tmp_path / "chat.jsonl"
+    chat.write_bytes(b"\xef\xbb\xbf" + write_jsonl(tmp_path / "plain.jsonl", [GOOD, GOOD, GOOD]).read_bytes())
+    assert arlm_main(prepare_argv(chat, tmp_path / "out")) == 0, capsys.readouterr().err
+    data = TokenData.open(tmp_path / "out")
+    assert data.meta["train_conversations"] + data.meta["val_conversations"] == 3
+
+
+@pytest.mark.parametrize("lines, match", [
+    (["", "  "], "no conversation to train on in {chat}: no line but blank ones"),
+    (['{"messages": ['], "no conversation to train on in {chat}: --skip-bad skipped all 1 line(s); the first: "
+                         "{chat}:1: not JSON"),
+])
+def test_no_conversation_at_all_names_the_file(lines, match, tmp_path, capsys):
+    chat = write_jsonl(tmp_path / "chat.jsonl", lines)
+    assert arlm_main(prepare_argv(chat, tmp_path / "out", "--skip-bad")) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and match.format(chat=chat) in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_tokenizer_checkpoint_whose_metadata_is_not_an_object(tmp_path, capsys):
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "arlm.json").write_text("[1]")
+    (tmp_path / "ckpt" / "tokenizer.json").write_text("{}")
+    chat = write_jsonl(tmp_path / "chat.jsonl", [GOOD, GOOD])
+    argv = prepare_argv(chat, tmp_path / "out")
+    argv[argv.index("smollm2")] = str(tmp_path / "ckpt")
+    assert arlm_main(argv) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == f"arlm: error: {tmp_path / 'ckpt'} is not an arlm checkpoint", err
+
+
+def test_a_directory_as_the_chat_file(tmp_path, capsys):
+    assert arlm_main(prepare_argv(tmp_path, tmp_path / "out")) == 1
+    assert f"chat file {tmp_path} is a directory" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv, match", [
+    (["--tokenizer", "smollm2", "--context-length", "64", "--vocab-size", "100"],
+     "--vocab-size does not apply with --chat"),
     (["--tokenizer", "char", "--context-length", "64"], "--chat needs --tokenizer MODEL"),
     (["--tokenizer", "smollm2"], "--chat needs --context-length N"),
     (["--tokenizer", "smollm2", "--context-length", "64", "--chat-template", "no-such-file"], "no such file"),

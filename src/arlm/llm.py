@@ -82,6 +82,8 @@ def render_chat(template: str, messages: list[dict], add_generation_prompt: bool
         return compiled.render(messages=messages, add_generation_prompt=add_generation_prompt, **extra)
     except TemplateError as e:
         raise PromptError(f"chat template failed: {e}") from None
+    except (TypeError, ValueError, ArithmeticError, LookupError) as e:  # the template's own Python ('a' + 1)
+        raise PromptError(f"chat template failed: {type(e).__name__}: {e}") from None
 
 
 @dataclass

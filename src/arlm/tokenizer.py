@@ -142,7 +142,11 @@ class Tokenizer:
     @classmethod
     def from_file(cls, path: str | Path) -> "Tokenizer":
         """Load a `tokenizer.json` (HF format), with `arlm_meta` for BOS/EOS if we wrote it."""
-        return cls.from_json(Path(path).read_text(encoding="utf-8"))
+        text = Path(path).read_text(encoding="utf-8", errors="replace")
+        try:
+            return cls.from_json(text)
+        except Exception as e:  # json's errors, AttributeError on a non-object, the tokenizers library's own
+            raise TokenizerError(f"{path} is not a readable tokenizer.json ({e})") from None
 
     @classmethod
     def from_json(cls, text: str) -> "Tokenizer":

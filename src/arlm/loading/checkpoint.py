@@ -51,18 +51,24 @@ def save_checkpoint(directory: str | Path, model: torch.nn.Module | dict[str, to
     atomic_write_text(directory / META_FILE, json.dumps(meta, indent=2))
 
 
+def read_meta(directory: Path) -> dict[str, Any]:
+    """A checkpoint's arlm.json; LoadError where it is unreadable or not an arlm checkpoint's."""
+    try:
+        meta = json.loads((directory / META_FILE).read_text())
+    except (OSError, ValueError) as e:  # (json's errors, and bytes that are not UTF-8)
+        raise LoadError(f"{directory / META_FILE} is not readable checkpoint metadata ({e})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise LoadError(f"{directory} is not an arlm checkpoint")
+    return meta
+
+
 def read_checkpoint(directory: str | Path, merge_lora: bool = True
                     ) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer | None, str | None]:
     """(config, weights, tokenizer, chat template). A LoRA run's checkpoint (arlm.json's "lora")
     holds adapters beside the frozen weights: merged into them (merge_lora), or left apart for
     training to resume (arlm.train.lora)."""
     directory = Path(directory)
-    try:
-        meta = json.loads((directory / META_FILE).read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise LoadError(f"{directory / META_FILE} is not readable checkpoint metadata ({e})") from None
-    if meta.get("format") != FORMAT:
-        raise LoadError(f"{directory} is not an arlm checkpoint")
+    meta = read_meta(directory)
     try:
         config = ModelConfig.from_dict(meta["model"])
     except (ConfigError, KeyError, TypeError) as e:

@@ -72,7 +72,9 @@ def parse_conversation(line: str) -> Conversation:
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as e:
-        raise BadConversation(f"not JSON ({e.msg} at column {e.colno})") from None
+        raise BadConversation(f"not JSON ({e.msg}: column {e.colno})") from None
+    except RecursionError:  # (json's C decoder: arrays or objects nested past the recursion limit)
+        raise BadConversation("not a conversation: JSON nested too deeply") from None
     if not isinstance(obj, dict):
         raise BadConversation('not a JSON object with "messages", or "prompt" and "completion"')
     if "messages" in obj:
@@ -143,7 +145,7 @@ def read_chat_file(path: Path) -> Iterator[tuple[int, Conversation | BadConversa
     with open(path, "rb") as fh:
         for lineno, raw in enumerate(fh, 1):
             try:
-                line = raw.decode("utf-8")
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")  # (a BOM some editors write first)
             except UnicodeDecodeError as e:
                 yield lineno, BadConversation(f"not UTF-8 (byte {e.start})")
                 continue

@@ -19,6 +19,9 @@ from ..config import ConfigError
 from .config import TrainConfig, load_config, parse_value
 
 
+VOCAB_SIZE = 4096  # prepare's --tokenizer bpe vocabulary, unless --vocab-size says
+
+
 def _slug(tokenizer: str) -> str:
     return tokenizer if tokenizer in ("char", "bpe") else Path(tokenizer.rstrip("/")).stem.lower()
 
@@ -33,9 +36,13 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     for flag in ("chat_template", "context_length", "skip_bad"):
         if getattr(args, flag):
             raise UsageError(f"arlm prepare: error: --{flag.replace('_', '-')} applies with --chat")
+    if args.vocab_size is not None and args.tokenizer != "bpe":
+        raise UsageError(f"arlm prepare: error: --vocab-size applies with --tokenizer bpe (a {args.tokenizer} "
+                         "tokenizer brings its own vocabulary)")
     inputs = args.inputs or [default_corpus()]
     out = args.out or f"out/data/{Path(inputs[0]).stem}_{_slug(args.tokenizer)}"
-    meta = prepare(inputs, out, tokenizer=args.tokenizer, vocab_size=args.vocab_size, val_fraction=args.val_fraction)
+    meta = prepare(inputs, out, tokenizer=args.tokenizer, val_fraction=args.val_fraction,
+                   vocab_size=VOCAB_SIZE if args.vocab_size is None else args.vocab_size)
     print(f"wrote {out}: {meta['train_tokens']:,} train + {meta['val_tokens']:,} val tokens, "
           f"vocabulary {meta['vocab_size']:,} ({args.tokenizer} tokenizer)")
     return 0
@@ -46,6 +53,9 @@ def prepare_chat_files(args: argparse.Namespace) -> int:
 
     if args.inputs:
         raise UsageError("arlm prepare: error: give the chat files after --chat, and no text files beside them")
+    if args.vocab_size is not None:
+        raise UsageError("arlm prepare: error: --vocab-size does not apply with --chat (the --tokenizer model "
+                         "brings its own vocabulary)")
     if args.tokenizer in ("char", "bpe"):
         raise UsageError("arlm prepare: error: --chat needs --tokenizer MODEL: the model whose tokenizer and "
                          "chat template render the conversations (smollm2, a .gguf, an HF directory, a checkpoint)")
@@ -71,7 +81,7 @@ def add_prepare(sub) -> None:
     p.add_argument("--tokenizer", default="char",
                    help="char, bpe (trained on the corpus), or a model to take it from: smollm2, a .gguf, an HF "
                         "directory, an arlm checkpoint (default: char)")
-    p.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary size (default: 4096)")
+    p.add_argument("--vocab-size", type=int, default=None, help=f"BPE vocabulary size (default: {VOCAB_SIZE})")
     p.add_argument("--val-fraction", type=float, default=0.1, help="last fraction held out (default: 0.1)")
     p.add_argument("--out", default=None, help="output directory (default: out/data/<corpus>_<tokenizer>)")
     chat = p.add_argument_group("chat data (supervised fine-tuning: only the assistant turns are learned)")
@@ -114,8 +124,9 @@ def add_train(sub) -> None:
         description="Settings come from the defaults (nanoGPT's tiny-Shakespeare CPU recipe), then --config, "
                     "then these flags. Run `torchrun --nproc_per_node=K -m arlm train ...` for DDP.")
     p.add_argument("--config", default=None, metavar="FILE", help="TOML or YAML file of settings (flat key = value)")
-    p.add_argument("--resume", action="store_true", help="continue exactly from <out_dir>/latest")
-    p.add_argument("--overwrite", action="store_true", help="start over in an out_dir that holds a run")
+    run = p.add_mutually_exclusive_group()
+    run.add_argument("--resume", action="store_true", help="continue exactly from <out_dir>/latest")
+    run.add_argument("--overwrite", action="store_true", help="start over in an out_dir that holds a run")
     settings = p.add_argument_group("settings")
     hints = typing.get_type_hints(TrainConfig)
     for f in dataclasses.fields(TrainConfig):

@@ -85,6 +85,10 @@ class TrainConfig:
     plot: bool = _f(True, "write loss.png at the end")
 
     def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):  # (nan passes every comparison below: a run of nan losses)
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"{f.name} must be a finite number, got {value}")
         positive = ("n_layer", "n_head", "d_model", "context_length", "batch_size", "grad_accum",
                     "max_steps", "eval_batches", "log_interval")
         for name in positive:
@@ -114,6 +118,10 @@ class TrainConfig:
             raise ConfigError(f"lora_rank must not be negative, got {self.lora_rank}")
         if self.lora_alpha is not None and self.lora_alpha <= 0:
             raise ConfigError(f"lora_alpha must be positive, got {self.lora_alpha}")
+        if not self.lora_rank:  # (else they would be ignored: every weight fine-tuned, no adapter)
+            for name in ("lora_alpha", "lora_targets"):
+                if getattr(self, name) != getattr(TrainConfig, name):
+                    raise ConfigError(f"{name} applies with lora_rank > 0 (LoRA): set lora_rank, or drop {name}")
         targets = [t.strip() for t in self.lora_targets.split(",")]
         if not all(t in LORA_TARGETS for t in targets):
             raise ConfigError(f"lora_targets must name some of {', '.join(LORA_TARGETS)}, got {self.lora_targets!r}")

@@ -41,9 +41,8 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 from ..config import ConfigError
 from ..files import atomic_write, atomic_write_text, remove_stale_tmp
 from ..loading import LoadError, resolve_model_path
-from ..loading.checkpoint import META_FILE as CKPT_META
 from ..loading.checkpoint import TOKENIZER_FILE as CKPT_TOKENIZER
-from ..loading.checkpoint import is_checkpoint_dir
+from ..loading.checkpoint import is_checkpoint_dir, read_meta
 from ..loading.gguf import open_gguf
 from ..tokenizer import Tokenizer, TokenizerError
 from .chat import BadConversation, ChatEncoder, EncodedConversation, packed_arrays, read_chat_file
@@ -128,7 +127,7 @@ def pretrained_tokenizer_and_template(spec: str) -> tuple[Tokenizer, str | None]
     path = resolve_model_path(spec)
     if path.is_dir():
         if is_checkpoint_dir(path) and (path / CKPT_TOKENIZER).exists():
-            template = json.loads((path / CKPT_META).read_text()).get("chat_template")
+            template = read_meta(path).get("chat_template")
             return Tokenizer.from_file(path / CKPT_TOKENIZER), template
         if (path / "tokenizer.json").exists():
             config = path / "tokenizer_config.json"
@@ -245,6 +244,8 @@ def read_conversations(files: list[str | Path], encoder: ChatEncoder, max_tokens
     Without `skip_bad` the first bad line is a DataError naming its file and line."""
     convs, bad = [], []
     for f in map(Path, files):
+        if f.is_dir():
+            raise DataError(f"chat file {f} is a directory: name the .jsonl files in it")
         if not f.is_file():
             raise DataError(f"chat file not found: {f}")
         for lineno, parsed in read_chat_file(f):
@@ -284,6 +285,10 @@ def prepare_chat(inputs: list[str | Path], out_dir: str | Path, tokenizer: str, 
     if not template:
         raise DataError(f"{tokenizer} has no chat template: give one with --chat-template FILE")
     convs, bad = read_conversations(inputs, ChatEncoder(template, tok), context_length + 1, skip_bad)
+    if not convs:
+        files = ", ".join(map(str, inputs))
+        raise DataError(f"no conversation to train on in {files}: " + (
+            f"--skip-bad skipped all {len(bad)} line(s); the first: {bad[0]}" if bad else "no line but blank ones"))
     n_train = int(len(convs) * (1.0 - val_fraction))
     if n_train < 1 or n_train == len(convs):
         raise DataError(f"{len(convs)} conversation(s) cannot be split into training and validation at "
@@ -369,7 +374,7 @@ class TokenData:
             sizes = {f: int(meta[f"{name}_tokens"]) * dtype.itemsize for f, (name, dtype) in layout.items()}
         except DataError:
             raise
-        except (ValueError, TypeError, KeyError) as e:
+        except (ValueError, TypeError, KeyError, AttributeError) as e:  # (AttributeError: not a JSON object)
             raise inconsistent(path, f"{META_FILE} is not readable ({e!r})") from None
         for f in [*layout, TOKENIZER_FILE]:
             if not (path / f).is_file():

@@ -9,6 +9,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from ..files import atomic_write, atomic_write_text
+
 METRICS_FILE, PLOT_FILE = "metrics.jsonl", "loss.png"
 
 
@@ -31,7 +33,8 @@ class MetricsLog:
                     continue  # a line cut short by a kill
                 if record.get("step", 0) <= resume_step:
                     self.records.append(record)
-        self.path.write_text("".join(json.dumps(r) + "\n" for r in self.records))
+        # (atomic: a run killed here keeps the log it had, not half of it)
+        atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in self.records))
 
     def write(self, record: dict) -> None:
         self.records.append(record)
@@ -107,6 +110,6 @@ def plot_losses(records: list[dict], path: str | Path, title: str = "") -> Path:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=100, format="png"))
     plt.close(fig)
     return Path(path)
