@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import save_file
 
 from arlm.cli import main
-from arlm.files import atomic_write, atomic_write_text
+from arlm.files import atomic_write, atomic_write_text, unwritable_directory
 from arlm.train import data as data_module
 from arlm.train import prepare
 from arlm.train.data import DataError, TokenData, fingerprint
@@ -128,3 +128,13 @@ def test_atomic_write_respects_the_umask(tmp_path, umask, mode):
         os.umask(old)
     written = [tmp_path / "a.json", tmp_path / "b.bin", tmp_path / "c.safetensors", *(tmp_path / "data").iterdir()]
     assert {f.name: oct(stat.S_IMODE(f.stat().st_mode)) for f in written} == {f.name: oct(mode) for f in written}
+
+
+def test_unwritable_directory_says_why_and_makes_nothing(tmp_path, monkeypatch):
+    (tmp_path / "f").write_text("x")
+    assert unwritable_directory(tmp_path / "new" / "deeper") is None
+    assert not (tmp_path / "new").exists()
+    assert unwritable_directory(tmp_path / "f") == f"{tmp_path / 'f'} is a file"
+    assert unwritable_directory(tmp_path / "f" / "d") == f"{tmp_path / 'f'} is a file, not a directory"
+    monkeypatch.setattr("os.access", lambda path, mode: False)  # (root may write anywhere: the check as others see it)
+    assert unwritable_directory(tmp_path / "new") == f"{tmp_path} is not writable"

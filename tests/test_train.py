@@ -496,6 +496,10 @@ def test_bad_input_is_one_clear_line(char_data, tmp_path, capsys):
     (tmp_path / "a_file").write_text("not a directory\n")
     one_line_error(capsys, base + ["--out-dir", str(tmp_path / "a_file")], "is a file")
     one_line_error(capsys, ["prepare", str(tmp_path / "other.txt"), "--out", str(tmp_path / "a_file")], "is a file")
+    # a directory under a file: refused before the tokenizing or the training, nothing made
+    one_line_error(capsys, ["prepare", str(tmp_path / "other.txt"), "--out", str(tmp_path / "a_file" / "d")],
+                   "a_file is a file, not a directory")
+    one_line_error(capsys, base + ["--out-dir", str(tmp_path / "a_file" / "run")], "a_file is a file, not a directory")
     one_line_error(capsys, ["prepare", str(tmp_path / "other.txt"), "--out", str(tmp_path / "d2"),
                             "--val-fraction", "0.00001"], "use a larger --val-fraction")
     one_line_error(capsys, ["generate", "hi", "--model", str(tmp_path / "r1")], "is a training run, not a model")

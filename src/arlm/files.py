@@ -104,6 +104,20 @@ def atomic_symlink(link: Path, target: str) -> None:
     replace_durably(tmp, link)
 
 
+def unwritable_directory(path: str | Path) -> str | None:
+    """Why a directory cannot be made (or written) at `path`, in a few words, or None where it
+    can: asked before the work whose results go there, not after it. Nothing is created."""
+    path = Path(path).absolute()
+    for at in (path, *path.parents):
+        if at.exists():
+            if not at.is_dir():
+                return f"{at} is a file" if at == path else f"{at} is a file, not a directory"
+            if not os.access(at, os.W_OK | os.X_OK):
+                return f"{at} is not writable"
+            return None
+    return None
+
+
 def remove_stale_tmp(directory: str | Path, names: Iterable[str]) -> list[Path]:
     """Delete the temp files that a killed atomic_write of any of `names` left in `directory`.
 

@@ -39,7 +39,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from ..config import ConfigError
-from ..files import atomic_write, atomic_write_text, remove_stale_tmp
+from ..files import atomic_write, atomic_write_text, remove_stale_tmp, unwritable_directory
 from ..loading import LoadError, resolve_model_path
 from ..loading.checkpoint import TOKENIZER_FILE as CKPT_TOKENIZER
 from ..loading.checkpoint import is_checkpoint_dir, read_meta
@@ -190,8 +190,8 @@ def prepare(inputs: list[str | Path], out_dir: str | Path, tokenizer: str = "cha
     if not 0.0 < val_fraction < 1.0:
         raise ConfigError(f"val_fraction must be in (0, 1), got {val_fraction}")
     out = Path(out_dir)
-    if out.exists() and not out.is_dir():
-        raise DataError(f"the output directory {out} is a file")
+    if (why := unwritable_directory(out)) is not None:  # (before the tokenizing, not after it)
+        raise DataError(f"cannot write the output directory {out}: {why}")
     docs = read_corpus(inputs)
     if tokenizer == "char":
         tok = char_tokenizer("".join(text for _, text in docs))
@@ -278,8 +278,8 @@ def prepare_chat(inputs: list[str | Path], out_dir: str | Path, tokenizer: str, 
     if context_length < 2:
         raise ConfigError(f"context_length must be at least 2, got {context_length}")
     out = Path(out_dir)
-    if out.exists() and not out.is_dir():
-        raise DataError(f"the output directory {out} is a file")
+    if (why := unwritable_directory(out)) is not None:  # (before the tokenizing, not after it)
+        raise DataError(f"cannot write the output directory {out}: {why}")
     tok, template = pretrained_tokenizer_and_template(tokenizer)
     template = chat_template or template
     if not template:

@@ -33,6 +33,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .. import kernels
 from ..config import ConfigError, ModelConfig
+from ..files import unwritable_directory
 from ..loading import build_model, load_model
 from ..loading.adapters import split_state
 from ..model import Transformer, compute_weight
@@ -417,8 +418,8 @@ class Run:
         data = TokenData.open(cfg.data_dir)
         data.check_context(cfg.context_length)
         out_dir = Path(cfg.out_dir)
-        if out_dir.exists() and not out_dir.is_dir():
-            raise ConfigError(f"--out-dir {out_dir} is a file, not a directory")
+        if (why := unwritable_directory(out_dir)) is not None:
+            raise ConfigError(f"--out-dir {out_dir} cannot be written: {why}")
         if not resume and not overwrite and checkpoints.pointer_target(out_dir) is not None:
             raise ConfigError(f"{out_dir} already holds a training run: pass --resume to continue it, "
                               "--overwrite to start over, or another --out-dir")
