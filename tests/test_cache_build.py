@@ -128,7 +128,11 @@ def test_a_first_load_parses_the_file_once(gguf_file, tmp_path, monkeypatch):
     assert opened == [gguf_file]
     copy = tmp_path / "copy.gguf"
     shutil.copy(gguf_file, copy)
-    _assert_same_model(load_quantized_gguf(copy).model, first.model)
+    again = load_quantized_gguf(copy)  # (its tokenizer from the cache's tokenizer.json; the first load's is the built one)
+    _assert_same_model(again.model, first.model)
+    text = "Hello, wörld! 12345 <s>\n\tend"
+    assert again.tokenizer.encode(text) == first.tokenizer.encode(text)
+    assert (again.tokenizer.bos_id, again.tokenizer.eos_ids) == (first.tokenizer.bos_id, first.tokenizer.eos_ids)
     assert len(_leftovers(tmp_path)) == 1
     parsed = len(opened)
     load_quantized_gguf(copy)

@@ -112,8 +112,8 @@ def load_quantized_gguf(path: Path) -> LoadedModel:
             gf = open_gguf(path)
             digest.result()
     loaded = cache.load(path, layout)
-    if loaded is None and _build_cache(path, layout, gf):
-        loaded = cache.load(path, layout)
+    if loaded is None and (tokenizer := _build_cache(path, layout, gf)) is not None:
+        loaded = cache.load(path, layout, tokenizer)
     if loaded is None:  # a read-only cache: nothing lost but time
         gf, model, requantized = quantized_model(path)
         loaded = LoadedModel(prepare(model), _gguf_tokenizer(gf), gf.chat_template, gf.name, "gguf", path,
@@ -130,19 +130,19 @@ def _gguf_tokenizer(gf) -> Tokenizer:
         raise LoadError(f"{gf.path}: cannot build its tokenizer ({e})") from None
 
 
-def _build_cache(path: Path, layout: str, gf=None) -> bool:
+def _build_cache(path: Path, layout: str, gf=None) -> Tokenizer | None:
     """The file's model into the cache a weight at a time: each converted to the kernels' layout
     (`prepare`), appended to the cache's weights.bin and let go (`cache.Builder.store`), the
     file's pages handed back as they are read, so the first load's memory is about one weight's
     beside the process's own, not the model's twice. A progress bar on stderr where it is a
-    terminal. gf: the file, where it is open already. False where the cache cannot be written
-    (nothing is left of the attempt)."""
+    terminal. gf: the file, where it is open already. The tokenizer it wrote there, or None where
+    the cache cannot be written (nothing is left of the attempt)."""
     from tqdm import tqdm  # (first loads only)
 
     try:
         builder = cache.Builder(path, layout, replace=cache.cache_dir(path, layout).exists())  # (damaged or stale)
     except OSError:
-        return False
+        return None
 
     def keep(weight):
         return builder.store(prepare(weight) if isinstance(weight, torch.nn.Module) else weight)
@@ -169,9 +169,9 @@ def _build_cache(path: Path, layout: str, gf=None) -> bool:
             builder.finish(LoadedModel(model, tokenizer, gf.chat_template, gf.name, "gguf", path,
                                        requantized=requantized))
     except OSError:  # writing it failed midway (a full disk): built in memory instead
-        return False
+        return None
     _trim_heap()
-    return True
+    return tokenizer
 
 
 def _trim_heap() -> None:
