@@ -213,6 +213,38 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+class NativeCausalAttention(torch.autograd.Function):
+    """Causal attention: torch's CPU flash forward (which gives each query's log-sum-exp), and the
+    backward pass in kernels/train_attention.cpp (torch's flash backward takes 5-9x its forward)."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        q, k, v, out, lse = ctx.saved_tensors
+        return torch.ops.arlm_train.attention_backward(q, k, v, out, grad, lse, q.shape[-1] ** -0.5)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
+    """softmax(q k^T / sqrt(d), causal) v for q [B, H, T, d], k and v [B, H_kv, T, d] (H a multiple
+    of H_kv) with the native backward pass where it serves (training on a CPU with AVX512-BF16, bf16
+    q/k/v, d a multiple of 32 up to 128), else None (the caller runs SDPA)."""
+    d = q.shape[-1]
+    if not (q.dtype == k.dtype == v.dtype == torch.bfloat16 and torch.is_grad_enabled()
+            and (q.requires_grad or k.requires_grad or v.requires_grad)
+            and d % 32 == 0 and d <= 128 and q.shape[1] % k.shape[1] == 0 and native(q)):
+        return None
+    from . import kernels
+
+    if not kernels.attention_backward_supported():
+        return None
+    return NativeCausalAttention.apply(q, k, v)
+
+
 def plain_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """The autograd-through-the-pieces reference (tests)."""
     return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)

@@ -183,10 +183,16 @@ def train_kernels_available() -> bool:
     """Training's native passes (train.cpp: the cross-entropy gradient over a block of logits, in
     place) are built and loaded; a library of their own, so a change to them rebuilds nothing else."""
     def load() -> bool:
-        return (load_native("arlm_train_kernels", [Path(__file__).with_name("train.cpp")], "native training kernels")
+        return (load_native("arlm_train_kernels", [Path(__file__).with_name(n) for n in ("train.cpp", "train_attention.cpp")],
+                            "native training kernels")
                 and hasattr(torch.ops.arlm_train, "softmax_xent_"))
 
     return runtime().library("arlm_train_kernels", load)
+
+
+def attention_backward_supported() -> bool:
+    """Training's native attention backward (train_attention.cpp) is built for this CPU (AVX512-BF16)."""
+    return train_kernels_available() and torch.ops.arlm_train.attention_backward_supported()
 
 
 def _load_kernels() -> bool:

@@ -1,0 +1,176 @@
+"""Training's causal attention (arlm.fused.causal_attention: torch's flash forward, the backward
+pass of kernels/train_attention.cpp) against float64 and against torch's own backward.
+
+References and tolerances, on fresh random bf16 inputs each run (seeded from the clock, printed on
+failure):
+- the forward is torch's flash kernel's: equal to F.scaled_dot_product_attention's bit for bit;
+- each gradient's largest error against float64 SDPA (on the same bf16 operands), relative to that
+  gradient's largest value, at most torch's bf16 backward's x1.25 + 1e-3: both round P and dS to bf16
+  for their products (torch's grouped-query k/v gradients also sum the groups in bf16: ours is then
+  the more exact) and the results to bf16 once;
+- the AMX tiles and the AVX512-BF16 products give the same gradients to bf16 rounding (a process
+  with ARLM_ATTENTION_AMX=0 beside this one);
+- in the model: a training step's loss and gradients match the SDPA path's (bf16 autocast), and
+  dropout or an explicit mask keeps SDPA.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from arlm import fused, kernels
+
+pytestmark = pytest.mark.skipif(not kernels.attention_backward_supported(),
+                                reason="the native attention backward needs AVX512-BF16 (torch's is used)")
+
+SHAPES = [  # B, H, H_kv, T, d: grouped queries, lengths off the 64-block, every head size served
+    (2, 6, 2, 100, 64),
+    (1, 4, 4, 64, 64),
+    (2, 9, 3, 256, 64),
+    (1, 4, 2, 130, 128),
+    (1, 2, 1, 33, 32),
+    (1, 3, 1, 1, 96),
+]
+
+
+def inputs(seed: int, B: int, H: int, H_kv: int, T: int, d: int, strided: bool = False):
+    g = torch.Generator().manual_seed(seed)
+    if strided:  # q, k, v as the model makes them: [B, T, H, d] in memory, viewed as [B, H, T, d]
+        q = torch.randn(B, T, H, d, generator=g).to(torch.bfloat16).transpose(1, 2)
+        k = torch.randn(B, T, H_kv, d, generator=g).to(torch.bfloat16).transpose(1, 2)
+        v = torch.randn(B, T, H_kv, d, generator=g).to(torch.bfloat16).transpose(1, 2)
+    else:
+        q = torch.randn(B, H, T, d, generator=g).to(torch.bfloat16)
+        k = torch.randn(B, H_kv, T, d, generator=g).to(torch.bfloat16)
+        v = torch.randn(B, H_kv, T, d, generator=g).to(torch.bfloat16)
+    grad = torch.randn(B, H, T, d, generator=g).to(torch.bfloat16)
+    return q, k, v, grad
+
+
+def grads(fn, q, k, v, grad, dtype=None):
+    leaves = [t.detach().to(dtype or t.dtype).requires_grad_() for t in (q, k, v)]
+    out = fn(*leaves)
+    out.backward(grad.to(out.dtype))
+    return out.detach(), [t.grad for t in leaves]
+
+
+def sdpa(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("strided", [False, True])
+def test_gradients_as_close_to_float64_as_torchs(shape, strided):
+    seed = time.time_ns() % 2**31
+    q, k, v, grad = inputs(seed, *shape, strided=strided)
+    out, ours = grads(fused.causal_attention, q, k, v, grad)
+    torch_out, theirs = grads(sdpa, q, k, v, grad)
+    _, exact = grads(sdpa, q, k, v, grad, dtype=torch.float64)
+    assert torch.equal(out, torch_out), f"seed {seed}: the forward is torch's flash kernel's"
+    for name, o, t, r in zip("qkv", ours, theirs, exact):
+        assert o.dtype == torch.bfloat16 and o.shape == r.shape
+        top = r.abs().max().item() or 1.0  # (one position: k's gradient is zero)
+        err, torch_err = ((x.double() - r).abs().max().item() / top for x in (o, t))
+        assert err <= 1.25 * torch_err + 1e-3, f"seed {seed}, d{name}: {err:.2e} against torch's {torch_err:.2e}"
+
+
+def test_the_gradients_land_in_the_projections_layout():
+    q, k, v, grad = inputs(1, 2, 4, 2, 70, 64, strided=True)
+    _, (dq, dk, dv) = grads(fused.causal_attention, q, k, v, grad)
+    for g in (dq, dk, dv):  # [B, T, heads, d] in memory: the transpose back is free
+        assert g.transpose(1, 2).is_contiguous()
+
+
+AMX_OFF = """
+import json, sys, torch
+from arlm import fused
+q, k, v, g = torch.load(sys.argv[1])
+leaves = [t.requires_grad_() for t in (q, k, v)]
+fused.causal_attention(*leaves).backward(g)
+torch.save([t.grad for t in leaves], sys.argv[2])
+"""
+
+
+def test_tiles_and_vector_products_agree(tmp_path):
+    seed = time.time_ns() % 2**31
+    q, k, v, grad = inputs(seed, 2, 6, 2, 150, 64)
+    _, ours = grads(fused.causal_attention, q, k, v, grad)
+    torch.save([q, k, v, grad], tmp_path / "in.pt")
+    env = dict(os.environ, ARLM_ATTENTION_AMX="0")
+    subprocess.run([sys.executable, "-c", AMX_OFF, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")],
+                   env=env, check=True)
+    vector = torch.load(tmp_path / "out.pt")
+    for name, a, b in zip("qkv", ours, vector):  # float32 sums in another order, rounded to bf16
+        top = a.float().abs().max().item()
+        assert (a.float() - b.float()).abs().max().item() <= 1e-2 * top, f"seed {seed}: d{name}"
+
+
+def test_served_only_where_it_applies():
+    q, k, v, _ = inputs(2, 1, 2, 1, 40, 64)
+    assert fused.causal_attention(q, k, v) is None  # no gradient wanted: SDPA
+    q.requires_grad_()
+    assert fused.causal_attention(q.float(), k.float(), v.float()) is None  # float32: SDPA
+    assert fused.causal_attention(q[..., :48], k[..., :48], v[..., :48]) is None  # head size 48
+    assert fused.causal_attention(q, k, v) is not None
+
+
+def tiny_model(dropout: float = 0.0):
+    from arlm.config import ModelConfig
+    from arlm.model import Transformer
+
+    config = ModelConfig(vocab_size=96, max_seq_len=160, d_model=128, n_layer=2, n_head=4, n_kv_heads=2,
+                         norm="rmsnorm", mlp="swiglu", d_ff=256, pos_embedding="rope", bias=False,
+                         tie_embeddings=True, dropout=dropout)
+    torch.manual_seed(0)
+    return Transformer(config).train()
+
+
+def step(model, idx, native: bool):
+    model.zero_grad(set_to_none=True)
+    original = fused.causal_attention
+    if not native:
+        fused.causal_attention = lambda q, k, v: None
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(idx[:, :-1])
+        loss = F.cross_entropy(logits.float().flatten(0, 1), idx[:, 1:].flatten())
+        loss.backward()
+    finally:
+        fused.causal_attention = original
+    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_a_training_step_through_the_model_matches_sdpa():
+    model = tiny_model()
+    idx = torch.randint(0, 96, (2, 150), generator=torch.Generator().manual_seed(time.time_ns() % 2**31))
+    loss, ours = step(model, idx, native=True)
+    ref_loss, theirs = step(model, idx, native=False)
+    assert abs(loss - ref_loss) < 1e-6  # the forward is the same kernel
+    for name, g in theirs.items():
+        top = g.abs().max().item()
+        assert (ours[name] - g).abs().max().item() <= 0.03 * top + 1e-6, name
+
+
+def test_the_model_takes_the_native_path_and_keeps_sdpa_for_dropout():
+    def backward_nodes(model):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(torch.randint(0, 96, (1, 65))).float().sum()
+        seen, todo = set(), [loss.grad_fn]
+        while todo:
+            node = todo.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            todo.extend(n for n, _ in node.next_functions)
+        return {type(n).__name__ for n in seen}
+
+    assert "NativeCausalAttentionBackward" in backward_nodes(tiny_model())
+    assert "NativeCausalAttentionBackward" not in backward_nodes(tiny_model(dropout=0.1))
