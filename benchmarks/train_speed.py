@@ -50,6 +50,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
+from arlm import fused, kernels  # noqa: E402
 from arlm.loading import load_model  # noqa: E402
 from arlm.model import Transformer  # noqa: E402
 from arlm.train import TokenData, TrainConfig, lr_at, prepare  # noqa: E402
@@ -319,19 +320,26 @@ def run_parts(args) -> None:
             out.backward(go.to(dtype))
         return run
 
+    def native():  # arlm's training path: torch's flash forward, kernels/train_attention.cpp's backward
+        q, k, v = (t.requires_grad_() for t in (q0.clone(), k0.clone(), v0.clone()))
+        fused.causal_attention(q, k, v).backward(go)
+
+    served = kernels.attention_backward_supported()
     print(f"# {machine()}; {torch.get_num_threads()} threads; load {load_avg()}")
     print(f"attention forward + backward, one layer [B={B}, H={H}/{H_kv}, d={d}], bf16 (ms):")
-    print(f"  {'positions':>9s} {'math':>8s} {'flash':>8s} {'flash f32':>10s}  math/flash")
+    print(f"  {'positions':>9s} {'math':>8s} {'flash':>8s} {'flash f32':>10s} {'native':>8s}  flash/native")
     for t in sorted({64, 128, 256, 512, T}):
         if t > T:
             continue
         q0, k0, v0 = (torch.randn(B, h, t, d, generator=g).to(AMP) for h in (H, H_kv, H_kv))
         go = torch.randn(B, H, t, d, generator=g).to(AMP)
-        res = time_alternating({"math": attention(SDPBackend.MATH, AMP),
-                                "flash": attention(SDPBackend.FLASH_ATTENTION, AMP),
-                                "flash f32": attention(SDPBackend.FLASH_ATTENTION, torch.float32)}, args.rounds)
-        print(f"  {t:9d} {res['math'] * 1e3:8.1f} {res['flash'] * 1e3:8.1f} {res['flash f32'] * 1e3:10.1f}  "
-              f"{res['math'] / res['flash']:6.2f}x")
+        fns = {"math": attention(SDPBackend.MATH, AMP), "flash": attention(SDPBackend.FLASH_ATTENTION, AMP),
+               "flash f32": attention(SDPBackend.FLASH_ATTENTION, torch.float32)}
+        if served:
+            fns["native"] = native
+        res = time_alternating(fns, args.rounds)
+        ours = f"{res['native'] * 1e3:8.1f}  {res['flash'] / res['native']:6.2f}x" if served else f"{'-':>8s}"
+        print(f"  {t:9d} {res['math'] * 1e3:8.1f} {res['flash'] * 1e3:8.1f} {res['flash f32'] * 1e3:10.1f} {ours}")
 
     hidden = torch.randn(B * T, D, generator=g)
     weight = (torch.randn(V, D, generator=g) * 0.05).requires_grad_()
