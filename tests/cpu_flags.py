@@ -82,6 +82,21 @@ def native_bf16_expected() -> bool:
     return flags is not None and any(f in flags for f in BF16_FLAGS)
 
 
+def attention_backward_expected() -> bool:
+    """Whether training's attention backward (kernels/train_attention.cpp) must be built: the CPU
+    (ARLM_MARCH=native) or the -march it builds for has AVX512-BF16 and AVX512BW."""
+    if not native_kernels_expected():
+        return False
+    march = os.environ.get("ARLM_MARCH", "native")
+    if march == "native":
+        flags = cpu_flags()
+        return flags is not None and {"avx512_bf16", "avx512bw"} <= flags
+    macros = march_macros(march)
+    if macros is None:
+        raise RuntimeError(f"cannot ask the compiler what -march={march} enables (ARLM_MARCH)")
+    return {"__AVX512BF16__", "__AVX512BW__"} <= macros
+
+
 def amx_expected() -> bool:
     """Whether the CPU has the AMX tiles with bf16 (amx_tile and amx_bf16)."""
     flags = cpu_flags()
