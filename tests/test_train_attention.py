@@ -10,8 +10,10 @@ failure):
   the more exact) and the results to bf16 once;
 - the AMX tiles and the AVX512-BF16 products give the same gradients to bf16 rounding (a process
   with ARLM_ATTENTION_AMX=0 beside this one);
-- in the model: a training step's loss and gradients match the SDPA path's (bf16 autocast), and
-  dropout or an explicit mask keeps SDPA.
+- a mask in which each query reads one run of keys ending at itself (a packed row's documents, a
+  sliding window) is served with the same bound; any other mask is left to SDPA;
+- in the model: a training step's loss and gradients match the SDPA path's (bf16 autocast), packed
+  rows included, and dropout keeps SDPA.
 """
 
 from __future__ import annotations
@@ -88,6 +90,46 @@ def test_gradients_as_close_to_float64_as_torchs(shape, strided):
         assert err <= 1.25 * torch_err + 1e-3, f"seed {seed}, d{name}: {err:.2e} against torch's {torch_err:.2e}"
 
 
+def runs_mask(B: int, T: int, seed: int, window: int = 0) -> torch.Tensor:
+    """[B, 1, T, T]: packed documents of random lengths (each query reads its own document's keys up
+    to itself), within a sliding window where given."""
+    g = torch.Generator().manual_seed(seed)
+    doc = torch.cumsum(torch.rand(B, T, generator=g) < 0.03, dim=1)
+    pos = torch.arange(T)
+    visible = (pos[None, None, :] <= pos[None, :, None]) & (doc[:, None, :] == doc[:, :, None])
+    if window:
+        visible &= pos[None, None, :] > pos[None, :, None] - window
+    return visible.unsqueeze(1)
+
+
+@pytest.mark.parametrize("window", [0, 37])
+def test_packed_documents_and_windows_as_close_to_float64_as_torchs(window):
+    seed = time.time_ns() % 2**31
+    q, k, v, grad = inputs(seed, 2, 6, 2, 200, 64, strided=True)
+    mask = runs_mask(2, 200, seed, window)
+
+    def masked(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+    out, ours = grads(lambda q, k, v: fused.causal_attention(q, k, v, mask), q, k, v, grad)
+    torch_out, theirs = grads(masked, q, k, v, grad)
+    _, exact = grads(masked, q, k, v, grad, dtype=torch.float64)
+    assert (out.float() - torch_out.float()).abs().max().item() <= 1e-2 * torch_out.float().abs().max().item()
+    for name, o, t, r in zip("qkv", ours, theirs, exact):
+        top = r.abs().max().item()
+        err, torch_err = ((x.double() - r).abs().max().item() / top for x in (o, t))
+        assert err <= 1.25 * torch_err + 1e-3, f"seed {seed}, d{name}: {err:.2e} against torch's {torch_err:.2e}"
+
+
+def test_a_mask_that_is_not_one_run_of_keys_is_left_to_sdpa():
+    q, k, v, _ = inputs(3, 1, 2, 1, 40, 64)
+    q.requires_grad_()
+    mask = runs_mask(1, 40, 3).clone()
+    mask[0, 0, 30, 5] = not mask[0, 0, 30, 5]  # a hole (or an island) in query 30's keys
+    assert fused.causal_attention(q, k, v, mask) is None
+    assert fused.causal_attention(q, k, v, runs_mask(1, 40, 3)) is not None
+
+
 def test_the_gradients_land_in_the_projections_layout():
     q, k, v, grad = inputs(1, 2, 4, 2, 70, 64, strided=True)
     _, (dq, dk, dv) = grads(fused.causal_attention, q, k, v, grad)
@@ -143,7 +185,7 @@ def step(model, idx, native: bool):
     model.zero_grad(set_to_none=True)
     original = fused.causal_attention
     if not native:
-        fused.causal_attention = lambda q, k, v: None
+        fused.causal_attention = lambda *args: None
     try:
         with torch.autocast("cpu", dtype=torch.bfloat16):
             logits = model(idx[:, :-1])
@@ -165,10 +207,37 @@ def test_a_training_step_through_the_model_matches_sdpa():
         assert (ours[name] - g).abs().max().item() <= 0.03 * top + 1e-6, name
 
 
-def test_the_model_takes_the_native_path_and_keeps_sdpa_for_dropout():
-    def backward_nodes(model):
+def test_a_packed_training_step_through_the_model_matches_sdpa():
+    model = tiny_model()
+    g = torch.Generator().manual_seed(time.time_ns() % 2**31)
+    idx = torch.randint(0, 96, (2, 150), generator=g)
+    doc_ids = torch.cumsum(torch.rand(2, 149, generator=g) < 0.05, dim=1)
+
+    def run(native):
+        model.zero_grad(set_to_none=True)
+        original = fused.causal_attention
+        if not native:
+            fused.causal_attention = lambda *args: None
+        try:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                logits = model(idx[:, :-1], doc_ids=doc_ids)
+            loss = F.cross_entropy(logits.float().flatten(0, 1), idx[:, 1:].flatten())
+            loss.backward()
+        finally:
+            fused.causal_attention = original
+        return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    loss, ours = run(True)
+    ref_loss, theirs = run(False)
+    assert abs(loss - ref_loss) < 1e-2 * abs(ref_loss)  # (SDPA's masked forward may be another kernel)
+    for name, grad in theirs.items():
+        assert (ours[name] - grad).abs().max().item() <= 0.03 * grad.abs().max().item() + 1e-6, name
+
+
+def test_the_model_takes_the_native_path_packed_rows_included_and_keeps_sdpa_for_dropout():
+    def backward_nodes(model, doc_ids=None):
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = model(torch.randint(0, 96, (1, 65))).float().sum()
+            loss = model(torch.randint(0, 96, (1, 65)), doc_ids=doc_ids).float().sum()
         seen, todo = set(), [loss.grad_fn]
         while todo:
             node = todo.pop()
@@ -179,4 +248,5 @@ def test_the_model_takes_the_native_path_and_keeps_sdpa_for_dropout():
         return {type(n).__name__ for n in seen}
 
     assert "NativeCausalAttentionBackward" in backward_nodes(tiny_model())
+    assert "NativeCausalAttentionBackward" in backward_nodes(tiny_model(), doc_ids=torch.arange(65)[None] // 20)
     assert "NativeCausalAttentionBackward" not in backward_nodes(tiny_model(dropout=0.1))

@@ -15,6 +15,8 @@ where they are built. The model takes them where gradients are wanted.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 
@@ -215,24 +217,57 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
 
 class NativeCausalAttention(torch.autograd.Function):
     """Causal attention: torch's CPU flash forward (which gives each query's log-sum-exp), and the
-    backward pass in kernels/train_attention.cpp (torch's flash backward takes 5-9x its forward)."""
+    backward pass in kernels/train_attention.cpp (torch's flash backward takes 5-9x its forward).
+    start: each query's first readable key ([B, T] int32; None: 0), with `additive` the same mask as
+    the forward kernel takes it ([B, 1, T, T], 0 or -inf)."""
 
     @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)
-        ctx.save_for_backward(q, k, v, out, lse)
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: torch.Tensor | None,
+                additive: torch.Tensor | None) -> torch.Tensor:
+        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        out, lse = flash(q, k, v, 0.0, True) if start is None else flash(q, k, v, 0.0, False, attn_mask=additive)
+        ctx.save_for_backward(q, k, v, out, lse, start)
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        q, k, v, out, lse = ctx.saved_tensors
-        return torch.ops.arlm_train.attention_backward(q, k, v, out, grad, lse, q.shape[-1] ** -0.5)
+        q, k, v, out, lse, start = ctx.saved_tensors
+        dq, dk, dv = torch.ops.arlm_train.attention_backward(q, k, v, out, grad, lse, start, q.shape[-1] ** -0.5)
+        return dq, dk, dv, None, None
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
+_ranges: tuple = (None, None, None)  # (weakref to the last mask, its start, its additive form)
+
+
+def _key_ranges(mask: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """For a mask [B, 1, T, T] (True: the query reads the key) in which every query reads one run of
+    keys ending at itself (causal; a packed row's documents; a sliding window): (start [B, T] int32,
+    the first key each query reads; the mask as 0 / -inf in `dtype`), else None. Kept for the last
+    mask seen: a forward pass hands every layer the same one."""
+    global _ranges
+    ref, start, additive = _ranges
+    if ref is not None and ref() is mask and additive.dtype == dtype:
+        return start, additive
+    if mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2] != mask.shape[3]:
+        return None
+    visible = mask[:, 0]
+    T = visible.shape[-1]
+    first = visible.int().argmax(dim=-1)  # [B, T]: the first key each query reads
+    keys = torch.arange(T, device=mask.device)
+    if not torch.equal(visible, (keys >= first[..., None]) & (keys <= keys[:, None])):
+        return None
+    additive = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+    start = first.to(torch.int32).contiguous()
+    _ranges = (weakref.ref(mask), start, additive)
+    return start, additive
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     mask: torch.Tensor | None = None) -> torch.Tensor | None:
     """softmax(q k^T / sqrt(d), causal) v for q [B, H, T, d], k and v [B, H_kv, T, d] (H a multiple
-    of H_kv) with the native backward pass where it serves (training on a CPU with AVX512-BF16, bf16
-    q/k/v, d a multiple of 32 up to 128), else None (the caller runs SDPA)."""
+    of H_kv), within `mask` ([B, 1, T, T] bool) where given, with the native backward pass where it
+    serves (training on a CPU with AVX512-BF16, bf16 q/k/v, d a multiple of 32 up to 128, a mask
+    whose every query reads one run of keys ending at itself), else None (the caller runs SDPA)."""
     d = q.shape[-1]
     if not (q.dtype == k.dtype == v.dtype == torch.bfloat16 and torch.is_grad_enabled()
             and (q.requires_grad or k.requires_grad or v.requires_grad)
@@ -242,7 +277,10 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
 
     if not kernels.attention_backward_supported():
         return None
-    return NativeCausalAttention.apply(q, k, v)
+    if mask is None:
+        return NativeCausalAttention.apply(q, k, v, None, None)
+    ranges = _key_ranges(mask, q.dtype)
+    return None if ranges is None else NativeCausalAttention.apply(q, k, v, *ranges)
 
 
 def plain_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -159,7 +159,7 @@ class Attention(nn.Module):
             k, v = kv_cache.update(self.layer, input_pos, k, v, kv_len)  # [B, H_kv, kv_len, d_head]
             q = kv_cache.query(q)  # (an int8 cache's integer scores: the query quantized too)
         dropout = self.dropout if self.training else 0.0
-        y = fused.causal_attention(q, k, v) if mask is None and kv_cache is None and dropout == 0.0 else None
+        y = fused.causal_attention(q, k, v, mask) if kv_cache is None and dropout == 0.0 else None
         if y is None:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, dropout_p=dropout,
                                                enable_gqa=self.n_kv_heads != self.n_head)

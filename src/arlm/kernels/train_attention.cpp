@@ -8,6 +8,9 @@
 //   (any other strides); H a multiple of H_kv (grouped-query attention: each k/v head serves
 //   H / H_kv query heads); d a multiple of 32 up to 128. The outputs are bf16, laid out [B, T, H, d]
 //   in memory (the projection's layout) and returned as [B, H, T, d] views.
+//   start: optional [B, T] int32, the first key each query may read (a packed row's documents:
+//   query t reads keys start[t] .. t; absent: 0, plain causal attention). Key blocks before every
+//   query's start in a block are skipped.
 // attention_backward_supported() -> bool: the kernel is built for this CPU (AVX512-BF16).
 //
 // Why: torch's CPU flash backward takes 5-9x its forward here (SmolLM2's heads, 4 x 256 positions:
@@ -31,6 +34,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <tuple>
 #include <vector>
 
@@ -208,6 +212,7 @@ struct Strides {  // element strides of a [B, H, T, d] tensor (d contiguous)
 struct Task {
   const bf16 *q, *k, *v, *out, *dout;
   const float* lse;
+  const int32_t* start;  // [B, T] or null
   bf16 *dq, *dk, *dv;
   Strides sq, sk, sv, so, sdo, sdq, sdk;
   int64_t lse_b, lse_h, lse_t;
@@ -231,6 +236,7 @@ struct Task {
     std::vector<float> dk_acc(nb * W, 0.f), dv_acc(nb * W, 0.f);
     std::vector<bf16> q_d(W), do_d(W), q_t(W), do_t(W);  // B operands of the query block
     std::vector<float> st(kBlock * kBlock), dpt(kBlock * kBlock), dqt(W), lse_i(kBlock), d_i(kBlock);
+    std::vector<int32_t> start_i(kBlock, 0);
     std::vector<bf16> pt(kBlock * kBlock), dst(kBlock * kBlock), dst_pairs(kBlock * kBlock);
     for (int64_t h = g * group; h < (g + 1) * group; ++h) {
       for (int64_t i = 0; i < nb; ++i) {
@@ -254,14 +260,23 @@ struct Task {
           for (int64_t c = 0; c < d; ++c) s += static_cast<float>(o_row[c]) * static_cast<float>(g_row[c]);
           d_i[r] = s;
         }
-        for (int64_t j = 0; j <= i; ++j) {
+        int64_t first = 0;  // the first key block a query of this block reads
+        if (start) {
+          int32_t lowest = static_cast<int32_t>(i * kBlock);
+          for (int64_t r = 0; r < kBlock; ++r) {
+            start_i[r] = r < n ? start[b * T + i * kBlock + r] : 0;
+            if (r < n) lowest = std::min(lowest, start_i[r]);
+          }
+          first = lowest / kBlock;
+        }
+        for (int64_t j = first; j <= i; ++j) {
           gemm_n(kBlock, kpad.data() + j * W, d, q_d.data(), kBlock, d, st.data(), kBlock, false);   // S^T [key, q]
           gemm_n(kBlock, vpad.data() + j * W, d, do_d.data(), kBlock, d, dpt.data(), kBlock, false); // dP^T
-          scores_to_gradients(st.data(), dpt.data(), lse_i.data(), d_i.data(), j == i, pt.data(), dst.data(),
-                              dst_pairs.data());
+          scores_to_gradients(st.data(), dpt.data(), lse_i.data(), d_i.data(), j == i,
+                              start ? start_i.data() : nullptr, j * kBlock, pt.data(), dst.data(), dst_pairs.data());
           gemm_n(d, pt.data(), kBlock, do_t.data(), kBlock, kBlock, dv_acc.data() + j * W, d, true);
           gemm_n(d, dst.data(), kBlock, q_t.data(), kBlock, kBlock, dk_acc.data() + j * W, d, true);
-          gemm_n(kBlock, kt.data() + j * W, kBlock, dst_pairs.data(), d, kBlock, dqt.data(), kBlock, j > 0);  // dQ_i^T
+          gemm_n(kBlock, kt.data() + j * W, kBlock, dst_pairs.data(), d, kBlock, dqt.data(), kBlock, j > first);  // dQ_i^T
         }
         bf16* dqi = dq + sdq.at(b, h, i * kBlock);
         for (int64_t r = 0; r < n; ++r)
@@ -282,9 +297,10 @@ struct Task {
   }
 
   // One [64 keys, 64 queries] tile: S^T and dP^T in, P^T and dS^T out (bf16; dS^T also packed in
-  // pairs of keys for dQ^T's product). diagonal: the block where key > query is masked.
+  // pairs of keys for dQ^T's product). diagonal: the block where key > query is masked; start_i:
+  // each query's first key (null: 0), key0 the block's first key.
   void scores_to_gradients(const float* st, const float* dpt, const float* lse_i, const float* d_i, bool diagonal,
-                           bf16* pt, bf16* dst, bf16* dst_pairs) const {
+                           const int32_t* start_i, int64_t key0, bf16* pt, bf16* dst, bf16* dst_pairs) const {
     const __m512 vscale = _mm512_set1_ps(scale);
     for (int64_t key = 0; key < kBlock; key += 2) {
       for (int64_t q0 = 0; q0 < kBlock; q0 += 16) {
@@ -296,6 +312,11 @@ struct Task {
             const int64_t first = key + e - q0;  // first lane allowed
             if (first >= 16) p = _mm512_setzero_ps();
             else if (first > 0) p = _mm512_maskz_mov_ps(static_cast<__mmask16>(0xFFFFu << first), p);
+          }
+          if (start_i) {  // queries whose document starts after this key
+            const __m512i from = _mm512_loadu_si512(start_i + q0);
+            const __mmask16 reads = _mm512_cmple_epi32_mask(from, _mm512_set1_epi32(static_cast<int>(key0 + key + e)));
+            p = _mm512_maskz_mov_ps(reads, p);
           }
           const __m512 ds = _mm512_mul_ps(p, _mm512_sub_ps(_mm512_loadu_ps(dpt + at), _mm512_loadu_ps(d_i + q0)));
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(pt + at), (__m256i)_mm512_cvtneps_pbh(p));
@@ -348,7 +369,7 @@ bool attention_backward_supported() {
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(const at::Tensor& q, const at::Tensor& k,
                                                                   const at::Tensor& v, const at::Tensor& out,
                                                                   const at::Tensor& dout, const at::Tensor& lse,
-                                                                  double scale) {
+                                                                  const std::optional<at::Tensor>& start, double scale) {
 #ifdef ARLM_BF16_ATTENTION
   check(q, "q", 4), check(k, "k", 4), check(v, "v", 4), check(out, "out", 4), check(dout, "dout", 4);
   TORCH_CHECK(lse.dim() == 3 && lse.scalar_type() == at::kFloat, "attention_backward: lse [B, H, T] float32");
@@ -360,12 +381,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(const at::Tens
               lse.size(0) == B && lse.size(1) == H && lse.size(2) == T,
               "attention_backward: shapes q [B, H, T, d], k and v [B, H_kv, T, d], H a multiple of H_kv");
   TORCH_CHECK(d % 32 == 0 && d <= 128, "attention_backward: head size a multiple of 32 up to 128");
+  TORCH_CHECK(!start || (start->scalar_type() == at::kInt && start->is_contiguous() && start->dim() == 2 &&
+                         start->size(0) == B && start->size(1) == T),
+              "attention_backward: start [B, T] int32, contiguous");
   // [B, T, H, d] in memory, returned as [B, H, T, d]
   auto dq = at::empty({B, T, H, d}, q.options()).transpose(1, 2);
   auto dk = at::empty({B, T, Hkv, d}, k.options()).transpose(1, 2);
   auto dv = at::empty({B, T, Hkv, d}, k.options()).transpose(1, 2);
   Task task{q.data_ptr<bf16>(), k.data_ptr<bf16>(), v.data_ptr<bf16>(), out.data_ptr<bf16>(),
-            dout.data_ptr<bf16>(), lse.data_ptr<float>(), dq.data_ptr<bf16>(), dk.data_ptr<bf16>(),
+            dout.data_ptr<bf16>(), lse.data_ptr<float>(), start ? start->data_ptr<int32_t>() : nullptr,
+            dq.data_ptr<bf16>(), dk.data_ptr<bf16>(),
             dv.data_ptr<bf16>(), Strides(q), Strides(k), Strides(v), Strides(out), Strides(dout), Strides(dq),
             Strides(dk), lse.stride(0), lse.stride(1), lse.stride(2), T, d, H / Hkv, static_cast<float>(scale)};
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
@@ -378,7 +403,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(const at::Tens
 }
 
 TORCH_LIBRARY_FRAGMENT(arlm_train, m) {
-  m.def("attention_backward(Tensor q, Tensor k, Tensor v, Tensor out, Tensor dout, Tensor lse, float scale) "
+  m.def("attention_backward(Tensor q, Tensor k, Tensor v, Tensor out, Tensor dout, Tensor lse, Tensor? start, "
+        "float scale) "
         "-> (Tensor, Tensor, Tensor)");
   m.def("attention_backward_supported() -> bool", &attention_backward_supported);
 }
