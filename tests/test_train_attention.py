@@ -161,6 +161,19 @@ def test_tiles_and_vector_products_agree(tmp_path):
         assert (a.float() - b.float()).abs().max().item() <= 1e-2 * top, f"seed {seed}: d{name}"
 
 
+def test_any_gradient_layout_and_empty_batches():
+    q, k, v, _ = inputs(4, 2, 4, 2, 50, 64)
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+    fused.causal_attention(*leaves).float().sum().backward()  # the gradient arrives expanded (stride 0)
+    reference = [t.detach().requires_grad_() for t in (q, k, v)]
+    sdpa(*reference).float().sum().backward()
+    for ours, theirs in zip(leaves, reference):
+        assert (ours.grad.float() - theirs.grad.float()).abs().max() <= 0.02 * theirs.grad.float().abs().max()
+    empty = [torch.zeros(0, 4, 10, 64, dtype=torch.bfloat16, requires_grad=True) for _ in range(3)]
+    fused.causal_attention(*empty).sum().backward()
+    assert all(t.grad.shape == t.shape for t in empty)
+
+
 def test_served_only_where_it_applies():
     q, k, v, _ = inputs(2, 1, 2, 1, 40, 64)
     assert fused.causal_attention(q, k, v) is None  # no gradient wanted: SDPA

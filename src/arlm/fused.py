@@ -232,6 +232,7 @@ class NativeCausalAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         q, k, v, out, lse, start = ctx.saved_tensors
+        grad = grad if grad.stride(-1) == 1 else grad.contiguous()  # (e.g. a sum's expanded ones)
         dq, dk, dv = torch.ops.arlm_train.attention_backward(q, k, v, out, grad, lse, start, q.shape[-1] ** -0.5)
         return dq, dk, dv, None, None
 
@@ -271,7 +272,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     d = q.shape[-1]
     if not (q.dtype == k.dtype == v.dtype == torch.bfloat16 and torch.is_grad_enabled()
             and (q.requires_grad or k.requires_grad or v.requires_grad)
-            and d % 32 == 0 and d <= 128 and q.shape[1] % k.shape[1] == 0 and native(q)):
+            and d % 32 == 0 and d <= 128 and q.shape[1] % k.shape[1] == 0
+            and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and native(q)):
         return None
     from . import kernels
 
