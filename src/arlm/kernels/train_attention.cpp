@@ -352,8 +352,8 @@ struct Task {
 #endif
 
 void check(const at::Tensor& x, const char* name, int64_t dims) {
-  TORCH_CHECK(x.dim() == dims && (x.stride(-1) == 1 || x.numel() == 0) && x.device().is_cpu(), "attention_backward: ", name,
-              " must be a CPU tensor of ", dims, " dims with its last dim contiguous");
+  TORCH_CHECK(x.dim() == dims && (x.stride(-1) == 1 || x.numel() == 0) && x.device().is_cpu(),
+              "attention_backward: ", name, " must be a CPU tensor of ", dims, " dims with its last dim contiguous");
 }
 
 }  // namespace
