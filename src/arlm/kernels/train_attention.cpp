@@ -276,7 +276,8 @@ struct Task {
                               start ? start_i.data() : nullptr, j * kBlock, pt.data(), dst.data(), dst_pairs.data());
           gemm_n(d, pt.data(), kBlock, do_t.data(), kBlock, kBlock, dv_acc.data() + j * W, d, true);
           gemm_n(d, dst.data(), kBlock, q_t.data(), kBlock, kBlock, dk_acc.data() + j * W, d, true);
-          gemm_n(kBlock, kt.data() + j * W, kBlock, dst_pairs.data(), d, kBlock, dqt.data(), kBlock, j > first);  // dQ_i^T
+          // dQ_i^T += K_j^T dS^T
+          gemm_n(kBlock, kt.data() + j * W, kBlock, dst_pairs.data(), d, kBlock, dqt.data(), kBlock, j > first);
         }
         bf16* dqi = dq + sdq.at(b, h, i * kBlock);
         for (int64_t r = 0; r < n; ++r)
@@ -366,10 +367,9 @@ bool attention_backward_supported() {
 #endif
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(const at::Tensor& q, const at::Tensor& k,
-                                                                  const at::Tensor& v, const at::Tensor& out,
-                                                                  const at::Tensor& dout, const at::Tensor& lse,
-                                                                  const std::optional<at::Tensor>& start, double scale) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out, const at::Tensor& dout,
+    const at::Tensor& lse, const std::optional<at::Tensor>& start, double scale) {
 #ifdef ARLM_BF16_ATTENTION
   check(q, "q", 4), check(k, "k", 4), check(v, "v", 4), check(out, "out", 4), check(dout, "dout", 4);
   TORCH_CHECK(lse.dim() == 3 && lse.scalar_type() == at::kFloat, "attention_backward: lse [B, H, T] float32");
