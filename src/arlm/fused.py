@@ -232,7 +232,8 @@ class NativeCausalAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         q, k, v, out, lse, start = ctx.saved_tensors
-        grad = grad if grad.stride(-1) == 1 else grad.contiguous()  # (e.g. a sum's expanded ones)
+        if grad.stride(-1) != 1 or grad.stride(2) % 2:  # (a sum's expanded ones; a slice of a wider one)
+            grad = grad.contiguous()
         dq, dk, dv = torch.ops.arlm_train.attention_backward(q, k, v, out, grad, lse, start, q.shape[-1] ** -0.5)
         return dq, dk, dv, None, None
 
@@ -244,12 +245,14 @@ def _key_ranges(mask: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, t
     """For a mask [B, 1, T, T] (True: the query reads the key) in which every query reads one run of
     keys ending at itself (causal; a packed row's documents; a sliding window): (start [B, T] int32,
     the first key each query reads; the mask as 0 / -inf in `dtype`), else None. Kept for the last
-    mask seen: a forward pass hands every layer the same one."""
+    mask seen: a forward pass hands every layer the same one (a mask changed in place after its first
+    use is not seen again)."""
     global _ranges
     ref, start, additive = _ranges
     if ref is not None and ref() is mask and additive.dtype == dtype:
         return start, additive
-    if mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2] != mask.shape[3]:
+    if mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2] != mask.shape[3] \
+            or mask.shape[3] == 0:
         return None
     visible = mask[:, 0]
     T = visible.shape[-1]
@@ -273,7 +276,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if not (q.dtype == k.dtype == v.dtype == torch.bfloat16 and torch.is_grad_enabled()
             and (q.requires_grad or k.requires_grad or v.requires_grad)
             and d % 32 == 0 and d <= 128 and q.shape[1] % k.shape[1] == 0
-            and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and native(q)):
+            and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and q.stride(2) % 2 == 0 and native(q)):
         return None
     from . import kernels
 
@@ -281,6 +284,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         return None
     if mask is None:
         return NativeCausalAttention.apply(q, k, v, None, None)
+    if mask.shape[0] != q.shape[0]:  # (one mask for the whole batch: SDPA broadcasts it)
+        return None
     ranges = _key_ranges(mask, q.dtype)
     return None if ranges is None else NativeCausalAttention.apply(q, k, v, *ranges)
 

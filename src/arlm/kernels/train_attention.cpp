@@ -384,6 +384,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
   TORCH_CHECK(!start || (start->scalar_type() == at::kInt && start->is_contiguous() && start->dim() == 2 &&
                          start->size(0) == B && start->size(1) == T),
               "attention_backward: start [B, T] int32, contiguous");
+  TORCH_CHECK(q.stride(2) % 2 == 0 && dout.stride(2) % 2 == 0,
+              "attention_backward: q and dout with an even step between positions (their rows are read in pairs)");
+  if (start) {
+    const int32_t* first = start->data_ptr<int32_t>();
+    for (int64_t i = 0; i < B * T; ++i)
+      TORCH_CHECK(first[i] >= 0 && first[i] <= i % T, "attention_backward: start[t] must lie in 0 .. t");
+  }
   // [B, T, H, d] in memory, returned as [B, H, T, d]
   auto dq = at::empty({B, T, H, d}, q.options()).transpose(1, 2);
   auto dk = at::empty({B, T, Hkv, d}, k.options()).transpose(1, 2);
