@@ -320,14 +320,29 @@ def run_parts(args) -> None:
             out.backward(go.to(dtype))
         return run
 
-    def native():  # arlm's training path: torch's flash forward, kernels/train_attention.cpp's backward
-        q, k, v = (t.requires_grad_() for t in (q0.clone(), k0.clone(), v0.clone()))
-        fused.causal_attention(q, k, v).backward(go)
+    def native(mask=None):  # arlm's training path: torch's flash forward, train_attention.cpp's backward
+        def run():
+            fused._ranges = (None, None, None)  # (the mask's first keys derived each call: a model's once a pass)
+            q, k, v = (t.requires_grad_() for t in (q0.clone(), k0.clone(), v0.clone()))
+            fused.causal_attention(q, k, v, mask).backward(go)
+        return run
+
+    def sdpa_masked(mask):  # SDPA with the mask a packed row of conversations gets (arlm.model: doc_ids)
+        def run():
+            q, k, v = (t.requires_grad_() for t in (q0.clone(), k0.clone(), v0.clone()))
+            F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True).backward(go)
+        return run
+
+    def packed_mask(t):  # conversations of ~150 tokens packed into rows of t
+        doc = torch.cumsum(torch.rand(B, t, generator=g) < 1 / 150, dim=1)
+        pos = torch.arange(t)
+        return ((pos[None, None, :] <= pos[None, :, None]) & (doc[:, None, :] == doc[:, :, None])).unsqueeze(1)
 
     served = kernels.attention_backward_supported()
     print(f"# {machine()}; {torch.get_num_threads()} threads; load {load_avg()}")
     print(f"attention forward + backward, one layer [B={B}, H={H}/{H_kv}, d={d}], bf16 (ms):")
     print(f"  {'positions':>9s} {'math':>8s} {'flash':>8s} {'flash f32':>10s} {'native':>8s}  flash/native")
+    packed = {}
     for t in sorted({64, 128, 256, 512, T}):
         if t > T:
             continue
@@ -335,11 +350,20 @@ def run_parts(args) -> None:
         go = torch.randn(B, H, t, d, generator=g).to(AMP)
         fns = {"math": attention(SDPBackend.MATH, AMP), "flash": attention(SDPBackend.FLASH_ATTENTION, AMP),
                "flash f32": attention(SDPBackend.FLASH_ATTENTION, torch.float32)}
+        mask = packed_mask(t)
+        fns["packed, SDPA"] = sdpa_masked(mask)
         if served:
-            fns["native"] = native
+            fns["native"], fns["packed, native"] = native(), native(mask)
         res = time_alternating(fns, args.rounds)
+        packed[t] = res
         ours = f"{res['native'] * 1e3:8.1f}  {res['flash'] / res['native']:6.2f}x" if served else f"{'-':>8s}"
         print(f"  {t:9d} {res['math'] * 1e3:8.1f} {res['flash'] * 1e3:8.1f} {res['flash f32'] * 1e3:10.1f} {ours}")
+    print("packed rows (conversations of ~150 tokens, each masked from the others), bf16 (ms):")
+    print(f"  {'positions':>9s} {'SDPA':>8s} {'native':>8s}  SDPA/native")
+    for t, res in packed.items():
+        ours = f"{res['packed, native'] * 1e3:8.1f}  {res['packed, SDPA'] / res['packed, native']:6.2f}x" \
+            if served else f"{'-':>8s}"
+        print(f"  {t:9d} {res['packed, SDPA'] * 1e3:8.1f} {ours}")
 
     hidden = torch.randn(B * T, D, generator=g)
     weight = (torch.randn(V, D, generator=g) * 0.05).requires_grad_()
