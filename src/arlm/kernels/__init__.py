@@ -183,8 +183,8 @@ def train_kernels_available() -> bool:
     """Training's native passes (train.cpp: the cross-entropy gradient over a block of logits, in
     place) are built and loaded; a library of their own, so a change to them rebuilds nothing else."""
     def load() -> bool:
-        return (load_native("arlm_train_kernels", [Path(__file__).with_name(n) for n in ("train.cpp", "train_attention.cpp")],
-                            "native training kernels")
+        sources = [Path(__file__).with_name(n) for n in ("train.cpp", "train_attention.cpp")]
+        return (load_native("arlm_train_kernels", sources, "native training kernels")
                 and hasattr(torch.ops.arlm_train, "softmax_xent_"))
 
     return runtime().library("arlm_train_kernels", load)
