@@ -5,7 +5,7 @@ Runs the default CPU model (`LLM.load("smollm2")`) through `llm.engine` at batch
 `Engine.step` and of `ModelRunner.execute` inside it (the forward pass: embeddings, the layer
 stack, the head); the rest is scheduling, sampling and postprocessing in Python.
 
-    .venv/bin/python benchmarks/engine_overhead.py [--threads 2]
+    .venv/bin/python benchmarks/engine_overhead.py [--threads 2] [--model smollm2|PATH.gguf]
 """
 
 from __future__ import annotations
@@ -27,9 +27,10 @@ from bench_args import positive_int  # noqa: E402
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--threads", type=positive_int, default=2)
+    ap.add_argument("--model", default="smollm2", help="a known name or a GGUF file (default: %(default)s)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    llm = LLM.load("smollm2")
+    llm = LLM.load(args.model)
     engine, runner = llm.engine, llm.engine.runner
     forward = {"s": 0.0}
     execute = runner.execute
