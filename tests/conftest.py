@@ -25,6 +25,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # The AMX tile kernel is opt-in for users (it did not pay here); the suite turns it on where the
 # CPU has it, so the bit-equality tests (a row batched = the row alone) compare it with VNNI.
 os.environ.setdefault("ARLM_AMX", "1")
+# `arlm generate` without torch (arlm.bare) serves a command only once its plan and library are
+# there, which earlier commands write: off, so that every test's command takes one path whatever
+# ran before it. tests/test_bare.py turns it on where it tests it.
+os.environ["ARLM_BARE"] = "0"
 # Two cores on the reference machine; more threads only contend with each other on its small
 # matmuls. OMP_NUM_THREADS, when set, wins (1 is the better choice on a machine already busy).
 torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", 0)) or min(2, os.cpu_count() or 1))

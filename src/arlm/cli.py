@@ -33,6 +33,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not args.prompt:
         raise UsageError("arlm generate: error: the prompt is empty")
     args.prompt = valid_text(args.prompt)  # bytes that were not UTF-8 become U+FFFD
+    from . import bare
+
+    if (code := bare.generate(args)) is not None:  # (no torch: where a plan serves the command)
+        return code
     params = sampling_params(args)
     llm = load_llm(args)
     if params.structured is not None:  # (checked before the prompt is printed)
@@ -64,6 +68,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write("\n")
         print(f"[finish: {req.finish_reason}] " + stats_line(stream.stats), file=sys.stderr)
+    if bare.plan_settings(args):  # (for the next run of this file: the bare path's plan)
+        from .bare import write
+
+        write.save(llm, args.activations)
     return 0
 
 

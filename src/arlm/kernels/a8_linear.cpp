@@ -16,9 +16,7 @@
 // activations (up to float32 summation), which the tests check against float64.
 // x is quantized per row and every (row, weight row) pair is summed in the same order whatever
 // the number of rows M, so a sequence's result does not depend on what it is batched with.
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
-#include <torch/library.h>
+#include "aten.h"
 #include <immintrin.h>
 
 #include "common.h"
@@ -844,6 +842,7 @@ void amx_tile(const X16Layer& L, int64_t m0, int64_t R, int64_t b0, int64_t nb, 
 #endif  // ARLM_AMX
 }  // namespace
 
+#ifndef ARLM_BARE  // (ops that return new tensors: torch's build only)
 at::Tensor q4_linear_a8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, const at::Tensor& mins) {
   arlm_kernels::check_q4("q4_linear_a8", x, w, scale, mins);
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0), G = K / kGroup;
@@ -932,6 +931,8 @@ at::Tensor int8_linear_a8(const at::Tensor& x, const at::Tensor& w, const at::Te
   return y;
 }
 
+
+#endif  // ARLM_BARE
 
 void arlm_kernels::quantize_span(const float* x, int64_t n, const Act8& a, int64_t at) {
   for (int64_t e = 0; e < n; e += kGroup)
@@ -1187,6 +1188,7 @@ void arlm_kernels::linear_a8p_residual(const float* x, int64_t M, int64_t K, con
 #endif
 }
 
+#ifndef ARLM_BARE
 // The packed twins of int8_linear_a8 / q4_linear_a8 (layouts above; AVX-512 VNNI only).
 at::Tensor int8_linear_a8p(const at::Tensor& x, const at::Tensor& wp, const at::Tensor& scale) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
@@ -1225,6 +1227,8 @@ at::Tensor kquant_linear_a8p(const at::Tensor& x, const at::Tensor& wp, const at
 }
 
 // Whether prompt rows go through the AMX tiles here (amx_tile): built with AMX-INT8 and granted by Linux.
+#endif  // ARLM_BARE
+
 bool amx_active() {
 #ifdef ARLM_AMX
   return amx_ready();
@@ -1241,6 +1245,7 @@ bool packed_a8_available() {
 #endif
 }
 
+#ifndef ARLM_BARE
 // linear_a8p_residual as an op: packed weights (wp, scale, mins as the a8p ops take them; mins
 // empty for int8 layouts).
 at::Tensor linear_a8p_residual(const at::Tensor& x, const at::Tensor& wp, const at::Tensor& scale,
@@ -1277,4 +1282,4 @@ TORCH_LIBRARY_IMPL(arlm, CPU, m) {
   m.impl("linear_a8p_residual", &linear_a8p_residual);
   m.impl("kquant_linear_a8p", &kquant_linear_a8p);
 }
-
+#endif  // ARLM_BARE

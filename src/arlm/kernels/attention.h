@@ -21,7 +21,7 @@
 // float16 is exact in float32, so one rounding (the add) whether or not the compiler fuses it,
 // and the torch mirror gets the same bits.
 #pragma once
-#include <ATen/ATen.h>
+#include "aten.h"
 
 #include <cmath>
 #include <cstring>

@@ -12,9 +12,7 @@
 // and each pair of K-values, the 16 channels' pairs side by side (vdpbf16ps's operand shape). A
 // row of x against a block is one chain of K/2 instructions into one accumulator per channel, in
 // K order: a row's result does not depend on the other rows, the tiling or the thread count.
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
-#include <torch/library.h>
+#include "aten.h"
 #include <immintrin.h>
 
 #include "common.h"
@@ -123,6 +121,7 @@ void arlm_kernels::bf16_linear_into(const float* x, int64_t M, int64_t K, const 
 #endif
 }
 
+#ifndef ARLM_BARE  // (ops that return new tensors: torch's build only)
 namespace {
 
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& wp) {
@@ -149,3 +148,4 @@ TORCH_LIBRARY_FRAGMENT(arlm, m) {
 }
 
 TORCH_LIBRARY_IMPL(arlm, CPU, m) { m.impl("bf16_linear", &bf16_linear); }
+#endif  // ARLM_BARE

@@ -1,7 +1,7 @@
 // What arlm's CPU kernels share (included by the .cpp files next to it and by
 // serve/paged_attention.cpp): the weight layouts' argument checks and SIMD helpers.
 #pragma once
-#include <ATen/ATen.h>
+#include "aten.h"
 #include <immintrin.h>
 
 #include <algorithm>

@@ -13,9 +13,7 @@
 // output matmul, norm, fused gate/up matmul, SiLU * up, down matmul; the matmuls are the same
 // kernels the quantized layers call (a8_linear.cpp, int8_linear.cpp, q4_linear.cpp), or for
 // float32 weights a row-streaming kernel below.
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
-#include <torch/library.h>
+#include "aten.h"
 #include <immintrin.h>
 
 #include "arlm_layout.h"  // generated from arlm/kernels/layout.py by the build
@@ -33,12 +31,14 @@
 #include <type_traits>
 #include <vector>
 
+#ifndef ARLM_BARE  // (the row layouts' ops: torch's build only; the bare build runs packed layers)
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale);
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, const at::Tensor& mins);
 at::Tensor int8_linear_a8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale);
 at::Tensor q4_linear_a8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, const at::Tensor& mins);
 at::Tensor int8_linear_a8p(const at::Tensor& x, const at::Tensor& wp, const at::Tensor& scale);
 at::Tensor q4_linear_a8p(const at::Tensor& x, const at::Tensor& wp, const at::Tensor& scale, const at::Tensor& mins);
+#endif
 
 namespace {
 
@@ -70,11 +70,15 @@ void f32_linear_into(const float* xp, int64_t M, int64_t K, const at::Tensor& w,
               "f32_linear: w [N, K] contiguous float32");
   const int64_t N = w.size(0);
   if (M > kExactRows || K % 8 != 0) {  // enough rows: a GEMM is the right tool, straight into y
+#ifdef ARLM_BARE
+    TORCH_CHECK(false, "f32_linear: more than ", kExactRows, " rows need torch's GEMM (not in the bare build)");
+#else
     const at::Tensor xt = at::from_blob(const_cast<float*>(xp), {M, K}, at::TensorOptions().dtype(at::kFloat));
     at::Tensor yt = at::from_blob(yp, {M, N}, {ldy, 1}, at::TensorOptions().dtype(at::kFloat));
     if (accumulate) yt.addmm_(xt, w.t());
     else at::mm_out(yt, xt, w.t());
     return;
+#endif
   }
   const float* wp = w.data_ptr<float>();
   auto put = [&](int64_t m, int64_t n, float v) { yp[m * ldy + n] = accumulate ? yp[m * ldy + n] + v : v; };
@@ -186,6 +190,9 @@ void linear_into(const float* x, const arlm_kernels::Act8* xq, int64_t M, int64_
   const at::Tensor &w = p[0], &scale = p[1], &mins = p[2];
   if (w.scalar_type() == at::kFloat) return f32_linear_into(x, M, K, w, y, ldy, accumulate);
   if (arlm_kernels::bf16_packed(w)) return arlm_kernels::bf16_linear_into(x, M, K, w, y, ldy, accumulate);
+#ifdef ARLM_BARE
+  TORCH_CHECK(false, "decode: the row layouts and dense copies run through torch's ops (not in the bare build)");
+#else
   if (w.scalar_type() == at::kBFloat16) {  // a dense bf16 copy [N, K] (prompt tokens, AMX CPUs): torch's
     // GEMM, oneDNN on the AMX tiles; its result (rounded to bf16) widened into y
     const at::Tensor xt = at::from_blob(const_cast<float*>(x), {M, K}, at::TensorOptions().dtype(at::kFloat));
@@ -228,6 +235,7 @@ void linear_into(const float* x, const arlm_kernels::Act8* xq, int64_t M, int64_
   const int64_t N = r.size(1);
   for (int64_t m = 0; m < M; ++m)
     for (int64_t n = 0; n < N; ++n) y[m * ldy + n] = accumulate ? y[m * ldy + n] + rp[m * N + n] : rp[m * N + n];
+#endif
 }
 
 // out = x / sqrt(mean(x^2) + eps) * weight, row by row (as F.rms_norm, then the weight); with
@@ -737,7 +745,7 @@ void forward_llama_paged(const at::Tensor& x, at::TensorList weights, const at::
               seq_index.scalar_type() == at::kLong && seq_index.is_contiguous() && seq_index.size(0) == N,
               "forward_llama_paged: contiguous int64 block_table [S, M] and seq_index [N]");
   const int64_t BS = k_pool.size(3), M = block_table.size(1);
-  const int64_t k_layer = k_pool[0].numel(), v_layer = v_pool[0].numel();  // elements of one layer's pool
+  const int64_t k_layer = k_pool.numel() / k_pool.size(0), v_layer = v_pool.numel() / v_pool.size(0);  // elements of one layer's pool
   const int64_t *table = block_table.data_ptr<int64_t>(), *seq = seq_index.data_ptr<int64_t>();
   const int64_t* pp = pos.data_ptr<int64_t>();
   arlm_kernels::check_block_table("forward_llama_paged", table, block_table.size(0), M, seq, pp, N, BS,
@@ -775,7 +783,8 @@ void forward_llama_paged(const at::Tensor& x, at::TensorList weights, const at::
   TORCH_CHECK(window >= 0 && sinks >= 0, "forward_llama_paged: window and sinks must be >= 0");
   const arlm_kernels::Window win{window, sinks, cp, sp};  // (window 0: every slot; paged_attention.h)
   // straight from the q/k/v rows; the pools hold the cache's format (attention.h)
-  const int64_t lk_layer = split ? local_k[0].numel() : 0, lv_layer = split ? local_v[0].numel() : 0;
+  const int64_t lk_layer = split ? local_k.numel() / local_k.size(0) : 0,
+                lv_layer = split ? local_v.numel() / local_v.size(0) : 0;
   auto attend_in = [&](auto* k_base, auto* v_base, int64_t l, float* qkv, const arlm_kernels::Act8* xq) {
     const bool local = split && arch.window(l);
     auto *kp = k_base + index[l] * k_layer, *vp = v_base + index[l] * v_layer;
@@ -855,9 +864,41 @@ at::Tensor decode_profile(bool on) {
 }
 #endif
 
-// Greedy decoding's argmax over each row of logits [B, V] float32, as torch.argmax: the first
-// index of the largest value, or of the first NaN. torch's index reductions run ~30x slower than
-// its plain max on CPU (1.3 ms for [32, 49152]); a row here is a max pass and a compare pass.
+// Greedy decoding's argmax over a row of V logits, as torch.argmax: the first index of the
+// largest value, or of the first NaN. torch's index reductions run ~30x slower than its plain
+// max on CPU (1.3 ms for [32, 49152]); a row here is a max pass and a compare pass.
+int64_t argmax_row(const float* r, int64_t V) {
+  int64_t best = -1;
+#if defined(__AVX512F__)
+  __m512 mv = _mm512_set1_ps(-INFINITY);
+  __mmask16 nan = 0;
+  for (int64_t j = 0; j < V; j += 16) {
+    const __mmask16 m = arlm_kernels::tail_mask(V - j);
+    const __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), m, r + j);
+    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    mv = _mm512_max_ps(mv, v);
+  }
+  if (!nan) {
+    const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
+    for (int64_t j = 0; j < V && best < 0; j += 16) {
+      const __mmask16 hit = _mm512_mask_cmp_ps_mask(arlm_kernels::tail_mask(V - j),
+                                                    _mm512_loadu_ps(r + j), top, _CMP_EQ_OQ);
+      if (hit) best = j + __builtin_ctz(hit);
+    }
+  }
+#endif
+  if (best < 0) {  // scalar: NaN rows (the first NaN wins) and CPUs without AVX-512
+    best = 0;
+    for (int64_t j = 0; j < V; ++j) {
+      if (std::isnan(r[j])) { best = j; break; }
+      if (r[j] > r[best]) best = j;
+    }
+  }
+  return best;
+}
+
+#ifndef ARLM_BARE
+// argmax_row over each row of logits [B, V] float32.
 at::Tensor argmax_rows(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) > 0,
               "argmax_rows: x [B, V] contiguous float32");
@@ -866,39 +907,11 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   const float* xp = x.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
   at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const float* r = xp + b * V;
-      int64_t best = -1;
-#if defined(__AVX512F__)
-      __m512 mv = _mm512_set1_ps(-INFINITY);
-      __mmask16 nan = 0;
-      for (int64_t j = 0; j < V; j += 16) {
-        const __mmask16 m = arlm_kernels::tail_mask(V - j);
-        const __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), m, r + j);
-        nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-        mv = _mm512_max_ps(mv, v);
-      }
-      if (!nan) {
-        const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
-        for (int64_t j = 0; j < V && best < 0; j += 16) {
-          const __mmask16 hit = _mm512_mask_cmp_ps_mask(arlm_kernels::tail_mask(V - j),
-                                                        _mm512_loadu_ps(r + j), top, _CMP_EQ_OQ);
-          if (hit) best = j + __builtin_ctz(hit);
-        }
-      }
-#endif
-      if (best < 0) {  // scalar: NaN rows (the first NaN wins) and CPUs without AVX-512
-        best = 0;
-        for (int64_t j = 0; j < V; ++j) {
-          if (std::isnan(r[j])) { best = j; break; }
-          if (r[j] > r[best]) best = j;
-        }
-      }
-      op[b] = best;
-    }
+    for (int64_t b = b0; b < b1; ++b) op[b] = argmax_row(xp + b * V, V);
   });
   return out;
 }
+#endif
 
 // Structured outputs: logits[rows[i], t] = -inf for every token t whose bit is 0 in bits[i]
 // (llguidance's mask: bit t % 32 of 32-bit word t / 32). Words with every bit set (all allowed)
@@ -942,6 +955,7 @@ void mask_rows(at::Tensor& logits, const at::Tensor& rows, const at::Tensor& bit
   });
 }
 
+#ifndef ARLM_BARE
 TORCH_LIBRARY_FRAGMENT(arlm, m) {
   m.def("argmax_rows(Tensor x) -> Tensor");
   m.def("mask_rows(Tensor(a!) logits, Tensor rows, Tensor bits) -> ()");
@@ -966,3 +980,4 @@ TORCH_LIBRARY_IMPL(arlm, CPU, m) {
   m.impl("argmax_rows", &argmax_rows);
   m.impl("mask_rows", &mask_rows);
 }
+#endif  // ARLM_BARE

@@ -5,9 +5,7 @@
 // for int8 weights with float activations on AVX2 (its int8 kernels run at ~1 GB/s here), so this
 // kernel widens int8 -> float in registers and accumulates with FMA, reading each weight byte
 // once. Rows of w are split across torch's intra-op threads (at::parallel_for).
-#include <ATen/ATen.h>
-#include <torch/library.h>
-#include <ATen/Parallel.h>
+#include "aten.h"
 #include <immintrin.h>
 
 #include "common.h"
@@ -184,6 +182,7 @@ inline void tile_grouped(const float* x, int64_t M, const int8_t* w, int64_t K, 
 
 }  // namespace
 
+#ifndef ARLM_BARE  // (ops that return new tensors: torch's build only)
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale) {
   arlm_kernels::check_int8("int8_linear", x, w, scale, false);
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
@@ -223,3 +222,4 @@ TORCH_LIBRARY(arlm, m) {
 TORCH_LIBRARY_IMPL(arlm, CPU, m) {
   m.impl("int8_linear", &int8_linear);
 }
+#endif  // ARLM_BARE

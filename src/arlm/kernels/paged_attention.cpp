@@ -1,7 +1,6 @@
 // The paged-attention op: the module path's attention over the KV cache through a block table
 // (arlm.kv_cache.KVCache.attend); the native layer stack calls the same code directly (paged_attention.h).
-#include <ATen/ATen.h>
-#include <torch/library.h>
+#include "aten.h"
 
 #include <optional>
 
@@ -10,6 +9,7 @@
 // q [N, H, D]; k, v [N, Hkv, D] float32; k_pool, v_pool [n_blocks, Hkv, BS, row] (written in
 // place) in the cache's format (kv_format, attention.h: float32 or float16 rows of D, or quantized
 // uint8 rows); block_table [S, M], seq, pos [N]: int64. Returns [N, H, D].
+#ifndef ARLM_BARE  // (ops that return new tensors: torch's build only)
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor k_pool,
                            at::Tensor v_pool, const at::Tensor& block_table, const at::Tensor& seq,
                            const at::Tensor& pos, double scale, int64_t kv_format, int64_t window, int64_t sinks,
@@ -58,3 +58,4 @@ TORCH_LIBRARY_FRAGMENT(arlm, m) {
 TORCH_LIBRARY_IMPL(arlm, CPU, m) {
   m.impl("paged_attention", &paged_attention);
 }
+#endif  // ARLM_BARE

@@ -8,8 +8,7 @@
 // Every query's result is computed in the same order whatever else is in the batch, so a
 // sequence's logits are bit-identical alone, in a batch, or prefilled in chunks.
 #pragma once
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
+#include "aten.h"
 
 #include "attention.h"
 

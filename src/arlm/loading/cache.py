@@ -35,8 +35,6 @@ cache shared by machines that see the files at other paths).
 
 from __future__ import annotations
 
-import fcntl
-import hashlib
 import json
 import mmap
 import re
@@ -45,110 +43,23 @@ import shutil
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer as HFTokenizer
 
 from ..config import ModelConfig
-from ..files import atomic_write_text, cache_home
+from ..files import atomic_write_text
+from ..model_files import (FORMAT, _current, _locked, _stamp, cache_dir, cache_root, file_hash,  # noqa: F401
+                           hash_remembered)
 from ..model import Transformer
 from ..quant import (Int8Linear, KQuantLinear, Q4Linear, Q5Linear, Q8Linear, Q8MinsLinear, QuantizedEmbedding,
                      QuantizedLinear, SplitLinear)
 from ..tokenizer import Tokenizer
 from .loaded import LoadedModel
 
-FORMAT = 10  # (a layer kind or field the loader adds is a new format: the old directories are rebuilt)
 _ALIGN = 64
 _DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.int8, torch.uint8)}
-
-
-def cache_root() -> Path:
-    return cache_home() / "models"
-
-
-def _stamp(path: Path) -> str:
-    """What `index.json` keys a file version by: its absolute path, size, mtime and inode."""
-    st = path.stat()
-    return f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}"
-
-
-def _current(stamp: str) -> bool:
-    """The file version `stamp` names is still at its path (not gone, not rewritten)."""
-    path = stamp.rsplit("|", 3)[0]
-    try:
-        return _stamp(Path(path)) == stamp
-    except OSError:
-        return False
-
-
-@contextmanager
-def _locked(root: Path):
-    """The root's lock file held (flock): `index.json`'s read-modify-write and the sweep, one
-    process at a time. Where it cannot be taken (a read-only root), without it."""
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        f = open(root / ".lock", "a")
-    except OSError:
-        yield
-        return
-    with f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        yield
-
-
-def hash_remembered(path: Path) -> bool:
-    """Whether `index.json` holds this file version's sha256 (`file_hash` reads no byte of it)."""
-    try:
-        return _stamp(path) in json.loads((cache_root() / "index.json").read_text())
-    except (OSError, ValueError):
-        return False
-
-
-def _sha256(path: Path, chunk: int = 32 << 20) -> str:
-    """The file's sha256 through a map, 32 MB an update: hashlib lets go of the GIL for each, so a
-    first load's parse runs beside it (hashlib.file_digest's 256 KB reads ask for the GIL ~6,000
-    times for 1.6 GB, each waiting out the parse's switch interval: 1.36 s beside the 1B file's
-    parse where alone it takes 0.79)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        if os.fstat(f.fileno()).st_size:
-            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-                view = memoryview(m)
-                try:
-                    for start in range(0, len(m), chunk):
-                        h.update(view[start:start + chunk])
-                finally:
-                    view.release()
-    return h.hexdigest()
-
-
-def file_hash(path: Path) -> str:
-    """The sha256 of the file's bytes, remembered per (path, size, mtime, inode)."""
-    stamp = _stamp(path)
-    index_path = cache_root() / "index.json"
-    try:
-        index = json.loads(index_path.read_text())
-    except (OSError, ValueError):
-        index = {}
-    if stamp in index:
-        return index[stamp]
-    digest = _sha256(path)
-    try:
-        with _locked(index_path.parent):
-            try:
-                index = json.loads(index_path.read_text())  # (again: another process may have added to it)
-            except (OSError, ValueError):
-                index = {}
-            atomic_write_text(index_path, json.dumps({**index, stamp: digest}))
-    except OSError:
-        pass  # a read-only cache: hash again next time
-    return digest
-
-
-def cache_dir(path: Path, layout: str) -> Path:
-    return cache_root() / f"{file_hash(path)[:32]}-{layout}-v{FORMAT}"
 
 
 # -- saving ----------------------------------------------------------------------------------------
@@ -427,4 +338,4 @@ def load(path: Path, layout: str, tokenizer: Tokenizer | None = None) -> LoadedM
     except (OSError, ValueError, Exception):  # noqa: BLE001 - HF's parser raises its own kinds: rebuild
         return None
     return LoadedModel(model.eval(), tokenizer, manifest["chat_template"], manifest["name"], "gguf", path,
-                       requantized=list(manifest["requantized"]))
+                       requantized=list(manifest["requantized"]), weights=buf)

@@ -22,6 +22,9 @@ class LoadedModel:
     # tensors arlm had to round again, where the file's type has no kernel.
     quantized: bool = False
     requantized: list[str] = field(default_factory=list)
+    # A layout cache's mapped weights.bin (a uint8 tensor) that the model's tensors point into;
+    # None for a model loaded otherwise (arlm.bare.write records tensors as offsets into it).
+    weights: object = None
 
     @property
     def config(self) -> ModelConfig:

@@ -1,0 +1,147 @@
+"""`arlm generate` without torch: the decode kernels called from numpy, for a start as quick as
+llama.cpp's.
+
+`import torch` alone takes ~1 s here, more than llama.cpp's whole start to its first token on a
+1B file. Yet a greedy `arlm generate` on a GGUF file needs nothing of torch once the file's layout
+cache exists: its weights are bytes in a map, and the layer stack, the head and the argmax are
+native code (kernels/decode.cpp). So the torch path, after loading such a file, writes a *plan*
+beside the layout cache (`write`: every tensor the native stack takes, as offsets into the
+map), and builds the same kernels once more without libtorch (`library`: bare_api.cpp's C
+functions over bare_aten.h's views); a later `arlm generate` whose options the plan serves reads
+it (`model`) and runs prefill, decode and the argmax through ctypes, with the tokenizer and the
+text streamer the torch path uses. Its tokens and text are the torch path's (tests/test_bare.py).
+
+Served: a GGUF file (or a known name) whose plan for these activations is current; greedy
+decoding (--temperature 0); stop strings, --ignore-eos, --max-new-tokens, --threads; the CPU's
+packed kernels (AVX-512 VNNI, the default matmul path there) and a float KV cache; plain text out.
+Anything else - sampling, --json, --chat, a KV window, structured output, speculation, penalties,
+another matmul path, dtype or KV type, a prompt and output longer than the plan's RoPE rows -
+takes the torch path, as does a file whose plan or library is not there yet (the torch path
+writes the plan; the library builds in the background once per machine). ARLM_BARE=0 turns this
+path off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+# What each option must be for the plan to serve the command (the CLI's defaults, or values the
+# plan computes the same way)
+_DEFAULTS = {"device": "cpu", "dtype": "auto", "quantize": "auto", "prefill_dtype": None, "kv_window": 0,
+             "chat": False, "json": False, "chat_template": None, "compile": False, "speculative": None,
+             "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
+             "frequency_penalty": 0.0, "logit_bias": [], "min_tokens": 0, "stop_token_id": [], "json_schema": None,
+             "json_object": False, "regex": None, "choice": None, "grammar": None, "context_shift": False}
+
+
+_LOAD = ("device", "dtype", "quantize", "prefill_dtype", "kv_window", "compile")
+
+
+def enabled() -> bool:
+    """ARLM_BARE=0 turns the bare path off: no plan read, written or library built."""
+    return os.environ.get("ARLM_BARE", "1") != "0"
+
+
+def plan_settings(args: argparse.Namespace) -> bool:
+    """Whether the model was loaded as a plan serves it (the defaults; activations int8x2 or
+    int8): then the torch path writes the plan after its run (`write.save`)."""
+    if not enabled():
+        return False
+    if getattr(args, "matmul_path", "auto") not in ("auto", "vnni") or getattr(args, "kv_dtype", "auto") != "auto":
+        return False
+    return args.activations in ("int8x2", "int8") and all(
+        getattr(args, name, _DEFAULTS[name]) == _DEFAULTS[name] for name in _LOAD)
+
+
+def _served(args: argparse.Namespace) -> bool:
+    if args.temperature != 0 or args.max_new_tokens < 1:
+        return False
+    return plan_settings(args) and all(getattr(args, name, value) == value for name, value in _DEFAULTS.items())
+
+
+def _model_file(spec: str) -> Path | None:
+    from ..model_files import known_model_file
+
+    known = known_model_file(spec)
+    if known is not None:
+        return known
+    path = Path(spec).expanduser()
+    return path if path.suffix == ".gguf" and path.is_file() else None
+
+
+def generate(args: argparse.Namespace) -> int | None:
+    """Run `arlm generate` here where the bare path serves it (its exit code), else None (the
+    torch path runs it: nothing has been written to stdout or stderr)."""
+    if not _served(args):
+        return None
+    from ..model_files import cache_dir, hash_remembered
+
+    path = _model_file(args.model)
+    if path is None or not hash_remembered(path):  # (a file never loaded: the torch path hashes it)
+        return None
+    from . import library
+    from .model import BareModel, BarePlan
+
+    lib = library.load()
+    if lib is None or not lib.packed():
+        return None
+    try:
+        plan = BarePlan(cache_dir(path, "packed"), args.activations)
+    except (OSError, ValueError):
+        return None
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from ..tokenizer import Tokenizer
+
+    model = BareModel(plan, lib)
+    tok = plan.plan["tokenizer"]
+    tokenizer = Tokenizer(HFTokenizer.from_file(str(plan.directory / "tokenizer.json")), tok["bos_id"],
+                          tok["eos_ids"], tok["add_bos"])
+    ids = tokenizer.encode(args.prompt)
+    if not ids or len(ids) + args.max_new_tokens > model.max_len:
+        return None  # (the torch path says what is wrong, or runs the long sequence)
+    threads = args.threads or int(os.environ.get("OMP_NUM_THREADS", 0) or 0) or len(os.sched_getaffinity(0))
+    if args.threads is not None and args.threads > (os.cpu_count() or 1):
+        print(f"arlm: warning: --threads {args.threads} is more than this machine's {os.cpu_count()} cores: "
+              "the threads will take turns, and decode gets much slower", file=sys.stderr)
+    lib.set_threads(threads)
+    return _run(model, tokenizer, ids, args, threads, "AVX512-VNNI+AMX-INT8" if lib.amx() else "AVX512-VNNI")
+
+
+def _run(model, tokenizer, ids: list[int], args: argparse.Namespace, threads: int, isa: str) -> int:
+    from ..text import TextStreamer
+
+    eos = set() if args.ignore_eos else set(tokenizer.eos_ids)
+    streamer = TextStreamer(tokenizer, list(args.stop))
+    sys.stdout.write(args.prompt)  # (as the torch path: the continuation in context)
+    k, v = model.new_cache(len(ids) + args.max_new_tokens)
+    t0 = time.perf_counter()
+    logits = model.prefill(ids, k, v)
+    t1 = time.perf_counter()
+    reason, n = None, 0
+    while reason is None:
+        token = model.next_token(logits)
+        n += 1
+        reason = "eos" if token in eos else "length" if n >= args.max_new_tokens else None
+        text, hit = streamer.push(token, final=reason is not None)
+        if hit:
+            reason = "stop"
+        sys.stdout.write(text)
+        sys.stdout.flush()
+        if reason is None:
+            logits = model.decode(token, len(ids) + n - 1, k, v)
+    t2 = time.perf_counter()
+    sys.stdout.write("\n")
+    a = model.arch
+    per_token = 2 * a["n_layer"] * a["n_kv_heads"] * a["head_dim"] * k.itemsize
+    decode_s, decoded = t2 - t1, n - 1
+    print(f"[finish: {reason}] prefill: {len(ids)} tokens, {len(ids) / max(t1 - t0, 1e-9):.1f} tokens/s | "
+          f"decode: {decoded} tokens, {decoded / decode_s if decoded and decode_s > 0 else 0.0:.1f} tokens/s | "
+          f"KV cache: {model.p['kv']['dtype']}, {per_token} bytes/token, {2 * k.nbytes / 2**20:.2f} MiB "
+          f"({2 * k.nbytes} bytes) | matmul: vnni ({isa}) | threads: "
+          + (f"{threads} (pinned)" if args.threads else f"{threads} of {threads}") + " | no torch", file=sys.stderr)
+    return 0

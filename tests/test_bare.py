@@ -1,0 +1,246 @@
+"""`arlm generate` without torch (arlm.bare): its numpy embedding gathers against the torch path's,
+its plan's model against the torch path (the same tokens, the same logits to the bit) on files of
+every block type and family, and the command itself: the same text, torch never imported, and
+the torch path wherever the plan does not serve."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from arlm.bare import gather, library, write
+from arlm.bare.model import BareModel, BarePlan
+from arlm.kernels import layout
+from arlm.llm import LLM
+from arlm.model_files import cache_dir
+from arlm.quant import Int8Linear, Q4Linear, Q8Linear
+from arlm.sampling import SamplingParams
+
+from conftest import hf_family, hf_llama
+from cpu_flags import packed_expected
+from test_gguf_weights import _k_blocks, _k_layer
+
+needs_packed = pytest.mark.skipif(not packed_expected(),
+                                  reason="the bare path runs the packed kernels (AVX-512 VNNI), not built here")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def lib():
+    """The bare library, built (once per machine and source version) and loaded."""
+    path = library.build(layout.header(), wait=True)
+    assert path is not None, (library.path().parent / "build.log").read_text()
+    return library.Library(path)
+
+
+@pytest.fixture
+def bare_on(monkeypatch):
+    monkeypatch.setenv("ARLM_BARE", "1")
+
+
+# -- the embedding gathers -------------------------------------------------------------------------
+
+def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype == np.float32 and np.array_equal(a.view(np.uint32),
+                                                                                        b.view(np.uint32))
+
+
+@needs_packed
+@pytest.mark.parametrize("kind", ["Int8Linear", "Q8Linear", "Q4Linear", "Q4_0", "Q5_0", "Q4_K", "Q5_K", "Q6_K"])
+def test_numpy_gathers_the_torch_paths_rows(kind):
+    """Every packed table kind: numpy's rows equal `dequantize_rows`' to the bit (fresh random
+    weights each run), repeated and unordered indices included."""
+    seed = int.from_bytes(os.urandom(2), "little")
+    g = torch.Generator().manual_seed(seed)
+    if kind in ("Int8Linear", "Q8Linear", "Q4Linear"):
+        layer = {"Int8Linear": Int8Linear, "Q8Linear": Q8Linear, "Q4Linear": Q4Linear}[kind].from_float(
+            torch.randn(64, 96, generator=g))
+        layer._a8 = True
+        layer.pack()
+    else:
+        layer = _k_layer(kind, _k_blocks(kind, 48, 2, seed=seed))
+        layer.int8_activations = True
+    assert layer.packed
+    N = layer.out_features
+    index = torch.tensor([N - 1, 0, 16, 5, 5, 31, N // 2])
+    want = layer.dequantize_rows(index).numpy()
+    arrays = [t.numpy() for t in layer.tensors()]
+    got = gather.rows(type(layer).__name__, arrays, index.numpy(), getattr(layer, "kind", None))
+    assert _same_bits(got, want), f"seed {seed}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_numpy_gathers_float_tables(dtype):
+    w = torch.randn(40, 24).to(dtype)
+    index = np.array([3, 39, 0, 3])
+    arrays = [w.view(torch.uint16).numpy() if dtype == torch.bfloat16 else w.numpy()]
+    assert _same_bits(gather.rows("dense", arrays, index), w[torch.from_numpy(index)].float().numpy())
+
+
+def test_an_unknown_table_kind_is_refused():
+    with pytest.raises(ValueError, match="no numpy gather"):
+        gather.rows("Q8MinsLinear", [np.zeros((1, 1))], np.array([0]))
+
+
+# -- the plan's model against the torch path -------------------------------------------------------
+
+# Llama files of the loader's kinds (tests/test_cache_build.py's), Qwen 2 (q/k/v biases), Qwen 3
+# (q/k norms) and Gemma 3 (sliding windows and their RoPE base, GeGLU, post norms, the scaled
+# embedding), K-quant matrices throughout.
+KQ = {"attn_q.weight": "Q4_K", "attn_k.weight": "Q4_K", "attn_v.weight": "Q6_K", "attn_output.weight": "Q4_K",
+      "ffn_gate.weight": "Q4_K", "ffn_up.weight": "Q4_K", "ffn_down.weight": "Q6_K"}
+MODELS = {
+    "llama-tied-kquant": (lambda: hf_llama(seed=41, n_head=4, n_kv_heads=2, hidden_size=256, intermediate_size=512,
+                                           vocab_size=208, tie=True),
+                          {**KQ, "ffn_up.weight": "Q5_K", "attn_output.weight": "Q8_0", "token_embd.weight": "Q6_K"}),
+    "llama-untied-mixed": (lambda: hf_llama(seed=42, n_head=4, n_kv_heads=2, hidden_size=256, intermediate_size=512,
+                                            vocab_size=208, tie=False),
+                           {"attn_q.weight": "Q8_0", "attn_k.weight": "Q5_0", "attn_v.weight": "Q4_0",
+                            "attn_output.weight": "Q6_K", "ffn_gate.weight": "Q4_1", "ffn_up.weight": "Q4_1",
+                            "ffn_down.weight": "Q5_K", "output.weight": "Q8_0"}),
+    "qwen2": (lambda: hf_family("qwen2", seed=43, hidden_size=256, intermediate_size=512, vocab_size=208,
+                                num_attention_heads=4, num_key_value_heads=2), {**KQ, "output.weight": "Q6_K"}),
+    "qwen3": (lambda: hf_family("qwen3", seed=44, hidden_size=256, intermediate_size=512, vocab_size=208,
+                                num_attention_heads=4, num_key_value_heads=2, head_dim=64),
+              {**KQ, "token_embd.weight": "Q8_0"}),
+    "gemma3": (lambda: hf_family("gemma3", seed=45, hidden_size=256, intermediate_size=512, vocab_size=208,
+                                 head_dim=64), {**KQ, "token_embd.weight": "Q6_K"}),
+}
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def gguf_file(request, tmp_path_factory):
+    from gguf_writer import write_gguf
+
+    make, kquant = MODELS[request.param]
+    return write_gguf(make(), tmp_path_factory.mktemp("bare") / f"{request.param}.gguf", kquant=kquant)
+
+
+def _bare_tokens(model: BareModel, ids: list[int], n: int) -> tuple[list[int], np.ndarray]:
+    k, v = model.new_cache(len(ids) + n)
+    logits = first = model.prefill(ids, k, v)
+    out = []
+    for i in range(n):
+        out.append(model.next_token(logits))
+        if i + 1 < n:
+            logits = model.decode(out[-1], len(ids) + i, k, v)
+    return out, first
+
+
+@needs_packed
+@pytest.mark.parametrize("activations", ["int8x2", "int8"])
+def test_the_plans_model_decodes_as_the_torch_path(gguf_file, activations, lib, bare_on):
+    """Greedy tokens equal the torch path's (its engine, LLM.generate) for prompts of several
+    lengths (a Gemma prompt past its window of 8), and the prompt's logits equal the native
+    stack's torch ops on the same cache to the bit."""
+    llm = LLM.load(str(gguf_file), activations=activations)
+    write.save(llm, activations)  # (None where an earlier run wrote it: this file's bytes are seeded)
+    assert write._current(cache_dir(gguf_file, "packed") / f"bare-{activations}.json")
+    model = BareModel(BarePlan(cache_dir(gguf_file, "packed"), activations), lib)
+    rng = np.random.default_rng(int.from_bytes(os.urandom(2), "little"))
+    for n in (1, 7, 23):
+        ids = [int(t) for t in rng.integers(2, 208, n)]
+        want = llm.generate([ids], SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True))[0].token_ids
+        got, logits = _bare_tokens(model, ids, 12)
+        assert got == want, (n, ids)
+        native = llm.runner.native
+        T = n + 1
+        shape = (llm.model.config.n_layer, 1, llm.model.config.n_kv_heads, T, llm.model.config.head_dim)
+        k, v = torch.zeros(shape, dtype=torch.float16), torch.zeros(shape, dtype=torch.float16)
+        x = native.embed(torch.tensor(ids))
+        native.forward(x, k, v, torch.zeros(1, 1, dtype=torch.long), torch.zeros(n, dtype=torch.long),
+                       torch.arange(n))
+        assert _same_bits(logits, native.head(x[-1:].contiguous())[0].numpy())
+
+
+@needs_packed
+def test_a_model_off_the_packed_layouts_gets_no_plan(tmp_path, bare_on):
+    """A table the packed layouts cannot hold (200 rows: no whole tiles of 16; tests/test_cache_build.py's
+    "ragged" file) has no numpy gather: no plan, so its commands keep the torch path."""
+    from gguf_writer import write_gguf
+
+    hf = hf_llama(seed=46, n_head=4, n_kv_heads=2, hidden_size=256, intermediate_size=512, vocab_size=200, tie=False)
+    path = write_gguf(hf, tmp_path / "ragged.gguf", kquant={**KQ, "token_embd.weight": "Q4_K",
+                                                             "output.weight": "Q8_0"})
+    llm = LLM.load(str(path))
+    assert write.save(llm, "int8x2") is None
+    assert not (cache_dir(path, "packed") / "bare-int8x2.json").exists()
+
+
+# -- the command -----------------------------------------------------------------------------------
+
+PROMPT = "The three primary colors are"
+
+
+def _generate(*extra: str, bare: bool = True, torch_free: bool = False) -> subprocess.CompletedProcess:
+    """`arlm generate` (greedy, 20 tokens) in a fresh process, the bare path on or off;
+    torch_free: also assert that torch was never imported."""
+    env = {**os.environ, "ARLM_BARE": "1" if bare else "0", "ARLM_BARE_BUILD_WAIT": "1"}
+    check = "assert 'torch' not in sys.modules, 'torch was imported'; " if torch_free else ""
+    script = f"import sys, arlm.cli as c; code = c.main(sys.argv[1:]); {check}sys.exit(code)"
+    args = ["generate", PROMPT, "--temperature", "0", "--max-new-tokens", "20", *extra]
+    return subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, env=env, cwd=ROOT,
+                          timeout=600)
+
+
+@needs_packed
+def test_generate_without_torch_prints_the_torch_paths_text(lib):
+    """SmolLM2 (the default model): a torch run (it writes the plan), then the same command
+    without torch: the same text, byte for byte, torch never imported; with stop strings and
+    --ignore-eos too."""
+    for extra in ((), ("--stop", " and", "--ignore-eos"), ("--activations", "int8", "--threads", "1")):
+        torch_run = _generate(*extra, bare=False)
+        assert torch_run.returncode == 0, torch_run.stderr
+        _generate(*extra)  # (a torch run too where the plan is not there yet: it writes it)
+        run = _generate(*extra, torch_free=True)
+        assert run.returncode == 0, run.stderr
+        assert "no torch" in run.stderr.splitlines()[-1], run.stderr
+        assert run.stdout == torch_run.stdout
+        assert run.stderr.splitlines()[-1].split("]")[0] == torch_run.stderr.splitlines()[-1].split("]")[0]
+
+
+@needs_packed
+@pytest.mark.parametrize("extra", [("--temperature", "0.7"), ("--json",), ("--chat",), ("--kv-dtype", "int8"),
+                                   ("--min-tokens", "3"), ("--regex", "[a-z ]+"), ("--matmul-path", "avx2")])
+def test_what_the_plan_does_not_serve_takes_the_torch_path(extra, lib, monkeypatch):
+    monkeypatch.setenv("ARLM_BARE", "1")
+    _generate()  # (the plan written)
+    run = subprocess.run([sys.executable, "-m", "arlm", "generate", PROMPT, "--temperature", "0",
+                          "--max-new-tokens", "4", *extra], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert "no torch" not in run.stderr
+    assert "Traceback" not in run.stderr
+
+
+@needs_packed
+def test_a_stale_or_damaged_plan_takes_the_torch_path_and_is_written_again(smollm2_path, lib, bare_on):
+    _generate()
+    plan = cache_dir(smollm2_path, "packed") / "bare-int8x2.json"
+    good = plan.read_text()
+    for bad in (good.replace('"stamp": "', '"stamp": "x'), good[:100], json.dumps({**json.loads(good), "format": 0})):
+        plan.write_text(bad)
+        run = _generate()
+        assert run.returncode == 0 and "no torch" not in run.stderr, run.stderr
+        assert plan.read_text() == good  # (the torch run wrote it again)
+        assert "no torch" in _generate(torch_free=True).stderr
+
+
+@needs_packed
+def test_a_sequence_past_the_plans_rope_rows_is_left_to_the_torch_path(lib, bare_on, capsys):
+    """Decided before anything is written: the torch path then runs the command whole."""
+    from arlm.bare import generate
+    from arlm.cli import build_parser
+
+    _generate()
+    args = build_parser().parse_args(["generate", PROMPT, "--temperature", "0", "--max-new-tokens", "5000"])
+    assert generate(args) is None
+    args = build_parser().parse_args(["generate", PROMPT, "--temperature", "0", "--max-new-tokens", "2"])
+    assert generate(args) == 0
+    out = capsys.readouterr()
+    assert out.out.startswith(PROMPT) and "no torch" in out.err
