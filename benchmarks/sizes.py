@@ -22,7 +22,8 @@ the figures are the rounds' medians, and arlm / llama.cpp beside them:
   Python process that loads the file with llama-cpp-python and samples one token. Also once per
   file on a file never loaded: arlm with an empty model cache (a fresh ARLM_CACHE, the built
   kernels linked in), so its layout cache is built; llama.cpp keeps no cache, so its "first"
-  figure is one more run of its ordinary load.
+  figure is one more run of its ordinary load. arlm's warm runs are greedy `arlm generate` runs
+  on a file whose plan its earlier runs wrote: they run without torch (arlm.bare).
 - rss: the peak resident memory (the kernel's max RSS) of those same start-up processes.
 
 And, from the decode1 figures, the bytes one decode step reads and the share of the host's
@@ -228,6 +229,12 @@ def main() -> int:
             print(f"{tool} is missing: benchmarks/build_peers.sh builds it", file=sys.stderr)
             return 1
     runtime().threads.pin(args.threads)  # (torch's threads too: the read rate below runs on them)
+    if parts & {"start", "rss"}:  # arlm's greedy starts run without torch (arlm.bare): its library built first
+        from arlm.bare import library
+        from arlm.kernels import layout
+
+        if library.build(layout.header(), wait=True) is None:
+            print("arlm.bare's library did not build: arlm's starts take the torch path", file=sys.stderr)
     args.read_gbs = memory_bandwidth_gbs()
     print(f"CPU: {cpu_line()}; threads {args.threads}; arlm activations {args.activations}; "
           f"best read rate {args.read_gbs:.1f} GB/s", flush=True)

@@ -9,7 +9,6 @@ in a process that never imports torch (everything under `arlm.loading` does).
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import importlib.metadata
 import json
 import mmap
@@ -94,6 +93,8 @@ def _sha256(path: Path, chunk: int = 32 << 20) -> str:
     first load's parse runs beside it (hashlib.file_digest's 256 KB reads ask for the GIL ~6,000
     times for 1.6 GB, each waiting out the parse's switch interval: 1.36 s beside the 1B file's
     parse where alone it takes 0.79)."""
+    import hashlib  # (here: OpenSSL's library is ~3 MB of a torch-free process's memory)
+
     h = hashlib.sha256()
     with open(path, "rb") as f:
         if os.fstat(f.fileno()).st_size:

@@ -11,11 +11,11 @@ waits for it; until it is there, `arlm generate` takes the torch path.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
 import platform
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -48,12 +48,13 @@ def _cpu() -> str:
 
 def key() -> str:
     """The library's key: its sources (and every header beside them), the layout constants'
-    source (kernels/layout.py, rendered into arlm_layout.h), the CPU and ARLM_MARCH."""
-    h = hashlib.sha256()
+    source (kernels/layout.py, rendered into arlm_layout.h), the CPU and ARLM_MARCH. (A CRC:
+    it tells versions apart, nothing more; hashlib would map OpenSSL's ~3 MB into the process.)"""
+    crc = 0
     for p in sorted([*(KERNELS / s for s in SOURCES), *KERNELS.glob("*.h"), KERNELS / "layout.py"]):
-        h.update(p.name.encode() + b"\0" + p.read_bytes())
-    h.update(_cpu().encode() + b"\0" + _march().encode())
-    return h.hexdigest()[:16]
+        crc = zlib.crc32(p.read_bytes(), zlib.crc32(p.name.encode() + b"\0", crc))
+    crc = zlib.crc32((_cpu() + "\0" + _march()).encode(), crc)
+    return f"{crc:08x}-{len(SOURCES)}"
 
 
 def path() -> Path:
