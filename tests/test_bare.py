@@ -207,7 +207,7 @@ def test_generate_without_torch_prints_the_torch_paths_text(lib):
 
 
 @needs_packed
-@pytest.mark.parametrize("extra", [("--temperature", "0.7"), ("--json",), ("--chat",), ("--kv-dtype", "int8"),
+@pytest.mark.parametrize("extra", [("--seed", "3"), ("--json",), ("--chat-template", "{{ messages[0].content }}"), ("--kv-dtype", "int8"),
                                    ("--min-tokens", "3"), ("--regex", "[a-z ]+"), ("--matmul-path", "avx2")])
 def test_what_the_plan_does_not_serve_takes_the_torch_path(extra, lib, monkeypatch):
     monkeypatch.setenv("ARLM_BARE", "1")
@@ -244,3 +244,45 @@ def test_a_sequence_past_the_plans_rope_rows_is_left_to_the_torch_path(lib, bare
     assert generate(args) == 0
     out = capsys.readouterr()
     assert out.out.startswith(PROMPT) and "no torch" in out.err
+
+
+# -- sampling --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("temperature,top_k,top_p,min_p", [(0.8, 0, 0.95, 0.0), (1.0, 0, 1.0, 0.0), (0.5, 40, 1.0, 0.0),
+                                                           (1.3, 0, 0.5, 0.05), (0.7, 10, 0.9, 0.1)])
+def test_unseeded_sampling_draws_from_the_torch_paths_distribution(temperature, top_k, top_p, min_p):
+    """numpy's warped distribution is the torch path's (`sampling.warped_probs`) on the same
+    logits, the same tokens kept, to float32 rounding; and draws follow it."""
+    from arlm.bare import sampling as bare_sampling
+    from arlm.sampling import warped_probs
+
+    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(2), "little"))
+    logits = torch.randn(1, 1000, generator=g) * 3
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    want = warped_probs(logits, [params])[0].double().numpy()
+    got = bare_sampling.warped_probs(logits[0].numpy(), temperature, top_k, top_p, min_p)
+    assert np.array_equal(got > 0, want > 0)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-9)
+    rng = np.random.default_rng(0)
+    n = 20000
+    counts = np.bincount([bare_sampling.draw(got, rng) for _ in range(n)], minlength=1000)
+    assert not counts[got == 0].any()
+    top = np.argsort(-got)[:5]  # the likeliest tokens' frequencies within 5 standard deviations
+    assert np.all(np.abs(counts[top] / n - got[top]) <= 5 * np.sqrt(got[top] * (1 - got[top]) / n) + 1e-3)
+
+
+@needs_packed
+def test_sampled_and_chat_commands_run_without_torch(lib):
+    """The default command (temperature 0.8, top-p 0.95: no seed) and --chat (the file's own
+    template) run without torch; --chat's greedy text is the torch path's."""
+    _generate()
+    run = subprocess.run([sys.executable, "-c", "import sys, arlm.cli as c; code = c.main(sys.argv[1:]); "
+                          "assert 'torch' not in sys.modules; sys.exit(code)", "generate", PROMPT,
+                          "--max-new-tokens", "12"], capture_output=True, text=True, cwd=ROOT, timeout=600,
+                         env={**os.environ, "ARLM_BARE": "1"})
+    assert run.returncode == 0 and "no torch" in run.stderr and run.stdout.startswith(PROMPT), run.stderr
+    want = _generate("--chat", bare=False)
+    _generate("--chat")
+    got = _generate("--chat", torch_free=True)
+    assert got.returncode == 0 and "no torch" in got.stderr, got.stderr
+    assert got.stdout == want.stdout

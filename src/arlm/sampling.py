@@ -15,11 +15,8 @@ from typing import Any
 import torch
 
 from . import kernels
+from .settings import GREEDY_BELOW  # (arlm.bare samples without torch by the same bound)
 from .structured import StructuredOutput
-
-
-# Temperatures below this are greedy (see SamplingParams.greedy); vLLM uses the same bound.
-GREEDY_BELOW = 1e-5
 
 MAX_LOGPROBS = 20  # the most top log-probabilities a token reports (OpenAI's cap)
 

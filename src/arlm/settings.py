@@ -23,6 +23,10 @@ DEFAULT_ACTIVATIONS = ACTIVATIONS[0]
 # The older `prefill_dtype` names of the matmul paths (None: the integer kernels, packed where built)
 PREFILL_DTYPES = {"quantized": None, "bfloat16": "bf16", "float32": "float32"}
 
+# Sampling temperatures below this are greedy (logits / temperature would overflow float32, and
+# the draw is the argmax anyway), as vLLM treats them.
+GREEDY_BELOW = 1e-5
+
 # The largest request body the server reads (`--max-body-bytes`).
 MAX_BODY_BYTES = 2 << 20
 

@@ -1,10 +1,15 @@
 """Streaming text out of generated token ids: valid UTF-8 pieces, cut at stop strings.
 
 `TextStreamer` is the one place the Python API (`LLM.stream`) and the HTTP API turn one
-request's tokens into text as they arrive.
+request's tokens into text as they arrive. And the chat templates' rendering (`render_chat`),
+as HF transformers renders them: `LLM.apply_chat_template`, `arlm prepare --chat`, and
+`arlm generate --chat` without torch (arlm.bare).
 """
 
 from __future__ import annotations
+
+import functools
+import json
 
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -63,3 +68,54 @@ class TextStreamer:
     def text(self) -> str:
         """All text so far, cut at a stop string if one was hit."""
         return self.stops.text
+
+
+# -- chat templates ---------------------------------------------------------------------------------
+
+class PromptError(ValueError):
+    """A prompt or message list the model cannot take (empty, too long)."""
+
+
+@functools.lru_cache(maxsize=8)
+def compile_chat_template(template: str):
+    """A Jinja2 chat template compiled as HF transformers does (sandboxed, trimmed blocks); kept,
+    since compiling costs ~100x a render (`arlm prepare --chat` renders each conversation
+    prefix by prefix)."""
+    from jinja2 import TemplateError  # (~70 ms, only where a chat template is rendered)
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        # HF's filter: plain JSON (Jinja2's own escapes <, > and & for HTML, which templates that
+        # list tools would pass on to the model)
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    env.filters["tojson"] = tojson
+    try:
+        return env.from_string(template)
+    except TemplateError as e:
+        raise PromptError(f"chat template failed: {e}") from None
+
+
+def template_tokens(tokenizer: Tokenizer) -> dict[str, str]:
+    """The special tokens chat templates read (HF's `bos_token`, `eos_token`), as text."""
+    return {"bos_token": tokenizer.decode([tokenizer.bos_id]) if tokenizer.bos_id is not None else "",
+            "eos_token": tokenizer.decode([tokenizer.eos_id]) if tokenizer.eos_id is not None else ""}
+
+
+def render_chat(template: str, messages: list[dict], add_generation_prompt: bool = True,
+                **extra: object) -> str:
+    """Render a Jinja2 chat template the way HF transformers does (sandboxed, trimmed blocks)."""
+    from jinja2 import TemplateError
+
+    compiled = compile_chat_template(template)
+    try:
+        return compiled.render(messages=messages, add_generation_prompt=add_generation_prompt, **extra)
+    except TemplateError as e:
+        raise PromptError(f"chat template failed: {e}") from None
+    except (TypeError, ValueError, ArithmeticError, LookupError) as e:  # the template's own Python ('a' + 1)
+        raise PromptError(f"chat template failed: {type(e).__name__}: {e}") from None

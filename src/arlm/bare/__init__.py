@@ -12,13 +12,15 @@ it (`model`) and runs prefill, decode and the argmax through ctypes, with the to
 text streamer the torch path uses. Its tokens and text are the torch path's (tests/test_bare.py).
 
 Served: a GGUF file (or a known name) whose plan for these activations is current; greedy
-decoding (--temperature 0); stop strings, --ignore-eos, --max-new-tokens, --threads; the CPU's
-packed kernels (AVX-512 VNNI, the default matmul path there) and a float KV cache; plain text out.
-Anything else - sampling, --json, --chat, a KV window, structured output, speculation, penalties,
-another matmul path, dtype or KV type, a prompt and output longer than the plan's RoPE rows -
-takes the torch path, as does a file whose plan or library is not there yet (the torch path
-writes the plan; the library builds in the background once per machine). ARLM_BARE=0 turns this
-path off.
+decoding, or sampling without --seed (temperature, top-k, top-p, min-p in numpy: `sampling`, the
+torch path's distribution; a seeded draw is its generator's stream, so --seed takes the torch
+path); --chat with the file's own template; stop strings, --ignore-eos, --max-new-tokens,
+--threads; the CPU's packed kernels (AVX-512 VNNI, the default matmul path there) and a float KV
+cache; plain text out. Anything else - --json, a chat template given, a KV window, structured
+output, speculation, penalties or a logit bias, another matmul path, dtype or KV type, a prompt
+and output longer than the plan's RoPE rows - takes the torch path, as does a file whose plan or
+library is not there yet (the torch path writes the plan; the library builds in the background,
+once per machine and source version). ARLM_BARE=0 turns this path off.
 """
 
 from __future__ import annotations
@@ -32,8 +34,8 @@ from pathlib import Path
 # What each option must be for the plan to serve the command (the CLI's defaults, or values the
 # plan computes the same way)
 _DEFAULTS = {"device": "cpu", "dtype": "auto", "quantize": "auto", "prefill_dtype": None, "kv_window": 0,
-             "chat": False, "json": False, "chat_template": None, "compile": False, "speculative": None,
-             "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
+             "json": False, "chat_template": None, "compile": False, "speculative": None,
+             "repetition_penalty": 1.0, "presence_penalty": 0.0,
              "frequency_penalty": 0.0, "logit_bias": [], "min_tokens": 0, "stop_token_id": [], "json_schema": None,
              "json_object": False, "regex": None, "choice": None, "grammar": None, "context_shift": False}
 
@@ -58,7 +60,12 @@ def plan_settings(args: argparse.Namespace) -> bool:
 
 
 def _served(args: argparse.Namespace) -> bool:
-    if args.temperature != 0 or args.max_new_tokens < 1:
+    import math
+
+    if args.seed is not None or args.max_new_tokens < 1 or not (math.isfinite(args.temperature) and
+                                                                 args.temperature >= 0):
+        return False  # (a seeded draw is the torch generator's stream; bad values: the torch path says why)
+    if not (0 <= args.top_k < 2**31 and 0.0 < args.top_p <= 1.0 and 0.0 <= args.min_p <= 1.0):
         return False
     return plan_settings(args) and all(getattr(args, name, value) == value for name, value in _DEFAULTS.items())
 
@@ -102,7 +109,18 @@ def generate(args: argparse.Namespace) -> int | None:
     tokenizer = Tokenizer(HFTokenizer.from_file(str(plan.directory / "tokenizer.json")), tok["bos_id"],
                           tok["eos_ids"], tok["add_bos"])
     _release_freed_heap()
-    ids = tokenizer.encode(args.prompt)
+    prompt = args.prompt
+    if args.chat:  # (the template the model's file carries; a failing one: the torch path says why)
+        from ..text import PromptError, render_chat, template_tokens
+
+        if not plan.plan.get("chat_template"):
+            return None
+        try:
+            prompt = render_chat(plan.plan["chat_template"], [{"role": "user", "content": args.prompt}],
+                                 **template_tokens(tokenizer))
+        except PromptError:
+            return None
+    ids = tokenizer.encode(prompt)
     if not ids or len(ids) + args.max_new_tokens > model.max_len:
         return None  # (the torch path says what is wrong, or runs the long sequence)
     threads = args.threads or int(os.environ.get("OMP_NUM_THREADS", 0) or 0) or len(os.sched_getaffinity(0))
@@ -110,7 +128,8 @@ def generate(args: argparse.Namespace) -> int | None:
         print(f"arlm: warning: --threads {args.threads} is more than this machine's {os.cpu_count()} cores: "
               "the threads will take turns, and decode gets much slower", file=sys.stderr)
     lib.set_threads(threads)
-    return _run(model, tokenizer, ids, args, threads, "AVX512-VNNI+AMX-INT8" if lib.amx() else "AVX512-VNNI")
+    isa = "AVX512-VNNI+AMX-INT8" if lib.amx() else "AVX512-VNNI"
+    return _run(model, tokenizer, prompt, ids, args, threads, isa)
 
 
 def _release_freed_heap() -> None:
@@ -125,19 +144,27 @@ def _release_freed_heap() -> None:
         pass
 
 
-def _run(model, tokenizer, ids: list[int], args: argparse.Namespace, threads: int, isa: str) -> int:
-    from ..text import TextStreamer
+def _run(model, tokenizer, prompt: str, ids: list[int], args: argparse.Namespace, threads: int, isa: str) -> int:
+    import numpy as np
 
+    from ..settings import GREEDY_BELOW
+    from ..text import TextStreamer
+    from . import sampling
+
+    greedy = args.temperature < GREEDY_BELOW
+    rng = np.random.default_rng()  # (unseeded: a seeded request takes the torch path)
     eos = set() if args.ignore_eos else set(tokenizer.eos_ids)
     streamer = TextStreamer(tokenizer, list(args.stop))
-    sys.stdout.write(args.prompt)  # (as the torch path: the continuation in context)
+    if not args.chat:
+        sys.stdout.write(prompt)  # (as the torch path: the continuation in context)
     k, v = model.new_cache(len(ids) + args.max_new_tokens)
     t0 = time.perf_counter()
     logits = model.prefill(ids, k, v)
     t1 = time.perf_counter()
     reason, n = None, 0
     while reason is None:
-        token = model.next_token(logits)
+        token = model.next_token(logits) if greedy else \
+            sampling.draw(sampling.warped_probs(logits, args.temperature, args.top_k, args.top_p, args.min_p), rng)
         n += 1
         reason = "eos" if token in eos else "length" if n >= args.max_new_tokens else None
         text, hit = streamer.push(token, final=reason is not None)

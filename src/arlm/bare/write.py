@@ -139,6 +139,7 @@ def plan_of(llm, activations: str) -> tuple[dict, list[bytes]]:
         "rope": rope,
         "kv": {"dtype": _NAMES[kv], "format": int(layout.KVFormat.FLOAT)},
         "tokenizer": {"bos_id": tok.bos_id, "eos_ids": list(tok.eos_ids), "add_bos": tok.add_bos},
+        "chat_template": llm.chat_template,
     }
     return plan, blob.parts
 
