@@ -286,3 +286,28 @@ def test_sampled_and_chat_commands_run_without_torch(lib):
     got = _generate("--chat", torch_free=True)
     assert got.returncode == 0 and "no torch" in got.stderr, got.stderr
     assert got.stdout == want.stdout
+
+
+@needs_packed
+def test_a_damaged_cache_under_a_plan_takes_the_torch_path(smollm2_path, lib, tmp_path, monkeypatch):
+    """weights.bin cut short, or the tokenizer file gone, under a current plan: the torch path
+    runs the command (and rebuilds what it must), never a traceback."""
+    kernels = library.path().parents[1]  # (the built kernels and library, linked into the fresh cache)
+    monkeypatch.setenv("ARLM_CACHE", str(tmp_path))
+    (tmp_path / "kernels").symlink_to(kernels)
+    monkeypatch.setenv("ARLM_BARE", "1")
+    want = _generate(bare=False).stdout
+    _generate()
+    directory = cache_dir(smollm2_path, "packed")
+    assert "no torch" in _generate(torch_free=True).stderr
+    for damage in ("weights", "tokenizer"):
+        if damage == "weights":
+            with open(directory / "weights.bin", "r+b") as f:
+                f.truncate(1000)
+        else:
+            (directory / "tokenizer.json").unlink()
+        run = _generate()
+        assert run.returncode == 0 and "Traceback" not in run.stderr, run.stderr
+        assert run.stdout == want
+        _generate()
+        assert "no torch" in _generate(torch_free=True).stderr

@@ -96,18 +96,18 @@ def generate(args: argparse.Namespace) -> int | None:
     lib = library.load()
     if lib is None or not lib.packed():
         return None
-    try:
-        plan = BarePlan(cache_dir(path, "packed"), args.activations)
-    except (OSError, ValueError):
-        return None
     from tokenizers import Tokenizer as HFTokenizer
 
     from ..tokenizer import Tokenizer
 
-    model = BareModel(plan, lib)
-    tok = plan.plan["tokenizer"]
-    tokenizer = Tokenizer(HFTokenizer.from_file(str(plan.directory / "tokenizer.json")), tok["bos_id"],
-                          tok["eos_ids"], tok["add_bos"])
+    try:  # (a plan, a cache or a tokenizer file that cannot be read as written: the torch path rebuilds)
+        plan = BarePlan(cache_dir(path, "packed"), args.activations)
+        model = BareModel(plan, lib)
+        tok = plan.plan["tokenizer"]
+        tokenizer = Tokenizer(HFTokenizer.from_file(str(plan.directory / "tokenizer.json")), tok["bos_id"],
+                              tok["eos_ids"], tok["add_bos"])
+    except Exception:  # noqa: BLE001 - any of them (tokenizers raises Exception itself)
+        return None
     _release_freed_heap()
     prompt = args.prompt
     if args.chat:  # (the template the model's file carries; a failing one: the torch path says why)

@@ -263,10 +263,22 @@ def save(path: Path, layout: str, loaded, replace: bool = False) -> Path | None:
 
 # -- loading ---------------------------------------------------------------------------------------
 
+class _Short(ValueError):
+    """A manifest's tensor past the end of weights.bin."""
+
+
 def load(path: Path, layout: str, tokenizer: Tokenizer | None = None) -> LoadedModel | None:
     """The cached model for this file and layout as a LoadedModel, or None where there is none
     (or it cannot be read: it is rebuilt). tokenizer: the one just written to it (a first load's:
     its tokenizer.json not parsed again)."""
+    try:
+        return _load(path, layout, tokenizer)
+    except _Short:
+        return None
+
+
+def _load(path: Path, layout: str, tokenizer: Tokenizer | None = None) -> LoadedModel | None:
+    """`load`, raising _Short where weights.bin is shorter than its manifest says."""
     directory = cache_dir(path, layout)
     try:
         manifest = json.loads((directory / "manifest.json").read_text())
@@ -290,6 +302,8 @@ def load(path: Path, layout: str, tokenizer: Tokenizer | None = None) -> LoadedM
     def tensor(r: dict) -> torch.Tensor:
         dtype = _DTYPES[r["dtype"]]
         n = dtype.itemsize * int(torch.Size(r["shape"]).numel())
+        if r["offset"] + n > buf.numel():  # (weights.bin cut short: a damaged cache, rebuilt)
+            raise _Short()
         return buf[r["offset"]:r["offset"] + n].view(dtype).view(r["shape"])
 
     config = ModelConfig.from_dict(manifest["config"])
