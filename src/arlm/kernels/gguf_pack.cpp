@@ -1,4 +1,4 @@
-// GGUF's Q4_K, Q6_K and Q8_0 blocks straight into a8_linear.cpp's packed layouts, at a first
+// GGUF's Q4_K, Q6_K, Q8_0, Q4_0 and Q4_1 blocks straight into a8_linear.cpp's packed layouts, at a first
 // load's speed.
 //
 // The Python path (loading.gguf_blocks.k_quant_fields, then kernels.pack_q4_k / pack_q6_k; the
@@ -13,6 +13,9 @@
 //   Q4_K (144 bytes a super-block of 256): wp [N/16, K/8, 64] (channel c's byte 4c + t of
 //     8 K-values 8p..8p+7: q[8p + t] | q[8p + 4 + t] << 4), scale uint8 [N/16, K/32, 32] (16
 //     channels' 6-bit sc, then their m), supers float16 [N/16, S, 32] (d, then dmin);
+//   Q4_0 (18 bytes a block of 32: d, 16 bytes of nibbles, value i low and i + 16 high) and Q4_1
+//     (20: d, m, the nibbles): wp [N/16, K/8, 64] as Q4_K's, scale float16 [N/16, K/32, 16] (d),
+//     mins float16 [N/16, K/32, 16] (Q4_1's m; Q4_0: none, [0]: its kernels take -8 d);
 //   Q6_K (210 bytes): wp [N/16, K/8, 96] (u = q + 32: the same 64 bytes of its low 4 bits, then 32
 //     of its top 2, placed where a8_linear.cpp's load_q6 rotation finds them), scale int8
 //     [N/16, K/16, 16], supers float16 [N/16, S, 16] (d).
@@ -25,7 +28,7 @@
 
 namespace {
 
-constexpr int64_t kQ4KBytes = 144, kQ6KBytes = 210, kQ8Bytes = 34, kSuper = 256;
+constexpr int64_t kQ4KBytes = 144, kQ6KBytes = 210, kQ8Bytes = 34, kQ40Bytes = 18, kQ41Bytes = 20, kSuper = 256;
 
 // One Q4_K super-block's 8 groups' 6-bit scales and mins (ggml's get_scale_min_k4).
 inline void q4k_scales(const uint8_t* raw, uint8_t* sc, uint8_t* m) {
@@ -157,12 +160,48 @@ std::vector<at::Tensor> pack_q8_0_blocks(const at::Tensor& blocks) {
   return {wp, scale};
 }
 
+// Q4_0 (kind 40) or Q4_1 (41) blocks -> q4_linear_a8p's layout (kernels.pack_q4 of the rows the
+// loader reads from them: the nibbles and scales as stored).
+std::vector<at::Tensor> pack_q4_blocks(const at::Tensor& blocks, bool q4_1) {
+  const int64_t bytes = q4_1 ? kQ41Bytes : kQ40Bytes;
+  TORCH_CHECK(blocks.size(2) == bytes, "pack_gguf_blocks: ", blocks.size(2), " bytes a block, not ",
+              q4_1 ? "Q4_1's 20" : "Q4_0's 18");
+  const int64_t N = blocks.size(0), G = blocks.size(1), K = 32 * G, NB = N / 16;
+  at::Tensor wp = at::empty({NB, K / 8, 64}, blocks.options());
+  at::Tensor scale = at::empty({NB, G, 16}, blocks.options().dtype(at::kHalf));
+  at::Tensor mins = q4_1 ? at::empty({NB, G, 16}, blocks.options().dtype(at::kHalf))
+                        : at::empty({0}, blocks.options().dtype(at::kHalf));
+  const uint8_t* in = blocks.data_ptr<uint8_t>();
+  uint8_t* wo = wp.data_ptr<uint8_t>();
+  uint16_t* so = reinterpret_cast<uint16_t*>(scale.data_ptr<at::Half>());
+  uint16_t* mo = q4_1 ? reinterpret_cast<uint16_t*>(mins.data_ptr<at::Half>()) : nullptr;
+  at::parallel_for(0, NB * G, 16, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {  // (tile nb, group g): 16 channels' 32 K-values
+      const int64_t nb = i / G, g = i % G;
+      uint8_t* o = wo + (nb * (K / 8) + g * 4) * 64;
+      for (int c = 0; c < 16; ++c) {
+        const uint8_t* blk = in + ((nb * 16 + c) * G + g) * bytes;
+        std::memcpy(so + (nb * G + g) * 16 + c, blk, 2);
+        if (q4_1) std::memcpy(mo + (nb * G + g) * 16 + c, blk + 2, 2);
+        const uint8_t* nib = blk + (q4_1 ? 4 : 2);
+        uint8_t q[32];
+        for (int j = 0; j < 16; ++j) q[j] = nib[j] & 0x0F, q[j + 16] = nib[j] >> 4;
+        for (int p = 0; p < 4; ++p)  // 8 K-values at a time: 4 in the low nibbles, the next 4 high
+          for (int t = 0; t < 4; ++t) o[64 * p + 4 * c + t] = q[8 * p + t] | (q[8 * p + 4 + t] << 4);
+      }
+    }
+  });
+  return {wp, scale, mins};
+}
+
 std::vector<at::Tensor> pack_gguf_blocks(const at::Tensor& blocks, int64_t kind) {
   TORCH_CHECK(blocks.dim() == 3 && blocks.scalar_type() == at::kByte && blocks.is_contiguous(),
               "pack_gguf_blocks: blocks [N, K/block, bytes] contiguous uint8");
   TORCH_CHECK(blocks.size(0) % 16 == 0, "pack_gguf_blocks: N a multiple of 16");
-  TORCH_CHECK(kind == 4 || kind == 6 || kind == 8, "pack_gguf_blocks: kind 4 (Q4_K), 6 (Q6_K) or 8 (Q8_0)");
+  TORCH_CHECK(kind == 4 || kind == 6 || kind == 8 || kind == 40 || kind == 41,
+              "pack_gguf_blocks: kind 4 (Q4_K), 6 (Q6_K), 8 (Q8_0), 40 (Q4_0) or 41 (Q4_1)");
   if (kind == 8) return pack_q8_0_blocks(blocks);
+  if (kind == 40 || kind == 41) return pack_q4_blocks(blocks, kind == 41);
   auto [wp, scale, supers] = pack_k_blocks(blocks, kind);
   return {wp, scale, supers};
 }

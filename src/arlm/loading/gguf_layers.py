@@ -64,7 +64,7 @@ class _Stacked:
 # Weights converted at a time (`_by_rows`): the numpy fields and the packing's temporaries are
 # several bytes a weight (Q6_K's ~8), a few tens of MB a chunk whatever the matrix's size.
 _CHUNK_WEIGHTS = 1 << 22
-# Q4_K, Q6_K and Q8_0 blocks packed by kernels.pack_gguf_blocks (one native pass), where the
+# Q4_K, Q6_K, Q8_0, Q4_0 and Q4_1 blocks packed by kernels.pack_gguf_blocks (one native pass), where the
 # layer is packed (N a multiple of 16) and the kernels are built; False: the fields-then-pack path
 # (its result bit for bit: tests/test_gguf_pack.py compares the two through these functions).
 NATIVE_PACKING = True
@@ -215,10 +215,12 @@ def _block_layer(blocks: _Stacked, kinds: list[str], as_q8: bool = False) -> Q4L
     def make(start: int, stop: int) -> Q4Linear | Q8Linear:
         n = stop - start
         chunk = layer(n)
-        if NATIVE_PACKING and set(kinds) == {"Q8_0"} and blocks.N % 16 == 0 and kernels.packed_available():
+        native = kinds[0] if len(set(kinds)) == 1 and kinds[0] in ("Q8_0", "Q4_1") or q4_0 else None
+        if NATIVE_PACKING and native and blocks.N % 16 == 0 and kernels.packed_available():
             # packed natively, as `int8_activations` would pack the rows (copied where they are the file's map)
             rows = np.require(blocks.rows(start, stop), requirements=["C", "W"])
-            chunk._set(*kernels.pack_gguf_blocks(torch.from_numpy(rows), "Q8_0"))
+            chunk._set(*kernels.pack_gguf_blocks(torch.from_numpy(rows), "Q4_0" if q4_0 else native))
+            chunk.q4_0 = q4_0
             return chunk
         b = blocks.rows(start, stop, None if q4 else lambda i, rows: as_q8_0(rows, kinds[i]))
         scale = torch.from_numpy(np.ascontiguousarray(b[..., 0:2]).view(np.float16).reshape(n, G))
