@@ -137,25 +137,32 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_k_blocks(const at::Tensor& b
   return {wp, scale, supers};
 }
 
+// For each block of 32 of a file with blocks of `bytes` bytes a group of 32 K-values: fn(nb, g, c,
+// block) for tile nb (16 channels), group g, channel c of the tile, in parallel over (nb, g).
+template <typename F>
+void for_each_group(const at::Tensor& blocks, int64_t bytes, const F& fn) {
+  const int64_t G = blocks.size(1), NB = blocks.size(0) / 16;
+  const uint8_t* in = blocks.data_ptr<uint8_t>();
+  at::parallel_for(0, NB * G, 16, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t nb = i / G, g = i % G;
+      for (int c = 0; c < 16; ++c) fn(nb, g, c, in + ((nb * 16 + c) * G + g) * bytes);
+    }
+  });
+}
+
 std::vector<at::Tensor> pack_q8_0_blocks(const at::Tensor& blocks) {
   TORCH_CHECK(blocks.size(2) == kQ8Bytes, "pack_gguf_blocks: ", blocks.size(2), " bytes a block, not Q8_0's 34");
   const int64_t N = blocks.size(0), G = blocks.size(1), K = 32 * G, NB = N / 16;
   at::Tensor wp = at::empty({NB, K / 4, 64}, blocks.options());
   at::Tensor scale = at::empty({NB, G, 16}, blocks.options().dtype(at::kHalf));
-  const uint8_t* in = blocks.data_ptr<uint8_t>();
   uint8_t* wo = wp.data_ptr<uint8_t>();
   uint16_t* so = reinterpret_cast<uint16_t*>(scale.data_ptr<at::Half>());
-  at::parallel_for(0, NB * G, 16, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {  // (tile nb, group g): 16 channels' 32 K-values
-      const int64_t nb = i / G, g = i % G;
-      uint8_t* o = wo + (nb * (K / 4) + g * 8) * 64;
-      for (int c = 0; c < 16; ++c) {
-        const uint8_t* blk = in + ((nb * 16 + c) * G + g) * kQ8Bytes;
-        std::memcpy(so + (nb * G + g) * 16 + c, blk, 2);
-        for (int j = 0; j < 8; ++j)
-          for (int t = 0; t < 4; ++t) o[64 * j + 4 * c + t] = blk[2 + 4 * j + t] ^ 0x80;
-      }
-    }
+  for_each_group(blocks, kQ8Bytes, [&](int64_t nb, int64_t g, int c, const uint8_t* blk) {
+    uint8_t* o = wo + (nb * (K / 4) + g * 8) * 64;
+    std::memcpy(so + (nb * G + g) * 16 + c, blk, 2);
+    for (int j = 0; j < 8; ++j)
+      for (int t = 0; t < 4; ++t) o[64 * j + 4 * c + t] = blk[2 + 4 * j + t] ^ 0x80;
   });
   return {wp, scale};
 }
@@ -171,25 +178,18 @@ std::vector<at::Tensor> pack_q4_blocks(const at::Tensor& blocks, bool q4_1) {
   at::Tensor scale = at::empty({NB, G, 16}, blocks.options().dtype(at::kHalf));
   at::Tensor mins = q4_1 ? at::empty({NB, G, 16}, blocks.options().dtype(at::kHalf))
                         : at::empty({0}, blocks.options().dtype(at::kHalf));
-  const uint8_t* in = blocks.data_ptr<uint8_t>();
   uint8_t* wo = wp.data_ptr<uint8_t>();
   uint16_t* so = reinterpret_cast<uint16_t*>(scale.data_ptr<at::Half>());
   uint16_t* mo = q4_1 ? reinterpret_cast<uint16_t*>(mins.data_ptr<at::Half>()) : nullptr;
-  at::parallel_for(0, NB * G, 16, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {  // (tile nb, group g): 16 channels' 32 K-values
-      const int64_t nb = i / G, g = i % G;
-      uint8_t* o = wo + (nb * (K / 8) + g * 4) * 64;
-      for (int c = 0; c < 16; ++c) {
-        const uint8_t* blk = in + ((nb * 16 + c) * G + g) * bytes;
-        std::memcpy(so + (nb * G + g) * 16 + c, blk, 2);
-        if (q4_1) std::memcpy(mo + (nb * G + g) * 16 + c, blk + 2, 2);
-        const uint8_t* nib = blk + (q4_1 ? 4 : 2);
-        uint8_t q[32];
-        for (int j = 0; j < 16; ++j) q[j] = nib[j] & 0x0F, q[j + 16] = nib[j] >> 4;
-        for (int p = 0; p < 4; ++p)  // 8 K-values at a time: 4 in the low nibbles, the next 4 high
-          for (int t = 0; t < 4; ++t) o[64 * p + 4 * c + t] = q[8 * p + t] | (q[8 * p + 4 + t] << 4);
-      }
-    }
+  for_each_group(blocks, bytes, [&](int64_t nb, int64_t g, int c, const uint8_t* blk) {
+    uint8_t* o = wo + (nb * (K / 8) + g * 4) * 64;
+    std::memcpy(so + (nb * G + g) * 16 + c, blk, 2);
+    if (q4_1) std::memcpy(mo + (nb * G + g) * 16 + c, blk + 2, 2);
+    const uint8_t* nib = blk + (q4_1 ? 4 : 2);
+    uint8_t q[32];
+    for (int j = 0; j < 16; ++j) q[j] = nib[j] & 0x0F, q[j + 16] = nib[j] >> 4;
+    for (int p = 0; p < 4; ++p)  // 8 K-values at a time: 4 in the low nibbles, the next 4 high
+      for (int t = 0; t < 4; ++t) o[64 * p + 4 * c + t] = q[8 * p + t] | (q[8 * p + 4 + t] << 4);
   });
   return {wp, scale, mins};
 }
