@@ -123,13 +123,38 @@ def generate(args: argparse.Namespace) -> int | None:
     ids = tokenizer.encode(prompt)
     if not ids or len(ids) + args.max_new_tokens > model.max_len:
         return None  # (the torch path says what is wrong, or runs the long sequence)
-    threads = args.threads or int(os.environ.get("OMP_NUM_THREADS", 0) or 0) or len(os.sched_getaffinity(0))
+    threads = args.threads or _default_threads()
     if args.threads is not None and args.threads > (os.cpu_count() or 1):
         print(f"arlm: warning: --threads {args.threads} is more than this machine's {os.cpu_count()} cores: "
               "the threads will take turns, and decode gets much slower", file=sys.stderr)
     lib.set_threads(threads)
     isa = "AVX512-VNNI+AMX-INT8" if lib.amx() else "AVX512-VNNI"
     return _run(model, tokenizer, prompt, ids, args, threads, isa)
+
+
+def _default_threads() -> int:
+    """The torch path's width: OMP_NUM_THREADS, else the physical cores this process may run on
+    (torch's default; a core's second hardware thread only contends for its units)."""
+    try:
+        return max(1, int(os.environ.get("OMP_NUM_THREADS", "")))
+    except ValueError:
+        pass
+    allowed = os.sched_getaffinity(0)
+    cores, cpu, phys = set(), None, "0"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key, value = key.strip(), value.strip()
+                if key == "processor":
+                    cpu = int(value)
+                elif key == "physical id":
+                    phys = value
+                elif key == "core id" and cpu in allowed:
+                    cores.add((phys, value))
+    except (OSError, ValueError):
+        pass
+    return len(cores) or len(allowed)
 
 
 def _release_freed_heap() -> None:
@@ -164,7 +189,7 @@ def _run(model, tokenizer, prompt: str, ids: list[int], args: argparse.Namespace
     reason, n = None, 0
     while reason is None:
         token = model.next_token(logits) if greedy else \
-            sampling.draw(sampling.warped_probs(logits, args.temperature, args.top_k, args.top_p, args.min_p), rng)
+            sampling.sample(logits, args.temperature, args.top_k, args.top_p, args.min_p, rng)
         n += 1
         reason = "eos" if token in eos else "length" if n >= args.max_new_tokens else None
         text, hit = streamer.push(token, final=reason is not None)
