@@ -161,14 +161,16 @@ def test_the_plans_model_decodes_as_the_torch_path(gguf_file, activations, lib, 
 
 
 @needs_packed
-def test_a_model_off_the_packed_layouts_gets_no_plan(tmp_path, bare_on):
-    """A table the packed layouts cannot hold (200 rows: no whole tiles of 16; tests/test_cache_build.py's
-    "ragged" file) has no numpy gather: no plan, so its commands keep the torch path."""
+@pytest.mark.parametrize("table", ["Q4_K", "float"])
+def test_a_model_off_the_packed_layouts_gets_no_plan(table, tmp_path, bare_on):
+    """200 rows (no whole tiles of 16; tests/test_cache_build.py's "ragged" file): a quantized
+    table has no numpy gather, and with a float table the head (Q8_0) stays in the row layout,
+    which the bare build does not run: no plan either way, so its commands keep the torch path."""
     from gguf_writer import write_gguf
 
     hf = hf_llama(seed=46, n_head=4, n_kv_heads=2, hidden_size=256, intermediate_size=512, vocab_size=200, tie=False)
-    path = write_gguf(hf, tmp_path / "ragged.gguf", kquant={**KQ, "token_embd.weight": "Q4_K",
-                                                             "output.weight": "Q8_0"})
+    kquant = {**KQ, "output.weight": "Q8_0"} | ({"token_embd.weight": "Q4_K"} if table == "Q4_K" else {})
+    path = write_gguf(hf, tmp_path / "ragged.gguf", kquant=kquant)
     llm = LLM.load(str(path))
     assert write.save(llm, "int8x2") is None
     assert not (cache_dir(path, "packed") / "bare-int8x2.json").exists()
@@ -208,7 +210,8 @@ def test_generate_without_torch_prints_the_torch_paths_text(lib):
 
 @needs_packed
 @pytest.mark.parametrize("extra", [("--seed", "3"), ("--json",), ("--chat-template", "{{ messages[0].content }}"), ("--kv-dtype", "int8"),
-                                   ("--min-tokens", "3"), ("--regex", "[a-z ]+"), ("--matmul-path", "avx2")])
+                                   ("--min-tokens", "3"), ("--regex", "[a-z ]+"), ("--matmul-path", "avx2"),
+                                   ("--stop", ""), ("--threads", "0"), ("--kv-sinks", "-1")])
 def test_what_the_plan_does_not_serve_takes_the_torch_path(extra, lib, monkeypatch):
     monkeypatch.setenv("ARLM_BARE", "1")
     _generate()  # (the plan written)
@@ -216,6 +219,56 @@ def test_what_the_plan_does_not_serve_takes_the_torch_path(extra, lib, monkeypat
                           "--max-new-tokens", "4", *extra], capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert "no torch" not in run.stderr
     assert "Traceback" not in run.stderr
+    if extra[0] in ("--stop", "--threads", "--kv-sinks"):  # (refused, as the torch path refuses them)
+        assert run.returncode == 2 and run.stderr.count("\n") == 1, run.stderr
+
+
+@needs_packed
+def test_a_chat_template_given_writes_no_plan_of_it(lib, smollm2_path, bare_on):
+    """--chat --chat-template X runs on the torch path and leaves the plan the file's own
+    template: a later plain --chat renders the file's, as the torch path does."""
+    _generate()
+    plan = cache_dir(smollm2_path, "packed") / "bare-int8x2.json"
+    before = json.loads(plan.read_text())["chat_template"]
+    plan.unlink()
+    _generate("--chat", "--chat-template", "USER {{ messages[0].content }} BOT")
+    assert not plan.exists()
+    _generate()
+    assert json.loads(plan.read_text())["chat_template"] == before
+    want = _generate("--chat", bare=False)
+    got = _generate("--chat", torch_free=True)
+    assert got.stdout == want.stdout and "no torch" in got.stderr
+
+
+@needs_packed
+@pytest.mark.parametrize("damage", ["blob", "library", "json-list"])
+def test_damaged_plan_parts_are_rebuilt(damage, smollm2_path, lib, tmp_path, monkeypatch):
+    """A blob cut short, a library that does not load, a plan that is not an object: the torch
+    path runs the command, and the next run is torch-free again."""
+    kernels = library.path().parents[1]
+    monkeypatch.setenv("ARLM_CACHE", str(tmp_path))
+    (tmp_path / "kernels").symlink_to(kernels)
+    monkeypatch.setenv("ARLM_BARE", "1")
+    _generate()
+    directory = cache_dir(smollm2_path, "packed")
+    assert "no torch" in _generate(torch_free=True).stderr
+    if damage == "blob":
+        with open(directory / "bare-int8x2.bin", "r+b") as f:
+            f.truncate(100)
+    elif damage == "json-list":
+        (directory / "bare-int8x2.json").write_text("[]")
+    else:  # (a library file that is not one: moved aside, then built again; a new inode, as this
+        # process has the good one mapped)
+        bad = tmp_path / "bad.so"
+        bad.write_bytes(b"not a library")
+        os.replace(bad, library.path())
+    run = _generate()
+    assert run.returncode == 0 and "no torch" not in run.stderr and "Traceback" not in run.stderr, run.stderr
+    if damage == "library":
+        assert library.path().exists() and library.path().read_bytes() != b"not a library"
+        assert library.path().with_suffix(".bad").exists()
+        library.path().with_suffix(".bad").unlink()
+    assert "no torch" in _generate(torch_free=True).stderr
 
 
 @needs_packed

@@ -40,12 +40,14 @@ _DEFAULTS = {"device": "cpu", "dtype": "auto", "quantize": "auto", "prefill_dtyp
              "json_object": False, "regex": None, "choice": None, "grammar": None, "context_shift": False}
 
 
-_LOAD = ("device", "dtype", "quantize", "prefill_dtype", "kv_window", "compile")
+_LOAD = ("device", "dtype", "quantize", "prefill_dtype", "kv_window", "compile", "chat_template")
 
 
 def enabled() -> bool:
-    """ARLM_BARE=0 turns the bare path off: no plan read, written or library built."""
-    return os.environ.get("ARLM_BARE", "1") != "0"
+    """ARLM_BARE=0 turns the bare path off: no plan read, written or library built; so do the
+    switches that take the torch path off the native kernels (ARLM_NO_NATIVE, ARLM_NO_FUSED)."""
+    return os.environ.get("ARLM_BARE", "1") != "0" and not os.environ.get("ARLM_NO_NATIVE") \
+        and not os.environ.get("ARLM_NO_FUSED")
 
 
 def plan_settings(args: argparse.Namespace) -> bool:
@@ -67,6 +69,9 @@ def _served(args: argparse.Namespace) -> bool:
         return False  # (a seeded draw is the torch generator's stream; bad values: the torch path says why)
     if not (0 <= args.top_k < 2**31 and 0.0 < args.top_p <= 1.0 and 0.0 <= args.min_p <= 1.0):
         return False
+    if any(not s for s in args.stop) or (args.threads is not None and not 1 <= args.threads < 2**15) \
+            or getattr(args, "kv_sinks", 0) < 0:
+        return False  # (values the torch path refuses, with its own message)
     return plan_settings(args) and all(getattr(args, name, value) == value for name, value in _DEFAULTS.items())
 
 
@@ -106,6 +111,7 @@ def generate(args: argparse.Namespace) -> int | None:
         tok = plan.plan["tokenizer"]
         tokenizer = Tokenizer(HFTokenizer.from_file(str(plan.directory / "tokenizer.json")), tok["bos_id"],
                               tok["eos_ids"], tok["add_bos"])
+        template, max_len, vocab = plan.plan.get("chat_template"), model.max_len, model.arch["vocab_size"]
     except Exception:  # noqa: BLE001 - any of them (tokenizers raises Exception itself)
         return None
     _release_freed_heap()
@@ -113,23 +119,29 @@ def generate(args: argparse.Namespace) -> int | None:
     if args.chat:  # (the template the model's file carries; a failing one: the torch path says why)
         from ..text import PromptError, render_chat, template_tokens
 
-        if not plan.plan.get("chat_template"):
+        if not template:
             return None
         try:
-            prompt = render_chat(plan.plan["chat_template"], [{"role": "user", "content": args.prompt}],
+            prompt = render_chat(template, [{"role": "user", "content": args.prompt}],
                                  **template_tokens(tokenizer))
         except PromptError:
             return None
     ids = tokenizer.encode(prompt)
-    if not ids or len(ids) + args.max_new_tokens > model.max_len:
+    if not ids or len(ids) + args.max_new_tokens > max_len or max(ids) >= vocab:
         return None  # (the torch path says what is wrong, or runs the long sequence)
     threads = args.threads or _default_threads()
+    lib.set_threads(threads)
+    k, v = model.new_cache(len(ids) + args.max_new_tokens)
+    t0 = time.perf_counter()
+    try:  # (the prompt's pass before anything is printed: a plan the kernels refuse leaves it to torch)
+        logits = model.prefill(ids, k, v)
+    except (RuntimeError, ValueError, IndexError, KeyError):
+        return None
     if args.threads is not None and args.threads > (os.cpu_count() or 1):
         print(f"arlm: warning: --threads {args.threads} is more than this machine's {os.cpu_count()} cores: "
               "the threads will take turns, and decode gets much slower", file=sys.stderr)
-    lib.set_threads(threads)
     isa = "AVX512-VNNI+AMX-INT8" if lib.amx() else "AVX512-VNNI"
-    return _run(model, tokenizer, prompt, ids, args, threads, isa)
+    return _run(model, tokenizer, prompt, ids, args, threads, isa, (k, v, logits, time.perf_counter() - t0))
 
 
 def _default_threads() -> int:
@@ -169,22 +181,23 @@ def _release_freed_heap() -> None:
         pass
 
 
-def _run(model, tokenizer, prompt: str, ids: list[int], args: argparse.Namespace, threads: int, isa: str) -> int:
+def _run(model, tokenizer, prompt: str, ids: list[int], args: argparse.Namespace, threads: int, isa: str,
+         prefilled: tuple) -> int:
+    """Print the continuation of the prompt (its pass done: `prefilled` is the cache k, v, the
+    last position's logits and the seconds it took), then the stats line; the exit code."""
     import numpy as np
 
     from ..settings import GREEDY_BELOW
     from ..text import TextStreamer
     from . import sampling
 
+    k, v, logits, prefill_s = prefilled
     greedy = args.temperature < GREEDY_BELOW
     rng = np.random.default_rng()  # (unseeded: a seeded request takes the torch path)
     eos = set() if args.ignore_eos else set(tokenizer.eos_ids)
     streamer = TextStreamer(tokenizer, list(args.stop))
     if not args.chat:
         sys.stdout.write(prompt)  # (as the torch path: the continuation in context)
-    k, v = model.new_cache(len(ids) + args.max_new_tokens)
-    t0 = time.perf_counter()
-    logits = model.prefill(ids, k, v)
     t1 = time.perf_counter()
     reason, n = None, 0
     while reason is None:
@@ -204,7 +217,7 @@ def _run(model, tokenizer, prompt: str, ids: list[int], args: argparse.Namespace
     a = model.arch
     per_token = 2 * a["n_layer"] * a["n_kv_heads"] * a["head_dim"] * k.itemsize
     decode_s, decoded = t2 - t1, n - 1
-    print(f"[finish: {reason}] prefill: {len(ids)} tokens, {len(ids) / max(t1 - t0, 1e-9):.1f} tokens/s | "
+    print(f"[finish: {reason}] prefill: {len(ids)} tokens, {len(ids) / max(prefill_s, 1e-9):.1f} tokens/s | "
           f"decode: {decoded} tokens, {decoded / decode_s if decoded and decode_s > 0 else 0.0:.1f} tokens/s | "
           f"KV cache: {model.p['kv']['dtype']}, {per_token} bytes/token, {2 * k.nbytes / 2**20:.2f} MiB "
           f"({2 * k.nbytes} bytes) | matmul: vnni ({isa}) | threads: "

@@ -14,13 +14,12 @@ import ctypes
 import os
 import platform
 import subprocess
-import sys
 import zlib
 from pathlib import Path
 
 import numpy as np
 
-from ..files import cache_home, create_tmp
+from ..files import atomic_write_text, cache_home, create_tmp
 
 KERNELS = Path(__file__).resolve().parent.parent / "kernels"
 SOURCES = ("bare_api.cpp", "decode.cpp", "a8_linear.cpp", "bf16_linear.cpp")
@@ -62,30 +61,34 @@ def path() -> Path:
 
 
 def build(layout_header: str, wait: bool = False) -> Path | None:
-    """Compile the library for this CPU where it is not built yet: g++ with -march as the torch
-    build's, OpenMP, the layout constants' header (`layout_header`, kernels.layout.header()).
-    wait=False: a detached compiler (~30 s), renamed into place when done; None then, or where the
-    compiler fails (the torch path stays). Returns the library's path once it is there."""
+    """Compile the library for this CPU where it is not built yet: the compiler the torch build
+    uses ($CXX, else c++) with its -march, OpenMP, the layout constants' header (`layout_header`,
+    kernels.layout.header()). wait=False: a detached compiler (~30 s), its output synced and
+    renamed into place when done; None then, or where the compiler fails (the torch path stays).
+    Returns the library's path once it is there."""
+    import time
+
     lib = path()
     if lib.exists():
         return lib
     lib.parent.mkdir(parents=True, exist_ok=True)
-    (lib.parent / "arlm_layout.h").write_text(layout_header)
     busy = lib.parent / "building"
     try:  # one build at a time; a marker older than 10 minutes is a killed build's
         fd = os.open(busy, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
         os.close(fd)
     except FileExistsError:
-        import time
-
         if time.time() - busy.stat().st_mtime < 600 and not wait:
             return None
         busy.touch()
+    header = lib.parent / "arlm_layout.h"
+    if not header.exists() or header.read_text() != layout_header:  # (the same text for this key)
+        atomic_write_text(header, layout_header)
     tmp = create_tmp(lib)
-    cmd = ["g++", "-std=c++17", "-shared", "-fPIC", "-O3", f"-march={_march()}", "-fopenmp", "-DARLM_BARE",
-           f"-I{lib.parent}", f"-I{KERNELS}", *(str(KERNELS / s) for s in SOURCES), "-o", tmp]
-    script = (f"{' '.join(_quote(c) for c in cmd)} 2> {_quote(str(lib.parent / 'build.log'))} "
-              f"&& mv -f {_quote(tmp)} {_quote(str(lib))}; rm -f {_quote(tmp)} {_quote(str(busy))}")
+    cmd = [os.environ.get("CXX", "c++"), "-std=c++17", "-shared", "-fPIC", "-O3", f"-march={_march()}", "-fopenmp",
+           "-DARLM_BARE", f"-I{lib.parent}", f"-I{KERNELS}", *(str(KERNELS / s) for s in SOURCES), "-o", tmp]
+    q = _quote
+    script = (f"{' '.join(q(c) for c in cmd)} 2> {q(str(lib.parent / 'build.log'))} && sync {q(tmp)} "
+              f"&& mv -f {q(tmp)} {q(str(lib))}; rm -f {q(tmp)} {q(str(busy))}")
     try:
         if not wait:
             subprocess.Popen(["sh", "-c", script], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
@@ -94,6 +97,7 @@ def build(layout_header: str, wait: bool = False) -> Path | None:
         subprocess.run(["sh", "-c", script], check=False)
     except OSError:
         busy.unlink(missing_ok=True)
+        Path(tmp).unlink(missing_ok=True)
         return None
     return lib if lib.exists() else None
 
@@ -171,12 +175,17 @@ class Library:
 
 
 def load() -> Library | None:
-    """The library where it is built for these sources and this CPU, else None."""
+    """The library where it is built for these sources and this CPU, else None. One that does
+    not load (damaged, or without a function this arlm calls) is moved aside, silently: the
+    torch path runs, and its next plan check builds the library again."""
     lib = path()
     if not lib.exists():
         return None
     try:
         return Library(lib)
-    except OSError as e:  # (a library that does not load: the torch path)
-        print(f"arlm: {lib} does not load ({e}); using the torch path", file=sys.stderr)
+    except (OSError, AttributeError):
+        try:
+            os.replace(lib, lib.with_suffix(".bad"))
+        except OSError:
+            pass
         return None

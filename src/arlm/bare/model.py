@@ -41,6 +41,26 @@ def plan_stamp() -> str:
     return f"{zlib.crc32(chr(10).join(parts).encode()):08x}"
 
 
+def torch_version() -> str:
+    """The installed torch's version, from its dist-info directory's name (importing torch, or
+    importlib.metadata's ~60 ms, is what this path avoids): a plan's RoPE tables and its checked
+    embedding rows are that torch's."""
+    import sys
+
+    for entry in sys.path:
+        try:
+            for d in Path(entry or ".").glob("torch-*.dist-info"):
+                return d.name[len("torch-"):-len(".dist-info")]
+        except OSError:
+            continue
+    return ""
+
+
+def blob_check(blob: bytes) -> list[int]:
+    """A plan's blob as its JSON pins it: length and CRC."""
+    return [len(blob), zlib.crc32(blob)]
+
+
 def _map(path: Path) -> np.ndarray:
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
@@ -58,11 +78,14 @@ class BarePlan:
 
         self.directory = directory
         self.plan = json.loads((directory / f"bare-{activations}.json").read_text())
-        if self.plan.get("format") != FORMAT or self.plan.get("stamp") != plan_stamp() or \
-                self.plan.get("library") != key():
+        if not isinstance(self.plan, dict) or self.plan.get("format") != FORMAT or \
+                self.plan.get("stamp") != plan_stamp() or self.plan.get("library") != key() or \
+                self.plan.get("torch") != torch_version():
             raise ValueError("the plan is stale")
         self.weights = _map(directory / "weights.bin")
         self.blob = _map(directory / f"bare-{activations}.bin")
+        if [len(self.blob)] != self.plan["blob"][:1]:  # (its CRC is checked where it is written)
+            raise ValueError("the plan's blob is not the one it names")
 
     @staticmethod
     def arrays_of(directory: Path, records: list[dict], blob_path: Path) -> list[np.ndarray]:
@@ -108,8 +131,9 @@ class BareModel:
         self.windows = (ctypes.c_int64 * max(1, len(a["windows"])))(*a["windows"])
         self.kv_dtype = np.dtype(_DTYPES[self.p["kv"]["dtype"]])
         self.kv_scalar = BFLOAT16 if self.p["kv"]["dtype"] == "bfloat16" else None
-        self.empty, self.empty_long = tensor(None), tensor(np.zeros(0, dtype=np.int64))
-        self._keep.append(self.empty_long)
+        no_rows = np.zeros(0, dtype=np.int64)
+        self.empty, self.empty_long = tensor(None), tensor(no_rows)
+        self._keep.append(no_rows)
 
     def _views(self, plan: BarePlan, records: list[dict]):
         arrays = [plan.view(r) for r in records]

@@ -28,7 +28,7 @@ import torch
 from ..files import atomic_write, atomic_write_text
 from ..kernels import layout
 from . import gather, library
-from .model import FORMAT, PLAN_ROPE_ROWS, plan_stamp
+from .model import FORMAT, PLAN_ROPE_ROWS, blob_check, plan_stamp, torch_version
 
 log = logging.getLogger(__name__)
 
@@ -110,8 +110,13 @@ def plan_of(llm, activations: str) -> tuple[dict, list[bytes]]:
     blob = _Blob(buffer)
     weights = [blob.record(t) for t in native.weights]
     head_w, head_a8 = native._head
-    if any(t.dtype == torch.float32 and t.dim() == 2 for t in [*native.weights, *head_w]):
-        raise ValueError("a float32 matrix (a prompt's rows go through torch's GEMM)")
+    # every matrix in a packed layout (3-dim: the bare build runs only those; a row layout, or a
+    # float32 matrix whose prompt rows go through torch's GEMM, is the torch path's)
+    L = layout.LayerWeight
+    slots = (L.WQKV, L.WO, L.GATE_UP, L.DOWN, L.WK, L.WV, L.UP)
+    matrices = [native.weights[i * L.COUNT + s] for i in range(cfg.n_layer) for s in slots] + [head_w[0]]
+    if any(w.numel() and w.dim() != 3 for w in matrices):
+        raise ValueError("a matrix outside the packed layouts")
     rows = min(cfg.max_seq_len, PLAN_ROPE_ROWS)
     model.ensure_rope(rows)
     rope = {"rows": rows, "cos": blob.record(model.rope_cos[:rows]), "sin": blob.record(model.rope_sin[:rows])}
@@ -139,31 +144,37 @@ def plan_of(llm, activations: str) -> tuple[dict, list[bytes]]:
         "rope": rope,
         "kv": {"dtype": _NAMES[kv], "format": int(layout.KVFormat.FLOAT)},
         "tokenizer": {"bos_id": tok.bos_id, "eos_ids": list(tok.eos_ids), "add_bos": tok.add_bos},
-        "chat_template": llm.chat_template,
+        "chat_template": loaded.chat_template,  # (the file's own: --chat-template writes no plan)
+        "torch": torch_version(),
     }
     return plan, blob.parts
 
 
 def save(llm, activations: str) -> Path | None:
     """Write this LLM's plan into its layout cache directory (atomically: the blob first, then
-    the JSON that names it), and start building the bare library where it is not built; the
-    plan's path, or None where there is none (said at debug level: the torch path is not wrong)."""
+    the JSON that names it, its length and CRC), and start building the bare library where it is
+    not built; the plan's path, or None where there is none (said at debug level: the torch path
+    is not wrong)."""
     from ..loading import cache
 
     try:
         directory = cache.cache_dir(llm.loaded.path, "packed")
         target = directory / f"bare-{activations}.json"
+        build = bool(os.environ.get("ARLM_BARE_BUILD_WAIT"))
         if not directory.exists() or _current(target):
+            library.build(layout.header(), wait=build)  # (a build that failed or was removed: again)
             return None
         plan, parts = plan_of(llm, activations)
         from .model import BarePlan  # (numpy's gather checked against the torch path's rows)
 
+        blob = b"".join(parts)
         blob_path = directory / f"bare-{activations}.bin"
-        atomic_write(blob_path, lambda tmp: Path(tmp).write_bytes(b"".join(parts)))
+        atomic_write(blob_path, lambda tmp: Path(tmp).write_bytes(blob))
+        plan["blob"] = blob_check(blob)
         arrays = BarePlan.arrays_of(directory, plan["embedding"]["tensors"], blob_path)
         _check_gather(llm.runner.native, plan, arrays)
         atomic_write_text(target, json.dumps(plan))
-        library.build(layout.header(), wait=bool(os.environ.get("ARLM_BARE_BUILD_WAIT")))
+        library.build(layout.header(), wait=build)
         return target
     except (ValueError, OSError) as e:
         log.debug("no bare plan: %s", e)
@@ -174,8 +185,12 @@ def save(llm, activations: str) -> Path | None:
 
 
 def _current(target: Path) -> bool:
+    """The plan is there, of these sources, this library and torch, and its blob is the one it names."""
     try:
         plan = json.loads(target.read_text())
+        blob = (target.with_suffix(".bin")).read_bytes()
     except (OSError, ValueError):
         return False
-    return plan.get("format") == FORMAT and plan.get("stamp") == plan_stamp() and plan.get("library") == library.key()
+    return isinstance(plan, dict) and plan.get("format") == FORMAT and plan.get("stamp") == plan_stamp() \
+        and plan.get("library") == library.key() and plan.get("torch") == torch_version() \
+        and plan.get("blob") == blob_check(blob)
