@@ -117,6 +117,7 @@ class BareModel:
         self.lib, self.p = lib, plan.plan
         a = self.arch = self.p["arch"]
         self._keep = []  # every array a ctypes view points into
+        self._out: dict[int, np.ndarray] = {}  # rows -> the head's logits buffer
         self.weights = self._views(plan, self.p["weights"])
         self.head = self._views(plan, self.p["head"]["tensors"])
         self.norm = self._views(plan, [self.p["head"]["norm"]])
@@ -159,15 +160,20 @@ class BareModel:
         return x
 
     def _head(self, x: np.ndarray) -> np.ndarray:
+        """Logits [N, vocab] of x's rows, in a buffer kept for the next call (a decode step's
+        row is ~0.5-1 MB: a fresh one each step is a fresh mapping to fault in)."""
         a, h = self.arch, self.p["head"]
-        out = np.empty((x.shape[0], a["vocab_size"]), dtype=np.float32)
+        out = self._out.get(x.shape[0])
+        if out is None:
+            out = self._out[x.shape[0]] = np.empty((x.shape[0], a["vocab_size"]), dtype=np.float32)
         xt, ot = tensor(x), tensor(out)
         self.lib.check(self.lib.lib.arlm_bare_head(xt, self.norm, self.head, a["eps"], int(h["a8"]),
                                                    int(h["residual"]), ot))
         return out
 
     def prefill(self, ids: list[int], k: np.ndarray, v: np.ndarray) -> np.ndarray:
-        """The prompt's tokens into the cache; the last position's logits [vocab]."""
+        """The prompt's tokens into the cache; the last position's logits [vocab] (valid until
+        the next call, as `decode`'s)."""
         a = self.arch
         x = self.embed(ids)
         n = len(ids)
