@@ -125,7 +125,8 @@ def gguf_file(request, tmp_path_factory):
 
 def _bare_tokens(model: BareModel, ids: list[int], n: int) -> tuple[list[int], np.ndarray]:
     k, v = model.new_cache(len(ids) + n)
-    logits = first = model.prefill(ids, k, v)
+    logits = model.prefill(ids, k, v)
+    first = logits.copy()  # (the buffer is the next step's)
     out = []
     for i in range(n):
         out.append(model.next_token(logits))
