@@ -247,7 +247,9 @@ def test_a_chat_template_given_writes_no_plan_of_it(lib, smollm2_path, bare_on):
 @pytest.mark.parametrize("damage", ["blob", "library", "json-list"])
 def test_damaged_plan_parts_are_rebuilt(damage, smollm2_path, lib, tmp_path, monkeypatch):
     """A blob cut short, a library that does not load, a plan that is not an object: the torch
-    path runs the command, and the next run is torch-free again."""
+    path runs the command and repairs what it can (the plan and blob written again; the library
+    moved aside for its rebuild, which fails at once here and is put back by hand), and the next
+    run is torch-free again."""
     kernels = library.path().parents[1]
     monkeypatch.setenv("ARLM_CACHE", str(tmp_path))
     (tmp_path / "kernels").symlink_to(kernels)
@@ -260,17 +262,20 @@ def test_damaged_plan_parts_are_rebuilt(damage, smollm2_path, lib, tmp_path, mon
             f.truncate(100)
     elif damage == "json-list":
         (directory / "bare-int8x2.json").write_text("[]")
-    else:  # (a library file that is not one: moved aside, then built again; a new inode, as this
-        # process has the good one mapped)
+    else:  # (a library file that is not one: moved aside; a new inode, as this process has the
+        # good one mapped)
+        good = tmp_path / "good.so"
+        good.write_bytes(library.path().read_bytes())
         bad = tmp_path / "bad.so"
         bad.write_bytes(b"not a library")
         os.replace(bad, library.path())
+        monkeypatch.setenv("CXX", "false")  # (its rebuild fails at once here: the fixture tests a build)
     run = _generate()
     assert run.returncode == 0 and "no torch" not in run.stderr and "Traceback" not in run.stderr, run.stderr
     if damage == "library":
-        assert library.path().exists() and library.path().read_bytes() != b"not a library"
-        assert library.path().with_suffix(".bad").exists()
+        assert not library.path().exists() and library.path().with_suffix(".bad").exists()
         library.path().with_suffix(".bad").unlink()
+        os.replace(good, library.path())  # (as the rebuild would have made it)
     assert "no torch" in _generate(torch_free=True).stderr
 
 
