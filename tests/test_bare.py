@@ -212,7 +212,8 @@ def test_generate_without_torch_prints_the_torch_paths_text(lib):
 
 
 @needs_packed
-@pytest.mark.parametrize("extra", [("--seed", "3"), ("--json",), ("--chat-template", "{{ messages[0].content }}"), ("--kv-dtype", "int8"),
+@pytest.mark.parametrize("extra", [("--seed", "3"), ("--presence-penalty", "0.5"),
+                                   ("--chat-template", "{{ messages[0].content }}"), ("--kv-dtype", "int8"),
                                    ("--min-tokens", "3"), ("--regex", "[a-z ]+"), ("--matmul-path", "avx2"),
                                    ("--stop", ""), ("--threads", "0"), ("--kv-sinks", "-1")])
 def test_what_the_plan_does_not_serve_takes_the_torch_path(extra, lib, monkeypatch):
@@ -372,3 +373,21 @@ def test_a_damaged_cache_under_a_plan_takes_the_torch_path(smollm2_path, lib, tm
         assert run.stdout == want
         _generate()
         assert "no torch" in _generate(torch_free=True).stderr
+
+
+@needs_packed
+@pytest.mark.parametrize("extra", [(), ("--stop", " color"), ("--chat",), ("--max-new-tokens", "1")])
+def test_json_output_is_the_torch_paths(extra, lib):
+    """--json: the same object (model, prompt, token ids, text, finish reason, every stats field
+    but the timings and the thread width, which the torch path may narrow under load)."""
+    def fields(run):
+        assert run.returncode == 0, run.stderr
+        out = json.loads(run.stdout)
+        for key in ("prefill_seconds", "prefill_tokens_per_s", "decode_seconds", "decode_tokens_per_s", "threads"):
+            out["stats"].pop(key)
+        return out
+
+    want = fields(_generate("--json", *extra, bare=False))
+    _generate("--json", *extra)
+    got = _generate("--json", *extra, torch_free=True)
+    assert got.stderr == "" and fields(got) == want

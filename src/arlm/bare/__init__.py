@@ -15,10 +15,10 @@ Served: a GGUF file (or a known name) whose plan for these activations is curren
 decoding, or sampling without --seed (temperature, top-k, top-p, min-p in numpy: `sampling`, the
 torch path's distribution; a seeded draw is its generator's stream, so --seed takes the torch
 path); --chat with the file's own template; stop strings, --ignore-eos, --max-new-tokens,
---threads; the CPU's packed kernels (AVX-512 VNNI, the default matmul path there) and a float KV
-cache; plain text out. Anything else - --json, a chat template given, a KV window, structured
-output, speculation, penalties or a logit bias, another matmul path, dtype or KV type, a prompt
-and output longer than the plan's RoPE rows - takes the torch path, as does a file whose plan or
+--threads, --json (the torch path's object); the CPU's packed kernels (AVX-512 VNNI, the default
+matmul path there) and a float KV cache. Anything else - a chat template given, a KV window,
+structured output, speculation, penalties or a logit bias, another matmul path, dtype or KV type,
+a prompt and output longer than the plan's RoPE rows - takes the torch path, as does a file whose plan or
 library is not there yet (the torch path writes the plan; the library builds in the background,
 once per machine and source version). ARLM_BARE=0 turns this path off.
 """
@@ -34,7 +34,7 @@ from pathlib import Path
 # What each option must be for the plan to serve the command (the CLI's defaults, or values the
 # plan computes the same way)
 _DEFAULTS = {"device": "cpu", "dtype": "auto", "quantize": "auto", "prefill_dtype": None, "kv_window": 0,
-             "json": False, "chat_template": None, "compile": False, "speculative": None,
+             "chat_template": None, "compile": False, "speculative": None,
              "repetition_penalty": 1.0, "presence_penalty": 0.0,
              "frequency_penalty": 0.0, "logit_bias": [], "min_tokens": 0, "stop_token_id": [], "json_schema": None,
              "json_object": False, "regex": None, "choice": None, "grammar": None, "context_shift": False}
@@ -184,7 +184,8 @@ def _release_freed_heap() -> None:
 def _run(model, tokenizer, prompt: str, ids: list[int], args: argparse.Namespace, threads: int, isa: str,
          prefilled: tuple) -> int:
     """Print the continuation of the prompt (its pass done: `prefilled` is the cache k, v, the
-    last position's logits and the seconds it took), then the stats line; the exit code."""
+    last position's logits and the seconds it took), then the stats line; or, with --json, the
+    torch path's one JSON object. The exit code."""
     import numpy as np
 
     from ..settings import GREEDY_BELOW
@@ -196,29 +197,48 @@ def _run(model, tokenizer, prompt: str, ids: list[int], args: argparse.Namespace
     rng = np.random.default_rng()  # (unseeded: a seeded request takes the torch path)
     eos = set() if args.ignore_eos else set(tokenizer.eos_ids)
     streamer = TextStreamer(tokenizer, list(args.stop))
-    if not args.chat:
+    if not args.chat and not args.json:
         sys.stdout.write(prompt)  # (as the torch path: the continuation in context)
     t1 = time.perf_counter()
-    reason, n = None, 0
+    reason, out, text = None, [], ""
     while reason is None:
         token = model.next_token(logits) if greedy else \
             sampling.sample(logits, args.temperature, args.top_k, args.top_p, args.min_p, rng)
-        n += 1
-        reason = "eos" if token in eos else "length" if n >= args.max_new_tokens else None
-        text, hit = streamer.push(token, final=reason is not None)
+        out.append(token)
+        reason = "eos" if token in eos else "length" if len(out) >= args.max_new_tokens else None
+        piece, hit = streamer.push(token, final=reason is not None)
         if hit:
             reason = "stop"
-        sys.stdout.write(text)
-        sys.stdout.flush()
+        text += piece
+        if not args.json:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
         if reason is None:
-            logits = model.decode(token, len(ids) + n - 1, k, v)
-    t2 = time.perf_counter()
-    sys.stdout.write("\n")
+            logits = model.decode(token, len(ids) + len(out) - 1, k, v)
+    decode_s, decoded = time.perf_counter() - t1, len(out) - 1
     a = model.arch
     per_token = 2 * a["n_layer"] * a["n_kv_heads"] * a["head_dim"] * k.itemsize
-    decode_s, decoded = t2 - t1, n - 1
+    decode_rate = decoded / decode_s if decoded and decode_s > 0 else 0.0
+    if args.json:  # (GenerationStats.to_dict's fields)
+        import json
+
+        stats = {"prompt_tokens": len(ids), "prefill_seconds": round(prefill_s, 4),
+                 "prefill_tokens_per_s": round(len(ids) / prefill_s if prefill_s > 0 else 0.0, 2),
+                 "decode_tokens": decoded, "decode_seconds": round(decode_s if decoded else 0.0, 4),
+                 "decode_tokens_per_s": round(decode_rate, 2), "kv_cache_bytes": 2 * k.nbytes,
+                 "kv_cache": {"dtype": model.p["kv"]["dtype"], "bytes_per_token": per_token, "bytes": 2 * k.nbytes},
+                 "matmul": {"path": "vnni", "isa": isa},
+                 "threads": {"width": threads, "narrowest": threads, "widest": threads,
+                             "pinned": args.threads is not None, "changes": 0},
+                 "speculative": {"proposed": 0, "accepted": 0, "passes": 0, "acceptance_rate": 0.0,
+                                 "tokens_per_pass": 0.0}}
+        print(json.dumps({"model": model.p["name"], "prompt": args.prompt, "prompt_token_ids": ids,
+                          "completion_token_ids": out, "text": text, "finish_reason": reason, "stats": stats},
+                         ensure_ascii=False))
+        return 0
+    sys.stdout.write("\n")
     print(f"[finish: {reason}] prefill: {len(ids)} tokens, {len(ids) / max(prefill_s, 1e-9):.1f} tokens/s | "
-          f"decode: {decoded} tokens, {decoded / decode_s if decoded and decode_s > 0 else 0.0:.1f} tokens/s | "
+          f"decode: {decoded} tokens, {decode_rate:.1f} tokens/s | "
           f"KV cache: {model.p['kv']['dtype']}, {per_token} bytes/token, {2 * k.nbytes / 2**20:.2f} MiB "
           f"({2 * k.nbytes} bytes) | matmul: vnni ({isa}) | threads: "
           + (f"{threads} (pinned)" if args.threads else f"{threads} of {threads}") + " | no torch", file=sys.stderr)
