@@ -99,3 +99,41 @@ def test_the_loader_packs_the_same_either_way(kind, parts, monkeypatch):
     assert native.packed == fields.packed == (sum(parts) % 16 == 0)
     for got, want in zip(native.tensors(), fields.tensors(), strict=True):
         assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+def packed_layer(kind: str, n: int, k: int, seed: int) -> tuple[torch.Tensor, ...]:
+    """A packed layer [n, k] of `kind` with random codes and scales (Q5: Q5_0/Q5_1's 5-bit layout)."""
+    if kind == "Q5":
+        g = torch.Generator().manual_seed(seed)
+        q = torch.randint(0, 32, (n, k), generator=g, dtype=torch.uint8)
+        d = (torch.rand(n, k // 32, generator=g) * 2e-3).half()
+        m = (torch.randn(n, k // 32, generator=g) * 1e-3).half()
+        return kernels.pack_q5(q), kernels.pack_scales(d), kernels.pack_scales(m)
+    if kind == "Q5_K":  # (Q4_K's head: d, dmin; then the fields' own packing)
+        rng = np.random.default_rng(seed)
+        b = rng.integers(0, 256, size=(n, k // 256, 176), dtype=np.uint8)
+        b[..., 0:4] = (rng.standard_normal((n, k // 256, 2)) * 1e-3).astype(np.float16).view(np.uint8).reshape(
+            n, k // 256, 4)
+        f = {key: torch.from_numpy(np.ascontiguousarray(v)) for key, v in k_quant_fields(b, kind).items()}
+        return kernels.pack_q4_k(f["q"], f["sc"], f["m"], f["d"], f["dmin"], five_bit=True)
+    return kernels.pack_gguf_blocks(torch.from_numpy(random_blocks(kind, n, k // BLOCK[kind], seed)), kind)
+
+
+@pytest.mark.skipif(not kernels.packed_available(), reason="the packed kernels need AVX-512 VNNI")
+@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K", "Q4_0", "Q4_1", "Q5"])
+@pytest.mark.parametrize("amx", ["1", "0"])
+def test_prompt_rows_equal_each_row_alone(kind, amx, monkeypatch):
+    # A prompt's rows take a staged slice of each tile (a8_linear.cpp's x16s_block; the 4-bit kinds
+    # 16 rows at a time on the AMX tiles where the CPU has them, amx_slab, unless ARLM_AMX=0); a row
+    # alone (decode) takes x16p_block / q6p_block. Each row's result must be the same bits either
+    # way. N = 48: a tile of two blocks of 16 channels and one of one; K = 768: slices of 16 and 8
+    # groups; M = 87: a chunk of 64 rows, then one of 23 (16 on the tiles, then 4 + 2 + 1 rows).
+    monkeypatch.setenv("ARLM_AMX", amx)
+    seed = int(torch.randint(0, 2**31 - 1, ()))
+    layer = packed_layer(kind, 48, 768, seed)
+    x = torch.randn(87, 768, generator=torch.Generator().manual_seed(seed)) * 3
+    x[5, 100] = 400.0  # (an outlier: its group's scale)
+    together = kernels.linear_a8p_residual(x, *layer)
+    assert together.shape == (87, 48) and together.isfinite().all() and together.abs().max() > 0
+    for i in range(87):
+        assert torch.equal(kernels.linear_a8p_residual(x[i:i + 1], *layer)[0], together[i]), (kind, amx, seed, i)
