@@ -6,6 +6,7 @@ round-trip text, streamed text, rendered chat prompts.
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -224,3 +225,36 @@ def test_byte_level_pre_tokenizers_match_transformers(gguf_tokenizer_fields, pre
         assert ours.encode(text, add_bos=False) == hf(text, add_special_tokens=False)["input_ids"], text
     digits = ours.encode("123456", add_bos=False)
     assert len(digits) == {"qwen2": 6, "llama-bpe": 2}.get(pre, len(digits))
+
+
+def test_merges_written_as_strings_keep_the_tokenizer(smollm2, tmp_path):
+    """backend_json writes BPE merges "a b" (HF tokenizers parses that faster than [a, b] pairs)
+    where no piece holds a space: the same tokenizer, which writes itself back as it was and
+    encodes fresh random text alike; a piece with a space keeps the pairs; compact_file rewrites
+    a cache's pairs once."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models
+
+    from arlm.tokenizer import backend_json, compact_file
+
+    backend = smollm2.tokenizer.backend
+    text = backend_json(backend)
+    merges = json.loads(text)["model"]["merges"]
+    assert merges and all(isinstance(m, str) for m in merges)
+    again = HFTokenizer.from_str(text)
+    assert again.to_str() == backend.to_str()
+    rng = random.Random()
+    seed = rng.randrange(2**31)
+    rng.seed(seed)
+    alphabet = "abcdefghij klmnop\nXYZ0123.,!éü日本😀"
+    for _ in range(200):
+        s = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 60)))
+        assert again.encode(s).ids == backend.encode(s).ids, (seed, s)
+    spaced = HFTokenizer(models.BPE(vocab={"a": 0, " ": 1, "a ": 2}, merges=[("a", " ")]))
+    assert isinstance(json.loads(backend_json(spaced))["model"]["merges"][0], list)
+    path = tmp_path / "tokenizer.json"
+    path.write_text(backend.to_str(), encoding="utf-8")
+    compact_file(path)
+    assert path.read_text(encoding="utf-8") == text
+    compact_file(path)  # (strings already: left as it is)
+    assert path.read_text(encoding="utf-8") == text

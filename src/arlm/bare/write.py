@@ -27,6 +27,7 @@ import torch
 
 from ..files import atomic_write, atomic_write_text
 from ..kernels import layout
+from ..tokenizer import compact_file
 from . import gather, library
 from .model import FORMAT, PLAN_ROPE_ROWS, blob_check, plan_stamp, torch_version
 
@@ -174,6 +175,7 @@ def save(llm, activations: str) -> Path | None:
         arrays = BarePlan.arrays_of(directory, plan["embedding"]["tensors"], blob_path)
         _check_gather(llm.runner.native, plan, arrays)
         atomic_write_text(target, json.dumps(plan))
+        compact_file(directory / "tokenizer.json")  # (a cache from before: the bare start parses it)
         library.build(layout.header(), wait=build)
         return target
     except (ValueError, OSError) as e:

@@ -55,7 +55,7 @@ from ..model_files import (FORMAT, _current, _locked, _stamp, cache_dir, cache_r
 from ..model import Transformer
 from ..quant import (Int8Linear, KQuantLinear, Q4Linear, Q5Linear, Q8Linear, Q8MinsLinear, QuantizedEmbedding,
                      QuantizedLinear, SplitLinear)
-from ..tokenizer import Tokenizer
+from ..tokenizer import Tokenizer, backend_json
 from .loaded import LoadedModel
 
 _ALIGN = 64
@@ -179,7 +179,7 @@ class Builder:
                     "add_bos": loaded.tokenizer.add_bos, "requantized": loaded.requantized,
                     "modules": _describe(loaded.model, self.add)}
         self._file.close()
-        (self.tmp / "tokenizer.json").write_text(loaded.tokenizer.backend.to_str(), encoding="utf-8")
+        (self.tmp / "tokenizer.json").write_text(backend_json(loaded.tokenizer.backend), encoding="utf-8")
         (self.tmp / "manifest.json").write_text(json.dumps(manifest))
         try:
             os.replace(self.tmp, self.final)  # atomic; fails if another process got there first
