@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/prompt_tiles.py --model PATH.gguf [--tokens 512] [--rounds 5] [--threads 2]
 
 On a CPU with AMX-INT8 the packed kernels take a prompt's rows 16 at a time on the tiles
-(a8_linear.cpp's amx_slab, the 4-bit layouts; every row's result the bits VNNI gives it). Each round runs a fresh
+(a8_linear.cpp's amx_tile; every row's result the bits VNNI gives it). Each round runs a fresh
 process with ARLM_AMX=1, then one with ARLM_AMX=0 (the VNNI kernels alone); each process loads the
 model, prefills a --tokens prompt of real text three times (the engine's first step) and reports
 its best. Printed: both paths' median prefill tokens/s over the wall clock and over the process's

@@ -22,6 +22,9 @@ from arlm.engine.speculative import StepCost
 from arlm.runtime import runtime
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The AMX tile kernel is opt-in for users (it did not pay here); the suite turns it on where the
+# CPU has it, so the bit-equality tests (a row batched = the row alone) compare it with VNNI.
+os.environ.setdefault("ARLM_AMX", "1")
 # `arlm generate` without torch (arlm.bare) serves a command only once its plan and library are
 # there, which earlier commands write: off, so that every test's command takes one path whatever
 # ran before it. tests/test_bare.py turns it on where it tests it.

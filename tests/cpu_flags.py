@@ -104,10 +104,10 @@ def amx_expected() -> bool:
 
 
 def amx_int8_expected() -> bool:
-    """Whether the packed kernels take prompt rows on the AMX-INT8 tiles (a8_linear.cpp's amx_slab):
+    """Whether the packed kernels take prompt rows on the AMX-INT8 tiles (a8_linear.cpp's amx_tile):
     built for this CPU or an -march with them (__AMX_INT8__, __AMX_TILE__), the CPU has them, and
-    ARLM_AMX=0 does not turn them off."""
-    if not packed_expected() or os.environ.get("ARLM_AMX") == "0":
+    ARLM_AMX=1 turns them on (off by default; the suite's conftest turns them on)."""
+    if not packed_expected() or os.environ.get("ARLM_AMX") != "1":
         return False
     flags = cpu_flags()
     if flags is None or not {"amx_tile", "amx_int8"} <= flags:

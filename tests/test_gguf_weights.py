@@ -267,9 +267,8 @@ def test_a_damaged_cache_is_rebuilt(smollm2_path, direct, tmp_path, monkeypatch)
 def test_residual_activations_are_near_float(kind, M):
     # 8 bits taken twice: x as 16 bits per group of 32 (step max|x| / 32512), split into two
     # bytes; the error against the float product is bounded by half that step per value, ~1/256
-    # of the single pass's; rows stay independent (M = 80: a chunk of 64 rows and one of 16, the
-    # 4-bit layout's through the staged kernels, on the AMX tiles where the CPU has them: each row
-    # the bits the decode kernel gives it alone).
+    # of the single pass's; rows stay independent (M = 80: a chunk of 64 rows and one of 16, on
+    # the AMX tiles where the CPU has them: each row the bits VNNI gives it alone).
     g = torch.Generator().manual_seed(11)
     x = torch.randn(M, 576, generator=g) * 3
     if kind == "q4":
@@ -493,7 +492,7 @@ def test_layouts_hold_about_the_files_bytes(kind):
 @needs_packed
 def test_prompt_rows_take_the_amx_tiles_where_the_cpu_has_them():
     """So that the M = 37 and 80 cases above and below compare the two kernels on such a CPU
-    (ARLM_AMX=0 turns the tiles off)."""
+    (conftest sets ARLM_AMX=1; without it the tiles are off)."""
     assert kernels.amx_active() == amx_int8_expected()
 
 

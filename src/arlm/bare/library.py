@@ -163,7 +163,7 @@ class Library:
         return bool(self.lib.arlm_bare_packed())
 
     def amx(self) -> bool:
-        """Prompt rows on the AMX tiles (a CPU with them, not ARLM_AMX=0: a8_linear.cpp's amx_slab)."""
+        """Prompt rows on the AMX tiles (ARLM_AMX=1 on a CPU with them: a8_linear.cpp's amx_tile)."""
         return bool(self.lib.arlm_bare_amx())
 
     def set_threads(self, n: int) -> None:

@@ -144,16 +144,15 @@ def auto_matmul_path() -> str:
 
 
 def amx_active() -> bool:
-    """Whether the packed kernels take the prompt's rows 16 at a time on the AMX tiles (the 4-bit
-    layouts: a8_linear.cpp's amx_slab): built with AMX-INT8, granted the tiles by Linux, and not
-    turned off (ARLM_AMX=0, read at each call). Each row's result is the one AVX512-VNNI gives
-    it, bit for bit."""
+    """Whether the packed kernels take the prompt's rows 16 at a time on the AMX tiles: built with
+    AMX-INT8, granted the tiles by Linux, and turned on (ARLM_AMX=1; off by default: they did not
+    pay here). Each row's result is the one AVX512-VNNI gives it, bit for bit."""
     return packed_available() and torch.ops.arlm.amx_active()
 
 
 def matmul_isa(path: str) -> str:
     """The instructions `path` multiplies with on this CPU, for stats: e.g. "AVX512-VNNI", "AMX"."""
-    if path == "vnni":  # prompt rows on the AMX tiles where the CPU has them (a8_linear.cpp's amx_slab)
+    if path == "vnni":  # prompt rows on the AMX tiles where the CPU has them (a8_linear.cpp's amx_tile)
         return "AVX512-VNNI+AMX-INT8" if amx_active() else "AVX512-VNNI"
     if path == "avx2":
         return "AVX2"

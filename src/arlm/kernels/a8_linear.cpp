@@ -92,7 +92,7 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* qx, float* dx, 
 #define ARLM_AVX512 1  // the packed kernels below
 #endif
 #if defined(ARLM_AVX512) && defined(__AMX_INT8__) && defined(__AMX_TILE__)
-#define ARLM_AMX 1  // the tile kernel for prompt rows (amx_slab)
+#define ARLM_AMX 1  // the tile kernel for prompt rows (amx_tile)
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
@@ -502,23 +502,6 @@ inline void quantize_group16(const float* src, int8_t* hi, int8_t* lo, float* e_
   *sum_out = sum;
 }
 
-// One step of 8 K-values (k .. k + 7) of MB rows' high and low bytes against NB blocks' weight
-// vectors (w0: k .. k + 3, w1: k + 4 .. k + 7), added to the rows' hi and lo dot products.
-template <int MB, int NB>
-inline void x16_step(const int8_t* hi, const int8_t* lo, int64_t K, int64_t k, const __m512i (&w0)[NB],
-                     const __m512i (&w1)[NB], __m512i (&dh)[MB][NB], __m512i (&dl)[MB][NB]) {
-  for (int i = 0; i < MB; ++i) {
-    const __m512i h0 = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(hi + i * K + k));
-    const __m512i h1 = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(hi + i * K + k + 4));
-    const __m512i l0 = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(lo + i * K + k));
-    const __m512i l1 = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(lo + i * K + k + 4));
-    for (int b = 0; b < NB; ++b) {
-      dh[i][b] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(dh[i][b], w0[b], h0), w1[b], h1);
-      dl[i][b] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(dl[i][b], w0[b], l0), w1[b], l1);
-    }
-  }
-}
-
 // MB rows of 16-bit x (hi, lo bytes; e, sx or sums per group) against NB blocks of 16 channels
 // of packed weights. Q4: out = sum_g d e_g (256 dot_g(q, hi) + dot_g(q, lo)) + m sx_g. Int8 and
 // Q8_0 (w + 128 stored, as i8p_block): out = sum_g e_g [dw] (dot_g(w + 128, X) - 128 sum(X)).
@@ -539,7 +522,16 @@ void x16p_block(const int8_t* hi, const int8_t* lo, const float* e, const float*
         const int64_t k = g * kGroup + 8 * p;
         __m512i w0[NB], w1[NB];
         load_q4<NB, k5>(w, block, k, pf, w0, w1);
-        x16_step(hi, lo, K, k, w0, w1, dh, dl);
+        for (int i = 0; i < MB; ++i) {
+          const __m512i h0 = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(hi + i * K + k));
+          const __m512i h1 = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(hi + i * K + k + 4));
+          const __m512i l0 = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(lo + i * K + k));
+          const __m512i l1 = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(lo + i * K + k + 4));
+          for (int b = 0; b < NB; ++b) {
+            dh[i][b] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(dh[i][b], w0[b], h0), w1[b], h1);
+            dl[i][b] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(dl[i][b], w0[b], l0), w1[b], l1);
+          }
+        }
       }
     } else {
 #pragma GCC unroll 8
@@ -655,118 +647,6 @@ void q6p_block(const int8_t* a, const int8_t* bl, const float* e, const int32_t*
   store(acc, out);
 }
 
-// ---- Prompt rows: a tile's weights and scales staged once (linear_a8p_residual) --------------
-//
-// Two 512-bit operations issue per cycle on the cores this runs on, whatever they are (vpdpbusd,
-// a shift, a float multiply: measured), so a kernel's time is its count of them. Per group of 32
-// K-values and (row, 16 channels) x16p_block does 16 vpdpbusd and ~12 others: unpacking the
-// weights (3 a vector) and widening their scales (~11 a group), shared by the 1-4 rows of one
-// call, then the hi/lo combine and the scaling (6). A prompt's rows take each tile once per chunk
-// of 64 rows, so for them a slice of the tile (16 groups: 16 KB, in L1 while the chunk's rows
-// pass over it) is staged once, its weight vectors unpacked and scales widened, and the rows'
-// kernels (x16s_block, or amx_slab on the AMX tiles) read it. Their integer dot products are the
-// same and the float operations after them x16p_block's / q6p_block's in the same order, so a
-// row's result is bit for bit what the decode path computes whatever the rows around it
-// (tests/test_kernels.py compares them).
-
-// Rows of a chunk from which it is staged (fewer: the decode kernels), and groups per slice.
-constexpr int64_t kStageRows = 16;
-constexpr int64_t kSliceGroups = 16;
-
-// A slice's staged operands, per block b of the tile and group j of the slice: its four steps of
-// 8 K-values as load_q4 / load_q6 return them (low nibbles' vector, then high) at
-// w[((b * kSliceGroups + j) * 4 + p) * 2 + v], in order the rows of an AMX B tile; and two scale
-// vectors at s[(b * kSliceGroups + j) * 2 + t]: 4-bit kinds' ds and ms, Q6_K's d * sc of each half.
-template <typename Scales, bool k5>
-void stage_q4(const uint8_t* wt, int64_t block, int64_t g0, int64_t g1, int64_t nb, const Scales& sc, __m512i* w,
-              __m512* s) {
-  for (int64_t b = 0; b < nb; ++b)
-    for (int64_t g = g0; g < g1; ++g) {
-      const int64_t j = b * kSliceGroups + g - g0;
-      __m512 ds = _mm512_setzero_ps(), ms = _mm512_setzero_ps();
-      sc.at(b, g, ds, ms);
-      s[j * 2] = ds;
-      s[j * 2 + 1] = ms;
-      for (int64_t p = 0; p < 4; ++p) {
-        __m512i v0[1], v1[1];
-        load_q4<1, k5>(wt + b * block, block, g * kGroup + 8 * p, nullptr, v0, v1);
-        w[(j * 4 + p) * 2] = v0[0];
-        w[(j * 4 + p) * 2 + 1] = v1[0];
-      }
-    }
-}
-
-void stage_q6(const uint8_t* wt, int64_t block, int64_t K, int64_t g0, int64_t g1, int64_t nb, const int8_t* sc,
-              const at::Half* dd, __m512i* w, __m512* s) {
-  const int64_t H = K / 16, S = K / 256;
-  for (int64_t b = 0; b < nb; ++b)
-    for (int64_t g = g0; g < g1; ++g) {
-      const int64_t j = b * kSliceGroups + g - g0;
-      const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dd + (b * S + g / 8) * kLanes)));
-      for (int64_t h = 0; h < 2; ++h)
-        s[j * 2 + h] = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                                             _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + (b * H + 2 * g + h) * kLanes)))));
-      for (int64_t p = 0; p < 4; ++p) {
-        __m512i v0[1], v1[1];
-        load_q6<1>(wt + b * block, block, g * kGroup + 8 * p, nullptr, v0, v1);
-        w[(j * 4 + p) * 2] = v0[0];
-        w[(j * 4 + p) * 2 + 1] = v1[0];
-      }
-    }
-}
-
-// One group's (Q6_K: half group's) integer dot product d = 256 dot(w, hi) + dot(w, lo) of a row
-// into its 16 channels' sums: x16p_block's float work for 4-bit kinds (t0 = ds, t1 = ms, sx the
-// row's e * sum(X)), q6p_block's for Q6_K (t0 = d * sc, corr = 32 * the row's sum of X).
-template <bool kQ6>
-inline __m512 scale_into(__m512 acc, __m512i d, __m512 t0, __m512 t1, float e, float sx, int32_t corr) {
-  if constexpr (kQ6) {
-    d = _mm512_sub_epi32(d, _mm512_set1_epi32(corr));
-    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(t0, _mm512_set1_ps(e)), acc);
-  } else {
-    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(t0, _mm512_set1_ps(e)), acc);
-    return _mm512_fmadd_ps(t1, _mm512_set1_ps(sx), acc);
-  }
-}
-
-// MB rows of 16-bit x (hi, lo bytes; e, sx per group, hs per 16) against groups g0 .. g1 of a
-// staged slice of NB blocks, added to the rows' sums in part ([MB][NB][16]).
-template <bool kQ6, int MB, int NB>
-void x16s_block(const int8_t* hi, const int8_t* lo, const float* e, const float* sx, const int32_t* hs, int64_t K,
-                int64_t g0, int64_t g1, const __m512i* w, const __m512* s, float* part) {
-  constexpr int kParts = kQ6 ? 2 : 1;  // scales per group
-  constexpr int kSteps = 4 / kParts;   // 8-K-value steps per scale
-  const int64_t G = K / kGroup, H = K / 16;
-  __m512 acc[MB][NB];
-  for (int i = 0; i < MB; ++i)
-    for (int b = 0; b < NB; ++b) acc[i][b] = _mm512_load_ps(part + (i * NB + b) * kLanes);
-  for (int64_t g = g0; g < g1; ++g)
-    for (int h = 0; h < kParts; ++h) {
-      const int64_t j = g - g0;
-      __m512i dh[MB][NB], dl[MB][NB];
-      zero(dh);
-      zero(dl);
-      for (int p = 0; p < kSteps; ++p) {
-        const int64_t k = g * kGroup + 8 * (kSteps * h + p);
-        __m512i w0[NB], w1[NB];
-        for (int b = 0; b < NB; ++b) {
-          const __m512i* v = w + ((b * kSliceGroups + j) * 4 + kSteps * h + p) * 2;
-          w0[b] = v[0], w1[b] = v[1];
-        }
-        x16_step(hi, lo, K, k, w0, w1, dh, dl);
-      }
-      for (int i = 0; i < MB; ++i)
-        for (int b = 0; b < NB; ++b) {
-          const __m512* t = s + (b * kSliceGroups + j) * 2;
-          const __m512i d = _mm512_add_epi32(_mm512_slli_epi32(dh[i][b], 8), dl[i][b]);
-          acc[i][b] = kQ6 ? scale_into<true>(acc[i][b], d, t[h], t[h], e[i * G + g], 0.f, 32 * hs[i * H + 2 * g + h])
-                          : scale_into<false>(acc[i][b], d, t[0], t[1], e[i * G + g], sx[i * G + g], 0);
-        }
-    }
-  for (int i = 0; i < MB; ++i)
-    for (int b = 0; b < NB; ++b) _mm512_store_ps(part + (i * NB + b) * kLanes, acc[i][b]);
-}
-
 #endif
 
 // The packed layouts (above), told apart by their tensors' shapes and types.
@@ -797,51 +677,36 @@ void half_sums(const int8_t* q, const int8_t* lo, int64_t M, int64_t K, int32_t*
   });
 }
 
-// ---- AMX tiles: a staged slice against 8 prompt rows (linear_a8p_residual) -------------------
+// ---- AMX tiles: the prompt's rows 16 at a time (linear_a8p_residual) --------------------------
 //
 // On CPUs with AMX-INT8 one tile instruction (tdpbsud: signed bytes of x by unsigned weight bytes)
-// takes the integer dot products of 16 rows of bytes by 16 channels over a group: 16 x 8
-// vpdpbusd's work in the issue time of a few. A staged group's weight vectors are its B tile as
-// they lie (16 channels x 4 consecutive K-values a 64-byte row); its A tile is 8 rows' high bytes
-// over the group, then their low bytes, copied once per call next to each other (amx_rows: a
-// tile loaded from 16 rows K bytes apart waits on L2 for each), so one product gives both halves
-// of 8 rows' 16-bit dot products. What is left per (row, group, 16 channels) is the float work
-// every path does (scale_into): the 8 rows' sums stay in registers across the slice, and the
-// products go to alternating tiles and buffers so that the next group's product runs while the
-// vector units scale this one's. Results are the VNNI kernels' bit for bit.
+// takes the integer dot products of 16 rows of x by 16 channels over a group, 16 x 8 vpdpbusd's
+// work. The packed layouts' weight vectors are already its B operand (16 channels x 4
+// consecutive K-values a 64-byte row): a group's B tile is the vectors load_q4 / load_q6 return,
+// stored (int8 and Q8_0: the packed bytes as they lie). Each group's int32 dot products are the
+// VNNI kernels', and the float work after them (convert, scale, accumulate in group order) is
+// x16p_block's and q6p_block's op for op: a row's result is bit for bit the same whichever kernel
+// ran it, so the number of rows (and so batching) still changes nothing. Rows past the last full
+// 16 go through those kernels.
 #ifdef ARLM_AMX
 
 // Linux grants the tile registers' state only to a process that asks (arch_prctl
-// ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA); asked once. ARLM_AMX=0 (read at each call) keeps
-// prompt rows on the VNNI kernels.
+// ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA); asked once. Off unless ARLM_AMX=1: measured beside
+// the VNNI kernels the tiles gave a whole prefill 0.88-1.02x (3B Q4_K_M, 2 threads) and a Q6_K
+// layer at K = 8,192 ~0.65-0.9x: the per-group float work, the same in both, is the time
+// (docs/benchmarks.md, "The sizes users run").
 bool amx_ready() {
-  static const bool granted = [] {
+  static const bool ready = [] {
+    const char* env = std::getenv("ARLM_AMX");
+    if (!env || std::strcmp(env, "1") != 0) return false;
     constexpr long kReqXcompPerm = 0x1023, kXtiledata = 18;
     return syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0;
   }();
-  const char* env = std::getenv("ARLM_AMX");
-  return granted && !(env && std::strcmp(env, "0") == 0);
+  return ready;
 }
 
-constexpr int64_t kAmxRows = 16;  // rows of x per tile product
-
-// x's rows 16 at a time as A tiles: for rows 16s .. 16s + 15 and group g, at a + (s * G + g) * 1024,
-// the rows' 32 high bytes, then their 32 low bytes. Rows past the last full 16 are left out.
-void amx_rows(const int8_t* hi, const int8_t* lo, int64_t M, int64_t K, int8_t* a) {
-  const int64_t G = K / kGroup;
-  at::parallel_for(0, M / kAmxRows * G, 256, [&](int64_t u0, int64_t u1) {
-    for (int64_t u = u0; u < u1; ++u) {
-      const int64_t m = u / G * kAmxRows, k = u % G * kGroup;
-      for (int64_t i = 0; i < kAmxRows; ++i) {
-        std::memcpy(a + u * 1024 + i * kGroup, hi + (m + i) * K + k, kGroup);
-        std::memcpy(a + u * 1024 + 512 + i * kGroup, lo + (m + i) * K + k, kGroup);
-      }
-    }
-  });
-}
-
-// Tiles 0, 1: A, the rows' high and low bytes (16 rows of kk K-values); 2, 3: B (kk / 4 rows of 64
-// bytes) of even and odd steps; 4, 5: the high bytes' products of even and odd steps; 6, 7: the low.
+// Tiles 0, 1: 16 rows of x's high and low bytes, kk K-values; 2, 3: B of two blocks of 16
+// channels (kk / 4 rows of 64 bytes); 4-7: their int32 products (hi b0, lo b0, hi b1, lo b1).
 void configure_tiles(int kk) {
   struct alignas(64) {
     uint8_t palette = 1, start_row = 0, reserved[14] = {};
@@ -851,76 +716,128 @@ void configure_tiles(int kk) {
   for (int t : {0, 1}) cfg.rows[t] = 16, cfg.colsb[t] = static_cast<uint16_t>(kk);
   for (int t : {2, 3}) cfg.rows[t] = static_cast<uint8_t>(kk / 4), cfg.colsb[t] = 64;
   for (int t = 4; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
-  asm volatile("" : : "r"(&cfg) : "memory");  // (GCC drops the stores otherwise: ldtilecfg's read is not modeled)
   _tile_loadconfig(&cfg);
 }
 
-// 16 rows of x (a: their A tiles, amx_rows; e, sx, hs at their first row) against groups g0 .. g1
-// of one block's staged slice (w, s at the block), added to the rows' sums (part, row stride ld
-// floats). Tiles configured by configure_tiles(kQ6 ? 16 : 32).
-template <bool kQ6>
-void amx_slab(const int8_t* a, const float* e, const float* sx, const int32_t* hs, int64_t K, int64_t g0,
-              int64_t g1, const __m512i* w, const __m512* s, float* part, int64_t ld) {
-  constexpr int kParts = kQ6 ? 2 : 1, kk = kGroup / kParts;
-  const int64_t G = K / kGroup, H = K / 16, n = (g1 - g0) * kParts;  // steps: (group, half) pairs
-  alignas(64) int32_t c[3][2][16][16];  // products of step t at c[t % 3]: [hi, lo][row][channel]
-  __m512 acc[kAmxRows];
-  for (int i = 0; i < kAmxRows; ++i) acc[i] = _mm512_loadu_ps(part + i * ld);
-  // Step t's products on tiles 2 + P, 4 + P, 6 + P (P = t % 2), stored to c[t % 3] a step later:
-  // the tile unit works ahead while the vector units scale the step before. (The tile
-  // intrinsics take their tile numbers as literals.)
-  auto product = [&](auto parity, int64_t t) {
-    const int64_t j = t / kParts, h = t % kParts;
-    const int8_t* at = a + (g0 + j) * 1024 + kk * h;  // A: 16 rows 32 bytes apart, high then low bytes
-    const __m512i* bt = w + (j * 4 + 2 * h) * 2;     // B: kk / 4 rows of 64 bytes
-    _tile_loadd(0, at, kGroup);
-    _tile_loadd(1, at + 512, kGroup);
-    if constexpr (decltype(parity)::value == 0) {
-      _tile_loadd(2, bt, 64);
-      _tile_zero(4);
+// One packed layer as linear_a8p_residual reads it, and x as 16 bits in two bytes.
+struct X16Layer {
+  Packed kind;
+  int64_t K, G, H, S, block;
+  const uint8_t* w;
+  const float* rs;  // int8: the scale per row
+  F16Scales fs;     // at the tile's first block (set per tile)
+  const uint8_t* ksc;
+  const at::Half* supers;
+  const int8_t *hi, *lo;
+  const float *e, *sx;
+  const int32_t *sums, *hs;
+};
+
+// Rows m0 .. m0 + R (R a multiple of 16) of the tile of nb blocks from block b0, into acc [R][nb*16].
+void amx_tile(const X16Layer& L, int64_t m0, int64_t R, int64_t b0, int64_t nb, float* acc) {
+  const int64_t K = L.K, G = L.G, ld = nb * kLanes;
+  const uint8_t* wt = L.w + b0 * L.block;
+  const bool q6 = L.kind == Packed::kQ6_K, k5 = L.kind == Packed::kQ5 || L.kind == Packed::kQ5_K;
+  const bool kq4 = L.kind == Packed::kQ4_K || L.kind == Packed::kQ5_K;
+  const bool q4 = kq4 || L.kind == Packed::kQ4_1 || L.kind == Packed::kQ4_0 || L.kind == Packed::kQ5;
+  alignas(64) uint8_t bt[2][8][64];   // a group's (Q6_K: a half group's) B tiles
+  alignas(64) int32_t c[4][16][16];   // their products with 16 rows
+  std::fill(acc, acc + R * ld, 0.f);
+  auto products = [&](int64_t k, const uint8_t* b0p, const uint8_t* b1p, int64_t stride, int64_t r) {
+    _tile_loadd(2, b0p, stride);
+    if (nb == 2) _tile_loadd(3, b1p, stride);
+    _tile_loadd(0, L.hi + (m0 + r) * K + k, K);
+    _tile_loadd(1, L.lo + (m0 + r) * K + k, K);
+    _tile_zero(4);
+    _tile_zero(5);
+    _tile_dpbsud(4, 0, 2);
+    _tile_dpbsud(5, 1, 2);
+    _tile_stored(4, c[0], 64);
+    _tile_stored(5, c[1], 64);
+    if (nb == 2) {
       _tile_zero(6);
-      _tile_dpbsud(4, 0, 2);
-      _tile_dpbsud(6, 1, 2);
-    } else {
-      _tile_loadd(3, bt, 64);
-      _tile_zero(5);
       _tile_zero(7);
-      _tile_dpbsud(5, 0, 3);
+      _tile_dpbsud(6, 0, 3);
       _tile_dpbsud(7, 1, 3);
+      _tile_stored(6, c[2], 64);
+      _tile_stored(7, c[3], 64);
     }
   };
-  auto store = [&](auto parity, int64_t t) {
-    if constexpr (decltype(parity)::value == 0) {
-      _tile_stored(4, c[t % 3][0], 64);
-      _tile_stored(6, c[t % 3][1], 64);
-    } else {
-      _tile_stored(5, c[t % 3][0], 64);
-      _tile_stored(7, c[t % 3][1], 64);
-    }
+  auto dot = [&](int b, int i) {
+    return _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(c[2 * b][i]), 8), _mm512_load_si512(c[2 * b + 1][i]));
   };
-  const std::integral_constant<int, 0> even;
-  const std::integral_constant<int, 1> odd;
-  product(even, 0);
-  if (n > 1) product(odd, 1);
-  store(even, 0);
-  for (int64_t t = 0; t < n; ++t) {
-    if (t % 2 == 0) {
-      if (t + 1 < n) store(odd, t + 1);
-      if (t + 2 < n) product(even, t + 2);
-    } else {
-      if (t + 1 < n) store(even, t + 1);
-      if (t + 2 < n) product(odd, t + 2);
+  if (q6) {
+    configure_tiles(16);
+    const int8_t* sc = reinterpret_cast<const int8_t*>(L.ksc) + b0 * L.H * kLanes;
+    const at::Half* dd = L.supers + b0 * L.S * kLanes;
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t h = 0; h < 2; ++h) {
+        const int64_t k = g * kGroup + 16 * h, s16 = 2 * g + h;
+        __m512 sv[2];
+        for (int64_t b = 0; b < nb; ++b) {
+          for (int64_t p = 0; p < 2; ++p) {
+            __m512i w0[1], w1[1];
+            load_q6<1>(wt + b * L.block, L.block, k + 8 * p, nullptr, w0, w1);
+            _mm512_store_si512(bt[b][2 * p], w0[0]);
+            _mm512_store_si512(bt[b][2 * p + 1], w1[0]);
+          }
+          const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dd + (b * L.S + g / 8) * kLanes)));
+          sv[b] = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                        _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + (b * L.H + s16) * kLanes)))));
+        }
+        for (int64_t r = 0; r < R; r += 16) {
+          products(k, bt[0][0], bt[1][0], 64, r);
+          for (int i = 0; i < 16; ++i) {
+            const int64_t m = m0 + r + i;
+            const __m512 ei = _mm512_set1_ps(L.e[m * G + g]);
+            const __m512i corr = _mm512_set1_epi32(32 * L.hs[m * L.H + s16]);
+            for (int64_t b = 0; b < nb; ++b) {
+              float* a = acc + (r + i) * ld + b * kLanes;
+              const __m512i d = _mm512_sub_epi32(dot(b, i), corr);
+              _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(sv[b], ei), _mm512_loadu_ps(a)));
+            }
+          }
+        }
+      }
+    return;
+  }
+  configure_tiles(kGroup);
+  const KScales ks{L.ksc + b0 * G * 2 * kLanes, L.supers + b0 * L.S * 2 * kLanes, G};
+  for (int64_t g = 0; g < G; ++g) {
+    const int64_t k = g * kGroup;
+    __m512 ds[2], ms[2];
+    const uint8_t *b0p = bt[0][0], *b1p = bt[1][0];
+    for (int64_t b = 0; b < nb; ++b) {
+      if (kq4) ks.at(b, g, ds[b], ms[b]);
+      else L.fs.at(b, g, ds[b], ms[b]);
+      if (!q4) continue;
+      for (int64_t p = 0; p < kGroup / 8; ++p) {
+        __m512i w0[1], w1[1];
+        if (k5) load_q4<1, true>(wt + b * L.block, L.block, k + 8 * p, nullptr, w0, w1);
+        else load_q4<1>(wt + b * L.block, L.block, k + 8 * p, nullptr, w0, w1);
+        _mm512_store_si512(bt[b][2 * p], w0[0]);
+        _mm512_store_si512(bt[b][2 * p + 1], w1[0]);
+      }
     }
-    const int64_t j = t / kParts, h = t % kParts, g = g0 + j;
-    const __m512 t0 = s[j * 2 + (kQ6 ? h : 0)], t1 = s[j * 2 + 1];
-    for (int i = 0; i < kAmxRows; ++i) {
-      const __m512i d = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(c[t % 3][0][i]), 8),
-                                         _mm512_load_si512(c[t % 3][1][i]));
-      acc[i] = kQ6 ? scale_into<true>(acc[i], d, t0, t0, e[i * G + g], 0.f, 32 * hs[i * H + 2 * g + h])
-                   : scale_into<false>(acc[i], d, t0, t1, e[i * G + g], sx[i * G + g], 0);
+    if (!q4) b0p = wt + k * kLanes, b1p = b0p + L.block;  // int8 / Q8_0: the packed bytes are the tile
+    const bool scaled = kq4 || L.fs.scaled();
+    for (int64_t r = 0; r < R; r += 16) {
+      products(k, b0p, b1p, 64, r);
+      for (int i = 0; i < 16; ++i) {
+        const int64_t m = m0 + r + i;
+        const __m512 ei = _mm512_set1_ps(L.e[m * G + g]);
+        const __m512i offset = _mm512_set1_epi32(q4 ? 0 : 128 * L.sums[m * G + g]);
+        for (int64_t b = 0; b < nb; ++b) {
+          float* a = acc + (r + i) * ld + b * kLanes;
+          __m512i d = dot(b, i);
+          if (!q4) d = _mm512_sub_epi32(d, offset);
+          __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), scaled ? _mm512_mul_ps(ds[b], ei) : ei, _mm512_loadu_ps(a));
+          if (q4) v = _mm512_fmadd_ps(ms[b], _mm512_set1_ps(L.sx[m * G + g]), v);
+          _mm512_storeu_ps(a, v);
+        }
+      }
     }
   }
-  for (int i = 0; i < kAmxRows; ++i) _mm512_storeu_ps(part + i * ld, acc[i]);
 }
 #endif  // ARLM_AMX
 }  // namespace
@@ -1192,94 +1109,41 @@ void arlm_kernels::linear_a8p_residual(const float* x, int64_t M, int64_t K, con
   // K = 576, 197 KB at 1,536) stay in L2 across the tiles, where all M rows would be read again
   // from L3 for every tile. A row's products do not depend on the chunking.
   constexpr int64_t kChunkRows = 64;
-  // Prompt rows (a chunk of at least kStageRows) of the 4-bit kinds and Q6_K through a staged
-  // slice of each tile; the 4-bit kinds' 16 at a time on the AMX tiles where the CPU has them
-  // (Q6_K's scale per 16 K-values doubles the tile work per product: measured slower there than
-  // x16s_block). Int8 and Q8_0: their packed bytes are already the operands (the decode kernels).
-  const bool stageable = kind != Packed::kInt8 && kind != Packed::kQ8_0, q6 = kind == Packed::kQ6_K;
 #ifdef ARLM_AMX
-  const bool amx = stageable && !q6 && M >= kAmxRows && amx_ready();
-  thread_local std::vector<int8_t> tile_rows;  // x's A tiles (amx_rows)
-  if (amx) {
-    tile_rows.resize(std::max<size_t>(tile_rows.size(), 2 * M * K));
-    amx_rows(hi, lo, M, K, tile_rows.data());
-  }
-  const int8_t* tiles_a = tile_rows.data();
-#else
-  const bool amx = false;
+  const bool amx = M >= 16 && amx_ready();
+  const X16Layer layer{kind, K, G, H, S, block, wpp, rs, {}, static_cast<const uint8_t*>(kscale), supers, hi, lo, e,
+                       sx, sp, halves.data()};
 #endif
   at::parallel_for(0, (NB + 1) / 2, 4, [&](int64_t t0, int64_t t1) {
     float out[kBlockRows * 2 * kLanes];
-    alignas(64) __m512i sw[2 * kSliceGroups * 4 * 2];  // a staged slice (2 blocks)
-    alignas(64) __m512 ss[2 * kSliceGroups * 2];
-    alignas(64) float part[kChunkRows * 2 * kLanes];  // the chunk's rows' sums over the slices so far
 #ifdef ARLM_AMX
-    if (amx) configure_tiles(q6 ? 16 : kGroup);
+    alignas(64) float tiled[kChunkRows * 2 * kLanes];  // amx_tile's rows of the chunk
+    X16Layer L = layer;
 #endif
     for (int64_t c0 = 0; c0 < M; c0 += kChunkRows)
       for (int64_t t = t0; t < t1; ++t) {  // a tile: 2 blocks of 16 channels (1 at the end)
-        const int64_t b0 = 2 * t, nb = std::min<int64_t>(2, NB - b0), rows = std::min(kChunkRows, M - c0);
+        const int64_t b0 = 2 * t, nb = std::min<int64_t>(2, NB - b0);
         const uint8_t* wt = wpp + b0 * block;
         const uint8_t* next = t + 1 < t1 ? wt + 2 * block : nullptr;  // prefetched during the first rows
         const F16Scales fs{dp ? dp + b0 * G * kLanes : nullptr, mp ? mp + b0 * G * kLanes : nullptr, G, m_per_d};
-        auto put = [&](const float* v, int mb, int64_t m) {  // mb rows of [mb][nb][16] into y, or added to it
-          for (int i = 0; i < mb; ++i)
-            for (int64_t b = 0; b < nb; ++b) {
-              __m512 r = _mm512_loadu_ps(v + (i * nb + b) * kLanes);
-              if (rs) r = _mm512_mul_ps(r, _mm512_loadu_ps(rs + (b0 + b) * kLanes));
-              float* yr = y + (m + i) * ldy + (b0 + b) * kLanes;
-              _mm512_storeu_ps(yr, accumulate ? _mm512_add_ps(_mm512_loadu_ps(yr), r) : r);
-            }
-        };
-        if (stageable && rows >= kStageRows) {
-          const KScales ks{static_cast<const uint8_t*>(kscale) + b0 * G * 2 * kLanes, supers + b0 * S * 2 * kLanes, G};
-          const int64_t slabs = amx ? rows / kAmxRows * kAmxRows : 0;  // rows on the tiles
-          std::fill(part, part + rows * nb * kLanes, 0.f);
-          for (int64_t g0 = 0; g0 < G; g0 += kSliceGroups) {
-            const int64_t g1 = std::min(G, g0 + kSliceGroups);
-            if (q6) {
-              stage_q6(wt, block, K, g0, g1, nb, static_cast<const int8_t*>(kscale) + b0 * H * kLanes,
-                       supers + b0 * S * kLanes, sw, ss);
-            } else if (kind == Packed::kQ4_K || kind == Packed::kQ5_K) {
-              if (k5) stage_q4<KScales, true>(wt, block, g0, g1, nb, ks, sw, ss);
-              else stage_q4<KScales, false>(wt, block, g0, g1, nb, ks, sw, ss);
-            } else if (k5) {
-              stage_q4<F16Scales, true>(wt, block, g0, g1, nb, fs, sw, ss);
-            } else {
-              stage_q4<F16Scales, false>(wt, block, g0, g1, nb, fs, sw, ss);
-            }
+        int64_t done = 0;  // the chunk's rows the tiles took
 #ifdef ARLM_AMX
-            for (int64_t r = 0; r < slabs; r += kAmxRows)
-              for (int64_t b = 0; b < nb; ++b) {
-                const int64_t m = c0 + r;
-                const int8_t* am = tiles_a + m / kAmxRows * G * 1024;
-                const __m512i* wb = sw + b * kSliceGroups * 8;
-                const __m512* sb = ss + b * kSliceGroups * 2;
-                float* pr = part + (r * nb + b) * kLanes;
-                if (q6) amx_slab<true>(am, e + m * G, nullptr, hs + m * H, K, g0, g1, wb, sb, pr, nb * kLanes);
-                else amx_slab<false>(am, e + m * G, sx + m * G, nullptr, K, g0, g1, wb, sb, pr, nb * kLanes);
-              }
-#endif
-            row_blocks(rows - slabs, [&](auto mb, int64_t r) {
-              constexpr int MB = decltype(mb)::value;
-              const int64_t m = c0 + slabs + r;
-              const int8_t *h = hi + m * K, *l = lo + m * K;
-              float* pr = part + (slabs + r) * nb * kLanes;
-              if (q6) {
-                if (nb == 2) x16s_block<true, MB, 2>(h, l, e + m * G, nullptr, hs + m * H, K, g0, g1, sw, ss, pr);
-                else x16s_block<true, MB, 1>(h, l, e + m * G, nullptr, hs + m * H, K, g0, g1, sw, ss, pr);
-              } else {
-                if (nb == 2) x16s_block<false, MB, 2>(h, l, e + m * G, sx + m * G, nullptr, K, g0, g1, sw, ss, pr);
-                else x16s_block<false, MB, 1>(h, l, e + m * G, sx + m * G, nullptr, K, g0, g1, sw, ss, pr);
-              }
-            });
-          }
-          put(part, static_cast<int>(rows), c0);
-          continue;
+        if (amx) {
+          done = std::min(kChunkRows, M - c0) / 16 * 16;
+          L.fs = fs;
+          if (done) amx_tile(L, c0, done, b0, nb, tiled);
+          for (int64_t i = 0; i < done; ++i)
+            for (int64_t b = 0; b < nb; ++b) {
+              __m512 v = _mm512_load_ps(tiled + (i * nb + b) * kLanes);
+              if (rs) v = _mm512_mul_ps(v, _mm512_loadu_ps(rs + (b0 + b) * kLanes));
+              float* yr = y + (c0 + i) * ldy + (b0 + b) * kLanes;
+              _mm512_storeu_ps(yr, accumulate ? _mm512_add_ps(_mm512_loadu_ps(yr), v) : v);
+            }
         }
-        row_blocks(rows, [&](auto mb, int64_t r) {
+#endif
+        row_blocks(std::min(kChunkRows, M - c0) - done, [&](auto mb, int64_t r) {
           constexpr int MB = decltype(mb)::value;
-          const int64_t m = c0 + r;
+          const int64_t m = c0 + done + r;
           const uint8_t* pf = r == 0 ? next : nullptr;
           const int8_t *h = hi + m * K, *l = lo + m * K;
           const float *em = e + m * G, *sm = sx + m * G;
@@ -1309,12 +1173,15 @@ void arlm_kernels::linear_a8p_residual(const float* x, int64_t M, int64_t K, con
             if (nb == 2) x16p_block<false, MB, 2>(h, l, em, sm, um, K, wt, fs, pf, out);
             else x16p_block<false, MB, 1>(h, l, em, sm, um, K, wt, fs, pf, out);
           }
-          put(out, MB, m);
+          for (int i = 0; i < MB; ++i)
+            for (int64_t b = 0; b < nb; ++b) {  // into y, or added to it
+              __m512 v = _mm512_loadu_ps(out + (i * nb + b) * kLanes);
+              if (rs) v = _mm512_mul_ps(v, _mm512_loadu_ps(rs + (b0 + b) * kLanes));
+              float* yr = y + (m + i) * ldy + (b0 + b) * kLanes;
+              _mm512_storeu_ps(yr, accumulate ? _mm512_add_ps(_mm512_loadu_ps(yr), v) : v);
+            }
         });
       }
-#ifdef ARLM_AMX
-    if (amx) _tile_release();
-#endif
   });
 #else
   TORCH_CHECK(false, "linear_a8p_residual: built without AVX-512 VNNI");
@@ -1359,7 +1226,7 @@ at::Tensor kquant_linear_a8p(const at::Tensor& x, const at::Tensor& wp, const at
   return y;
 }
 
-// Whether prompt rows go through the AMX tiles here (amx_slab): built with AMX-INT8, granted by Linux, not ARLM_AMX=0.
+// Whether prompt rows go through the AMX tiles here (amx_tile): built with AMX-INT8 and granted by Linux.
 #endif  // ARLM_BARE
 
 bool amx_active() {
