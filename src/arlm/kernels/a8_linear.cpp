@@ -716,6 +716,9 @@ void configure_tiles(int kk) {
   for (int t : {0, 1}) cfg.rows[t] = 16, cfg.colsb[t] = static_cast<uint16_t>(kk);
   for (int t : {2, 3}) cfg.rows[t] = static_cast<uint8_t>(kk / 4), cfg.colsb[t] = 64;
   for (int t = 4; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+  // (GCC may drop the stores above otherwise: it does not model ldtilecfg's read of cfg; a build
+  // of an out-of-line copy of this function loaded a zero configuration and faulted at the first tile)
+  asm volatile("" : : "r"(&cfg) : "memory");
   _tile_loadconfig(&cfg);
 }
 
