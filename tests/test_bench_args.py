@@ -130,6 +130,7 @@ CASES = [
     ("train_shakespeare_char.py", ["--ddp", "5"]),  # 12 // 5 x 5 is not the recipe's batch of 12
     ("train_shakespeare_char.py", ["--seed", "-1"]),
     ("gpu.py", ["--device", "mps"]),
+    ("tokenizer_load.py", ["--rounds", "0"]),
 ]
 
 

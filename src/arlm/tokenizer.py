@@ -184,8 +184,8 @@ class Tokenizer:
 def backend_json(backend: HFTokenizer) -> str:
     """HF `tokenizer.json` text of `backend` (`to_str()`), its BPE merges written "a b" where no
     piece holds a space: the same tokenizer (HF tokenizers reads both forms, and writes pairs only
-    because a piece may hold a space), which it parses faster: Gemma 3's 515k merges in 0.8-1.1 s
-    against 1.4-1.6 s as pairs (docs/benchmarks.md, "Prompt rows staged")."""
+    because a piece may hold a space), which it parses faster: Gemma 3's 515k merges 0.71x the time
+    of the pairs (benchmarks/tokenizer_load.py; docs/benchmarks.md, 2026-12-06 22:35)."""
     text = backend.to_str()
     data = json.loads(text)
     return json.dumps(data, ensure_ascii=False, separators=(",", ":")) if _merges_as_strings(data) else text
