@@ -187,16 +187,20 @@ def backend_json(backend: HFTokenizer) -> str:
     because a piece may hold a space), which it parses faster: Gemma 3's 515k merges 0.71x the time
     of the pairs (benchmarks/tokenizer_load.py; docs/benchmarks.md, 2026-12-06 22:35)."""
     text = backend.to_str()
-    data = json.loads(text)
-    return json.dumps(data, ensure_ascii=False, separators=(",", ":")) if _merges_as_strings(data) else text
+    return _compacted(text) or text
 
 
 def compact_file(path: Path) -> None:
     """Rewrites (atomically) a tokenizer.json whose merges `backend_json` would write as strings:
     caches written before it did."""
-    data = json.loads(path.read_text(encoding="utf-8"))
-    if _merges_as_strings(data):
-        atomic_write_text(path, json.dumps(data, ensure_ascii=False, separators=(",", ":")))
+    if (text := _compacted(path.read_text(encoding="utf-8"))) is not None:
+        atomic_write_text(path, text)
+
+
+def _compacted(text: str) -> str | None:
+    """tokenizer.json `text` with its merges as strings, or None where they stay as they are."""
+    data = json.loads(text)
+    return json.dumps(data, ensure_ascii=False, separators=(",", ":")) if _merges_as_strings(data) else None
 
 
 def _merges_as_strings(data: dict) -> bool:
