@@ -12,10 +12,13 @@ import functools
 import os
 import subprocess
 
-# The packed a8 kernels' build guard (ARLM_AVX512 in src/arlm/kernels/a8_linear.cpp), as the
-# /proc/cpuinfo flag names and as the compiler macros -march defines for them.
-PACKED_FLAGS = ("avx512f", "avx512bw", "avx512_vnni", "avx512dq", "avx2", "fma")
-PACKED_MACROS = ("__AVX512F__", "__AVX512BW__", "__AVX512VNNI__", "__AVX512DQ__", "__AVX2__", "__FMA__")
+# The packed a8 kernels' build guard (ARLM_PACKED in src/arlm/kernels/a8_linear.cpp: AVX-512
+# VNNI's kernels, else AVX2's), as the /proc/cpuinfo flag names and as the compiler macros -march
+# defines for them: either set in full.
+PACKED_FLAGS = (("avx512f", "avx512bw", "avx512_vnni", "avx512dq", "avx2", "fma"), ("avx2", "fma", "f16c"))
+PACKED_MACROS = (("__AVX512F__", "__AVX512BW__", "__AVX512VNNI__", "__AVX512DQ__", "__AVX2__", "__FMA__"),
+                 ("__AVX2__", "__FMA__", "__F16C__"))
+VNNI_FLAGS, VNNI_MACROS = PACKED_FLAGS[0], PACKED_MACROS[0]
 # Native bf16 matmuls, read at run time (not built in): AVX512-BF16 or AMX.
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 # The AMX tiles oneDNN multiplies bf16 on (Sapphire Rapids and later Xeons).
@@ -60,20 +63,30 @@ def native_kernels_expected() -> bool:
     return not os.environ.get("ARLM_NO_NATIVE")
 
 
-def packed_expected() -> bool:
-    """Whether the packed (AVX-512 VNNI) a8 kernels must be built: with the default
-    ARLM_MARCH=native, exactly where the CPU has every instruction set their guard asks for; with
-    another ARLM_MARCH, where that -march enables them all (it builds for that CPU, not this one)."""
+def _built_for(flag_sets, macro_sets) -> bool:
+    """Whether the kernels are built for one of these instruction sets: with the default
+    ARLM_MARCH=native, where the CPU has every flag of one set; with another ARLM_MARCH, where
+    that -march enables every macro of one (it builds for that CPU, not this one)."""
     if not native_kernels_expected():
         return False
     march = os.environ.get("ARLM_MARCH", "native")
     if march == "native":
         flags = cpu_flags()
-        return flags is not None and all(f in flags for f in PACKED_FLAGS)
+        return flags is not None and any(all(f in flags for f in s) for s in flag_sets)
     macros = march_macros(march)
     if macros is None:
         raise RuntimeError(f"cannot ask the compiler what -march={march} enables (ARLM_MARCH)")
-    return all(m in macros for m in PACKED_MACROS)
+    return any(all(m in macros for m in s) for s in macro_sets)
+
+
+def packed_expected() -> bool:
+    """Whether the packed a8 kernels must be built: AVX-512 VNNI's or AVX2's (a8_linear.cpp)."""
+    return _built_for(PACKED_FLAGS, PACKED_MACROS)
+
+
+def vnni_expected() -> bool:
+    """Whether the packed kernels are AVX-512 VNNI's (not AVX2's)."""
+    return _built_for((VNNI_FLAGS,), (VNNI_MACROS,))
 
 
 def native_bf16_expected() -> bool:

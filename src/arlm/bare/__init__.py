@@ -140,7 +140,7 @@ def generate(args: argparse.Namespace) -> int | None:
     if args.threads is not None and args.threads > (os.cpu_count() or 1):
         print(f"arlm: warning: --threads {args.threads} is more than this machine's {os.cpu_count()} cores: "
               "the threads will take turns, and decode gets much slower", file=sys.stderr)
-    isa = "AVX512-VNNI+AMX-INT8" if lib.amx() else "AVX512-VNNI"
+    isa = "AVX512-VNNI+AMX-INT8" if lib.amx() else lib.packed_isa()
     return _run(model, tokenizer, prompt, ids, args, threads, isa, (k, v, logits, time.perf_counter() - t0))
 
 

@@ -162,6 +162,10 @@ class Library:
     def packed(self) -> bool:
         return bool(self.lib.arlm_bare_packed())
 
+    def packed_isa(self) -> str:
+        """The instructions the packed kernels multiply with: AVX512-VNNI or AVX2."""
+        return "AVX512-VNNI" if self.lib.arlm_bare_packed() == 2 else "AVX2"
+
     def amx(self) -> bool:
         """Prompt rows on the AMX tiles (ARLM_AMX=1 on a CPU with them: a8_linear.cpp's amx_tile)."""
         return bool(self.lib.arlm_bare_amx())

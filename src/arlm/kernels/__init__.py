@@ -153,7 +153,7 @@ def amx_active() -> bool:
 def matmul_isa(path: str) -> str:
     """The instructions `path` multiplies with on this CPU, for stats: e.g. "AVX512-VNNI", "AMX"."""
     if path == "vnni":  # prompt rows on the AMX tiles where the CPU has them (a8_linear.cpp's amx_tile)
-        return "AVX512-VNNI+AMX-INT8" if amx_active() else "AVX512-VNNI"
+        return "AVX512-VNNI+AMX-INT8" if amx_active() else packed_isa()
     if path == "avx2":
         return "AVX2"
     caps = runtime().cpu
@@ -281,8 +281,14 @@ def int8_linear_a8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> tor
 
 
 def packed_available() -> bool:
-    """The packed a8 kernels are built (AVX-512 VNNI CPUs; elsewhere the row-layout kernels serve)."""
+    """The packed a8 kernels are built: AVX-512 VNNI's, else AVX2's (with FMA and F16C), the same
+    layouts and products (a8_linear.cpp); elsewhere the row-layout kernels serve."""
     return native_available() and torch.ops.arlm.packed_a8_available()
+
+
+def packed_isa() -> str:
+    """The instructions the packed kernels multiply with: "AVX512-VNNI" or "AVX2" ("" unbuilt)."""
+    return torch.ops.arlm.packed_a8_isa() if native_available() else ""
 
 
 def pack_int8(w: torch.Tensor) -> torch.Tensor:

@@ -26,6 +26,7 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -90,6 +91,9 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* qx, float* dx, 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512DQ__) && \
     defined(__AVX2__) && defined(__FMA__)
 #define ARLM_AVX512 1  // the packed kernels below
+#endif
+#if defined(ARLM_AVX512) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
+#define ARLM_PACKED 1  // the packed layouts' kernels: AVX-512 VNNI's, else AVX2's
 #endif
 #if defined(ARLM_AVX512) && defined(__AMX_INT8__) && defined(__AMX_TILE__)
 #define ARLM_AMX 1  // the tile kernel for prompt rows (amx_tile)
@@ -226,13 +230,14 @@ float i8_scalar(const int8_t* qx, const float* dx, int64_t K, const int8_t* w, c
 
 using arlm_kernels::widen;
 
-// Calls block(MB, m) over the rows of x in blocks of MB = kBlockRows (4), 2 and 1 rows (MB as a
-// type, so that it can be a template argument).
-template <typename Block>
+// Calls block(MB, m) over the rows of x in blocks of MB = kMax (kBlockRows: 4), 2 and 1 rows (MB
+// as a type, so that it can be a template argument).
+template <int kMax = kBlockRows, typename Block>
 inline void row_blocks(int64_t M, Block block) {
   int64_t m = 0;
-  for (; m + kBlockRows <= M; m += kBlockRows) block(std::integral_constant<int, kBlockRows>{}, m);
-  for (; m + 2 <= M; m += 2) block(std::integral_constant<int, 2>{}, m);
+  for (; m + kMax <= M; m += kMax) block(std::integral_constant<int, kMax>{}, m);
+  if constexpr (kMax > 2)
+    for (; m + 2 <= M; m += 2) block(std::integral_constant<int, 2>{}, m);
   for (; m < M; ++m) block(std::integral_constant<int, 1>{}, m);
 }
 
@@ -248,6 +253,77 @@ struct QuantizedX {
   arlm_kernels::Act8 view() const { return {q.get(), d.get(), s.get(), sum.get()}; }
 };
 
+
+// ---- 16-bit activations as two bytes (linear_a8p_residual) ----------------------------------
+//
+// x is quantized to 16 bits per group of 32, X = round(x / e) with e = max|x| / 32512 (= the 8-bit
+// scale / 256), and X split exactly into bytes: hi = (X + 128) >> 8 in [-127, 127] and
+// lo = X - 256 hi in [-128, 127]. A group's integer dot product is then
+// 256 * dot(w, hi) + dot(w, lo), exact in int32 (|256 * 32 * 255 * 127| < 2^31): two vpdpbusd
+// chains per row, shifted and added once per group, then one convert and one scale, as one
+// 8-bit pass has. The rounding error is at most e / 2 = max|x| / 65024 per value.
+
+// One group of 32 floats -> hi, lo (32 bytes each), e, sx = e * sum(X) and sum(X). NaN or inf in
+// the group: codes 0 and NaN scales, so the result is NaN as in float math.
+inline void quantize_group16(const float* src, int8_t* hi, int8_t* lo, float* e_out, float* sx_out,
+                             int32_t* sum_out) {
+  float amax = 0.f;
+  bool finite = true;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  const __m512 a = _mm512_loadu_ps(src), b = _mm512_loadu_ps(src + 16);
+  amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+  finite = std::isfinite(amax) && !_mm512_cmp_ps_mask(a, b, _CMP_UNORD_Q);  // (max hides a NaN)
+#else
+  for (int j = 0; j < kGroup; ++j) {
+    finite &= std::isfinite(src[j]);
+    amax = std::max(amax, std::fabs(src[j]));
+  }
+#endif
+  if (!finite) {
+    std::fill(hi, hi + kGroup, 0);
+    std::fill(lo, lo + kGroup, 0);
+    *e_out = *sx_out = NAN;
+    *sum_out = 0;
+    return;
+  }
+  // (a group below ~1e-34 in magnitude, whose 1 / e would overflow, is taken as zeros)
+  const float e = amax / 32512.f, ie = e >= std::numeric_limits<float>::min() ? 1.f / e : 0.f;
+  int32_t sum = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  for (int half = 0; half < 2; ++half) {
+    const __m512i X = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(src + 16 * half), _mm512_set1_ps(ie)));
+    const __m512i h = _mm512_srai_epi32(_mm512_add_epi32(X, _mm512_set1_epi32(128)), 8);
+    const __m512i l = _mm512_sub_epi32(X, _mm512_slli_epi32(h, 8));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(hi + 16 * half), _mm512_cvtepi32_epi8(h));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(lo + 16 * half), _mm512_cvtepi32_epi8(l));
+    sum += _mm512_reduce_add_epi32(X);
+  }
+#else
+  for (int j = 0; j < kGroup; ++j) {
+    const int32_t X = static_cast<int32_t>(std::nearbyint(src[j] * ie)), h = (X + 128) >> 8;
+    hi[j] = static_cast<int8_t>(h);
+    lo[j] = static_cast<int8_t>(X - 256 * h);
+    sum += X;
+  }
+#endif
+  *e_out = e;
+  *sx_out = e * static_cast<float>(sum);
+  *sum_out = sum;
+}
+
+// (The packed kernels of either instruction set, below.)
+// Accumulator tiles: MB rows of x by NB blocks of 16 channels.
+template <typename V, int MB, int NB>
+inline void zero(V (&a)[MB][NB]) {
+  for (int i = 0; i < MB; ++i)
+    for (int b = 0; b < NB; ++b) a[i][b] = V{};
+}
+
+// Bytes of 8 K-values of one block of 16 channels: 4-bit (64), or 5-bit (k5: the 64 bytes of low
+// 4 bits, then two 64-bit masks of the 5th: bit i of the first is byte i of the low-nibble vector,
+// of the second the high-nibble one's).
+template <bool k5>
+constexpr int64_t chunk_bytes() { return k5 ? 80 : 64; }
 
 #ifdef ARLM_AVX512
 // ---- Packed layouts: 16 output channels per 512-bit vector ----------------------------------
@@ -279,12 +355,6 @@ struct QuantizedX {
 // the row layouts.
 
 
-// Accumulator tiles: MB rows of x by NB blocks of 16 channels.
-template <typename V, int MB, int NB>
-inline void zero(V (&a)[MB][NB]) {
-  for (int i = 0; i < MB; ++i)
-    for (int b = 0; b < NB; ++b) a[i][b] = V{};
-}
 
 template <int MB, int NB>
 inline void store(const __m512 (&acc)[MB][NB], float* out) {
@@ -334,11 +404,6 @@ void i8p_block(const int8_t* qx, const float* dx, const int32_t* qs, int64_t K, 
   store(acc, out);
 }
 
-// Bytes of 8 K-values of one block of 16 channels: 4-bit (64), or 5-bit (k5: the 64 bytes of low
-// 4 bits, then two 64-bit masks of the 5th: bit i of the first is byte i of the low-nibble vector,
-// of the second the high-nibble one's).
-template <bool k5>
-constexpr int64_t chunk_bytes() { return k5 ? 80 : 64; }
 
 // NB blocks' packed 4-bit (or, k5, 5-bit) weights for K-values k .. k + 7 (block: bytes per
 // block), split into their low nibbles (k .. k + 3 per channel) and high nibbles (k + 4 .. k + 7),
@@ -443,63 +508,6 @@ void q4p_block(const int8_t* qx, const float* dx, const float* sx, int64_t K, co
     }
   }
   store(acc, out);
-}
-
-// ---- 16-bit activations as two bytes (linear_a8p_residual) ----------------------------------
-//
-// x is quantized to 16 bits per group of 32, X = round(x / e) with e = max|x| / 32512 (= the 8-bit
-// scale / 256), and X split exactly into bytes: hi = (X + 128) >> 8 in [-127, 127] and
-// lo = X - 256 hi in [-128, 127]. A group's integer dot product is then
-// 256 * dot(w, hi) + dot(w, lo), exact in int32 (|256 * 32 * 255 * 127| < 2^31): two vpdpbusd
-// chains per row, shifted and added once per group, then one convert and one scale, as one
-// 8-bit pass has. The rounding error is at most e / 2 = max|x| / 65024 per value.
-
-// One group of 32 floats -> hi, lo (32 bytes each), e, sx = e * sum(X) and sum(X). NaN or inf in
-// the group: codes 0 and NaN scales, so the result is NaN as in float math.
-inline void quantize_group16(const float* src, int8_t* hi, int8_t* lo, float* e_out, float* sx_out,
-                             int32_t* sum_out) {
-  float amax = 0.f;
-  bool finite = true;
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-  const __m512 a = _mm512_loadu_ps(src), b = _mm512_loadu_ps(src + 16);
-  amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
-  finite = std::isfinite(amax) && !_mm512_cmp_ps_mask(a, b, _CMP_UNORD_Q);  // (max hides a NaN)
-#else
-  for (int j = 0; j < kGroup; ++j) {
-    finite &= std::isfinite(src[j]);
-    amax = std::max(amax, std::fabs(src[j]));
-  }
-#endif
-  if (!finite) {
-    std::fill(hi, hi + kGroup, 0);
-    std::fill(lo, lo + kGroup, 0);
-    *e_out = *sx_out = NAN;
-    *sum_out = 0;
-    return;
-  }
-  // (a group below ~1e-34 in magnitude, whose 1 / e would overflow, is taken as zeros)
-  const float e = amax / 32512.f, ie = e >= std::numeric_limits<float>::min() ? 1.f / e : 0.f;
-  int32_t sum = 0;
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-  for (int half = 0; half < 2; ++half) {
-    const __m512i X = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(src + 16 * half), _mm512_set1_ps(ie)));
-    const __m512i h = _mm512_srai_epi32(_mm512_add_epi32(X, _mm512_set1_epi32(128)), 8);
-    const __m512i l = _mm512_sub_epi32(X, _mm512_slli_epi32(h, 8));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(hi + 16 * half), _mm512_cvtepi32_epi8(h));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(lo + 16 * half), _mm512_cvtepi32_epi8(l));
-    sum += _mm512_reduce_add_epi32(X);
-  }
-#else
-  for (int j = 0; j < kGroup; ++j) {
-    const int32_t X = static_cast<int32_t>(std::nearbyint(src[j] * ie)), h = (X + 128) >> 8;
-    hi[j] = static_cast<int8_t>(h);
-    lo[j] = static_cast<int8_t>(X - 256 * h);
-    sum += X;
-  }
-#endif
-  *e_out = e;
-  *sx_out = e * static_cast<float>(sum);
-  *sum_out = sum;
 }
 
 // MB rows of 16-bit x (hi, lo bytes; e, sx or sums per group) against NB blocks of 16 channels
@@ -647,6 +655,409 @@ void q6p_block(const int8_t* a, const int8_t* bl, const float* e, const int32_t*
   store(acc, out);
 }
 
+// 16 channels of a block's result v into yr (or added to it), times int8's scale per channel (rs, or null).
+inline void put16(const float* v, const float* rs, float* yr, bool accumulate) {
+  __m512 x = _mm512_loadu_ps(v);
+  if (rs) x = _mm512_mul_ps(x, _mm512_loadu_ps(rs));
+  _mm512_storeu_ps(yr, accumulate ? _mm512_add_ps(_mm512_loadu_ps(yr), x) : x);
+}
+
+#elif defined(ARLM_PACKED)
+// ---- The packed layouts on AVX2 (no AVX-512 VNNI) -------------------------------------------
+//
+// The same layouts as above, read by 256-bit vectors: a block's 16 channels are two vectors of 8
+// (the first and second 32 bytes of each 64-byte step). AVX2 has no vpdpbusd; maddubs multiplies
+// unsigned by signed bytes into int16 sums of pairs and madd(., 1) widens those to int32 sums of
+// four: vpdpbusd's integer, exactly, where no int16 sum can saturate. Codes of at most 6 bits
+// (4-bit, 5-bit, Q6_K's u) times bytes of x (|x| <= 128) give int16 sums of at most 2 * 63 * 128,
+// so several maddubs add up in int16 before one madd (the bounds at each kernel). Int8 weights
+// (w + 128, up to 255) would saturate: 8-bit x (|x| <= 127) takes w's sign onto x instead, 16-bit
+// x's bytes split w + 128 into its low 7 bits and its top bit. Every integer dot product is the
+// AVX-512 kernels' and the float work after it is theirs lane for lane, so each output is bit
+// for bit what the AVX-512 build gives.
+
+struct F16v {  // 16 float lanes: channels 0-7, 8-15 of a block
+  __m256 h[2];
+};
+struct I16v {  // 16 int32 lanes
+  __m256i h[2];
+};
+
+template <int MB, int NB>
+inline void store(const F16v (&acc)[MB][NB], float* out) {
+  for (int i = 0; i < MB; ++i)
+    for (int b = 0; b < NB; ++b)
+      for (int h = 0; h < 2; ++h) _mm256_storeu_ps(out + (i * NB + b) * kLanes + 8 * h, acc[i][b].h[h]);
+}
+
+inline __m256i load256(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline __m256i bcast4(const int8_t* p) { return _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(p)); }
+inline __m256i madd1(__m256i s16) { return _mm256_madd_epi16(s16, _mm256_set1_epi16(1)); }
+inline __m256 half8(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline __m256 byte8(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+// int8 layouts (w + 128 stored) times 8-bit x (|x| <= 127): dot(w, x) = maddubs(|w|, x * sign(w)),
+// pairs at most 2 * 128 * 127; dot(w + 128, x) - 128 sum(x) in the AVX-512 kernel is that integer.
+template <int MB, int NB>
+void i8p_block(const int8_t* qx, const float* dx, const int32_t* qs, int64_t K, const uint8_t* w, const uint8_t* pf,
+               float* out, const at::Half* dw = nullptr) {
+  (void)qs;
+  const int64_t G = K / kGroup, block = K * kLanes, sblock = G * kLanes;
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  F16v acc[MB][NB];
+  zero(acc);
+  for (int64_t g = 0; g < G; ++g) {
+    I16v dot[MB][NB];
+    zero(dot);
+#pragma GCC unroll 8
+    for (int64_t j = 0; j < kGroup / 4; ++j) {
+      const int64_t k = g * kGroup + 4 * j;
+      __m256i ws[NB][2], wa[NB][2];
+      for (int b = 0; b < NB; ++b) {
+        if (pf) _mm_prefetch(reinterpret_cast<const char*>(pf + b * block + k * kLanes), _MM_HINT_T0);
+        for (int h = 0; h < 2; ++h) {
+          ws[b][h] = _mm256_xor_si256(load256(w + b * block + k * kLanes + 32 * h), flip);
+          wa[b][h] = _mm256_abs_epi8(ws[b][h]);
+        }
+      }
+      for (int i = 0; i < MB; ++i) {
+        const __m256i xb = bcast4(qx + i * K + k);
+        for (int b = 0; b < NB; ++b)
+          for (int h = 0; h < 2; ++h)
+            dot[i][b].h[h] = _mm256_add_epi32(
+                dot[i][b].h[h], madd1(_mm256_maddubs_epi16(wa[b][h], _mm256_sign_epi8(xb, ws[b][h]))));
+      }
+    }
+    F16v ds[NB];
+    if (dw)
+      for (int b = 0; b < NB; ++b)
+        for (int h = 0; h < 2; ++h) ds[b].h[h] = half8(dw + b * sblock + g * kLanes + 8 * h);
+    for (int i = 0; i < MB; ++i) {
+      const __m256 s = _mm256_set1_ps(dx[i * G + g]);
+      for (int b = 0; b < NB; ++b)
+        for (int h = 0; h < 2; ++h)
+          acc[i][b].h[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[i][b].h[h]), dw ? _mm256_mul_ps(ds[b].h[h], s) : s,
+                                           acc[i][b].h[h]);
+    }
+  }
+  store(acc, out);
+}
+
+// 32 bits -> 32 bytes, byte i 16 where bit i is set, else 0.
+inline __m256i sixteens(uint32_t bits) {
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(static_cast<int32_t>(bits)),
+      _mm256_setr_epi64x(0x0000000000000000, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303));
+  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(16));
+}
+
+// load_q4 of the AVX-512 section, as two halves of 32 bytes (channels 0-7, 8-15).
+template <int NB, bool k5 = false>
+inline void load_q4(const uint8_t* w, int64_t block, int64_t k, const uint8_t* pf, __m256i (&lo)[NB][2],
+                    __m256i (&hi)[NB][2]) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const int64_t at = k / 8 * chunk_bytes<k5>();
+  for (int b = 0; b < NB; ++b) {
+    const uint8_t* p = w + b * block + at;
+    if (pf) {
+      _mm_prefetch(reinterpret_cast<const char*>(pf + b * block + at), _MM_HINT_T0);
+      if (k5) _mm_prefetch(reinterpret_cast<const char*>(pf + b * block + at + 64), _MM_HINT_T0);
+    }
+    for (int h = 0; h < 2; ++h) {
+      const __m256i v = load256(p + 32 * h);
+      lo[b][h] = _mm256_and_si256(v, low4);
+      hi[b][h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+      if constexpr (k5) {
+        uint32_t m0, m1;
+        std::memcpy(&m0, p + 64 + 4 * h, 4);
+        std::memcpy(&m1, p + 72 + 4 * h, 4);
+        lo[b][h] = _mm256_add_epi8(lo[b][h], sixteens(m0));
+        hi[b][h] = _mm256_add_epi8(hi[b][h], sixteens(m1));
+      }
+    }
+  }
+}
+
+struct F16Scales {
+  const at::Half *d, *m;
+  int64_t G;
+  float m_per_d = 0.f;
+  bool scaled() const { return d != nullptr; }
+  void at(int b, int64_t g, F16v& ds, F16v& ms) const {
+    for (int h = 0; h < 2; ++h) {
+      if (d) ds.h[h] = half8(d + (b * G + g) * kLanes + 8 * h);
+      if (m) ms.h[h] = half8(m + (b * G + g) * kLanes + 8 * h);
+      else if (m_per_d != 0.f) ms.h[h] = _mm256_mul_ps(ds.h[h], _mm256_set1_ps(m_per_d));
+    }
+  }
+};
+
+struct KScales {
+  const uint8_t* sm;
+  const at::Half* dd;
+  int64_t G;
+  bool scaled() const { return true; }
+  void at(int b, int64_t g, F16v& ds, F16v& ms) const {
+    const uint8_t* s = sm + (b * G + g) * 2 * kLanes;
+    const at::Half* super = dd + (b * (G / 8) + g / 8) * 2 * kLanes;
+    for (int h = 0; h < 2; ++h) {
+      ds.h[h] = _mm256_mul_ps(half8(super + 8 * h), byte8(s + 8 * h));
+      ms.h[h] = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(half8(super + kLanes + 8 * h), byte8(s + kLanes + 8 * h)));
+    }
+  }
+};
+
+// Steps of 8 K-values whose maddubs sums stay in int16 before one madd: 4-bit codes (<= 15) times
+// bytes (|x| <= 128) are at most 2 * 15 * 128 per step and two maddubs a step: 4 steps (30,720);
+// 5-bit (<= 31): 2 steps (31,744).
+template <bool k5>
+constexpr int64_t steps_in_int16() { return k5 ? 2 : 4; }
+
+template <int MB, int NB, typename Scales, bool k5 = false>
+void q4p_block(const int8_t* qx, const float* dx, const float* sx, int64_t K, const uint8_t* w,
+               const Scales& sc, const uint8_t* pf, float* out) {
+  const int64_t G = K / kGroup, block = K / 8 * chunk_bytes<k5>();
+  F16v acc[MB][NB];
+  zero(acc);
+  for (int64_t g = 0; g < G; ++g) {
+    I16v dot[MB][NB], s16[MB][NB];
+    zero(dot);
+    zero(s16);
+#pragma GCC unroll 4
+    for (int64_t p = 0; p < kGroup / 8; ++p) {
+      const int64_t k = g * kGroup + 8 * p;
+      __m256i lo[NB][2], hi[NB][2];
+      load_q4<NB, k5>(w, block, k, pf, lo, hi);
+      for (int i = 0; i < MB; ++i) {
+        const __m256i x0 = bcast4(qx + i * K + k), x1 = bcast4(qx + i * K + k + 4);
+        for (int b = 0; b < NB; ++b)
+          for (int h = 0; h < 2; ++h)
+            s16[i][b].h[h] = _mm256_add_epi16(s16[i][b].h[h], _mm256_add_epi16(_mm256_maddubs_epi16(lo[b][h], x0),
+                                                                               _mm256_maddubs_epi16(hi[b][h], x1)));
+      }
+      if ((p + 1) % steps_in_int16<k5>() == 0)
+        for (int i = 0; i < MB; ++i)
+          for (int b = 0; b < NB; ++b)
+            for (int h = 0; h < 2; ++h) {
+              dot[i][b].h[h] = _mm256_add_epi32(dot[i][b].h[h], madd1(s16[i][b].h[h]));
+              s16[i][b].h[h] = _mm256_setzero_si256();
+            }
+    }
+    F16v ds[NB], ms[NB];
+    for (int b = 0; b < NB; ++b) sc.at(b, g, ds[b], ms[b]);
+    for (int i = 0; i < MB; ++i) {
+      const __m256 dxi = _mm256_set1_ps(dx[i * G + g]), sxi = _mm256_set1_ps(sx[i * G + g]);
+      for (int b = 0; b < NB; ++b)
+        for (int h = 0; h < 2; ++h) {
+          acc[i][b].h[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[i][b].h[h]), _mm256_mul_ps(ds[b].h[h], dxi),
+                                           acc[i][b].h[h]);
+          acc[i][b].h[h] = _mm256_fmadd_ps(ms[b].h[h], sxi, acc[i][b].h[h]);
+        }
+    }
+  }
+  store(acc, out);
+}
+
+// x16p_block of the AVX-512 section. 4-bit and 5-bit codes: as q4p_block, for x's two bytes.
+// Int8 layouts: u = w + 128 = 128 t + u7 (t its top bit, u7 the low 7): dot(u, x) = dot(u7, x) +
+// 128 dot(t, x), maddubs pairs at most 2 * 127 * 128 and 2 * 128 (the latter summed in int16 over
+// the group: at most 2,048), then the AVX-512 kernel's 256 dh + dl - 128 sum(X).
+template <bool kQ4, int MB, int NB, typename Scales, bool k5 = false>
+void x16p_block(const int8_t* hi, const int8_t* lo, const float* e, const float* sx, const int32_t* sums,
+                int64_t K, const uint8_t* w, const Scales& sc, const uint8_t* pf, float* out) {
+  const int64_t G = K / kGroup, block = kQ4 ? K / 8 * chunk_bytes<k5>() : K * kLanes;
+  F16v acc[MB][NB];
+  zero(acc);
+  for (int64_t g = 0; g < G; ++g) {
+    I16v dh[MB][NB], dl[MB][NB], sh[MB][NB], sl[MB][NB];
+    zero(dh);
+    zero(dl);
+    zero(sh);
+    zero(sl);
+    if constexpr (kQ4) {
+#pragma GCC unroll 4
+      for (int64_t p = 0; p < kGroup / 8; ++p) {
+        const int64_t k = g * kGroup + 8 * p;
+        __m256i w0[NB][2], w1[NB][2];
+        load_q4<NB, k5>(w, block, k, pf, w0, w1);
+        for (int i = 0; i < MB; ++i) {
+          const __m256i h0 = bcast4(hi + i * K + k), h1 = bcast4(hi + i * K + k + 4);
+          const __m256i l0 = bcast4(lo + i * K + k), l1 = bcast4(lo + i * K + k + 4);
+          for (int b = 0; b < NB; ++b)
+            for (int h = 0; h < 2; ++h) {
+              sh[i][b].h[h] = _mm256_add_epi16(sh[i][b].h[h], _mm256_add_epi16(_mm256_maddubs_epi16(w0[b][h], h0),
+                                                                               _mm256_maddubs_epi16(w1[b][h], h1)));
+              sl[i][b].h[h] = _mm256_add_epi16(sl[i][b].h[h], _mm256_add_epi16(_mm256_maddubs_epi16(w0[b][h], l0),
+                                                                               _mm256_maddubs_epi16(w1[b][h], l1)));
+            }
+        }
+        if ((p + 1) % steps_in_int16<k5>() == 0)
+          for (int i = 0; i < MB; ++i)
+            for (int b = 0; b < NB; ++b)
+              for (int h = 0; h < 2; ++h) {
+                dh[i][b].h[h] = _mm256_add_epi32(dh[i][b].h[h], madd1(sh[i][b].h[h]));
+                dl[i][b].h[h] = _mm256_add_epi32(dl[i][b].h[h], madd1(sl[i][b].h[h]));
+                sh[i][b].h[h] = sl[i][b].h[h] = _mm256_setzero_si256();
+              }
+      }
+    } else {
+      const __m256i low7 = _mm256_set1_epi8(0x7F), one8 = _mm256_set1_epi8(1);
+#pragma GCC unroll 8
+      for (int64_t j = 0; j < kGroup / 4; ++j) {
+        const int64_t k = g * kGroup + 4 * j;
+        __m256i u7[NB][2], top[NB][2];
+        for (int b = 0; b < NB; ++b) {
+          if (pf) _mm_prefetch(reinterpret_cast<const char*>(pf + b * block + k * kLanes), _MM_HINT_T0);
+          for (int h = 0; h < 2; ++h) {
+            const __m256i v = load256(w + b * block + k * kLanes + 32 * h);
+            u7[b][h] = _mm256_and_si256(v, low7);
+            top[b][h] = _mm256_and_si256(_mm256_srli_epi16(v, 7), one8);
+          }
+        }
+        for (int i = 0; i < MB; ++i) {
+          const __m256i hb = bcast4(hi + i * K + k), lb = bcast4(lo + i * K + k);
+          for (int b = 0; b < NB; ++b)
+            for (int h = 0; h < 2; ++h) {
+              dh[i][b].h[h] = _mm256_add_epi32(dh[i][b].h[h], madd1(_mm256_maddubs_epi16(u7[b][h], hb)));
+              dl[i][b].h[h] = _mm256_add_epi32(dl[i][b].h[h], madd1(_mm256_maddubs_epi16(u7[b][h], lb)));
+              sh[i][b].h[h] = _mm256_add_epi16(sh[i][b].h[h], _mm256_maddubs_epi16(top[b][h], hb));
+              sl[i][b].h[h] = _mm256_add_epi16(sl[i][b].h[h], _mm256_maddubs_epi16(top[b][h], lb));
+            }
+        }
+      }
+      const __m256i c128 = _mm256_set1_epi16(128);
+      for (int i = 0; i < MB; ++i)
+        for (int b = 0; b < NB; ++b)
+          for (int h = 0; h < 2; ++h) {
+            dh[i][b].h[h] = _mm256_add_epi32(dh[i][b].h[h], _mm256_madd_epi16(sh[i][b].h[h], c128));
+            dl[i][b].h[h] = _mm256_add_epi32(dl[i][b].h[h], _mm256_madd_epi16(sl[i][b].h[h], c128));
+          }
+    }
+    F16v ds[NB], ms[NB];
+    for (int b = 0; b < NB; ++b) sc.at(b, g, ds[b], ms[b]);
+    for (int i = 0; i < MB; ++i) {
+      const __m256 ei = _mm256_set1_ps(e[i * G + g]);
+      const __m256i offset = _mm256_set1_epi32(kQ4 ? 0 : 128 * sums[i * G + g]);
+      for (int b = 0; b < NB; ++b)
+        for (int h = 0; h < 2; ++h) {
+          __m256i dot = _mm256_add_epi32(_mm256_slli_epi32(dh[i][b].h[h], 8), dl[i][b].h[h]);
+          if (!kQ4) dot = _mm256_sub_epi32(dot, offset);
+          acc[i][b].h[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), sc.scaled() ? _mm256_mul_ps(ds[b].h[h], ei) : ei,
+                                           acc[i][b].h[h]);
+          if (kQ4) acc[i][b].h[h] = _mm256_fmadd_ps(ms[b].h[h], _mm256_set1_ps(sx[i * G + g]), acc[i][b].h[h]);
+        }
+    }
+  }
+  store(acc, out);
+}
+
+// load_q6 of the AVX-512 section as two halves: half h holds the 512-bit vector's 128-bit lanes
+// 2h and 2h + 1, whose 32-bit elements it rotates right by 4h and 4h + 2.
+template <int NB>
+inline void load_q6(const uint8_t* w, int64_t block, int64_t k, const uint8_t* pf, __m256i (&lo)[NB][2],
+                    __m256i (&hi)[NB][2]) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F), top2 = _mm256_set1_epi8(0x30);
+  const __m256i right[2] = {_mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2), _mm256_setr_epi32(4, 4, 4, 4, 6, 6, 6, 6)};
+  const __m256i left[2] = {_mm256_setr_epi32(32, 32, 32, 32, 30, 30, 30, 30),  // (32: shifted out entirely)
+                           _mm256_setr_epi32(28, 28, 28, 28, 26, 26, 26, 26)};
+  const int64_t at = k / 8 * 96;
+  for (int b = 0; b < NB; ++b) {
+    const uint8_t* p = w + b * block + at;
+    if (pf) {
+      _mm_prefetch(reinterpret_cast<const char*>(pf + b * block + at), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(pf + b * block + at + 64), _MM_HINT_T0);
+    }
+    const __m256i t0 = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 64)));
+    const __m256i t1 = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 80)));
+    for (int h = 0; h < 2; ++h) {
+      const __m256i v = load256(p + 32 * h);
+      const __m256i r0 = _mm256_or_si256(_mm256_srlv_epi32(t0, right[h]), _mm256_sllv_epi32(t0, left[h]));
+      const __m256i r1 = _mm256_or_si256(_mm256_srlv_epi32(t1, right[h]), _mm256_sllv_epi32(t1, left[h]));
+      lo[b][h] = _mm256_or_si256(_mm256_and_si256(v, low4), _mm256_and_si256(r0, top2));
+      hi[b][h] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low4), _mm256_and_si256(r1, top2));
+    }
+  }
+}
+
+// q6p_block of the AVX-512 section: u <= 63, so one step's two maddubs sum in int16 (at most
+// 2 * 2 * 63 * 128 = 32,256), then madd.
+template <bool kX16, int MB, int NB>
+void q6p_block(const int8_t* a, const int8_t* bl, const float* e, const int32_t* hs, int64_t K, const uint8_t* w,
+               const int8_t* sc, const at::Half* dd, const uint8_t* pf, float* out) {
+  const int64_t G = K / kGroup, H = K / 16, S = K / 256, block = K / 8 * 96;
+  F16v acc[MB][NB];
+  zero(acc);
+  for (int64_t g = 0; g < G; ++g) {
+    F16v dv[NB];
+    for (int b = 0; b < NB; ++b)
+      for (int h = 0; h < 2; ++h) dv[b].h[h] = half8(dd + (b * S + g / 8) * kLanes + 8 * h);
+    for (int64_t hh = 0; hh < 2; ++hh) {
+      I16v dh[MB][NB], dl[MB][NB];
+      zero(dh);
+      zero(dl);
+#pragma GCC unroll 2
+      for (int64_t p = 0; p < 2; ++p) {
+        const int64_t k = g * kGroup + 16 * hh + 8 * p;
+        __m256i w0[NB][2], w1[NB][2];
+        load_q6<NB>(w, block, k, pf, w0, w1);
+        for (int i = 0; i < MB; ++i) {
+          const __m256i a0 = bcast4(a + i * K + k), a1 = bcast4(a + i * K + k + 4);
+          for (int b = 0; b < NB; ++b)
+            for (int h = 0; h < 2; ++h)
+              dh[i][b].h[h] = _mm256_add_epi32(dh[i][b].h[h], madd1(_mm256_add_epi16(_mm256_maddubs_epi16(w0[b][h], a0),
+                                                                                     _mm256_maddubs_epi16(w1[b][h], a1))));
+          if constexpr (kX16) {
+            const __m256i b0 = bcast4(bl + i * K + k), b1 = bcast4(bl + i * K + k + 4);
+            for (int b = 0; b < NB; ++b)
+              for (int h = 0; h < 2; ++h)
+                dl[i][b].h[h] = _mm256_add_epi32(dl[i][b].h[h], madd1(_mm256_add_epi16(_mm256_maddubs_epi16(w0[b][h], b0),
+                                                                                       _mm256_maddubs_epi16(w1[b][h], b1))));
+          }
+        }
+      }
+      const int64_t s16 = 2 * g + hh;
+      F16v sv[NB];
+      for (int b = 0; b < NB; ++b)
+        for (int h = 0; h < 2; ++h)
+          sv[b].h[h] = _mm256_mul_ps(dv[b].h[h], _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
+                                                     reinterpret_cast<const __m128i*>(sc + (b * H + s16) * kLanes + 8 * h)))));
+      for (int i = 0; i < MB; ++i) {
+        const __m256 ei = _mm256_set1_ps(e[i * G + g]);
+        const __m256i corr = _mm256_set1_epi32(32 * hs[i * H + s16]);
+        for (int b = 0; b < NB; ++b)
+          for (int h = 0; h < 2; ++h) {
+            __m256i dot = kX16 ? _mm256_add_epi32(_mm256_slli_epi32(dh[i][b].h[h], 8), dl[i][b].h[h]) : dh[i][b].h[h];
+            dot = _mm256_sub_epi32(dot, corr);
+            acc[i][b].h[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(sv[b].h[h], ei), acc[i][b].h[h]);
+          }
+      }
+    }
+  }
+  store(acc, out);
+}
+
+// 16 channels of a block's result v into yr (or added to it), times int8's scale per channel (rs, or null).
+inline void put16(const float* v, const float* rs, float* yr, bool accumulate) {
+  for (int h = 0; h < 2; ++h) {
+    __m256 x = _mm256_loadu_ps(v + 8 * h);
+    if (rs) x = _mm256_mul_ps(x, _mm256_loadu_ps(rs + 8 * h));
+    _mm256_storeu_ps(yr + 8 * h, accumulate ? _mm256_add_ps(_mm256_loadu_ps(yr + 8 * h), x) : x);
+  }
+}
+
+#endif
+
+#ifdef ARLM_AVX512
+constexpr int kPackedRows = kBlockRows;  // rows of x per call of a packed kernel, at most
+constexpr int64_t kTileBlocks = 2;       // blocks of 16 channels per tile (a thread's unit of work)
+#else
+// AVX2 has 16 vector registers, not 32: a tile of one block and two rows keeps x16p_block's int16
+// and int32 sums, the weights and x's bytes in registers (two blocks and four rows spilled).
+constexpr int kPackedRows = 2;
+constexpr int64_t kTileBlocks = 1;
 #endif
 
 // The packed layouts (above), told apart by their tensors' shapes and types.
@@ -979,7 +1390,7 @@ int64_t arlm_kernels::packed_out_features(const char* op, int64_t K, const at::T
 
 void arlm_kernels::linear_a8p(const Act8& a, int64_t M, int64_t K, const at::Tensor& wp, const at::Tensor& scale,
                               const at::Tensor& mins, float* y, int64_t ldy, bool accumulate) {
-#ifdef ARLM_AVX512
+#ifdef ARLM_PACKED
   const int64_t G = K / kGroup, NB = wp.size(0), H = K / 16, S = K / 256;
   const Packed kind = packed_kind(K, wp, scale, mins);
   const bool k5 = kind == Packed::kQ5 || kind == Packed::kQ5_K;
@@ -1000,13 +1411,13 @@ void arlm_kernels::linear_a8p(const Act8& a, int64_t M, int64_t K, const at::Ten
     half_sums(a.q, nullptr, M, K, halves.data());
   }
   const int32_t* hs = halves.data();
-  at::parallel_for(0, (NB + 1) / 2, 4, [&](int64_t t0, int64_t t1) {
-    float out[kBlockRows * 2 * kLanes];
-    for (int64_t t = t0; t < t1; ++t) {  // a tile: 2 blocks of 16 channels (1 at the end)
-      const int64_t b0 = 2 * t, nb = std::min<int64_t>(2, NB - b0);
+  at::parallel_for(0, (NB + kTileBlocks - 1) / kTileBlocks, 4, [&](int64_t t0, int64_t t1) {
+    float out[kPackedRows * kTileBlocks * kLanes];
+    for (int64_t t = t0; t < t1; ++t) {  // a tile: kTileBlocks blocks of 16 channels (fewer at the end)
+      const int64_t b0 = kTileBlocks * t, nb = std::min<int64_t>(kTileBlocks, NB - b0);
       const uint8_t* wt = wpp + b0 * block;
-      const uint8_t* next = t + 1 < t1 ? wt + 2 * block : nullptr;  // prefetched during the first rows
-      row_blocks(M, [&](auto mb, int64_t m) {
+      const uint8_t* next = t + 1 < t1 ? wt + kTileBlocks * block : nullptr;  // prefetched during the first rows
+      row_blocks<kPackedRows>(M, [&](auto mb, int64_t m) {
         constexpr int MB = decltype(mb)::value;
         const int8_t* q = a.q + m * K;
         const float* dx = a.d + m * G;
@@ -1039,21 +1450,15 @@ void arlm_kernels::linear_a8p(const Act8& a, int64_t M, int64_t K, const at::Ten
           if (nb == 2) i8p_block<MB, 2>(q, dx, a.sum + m * G, K, wt, pf, out, dw);
           else i8p_block<MB, 1>(q, dx, a.sum + m * G, K, wt, pf, out, dw);
         }
-        auto row = [&](int i, int64_t b) {  // 16 channels of row i of the block, times the int8 scale
-          __m512 v = _mm512_loadu_ps(out + (i * nb + b) * kLanes);
-          return sp ? _mm512_mul_ps(v, _mm512_loadu_ps(sp + (b0 + b) * kLanes)) : v;
-        };
         for (int i = 0; i < MB; ++i)
-          for (int64_t b = 0; b < nb; ++b) {  // into y, or added to it
-            float* yr = y + (m + i) * ldy + (b0 + b) * kLanes;
-            const __m512 v = row(i, b);
-            _mm512_storeu_ps(yr, accumulate ? _mm512_add_ps(_mm512_loadu_ps(yr), v) : v);
-          }
+          for (int64_t b = 0; b < nb; ++b)  // into y, or added to it, times the int8 scale
+            put16(out + (i * nb + b) * kLanes, sp ? sp + (b0 + b) * kLanes : nullptr,
+                  y + (m + i) * ldy + (b0 + b) * kLanes, accumulate);
       });
     }
   });
 #else
-  TORCH_CHECK(false, "linear_a8p: built without AVX-512 VNNI");
+  TORCH_CHECK(false, "linear_a8p: built without the packed kernels (AVX-512 VNNI or AVX2)");
 #endif
 }
 
@@ -1070,7 +1475,7 @@ void arlm_kernels::activation_residual(const float* x, int64_t n, float* r) {
 void arlm_kernels::linear_a8p_residual(const float* x, int64_t M, int64_t K, const at::Tensor& wp,
                                        const at::Tensor& scale, const at::Tensor& mins, float* y, int64_t ldy,
                                        bool accumulate) {
-#ifdef ARLM_AVX512
+#ifdef ARLM_PACKED
   const int64_t G = K / kGroup, NB = wp.size(0);
   // x as 16 bits in two bytes (x16p_block). Scratch kept per calling thread and grown as needed:
   // a decode step allocates nothing here.
@@ -1117,17 +1522,17 @@ void arlm_kernels::linear_a8p_residual(const float* x, int64_t M, int64_t K, con
   const X16Layer layer{kind, K, G, H, S, block, wpp, rs, {}, static_cast<const uint8_t*>(kscale), supers, hi, lo, e,
                        sx, sp, halves.data()};
 #endif
-  at::parallel_for(0, (NB + 1) / 2, 4, [&](int64_t t0, int64_t t1) {
-    float out[kBlockRows * 2 * kLanes];
+  at::parallel_for(0, (NB + kTileBlocks - 1) / kTileBlocks, 4, [&](int64_t t0, int64_t t1) {
+    float out[kPackedRows * kTileBlocks * kLanes];
 #ifdef ARLM_AMX
     alignas(64) float tiled[kChunkRows * 2 * kLanes];  // amx_tile's rows of the chunk
     X16Layer L = layer;
 #endif
     for (int64_t c0 = 0; c0 < M; c0 += kChunkRows)
-      for (int64_t t = t0; t < t1; ++t) {  // a tile: 2 blocks of 16 channels (1 at the end)
-        const int64_t b0 = 2 * t, nb = std::min<int64_t>(2, NB - b0);
+      for (int64_t t = t0; t < t1; ++t) {  // a tile: kTileBlocks blocks of 16 channels (fewer at the end)
+        const int64_t b0 = kTileBlocks * t, nb = std::min<int64_t>(kTileBlocks, NB - b0);
         const uint8_t* wt = wpp + b0 * block;
-        const uint8_t* next = t + 1 < t1 ? wt + 2 * block : nullptr;  // prefetched during the first rows
+        const uint8_t* next = t + 1 < t1 ? wt + kTileBlocks * block : nullptr;  // prefetched during the first rows
         const F16Scales fs{dp ? dp + b0 * G * kLanes : nullptr, mp ? mp + b0 * G * kLanes : nullptr, G, m_per_d};
         int64_t done = 0;  // the chunk's rows the tiles took
 #ifdef ARLM_AMX
@@ -1144,7 +1549,7 @@ void arlm_kernels::linear_a8p_residual(const float* x, int64_t M, int64_t K, con
             }
         }
 #endif
-        row_blocks(std::min(kChunkRows, M - c0) - done, [&](auto mb, int64_t r) {
+        row_blocks<kPackedRows>(std::min(kChunkRows, M - c0) - done, [&](auto mb, int64_t r) {
           constexpr int MB = decltype(mb)::value;
           const int64_t m = c0 + done + r;
           const uint8_t* pf = r == 0 ? next : nullptr;
@@ -1177,17 +1582,14 @@ void arlm_kernels::linear_a8p_residual(const float* x, int64_t M, int64_t K, con
             else x16p_block<false, MB, 1>(h, l, em, sm, um, K, wt, fs, pf, out);
           }
           for (int i = 0; i < MB; ++i)
-            for (int64_t b = 0; b < nb; ++b) {  // into y, or added to it
-              __m512 v = _mm512_loadu_ps(out + (i * nb + b) * kLanes);
-              if (rs) v = _mm512_mul_ps(v, _mm512_loadu_ps(rs + (b0 + b) * kLanes));
-              float* yr = y + (m + i) * ldy + (b0 + b) * kLanes;
-              _mm512_storeu_ps(yr, accumulate ? _mm512_add_ps(_mm512_loadu_ps(yr), v) : v);
-            }
+            for (int64_t b = 0; b < nb; ++b)  // into y, or added to it, times the int8 scale
+              put16(out + (i * nb + b) * kLanes, rs ? rs + (b0 + b) * kLanes : nullptr,
+                    y + (m + i) * ldy + (b0 + b) * kLanes, accumulate);
         });
       }
   });
 #else
-  TORCH_CHECK(false, "linear_a8p_residual: built without AVX-512 VNNI");
+  TORCH_CHECK(false, "linear_a8p_residual: built without the packed kernels (AVX-512 VNNI or AVX2)");
 #endif
 }
 
@@ -1241,10 +1643,21 @@ bool amx_active() {
 }
 
 bool packed_a8_available() {
-#ifdef ARLM_AVX512
+#ifdef ARLM_PACKED
   return true;
 #else
   return false;
+#endif
+}
+
+// The instructions the packed kernels multiply with: "AVX512-VNNI", "AVX2", or "" (not built).
+std::string packed_a8_isa() {
+#if defined(ARLM_AVX512)
+  return "AVX512-VNNI";
+#elif defined(ARLM_PACKED)
+  return "AVX2";
+#else
+  return "";
 #endif
 }
 
@@ -1257,11 +1670,11 @@ at::Tensor linear_a8p_residual(const at::Tensor& x, const at::Tensor& wp, const 
               "linear_a8p_residual: x [M, K] contiguous float32");
   const int64_t N = arlm_kernels::packed_out_features("linear_a8p_residual", x.size(1), wp, scale, mins);
   at::Tensor y = at::empty({x.size(0), N}, x.options());
-#ifdef ARLM_AVX512
+#ifdef ARLM_PACKED
   arlm_kernels::linear_a8p_residual(x.data_ptr<float>(), x.size(0), x.size(1), wp, scale, mins, y.data_ptr<float>(),
                                     N, false);
 #else
-  TORCH_CHECK(false, "linear_a8p_residual: built without AVX-512 VNNI");
+  TORCH_CHECK(false, "linear_a8p_residual: built without the packed kernels (AVX-512 VNNI or AVX2)");
 #endif
   return y;
 }
@@ -1274,6 +1687,7 @@ TORCH_LIBRARY_FRAGMENT(arlm, m) {
   m.def("q4_linear_a8p(Tensor x, Tensor wp, Tensor scale, Tensor mins) -> Tensor");
   m.def("kquant_linear_a8p(Tensor x, Tensor wp, Tensor scale, Tensor supers) -> Tensor");
   m.def("packed_a8_available() -> bool", &packed_a8_available);
+  m.def("packed_a8_isa() -> str", &packed_a8_isa);
   m.def("amx_active() -> bool", &amx_active);
 }
 

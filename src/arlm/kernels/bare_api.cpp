@@ -27,6 +27,7 @@ void llama_head(const at::Tensor& x, const at::Tensor& norm, at::TensorList head
                 bool residual, const at::Tensor& out);
 int64_t argmax_row(const float* r, int64_t V);
 bool packed_a8_available();
+std::string packed_a8_isa();
 bool amx_active();
 
 constexpr int kMaxDim = 6;
@@ -71,7 +72,8 @@ extern "C" {
 
 const char* arlm_bare_error() { return g_error.c_str(); }
 
-int arlm_bare_packed() { return packed_a8_available() ? 1 : 0; }
+// 2: the packed kernels are AVX-512 VNNI's, 1: AVX2's, 0: not built.
+int arlm_bare_packed() { return !packed_a8_available() ? 0 : packed_a8_isa() == "AVX2" ? 1 : 2; }
 
 int arlm_bare_amx() { return amx_active() ? 1 : 0; }
 
