@@ -527,6 +527,48 @@ def test_k_quant_kernels_match_float64(kind, M):
 
 
 
+# Where each kind's codes lie in its blocks (bytes set to 0xFF: every code its largest).
+_CODE_BYTES = {"Q4_K": slice(16, 144), "Q5_K": slice(16, 176), "Q6_K": slice(0, 192), "Q4_0": slice(2, 18),
+               "Q5_0": slice(2, 22)}
+
+
+@needs_packed
+@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q4_0", "Q8_0"])
+def test_packed_kernels_at_the_largest_codes(kind):
+    """Every code at its largest (Q4 15, Q5 31, Q6_K's u 63, Q8_0 +-127) against activations whose
+    bytes are all extreme: 16-bit X = +-32,384 (bytes hi +-127 or -126 and lo -128 throughout) and
+    8-bit codes +-126. AVX2's kernels sum maddubs products in int16 where these bounds say they
+    cannot saturate: a saturated sum would be off by far more than float32's summation."""
+    import gguf
+
+    N, S = 32, 2
+    K = 256 * S
+    if kind == "Q8_0":
+        g = torch.Generator().manual_seed(3)
+        W = torch.randn(N, K, generator=g).sign() * torch.rand(N, K // 32, generator=g).repeat_interleave(32, 1)
+        layer = Q8Linear.from_float(W)  # every code +-127 (one magnitude per group)
+        W = layer.dequantize().double()
+        assert layer.weight.abs().min().item() == 127
+    else:
+        b = _k_blocks(kind, N, S, seed=21)
+        b[..., _CODE_BYTES[kind]] = 0xFF
+        W = torch.from_numpy(gguf.quants.dequantize(b.reshape(N, -1), gguf.GGMLQuantizationType[kind])
+                             .reshape(N, K)).double()
+        layer = _k_layer(kind, b)
+    # 31.625 = 32,384 / 1,024 and 31.75 = 32,512 / 1,024: X exactly, scale 2^-10 (one value a group sets it)
+    x = torch.full((4, K), 31.625)
+    x[:, ::32] = 31.75
+    x[1] *= -1
+    x[3] *= torch.randn(K, generator=torch.Generator().manual_seed(4)).sign()
+    layer.int8_activations = True
+    y16 = kernels.linear_a8p_residual(x, *layer.tensors())
+    want16 = x.double() @ W.T
+    assert ((y16.double() - want16).abs().max() / want16.abs().max()).item() < 1e-5
+    y = layer(x)  # one 8-bit pass
+    want = _dequantized_x(x) @ W.T
+    assert ((y.double() - want).abs().max() / want.abs().max()).item() < 1e-5
+
+
 def _row_layer(kind: str, b: np.ndarray):
     """The row layout's exact form of Q4_K / Q6_K blocks (CPUs without the packed kernels)."""
     from arlm.loading.gguf_blocks import k_quant_fields
