@@ -328,12 +328,74 @@ inline void with_kv(const char* op, const at::Tensor& k, const at::Tensor& v, in
   }
 }
 
-#if defined(__AVX512F__)
 // How far ahead (bytes) the streaming loops below ask for the cache rows they will read: a long
 // row's keys and values come from DRAM, and the loops do too little work per row for the
 // hardware's own prefetcher to keep up. (A prefetch never faults, past the end included.)
 constexpr int64_t kPrefetch = ARLM_PREFETCH;
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+// ---- AVX2 (no AVX-512): float32 or float16 rows, 8 values a vector ------------------------------
+//
+// Scores: each key row loaded once for NH of the G heads, each head's sum in its own chain over
+// the row in order, then hsum: the operations dot() does for one head, so the same bits.
+// (Quantized rows take the generic loops: these are compiled for float and float16 only.)
+template <typename T>
+constexpr bool kPlainRows = std::is_same_v<T, float> || std::is_same_v<T, at::Half>;
+
+template <int NH, typename TK>
+inline void row_scores8(const float* q, const TK* row, int64_t hd, int64_t n, int64_t t, float scale, float* s) {
+  __m256 acc[NH];
+  for (int h = 0; h < NH; ++h) acc[h] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < hd; c += 8) {
+    const __m256 kc = load8(row + c);
+    for (int h = 0; h < NH; ++h) acc[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * hd + c), kc, acc[h]);
+  }
+  for (int h = 0; h < NH; ++h) s[h * n + t] = hsum(acc[h]) * scale;
+}
+
+template <typename TK, typename TV, typename Spans>
+inline void scores8(const float* q, int64_t G, int64_t hd, int64_t n, float scale, Spans spans, float* s,
+                    const float* q_sink, int64_t n_sink) {
+  if constexpr (kPlainRows<TK>) {
+    const int64_t stride = KV<TK>::stride(hd);
+    int64_t t = 0;
+    spans([&](const TK* k, const TV*, int64_t len) {
+      for (int64_t j = 0; j < len; ++j, ++t) {
+        const TK* row = k + j * stride;
+        _mm_prefetch(reinterpret_cast<const char*>(row) + kPrefetch, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(row) + kPrefetch + 64, _MM_HINT_T0);
+        const float* qt = t < n_sink ? q_sink : q;
+        int64_t h = 0;
+        for (; h + 4 <= G; h += 4) row_scores8<4>(qt + h * hd, row, hd, n, t, scale, s + h * n);
+        for (; h < G; ++h) row_scores8<1>(qt + h * hd, row, hd, n, t, scale, s + h * n);
+      }
+    });
+  }
+}
+
+// out[h, c0 .. c0 + 8C) = inv[h] * sum_t s[h * n + t] V[t, c0 ..] for one head h, in slot order
+// (one fused multiply-add per value and slot, as the scalar loop does).
+template <int C, typename TK, typename TV, typename Spans>
+inline void weighted_columns8(const float* s, Spans spans, float inv, int64_t hd, int64_t c0, float* out) {
+  if constexpr (kPlainRows<TV>) {
+    __m256 acc[C];
+    for (int c = 0; c < C; ++c) acc[c] = _mm256_setzero_ps();
+    const int64_t stride = KV<TV>::stride(hd);
+    int64_t t = 0;
+    spans([&](const TK*, const TV* v, int64_t len) {
+      for (int64_t j = 0; j < len; ++j, ++t) {
+        const TV* row = v + j * stride + c0;
+        _mm_prefetch(reinterpret_cast<const char*>(row) + kPrefetch, _MM_HINT_T0);
+        const __m256 p = _mm256_set1_ps(s[t]);
+        for (int c = 0; c < C; ++c) acc[c] = _mm256_fmadd_ps(p, load8(row + 8 * c), acc[c]);
+      }
+    });
+    for (int c = 0; c < C; ++c) _mm256_storeu_ps(out + c0 + 8 * c, _mm256_mul_ps(acc[c], _mm256_set1_ps(inv)));
+  }
+}
+#endif
+
+#if defined(__AVX512F__)
 // out[h] = inv[h] * sum_t s[h * n + t] V[t] for HB heads at once, V rows of C * 16 values: each V
 // row is loaded (a quantized row dequantized in registers: KV<T>::chunk16) once for all HB heads; every head's
 // sum is in registers, in slot order.
@@ -736,6 +798,15 @@ inline void attend_scored(int64_t G, int64_t hd, int64_t n, Spans spans, float* 
     if (!stats) unrotate<TV>(out, G, hd);
     return;
   }
+#elif defined(__AVX2__) && defined(__FMA__)
+  if (!KV<TV>::quantized && hd % 32 == 0) {  // (a float16 or float32 cache: the default)
+    for (int64_t h = 0; h < G; ++h) {
+      int64_t c0 = 0;
+      for (; c0 + 64 <= hd; c0 += 64) weighted_columns8<8, TK, TV>(s + h * n, spans, inv[h], hd, c0, out + h * hd);
+      for (; c0 < hd; c0 += 32) weighted_columns8<4, TK, TV>(s + h * n, spans, inv[h], hd, c0, out + h * hd);
+    }
+    return;
+  }
 #endif
   std::fill(out, out + G * hd, 0.f);
   const int64_t vstride = KV<TV>::stride(hd);
@@ -815,6 +886,10 @@ inline void attend_group(const float* q, int64_t G, int64_t hd, int64_t n, float
 #if defined(__AVX512F__)
     if (KV<TK>::quantized && hd % 16 == 0 && hd <= 512) {
       quantized_scores<TK, TV>(q, G, hd, n, scale, spans, s, q_sink, n_sink);
+    } else
+#elif defined(__AVX2__) && defined(__FMA__)
+    if (!KV<TK>::quantized && hd % 8 == 0) {
+      scores8<TK, TV>(q, G, hd, n, scale, spans, s, q_sink, n_sink);
     } else
 #endif
     spans([&](const TK* k, const TV*, int64_t len) {

@@ -153,6 +153,43 @@ inline __m512 exp16(__m512 x) {
 inline __mmask16 tail_mask(int64_t left) {
   return left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+// exp16's e^x for 8 floats on AVX2: the same clamp, reduction and polynomial; 2^n (n in [-150, 128]
+// after the clamp) as the product of two powers of two with normal exponents, so one rounding
+// where the result is subnormal, as scalef's.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_set1_ps(89.f), _mm256_max_ps(_mm256_set1_ps(-104.f), x));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i k = _mm256_cvtps_epi32(n), k1 = _mm256_srai_epi32(k, 1), k2 = _mm256_sub_epi32(k, k1);
+  auto pow2 = [](__m256i e) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(e, _mm256_set1_epi32(127)), 23));
+  };
+  return _mm256_mul_ps(_mm256_mul_ps(p, pow2(k1)), pow2(k2));
+}
+
+inline float hmax(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+// s[j .. j + 8) as a vector, the lanes past n `fill`.
+inline __m256 load8_tail(const float* s, int64_t j, int64_t n, float fill) {
+  if (j + 8 <= n) return _mm256_loadu_ps(s + j);
+  alignas(32) float t[8];
+  for (int64_t i = 0; i < 8; ++i) t[i] = j + i < n ? s[j + i] : fill;
+  return _mm256_load_ps(t);
+}
 #endif
 
 // s[j] = exp(s[j] - max(s)) in place for j < n; returns their sum (and the max in *max_out when
@@ -174,6 +211,28 @@ inline float softmax_numerators(float* s, int64_t n, float* max_out = nullptr) {
     total = _mm512_mask_add_ps(total, m, total, e);
   }
   return _mm512_reduce_add_ps(total);
+#elif defined(__AVX2__) && defined(__FMA__)
+  __m256 mv = _mm256_set1_ps(-INFINITY);
+  for (int64_t j = 0; j < n; j += 8) mv = _mm256_max_ps(mv, load8_tail(s, j, n, -INFINITY));
+  const float top = hmax(mv);
+  if (max_out) *max_out = top;
+  const __m256 mx = _mm256_set1_ps(top);
+  __m256 total = _mm256_setzero_ps();
+  for (int64_t j = 0; j < n; j += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(load8_tail(s, j, n, 0.f), mx));
+    if (j + 8 <= n) {
+      _mm256_storeu_ps(s + j, e);
+      total = _mm256_add_ps(total, e);
+    } else {  // the tail: its lanes alone
+      alignas(32) float t[8];
+      _mm256_store_ps(t, e);
+      for (int64_t i = 0; i < n - j; ++i) s[j + i] = t[i];
+      const __m256 in = _mm256_cmp_ps(_mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7),
+                                      _mm256_set1_ps(static_cast<float>(n - j)), _CMP_LT_OQ);
+      total = _mm256_add_ps(total, _mm256_blendv_ps(_mm256_setzero_ps(), e, in));
+    }
+  }
+  return hsum(total);
 #else
   float mx = -INFINITY, total = 0.f;
   for (int64_t j = 0; j < n; ++j) mx = std::max(mx, s[j]);
