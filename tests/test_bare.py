@@ -28,7 +28,7 @@ from cpu_flags import packed_expected
 from test_gguf_weights import _k_blocks, _k_layer
 
 needs_packed = pytest.mark.skipif(not packed_expected(),
-                                  reason="the bare path runs the packed kernels (AVX-512 VNNI), not built here")
+                                  reason="the bare path runs the packed kernels (AVX-512 VNNI or AVX2), not built here")
 ROOT = Path(__file__).resolve().parents[1]
 
 

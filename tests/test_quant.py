@@ -24,7 +24,7 @@ from arlm.quant import (Int8Linear, Q4Linear, Q8Linear, QuantizedLinear, prepare
                         weight_bytes)
 from arlm.sampling import SamplingParams
 from cpu_flags import (amx_expected, amx_int8_expected, cpu_flags, matmul_path_expected, native_bf16_expected,
-                       native_kernels_expected, packed_expected)
+                       native_kernels_expected, packed_expected, vnni_expected)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -432,7 +432,8 @@ def test_matmul_path_choices(smollm2):
     assert llm.matmul_path == matmul_path_expected()
     if packed_expected():
         llm, layers = _configured(smollm2, matmul_path="vnni")
-        isa = "AVX512-VNNI+AMX-INT8" if amx_int8_expected() else "AVX512-VNNI"  # (prompt rows on the tiles)
+        isa = ("AVX512-VNNI+AMX-INT8" if amx_int8_expected()  # (prompt rows on the tiles)
+               else "AVX512-VNNI" if vnni_expected() else "AVX2")
         assert llm.matmul_isa == isa and llm.runner.dense_prefill is False
         assert all(m.packed and m.dense_weight is None for m in layers if m.can_pack())
     else:

@@ -61,11 +61,12 @@ def add_model_args(p: argparse.ArgumentParser, compile: bool = True) -> None:
                         "row for other types or a float model's matrices; none on GPU)")
     p.add_argument("--matmul-path", default="auto", choices=("auto", "vnni", "avx2", "bf16", "float32"),
                    help="how a quantized model's prompt tokens multiply: the integer kernels, packed "
-                        "(vnni: AVX-512 VNNI) or in rows (avx2), or a dense bf16 / float32 copy of the "
-                        "weights through torch's GEMMs (oneDNN; AMX tiles where the CPU has them); decode "
-                        "stays on the integer kernels. auto: chosen from the CPU's flags - vnni where it "
-                        "has AVX-512 VNNI, else bf16 with AVX512-BF16 or AMX, else float32. The stats say "
-                        "which ran")
+                        "(vnni: AVX-512 VNNI's instructions, or AVX2's on CPUs without them) or in rows "
+                        "(avx2), or a dense bf16 / float32 copy of the weights through torch's GEMMs "
+                        "(oneDNN; AMX tiles where the CPU has them); decode stays on the integer kernels. "
+                        "auto: chosen from the CPU's flags - vnni where the packed kernels are built "
+                        "(AVX-512 VNNI or AVX2), else bf16 with AVX512-BF16 or AMX, else float32. The "
+                        "stats say which ran, with its instructions")
     p.add_argument("--prefill-dtype", default=None, choices=("auto", "quantized", "float32", "bfloat16"),
                    help=argparse.SUPPRESS)  # the older name of --matmul-path
     p.add_argument("--activations", default=DEFAULT_ACTIVATIONS, choices=ACTIVATIONS,

@@ -350,7 +350,7 @@ class LLM:
         quantize: None/"none", "int8", "q4", or "auto": on CPU with the native kernels, 4-bit for
         the matrices it holds exactly (a Q4_1 GGUF's) and int8 for the rest; elsewhere none.
         matmul_path (quantized models; kernels.MATMUL_PATHS): how the compute-bound passes - prompt
-        tokens - multiply. "vnni": the integer kernels in their packed layout (AVX-512 VNNI), the
+        tokens - multiply. "vnni": the integer kernels in their packed layout (AVX-512 VNNI or AVX2), the
         same as decode (no second copy of the weights); "avx2": the integer kernels in the row
         layout, prompt and decode (AVX2; forced on an AVX-512 CPU it leaves the weights unpacked);
         "bf16" / "float32": a dense copy of each weight for the prompt's GEMMs through torch

@@ -1,5 +1,5 @@
 """Quantized weights for decode: the file's own blocks (4-bit Q4_1, 8-bit Q8_0; on AVX-512 VNNI
-CPUs 5-bit Q5_0 and the K-quants Q4_K, Q5_K, Q6_K), or int8 per row.
+or AVX2 CPUs 5-bit Q5_0 and the K-quants Q4_K, Q5_K, Q6_K), or int8 per row.
 
 Decode reads every weight once per step, so its speed is bytes of weights / memory bandwidth:
 int8 weights move 4x fewer bytes than float32, 4-bit ones (Q4_1: a float16 scale and min per 32
@@ -12,11 +12,11 @@ packed kernels `Q5Linear` and `KQuantLinear` (a fused weight of mixed kinds in p
 With 8-bit activations each layer also quantizes its input per group of 32, as llama.cpp does,
 and the kernels multiply in integers (one VNNI instruction per 32 weights): 4-bit decode then runs
 at memory speed instead of being bound by widening every weight to float. By default the input
-is taken twice ("int8x2", `prepare`): 16 bits split into two bytes on the packed (AVX-512 VNNI)
-kernels, 8 bits and then 8 more for what the first pass rounded away on the row kernels, which
+is taken twice ("int8x2", `prepare`): 16 bits split into two bytes on the packed (AVX-512 VNNI or
+AVX2) kernels, 8 bits and then 8 more for what the first pass rounded away on the row kernels, which
 leaves the next-token distributions within 1e-5 KL of float32 (`arlm perplexity
 --kl-divergence`, docs/benchmarks.md).
-On CPUs with AVX-512 VNNI the layers hold their weights in the kernels' packed layout instead of
+On CPUs with AVX-512 VNNI or AVX2 the layers hold their weights in the kernels' packed layout instead of
 the row layout (16 output channels to a vector, `arlm.kernels.pack_int8` / `pack_q4`), which
 multiplies several rows 2-3x faster: batched decode and serving. One copy either way.
 
@@ -41,7 +41,7 @@ from .settings import ACTIVATIONS, DEFAULT_ACTIVATIONS
 class QuantizedLinear(nn.Module, ABC):
     """What the quantized layers share: y = x @ W.T + bias with W held quantized, in one layout at
     a time: the row layout (one output row after another, as the file stores it) or, after
-    `pack()`, the packed kernels' layout (16 output channels to a vector, AVX-512 VNNI CPUs, 8-bit
+    `pack()`, the packed kernels' layout (16 output channels to a vector, AVX-512 VNNI or AVX2 CPUs, 8-bit
     activations). One copy of the matrix either way; `rows()` gives the row layout back when it is
     needed (dequantizing, the embedding's gather, the float-activation kernels)."""
 
@@ -407,7 +407,7 @@ class Q4Linear(QuantizedLinear):
 
 
 class PackedOnlyLinear(QuantizedLinear):
-    """A layer whose matrix has one layout, the packed kernels' (AVX-512 VNNI, 8-bit
+    """A layer whose matrix has one layout, the packed kernels' (AVX-512 VNNI or AVX2, 8-bit
     activations), where a file's block type has no row-layout kernel: the loader makes these only
     where the packed kernels are built. With float32 activations, or where the kernels are not
     built, it multiplies by its dequantized matrix (slow: every call dequantizes it)."""

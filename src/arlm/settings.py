@@ -42,7 +42,7 @@ def auto_dtype(device: str) -> str:
 def auto_quantize(device: str, serving: bool = False) -> str | None:
     """`quantize="auto"` on `device` (a device type, "cpu", "cuda"): None (no quantization) off the
     native CPU kernels. With them, "auto": 4-bit for the matrices the file holds exactly (a Q4_1
-    GGUF's), int8 for the rest. Serving without the packed kernels (AVX-512 VNNI) takes int8
+    GGUF's), int8 for the rest. Serving without the packed kernels (AVX-512 VNNI or AVX2) takes int8
     everywhere: a served batch is compute-bound, and the row-layout kernels unpack int8 cheaper
     (docs/benchmarks.md, Serving)."""
     from . import kernels

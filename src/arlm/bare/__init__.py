@@ -15,7 +15,7 @@ Served: a GGUF file (or a known name) whose plan for these activations is curren
 decoding, or sampling without --seed (temperature, top-k, top-p, min-p in numpy: `sampling`, the
 torch path's distribution; a seeded draw is its generator's stream, so --seed takes the torch
 path); --chat with the file's own template; stop strings, --ignore-eos, --max-new-tokens,
---threads, --json (the torch path's object); the CPU's packed kernels (AVX-512 VNNI, the default
+--threads, --json (the torch path's object); the CPU's packed kernels (AVX-512 VNNI or AVX2, the default
 matmul path there) and a float KV cache. Anything else - a chat template given, a KV window,
 structured output, speculation, penalties or a logit bias, another matmul path, dtype or KV type,
 a prompt and output longer than the plan's RoPE rows - takes the torch path, as does a file whose plan or

@@ -3,7 +3,7 @@
 `int8_linear(x, w, scale)` and `q4_linear(x, w, scale, mins)` are the decode matmuls for int8 and
 4-bit weights with float32 activations; `int8_linear_a8` and `q4_linear_a8` quantize the
 activations to 8 bits in groups of 32 (`quantize_activations`) and multiply in integers, the
-faster path decode uses by default. On CPUs with AVX-512 VNNI, `pack_int8` / `pack_q4` lay the
+faster path decode uses by default. On CPUs with AVX-512 VNNI or AVX2, `pack_int8` / `pack_q4` lay the
 same weights out 16 output channels to a vector (`int8_linear_a8p`, `q4_linear_a8p`: the same
 products, 2-3x faster with several rows; a8_linear.cpp). When the kernels cannot be built (no
 compiler, a build error) the ops run as pure-PyTorch fallbacks: correct, slower.
@@ -92,7 +92,7 @@ def cpu_has_native_bf16() -> bool:
 
 
 # The matrix paths of a quantized model's compute-bound passes (prompt tokens): the integer
-# kernels in the packed layout (AVX-512 VNNI) or the row layout (AVX2), or a dense bf16 / float32
+# kernels in the packed layout (AVX-512 VNNI or AVX2) or the row layout, or a dense bf16 / float32
 # copy of each weight through torch's GEMMs (oneDNN: AMX tiles where the CPU has them).
 MATMUL_PATHS = ("vnni", "avx2", "bf16", "float32")
 
@@ -103,7 +103,8 @@ def matmul_path_error(path: str) -> str | None:
         return f"unknown matmul path {path!r} (expected auto, {', '.join(MATMUL_PATHS)})"
     if path == "vnni" and not packed_available():
         return ("matmul path vnni needs the packed kernels: a CPU with AVX-512 VNNI (avx512f, avx512bw, "
-                "avx512dq, avx512_vnni) and the native kernels built for it; try avx2, bf16 or float32")
+                "avx512dq, avx512_vnni) or AVX2 (avx2, fma, f16c) and the native kernels built for it; "
+                "try avx2, bf16 or float32")
     if path == "avx2" and not native_available():
         return "matmul path avx2 needs the native kernels, which are not built here; try bf16 or float32"
     return None
@@ -137,7 +138,7 @@ def bf16_linear(x: torch.Tensor, wp: torch.Tensor) -> torch.Tensor:
 
 def auto_matmul_path() -> str:
     """The path `--matmul-path auto` takes on this CPU, from its flags (read once at load): the
-    packed integer kernels where they are built (AVX-512 VNNI: faster than bf16 GEMMs there and
+    packed integer kernels where they are built (AVX-512 VNNI or AVX2: faster than bf16 GEMMs on a Zen 4 and
     float32's answers, docs/benchmarks.md), else bf16 copies where the CPU multiplies bf16 natively
     (AVX512-BF16 or AMX), else float32 copies."""
     return "vnni" if packed_available() else "bf16" if cpu_has_native_bf16() else "float32"
@@ -443,7 +444,7 @@ def kquant_linear_a8p(x: torch.Tensor, wp: torch.Tensor, scale: torch.Tensor, su
     """x [M, K] float32 times a Q4_K, Q5_K or Q6_K layer in its packed layout (`pack_q4_k`, `pack_q6_k`),
     x quantized to 8 bits per group of 32. Only where packed_available() holds (it loads the kernels)."""
     if not packed_available():
-        raise RuntimeError("K-quant layers need the packed kernels (a CPU with AVX-512 VNNI)")
+        raise RuntimeError("K-quant layers need the packed kernels (a CPU with AVX-512 VNNI or AVX2)")
     return torch.ops.arlm.kquant_linear_a8p(x.contiguous(), wp, scale, supers)
 
 

@@ -41,6 +41,38 @@ constexpr int64_t kRows = 4;
 constexpr int kBlockRows = 4;
 constexpr int64_t kLanes = 16;  // output channels per block of the packed layouts (below)
 
+#if defined(__AVX2__) && defined(__FMA__) && !(defined(__AVX512F__) && defined(__AVX512BW__))
+#define ARLM_QUANTIZE_AVX2 1  // the groups' quantization on AVX2 (below)
+
+// A group's 32 floats as 4 vectors; returns their largest magnitude, finite false where one is
+// NaN or infinite (max would hide a NaN: the unordered compare finds it).
+inline float group_amax8(const float* src, __m256 (&v)[4], bool& finite) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 m = _mm256_setzero_ps(), unordered = _mm256_setzero_ps();
+  for (int k = 0; k < 4; ++k) {
+    v[k] = _mm256_loadu_ps(src + 8 * k);
+    m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[k]));
+    unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v[k], v[k], _CMP_UNORD_Q));
+  }
+  const float amax = arlm_kernels::hmax(m);
+  finite = std::isfinite(amax) && !_mm256_movemask_ps(unordered);
+  return amax;
+}
+
+// 32 int32 in 4 vectors, each within int8, -> 32 bytes in order.
+inline void store_bytes(const __m256i (&x)[4], int8_t* dst) {
+  const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(x[0], x[1]), _mm256_packs_epi32(x[2], x[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst),
+                      _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+}
+
+inline int32_t sum_epi32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
+}
+#endif
+
 // One group of 32 floats -> 32 int8 q, its scale d = max|x| / 127, s = d * sum(q) and sum(q).
 // The vector and scalar paths do the same float32 operations (round half to even is the CPU's
 // default rounding), so every build quantizes bitwise alike, as kernels.quantize_activations does.
@@ -55,6 +87,20 @@ inline void quantize_group(const float* src, int8_t* q, float* d_out, float* s_o
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(q0));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(q1));
     *sum_out = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+    *d_out = d;
+    *s_out = d * static_cast<float>(*sum_out);
+    return;
+  }
+#elif defined(ARLM_QUANTIZE_AVX2)
+  __m256 v[4];
+  bool finite;
+  const float vmax = group_amax8(src, v, finite);
+  if (finite) {
+    const float d = vmax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
+    __m256i qv[4];
+    for (int k = 0; k < 4; ++k) qv[k] = _mm256_cvtps_epi32(_mm256_mul_ps(v[k], _mm256_set1_ps(id)));
+    store_bytes(qv, q);
+    *sum_out = sum_epi32(_mm256_add_epi32(_mm256_add_epi32(qv[0], qv[1]), _mm256_add_epi32(qv[2], qv[3])));
     *d_out = d;
     *s_out = d * static_cast<float>(*sum_out);
     return;
@@ -273,6 +319,9 @@ inline void quantize_group16(const float* src, int8_t* hi, int8_t* lo, float* e_
   const __m512 a = _mm512_loadu_ps(src), b = _mm512_loadu_ps(src + 16);
   amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
   finite = std::isfinite(amax) && !_mm512_cmp_ps_mask(a, b, _CMP_UNORD_Q);  // (max hides a NaN)
+#elif defined(ARLM_QUANTIZE_AVX2)
+  __m256 v[4];
+  amax = group_amax8(src, v, finite);
 #else
   for (int j = 0; j < kGroup; ++j) {
     finite &= std::isfinite(src[j]);
@@ -298,6 +347,17 @@ inline void quantize_group16(const float* src, int8_t* hi, int8_t* lo, float* e_
     _mm_storeu_si128(reinterpret_cast<__m128i*>(lo + 16 * half), _mm512_cvtepi32_epi8(l));
     sum += _mm512_reduce_add_epi32(X);
   }
+#elif defined(ARLM_QUANTIZE_AVX2)
+  __m256i h[4], l[4], total = _mm256_setzero_si256();
+  for (int k = 0; k < 4; ++k) {
+    const __m256i X = _mm256_cvtps_epi32(_mm256_mul_ps(v[k], _mm256_set1_ps(ie)));
+    h[k] = _mm256_srai_epi32(_mm256_add_epi32(X, _mm256_set1_epi32(128)), 8);
+    l[k] = _mm256_sub_epi32(X, _mm256_slli_epi32(h[k], 8));
+    total = _mm256_add_epi32(total, X);
+  }
+  store_bytes(h, hi);
+  store_bytes(l, lo);
+  sum = sum_epi32(total);
 #else
   for (int j = 0; j < kGroup; ++j) {
     const int32_t X = static_cast<int32_t>(std::nearbyint(src[j] * ie)), h = (X + 128) >> 8;
@@ -516,7 +576,8 @@ void q4p_block(const int8_t* qx, const float* dx, const float* sx, int64_t K, co
 // d and m as `sc` gives them (F16Scales, KScales).
 template <bool kQ4, int MB, int NB, typename Scales, bool k5 = false>
 void x16p_block(const int8_t* hi, const int8_t* lo, const float* e, const float* sx, const int32_t* sums,
-                int64_t K, const uint8_t* w, const Scales& sc, const uint8_t* pf, float* out) {
+                int64_t K, const uint8_t* w, const Scales& sc, const uint8_t* pf, float* out,
+                const int16_t* = nullptr) {  // (x as 16 bits: the AVX2 kernel's int8 layouts only)
   const int64_t G = K / kGroup, block = kQ4 ? K / 8 * chunk_bytes<k5>() : K * kLanes;
   __m512 acc[MB][NB];
   zero(acc);
@@ -862,12 +923,14 @@ void q4p_block(const int8_t* qx, const float* dx, const float* sx, int64_t K, co
 }
 
 // x16p_block of the AVX-512 section. 4-bit and 5-bit codes: as q4p_block, for x's two bytes.
-// Int8 layouts: u = w + 128 = 128 t + u7 (t its top bit, u7 the low 7): dot(u, x) = dot(u7, x) +
-// 128 dot(t, x), maddubs pairs at most 2 * 127 * 128 and 2 * 128 (the latter summed in int16 over
-// the group: at most 2,048), then the AVX-512 kernel's 256 dh + dl - 128 sum(X).
+// Int8 layouts: x as the 16-bit X itself (x16: X = 256 hi + lo, [M, K] int16) times w widened to
+// int16, by madd: per 4 K-values of 4 channels, two int32 sums of two products (|127 * 32512| each),
+// added over the group and then pairwise (hadd): dot(w, X) = 256 dh + dl - 128 sum(X), the
+// AVX-512 kernel's integer, in 4 operations per 32 products instead of maddubs' 10.
 template <bool kQ4, int MB, int NB, typename Scales, bool k5 = false>
 void x16p_block(const int8_t* hi, const int8_t* lo, const float* e, const float* sx, const int32_t* sums,
-                int64_t K, const uint8_t* w, const Scales& sc, const uint8_t* pf, float* out) {
+                int64_t K, const uint8_t* w, const Scales& sc, const uint8_t* pf, float* out,
+                const int16_t* x16 = nullptr) {
   const int64_t G = K / kGroup, block = kQ4 ? K / 8 * chunk_bytes<k5>() : K * kLanes;
   F16v acc[MB][NB];
   zero(acc);
@@ -903,48 +966,44 @@ void x16p_block(const int8_t* hi, const int8_t* lo, const float* e, const float*
                 sh[i][b].h[h] = sl[i][b].h[h] = _mm256_setzero_si256();
               }
       }
-    } else {
-      const __m256i low7 = _mm256_set1_epi8(0x7F), one8 = _mm256_set1_epi8(1);
+    } else {  // dh: the pairs' sums of dot(w, X), dl unused (the sums are complete: no offset below)
+      const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
 #pragma GCC unroll 8
       for (int64_t j = 0; j < kGroup / 4; ++j) {
         const int64_t k = g * kGroup + 4 * j;
-        __m256i u7[NB][2], top[NB][2];
+        __m256i w16[NB][4];  // channels 0-3, 4-7, 8-11, 12-15: 4 K-values each as int16
         for (int b = 0; b < NB; ++b) {
           if (pf) _mm_prefetch(reinterpret_cast<const char*>(pf + b * block + k * kLanes), _MM_HINT_T0);
           for (int h = 0; h < 2; ++h) {
-            const __m256i v = load256(w + b * block + k * kLanes + 32 * h);
-            u7[b][h] = _mm256_and_si256(v, low7);
-            top[b][h] = _mm256_and_si256(_mm256_srli_epi16(v, 7), one8);
+            const __m256i v = _mm256_xor_si256(load256(w + b * block + k * kLanes + 32 * h), flip);
+            w16[b][2 * h] = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(v));
+            w16[b][2 * h + 1] = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(v, 1));
           }
         }
         for (int i = 0; i < MB; ++i) {
-          const __m256i hb = bcast4(hi + i * K + k), lb = bcast4(lo + i * K + k);
+          int64_t quad;
+          std::memcpy(&quad, x16 + i * K + k, 8);
+          const __m256i xb = _mm256_set1_epi64x(quad);
           for (int b = 0; b < NB; ++b)
             for (int h = 0; h < 2; ++h) {
-              dh[i][b].h[h] = _mm256_add_epi32(dh[i][b].h[h], madd1(_mm256_maddubs_epi16(u7[b][h], hb)));
-              dl[i][b].h[h] = _mm256_add_epi32(dl[i][b].h[h], madd1(_mm256_maddubs_epi16(u7[b][h], lb)));
-              sh[i][b].h[h] = _mm256_add_epi16(sh[i][b].h[h], _mm256_maddubs_epi16(top[b][h], hb));
-              sl[i][b].h[h] = _mm256_add_epi16(sl[i][b].h[h], _mm256_maddubs_epi16(top[b][h], lb));
+              sh[i][b].h[h] = _mm256_add_epi32(sh[i][b].h[h], _mm256_madd_epi16(w16[b][2 * h], xb));
+              sl[i][b].h[h] = _mm256_add_epi32(sl[i][b].h[h], _mm256_madd_epi16(w16[b][2 * h + 1], xb));
             }
         }
       }
-      const __m256i c128 = _mm256_set1_epi16(128);
+      // [c0 c0 c1 c1 c2 c2 c3 c3] and [c4 c4 ... c7 c7] -> hadd [c0 c1 c4 c5 | c2 c3 c6 c7] -> in order
       for (int i = 0; i < MB; ++i)
         for (int b = 0; b < NB; ++b)
-          for (int h = 0; h < 2; ++h) {
-            dh[i][b].h[h] = _mm256_add_epi32(dh[i][b].h[h], _mm256_madd_epi16(sh[i][b].h[h], c128));
-            dl[i][b].h[h] = _mm256_add_epi32(dl[i][b].h[h], _mm256_madd_epi16(sl[i][b].h[h], c128));
-          }
+          for (int h = 0; h < 2; ++h)
+            dh[i][b].h[h] = _mm256_permute4x64_epi64(_mm256_hadd_epi32(sh[i][b].h[h], sl[i][b].h[h]), 0xD8);
     }
     F16v ds[NB], ms[NB];
     for (int b = 0; b < NB; ++b) sc.at(b, g, ds[b], ms[b]);
     for (int i = 0; i < MB; ++i) {
       const __m256 ei = _mm256_set1_ps(e[i * G + g]);
-      const __m256i offset = _mm256_set1_epi32(kQ4 ? 0 : 128 * sums[i * G + g]);
       for (int b = 0; b < NB; ++b)
         for (int h = 0; h < 2; ++h) {
-          __m256i dot = _mm256_add_epi32(_mm256_slli_epi32(dh[i][b].h[h], 8), dl[i][b].h[h]);
-          if (!kQ4) dot = _mm256_sub_epi32(dot, offset);
+          const __m256i dot = kQ4 ? _mm256_add_epi32(_mm256_slli_epi32(dh[i][b].h[h], 8), dl[i][b].h[h]) : dh[i][b].h[h];
           acc[i][b].h[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), sc.scaled() ? _mm256_mul_ps(ds[b].h[h], ei) : ei,
                                            acc[i][b].h[h]);
           if (kQ4) acc[i][b].h[h] = _mm256_fmadd_ps(ms[b].h[h], _mm256_set1_ps(sx[i * G + g]), acc[i][b].h[h]);
@@ -1512,6 +1571,18 @@ void arlm_kernels::linear_a8p_residual(const float* x, int64_t M, int64_t K, con
     halves.resize(std::max<size_t>(halves.size(), M * H));
     half_sums(hi, lo, M, K, halves.data());
   }
+  const int16_t* x16 = nullptr;  // x as 16 bits, 256 hi + lo: AVX2's int8 layouts (x16p_block)
+#ifndef ARLM_AVX512
+  thread_local std::vector<int16_t> wide;
+  if (!q4 && kind != Packed::kQ6_K) {
+    wide.resize(std::max<size_t>(wide.size(), M * K));
+    int16_t* xw = wide.data();
+    at::parallel_for(0, M * K, 4096, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) xw[i] = static_cast<int16_t>(256 * hi[i] + lo[i]);
+    });
+    x16 = xw;
+  }
+#endif
   const int32_t* hs = halves.data();
   // Each thread's tiles are taken a chunk of rows at a time: the chunk's codes (64 rows: 74 KB at
   // K = 576, 197 KB at 1,536) stay in L2 across the tiles, where all M rows would be read again
@@ -1578,8 +1649,9 @@ void arlm_kernels::linear_a8p_residual(const float* x, int64_t M, int64_t K, con
             if (nb == 2) x16p_block<true, MB, 2>(h, l, em, sm, um, K, wt, fs, pf, out);
             else x16p_block<true, MB, 1>(h, l, em, sm, um, K, wt, fs, pf, out);
           } else {
-            if (nb == 2) x16p_block<false, MB, 2>(h, l, em, sm, um, K, wt, fs, pf, out);
-            else x16p_block<false, MB, 1>(h, l, em, sm, um, K, wt, fs, pf, out);
+            const int16_t* xm = x16 ? x16 + m * K : nullptr;
+            if (nb == 2) x16p_block<false, MB, 2>(h, l, em, sm, um, K, wt, fs, pf, out, xm);
+            else x16p_block<false, MB, 1>(h, l, em, sm, um, K, wt, fs, pf, out, xm);
           }
           for (int i = 0; i < MB; ++i)
             for (int64_t b = 0; b < nb; ++b)  // into y, or added to it, times the int8 scale

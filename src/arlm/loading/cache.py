@@ -15,7 +15,7 @@ later run does:
 
 Later loads map `weights.bin` (a private copy-on-write map: pages come from the OS page cache
 and are shared with every other process that maps the file) and point the model's tensors into
-it: no parsing, no copy, no float32 anywhere. The layout ("packed" on AVX-512 VNNI CPUs, else
+it: no parsing, no copy, no float32 anywhere. The layout ("packed" on AVX-512 VNNI and AVX2 CPUs, the same bytes, else
 "rows") is part of the key, so a build for another ISA (ARLM_MARCH) never reads the wrong one.
 A file is found again by its content hash; `index.json` maps (path, size, mtime, inode) to that
 hash so the ~0.1 s of hashing is paid once per file version. Everything is written to a

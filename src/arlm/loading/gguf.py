@@ -7,7 +7,7 @@ back once it is converted, `GGUFFile.release`). Two ways to its weights:
 - `quantized_model` (gguf_layers.py): the file's Q4_1 and Q8_0 blocks go into arlm's quantized layers as they are
   (`arlm.quant.Q4Linear`, `Q8Linear`: the same bytes, split into weights and scales), block by
   block, without a float32 copy of the model; Q4_0 into Q4Linear (mins -8 d, exact); on CPUs
-  with AVX-512 VNNI, Q5_0 into `Q5Linear` and the K-quants Q4_K, Q5_K, Q6_K into `KQuantLinear`
+  with AVX-512 VNNI or AVX2, Q5_0 into `Q5Linear` and the K-quants Q4_K, Q5_K, Q6_K into `KQuantLinear`
   (their integer fields and scales, the values not rounded again; elsewhere Q5_0 is widened to
   Q8_0 too, and the K-quants go into the row layout with float32 scales, their values exactly:
   Q4_K into `Q4Linear`, Q5_K into `Q8MinsLinear`, Q6_K into `Q8Linear`), and a fused weight whose parts differ
