@@ -293,7 +293,8 @@ def test_metrics_page(server):
     assert "arlm_thread_width_changes_total" in m
     per_token = {k: v for k, v in m.items() if k.startswith("arlm_kv_cache_bytes_per_token{dtype=")}
     assert len(per_token) == 1 and list(per_token.values())[0] > 0
-    # every token through the integer kernels (the server's auto: vnni with AVX-512 VNNI, else avx2)
+    # every token through the integer kernels (the server's auto: vnni with the packed kernels,
+    # AVX-512 VNNI or AVX2; else avx2)
     from cpu_flags import packed_expected
 
     path = [k for k in m if k.startswith("arlm_matmul_path{")]
