@@ -406,9 +406,13 @@ def test_bf16_prefill_quality(smollm2, val_ids, fp32_perplexity):
     model = quantize(copy.deepcopy(smollm2.model), "auto", prefill_dtype=torch.bfloat16)
     layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
     assert all(m.dense_weight.dtype == torch.bfloat16 for m in layers)
-    ppl = _perplexity(model, val_ids, dense=True)
+    # Without native bf16 torch emulates the GEMMs (131 s for the four rows on a Zen 3): one row of
+    # 1,024 tokens there, against float32's perplexity on the same row.
+    ids = val_ids if native_bf16_expected() else val_ids[:1]
+    reference = fp32_perplexity if ids is val_ids else _perplexity(smollm2.model, ids)
+    ppl = _perplexity(model, ids, dense=True)
     logits = model(val_ids[:, :64], dense=True)
-    assert abs(ppl / fp32_perplexity - 1) <= 0.01, (fp32_perplexity, ppl)
+    assert abs(ppl / reference - 1) <= 0.01, (reference, ppl)
     with torch.inference_mode():
         ref = smollm2.model(val_ids[:, :64])
     agree = (logits.argmax(-1) == ref.argmax(-1)).float().mean().item()
