@@ -966,7 +966,8 @@ void x16p_block(const int8_t* hi, const int8_t* lo, const float* e, const float*
                 sh[i][b].h[h] = sl[i][b].h[h] = _mm256_setzero_si256();
               }
       }
-    } else {  // dh: the pairs' sums of dot(w, X), dl unused (the sums are complete: no offset below)
+    } else {  // sh, sl here hold int32 pair sums (channels 0-3, 4-7 of a half); dh gets dot(w, X)
+              // itself after the hadd, dl stays unused, and no 128 sum(X) offset comes off below
       const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
 #pragma GCC unroll 8
       for (int64_t j = 0; j < kGroup / 4; ++j) {
@@ -1571,7 +1572,9 @@ void arlm_kernels::linear_a8p_residual(const float* x, int64_t M, int64_t K, con
     halves.resize(std::max<size_t>(halves.size(), M * H));
     half_sums(hi, lo, M, K, halves.data());
   }
-  const int16_t* x16 = nullptr;  // x as 16 bits, 256 hi + lo: AVX2's int8 layouts (x16p_block)
+  // x as 16 bits, 256 hi + lo: AVX2's int8 layouts (x16p_block). (A second pass over the codes
+  // quantize_group16 just split; ~1% of a prompt's time, nothing at batch 1: left.)
+  const int16_t* x16 = nullptr;
 #ifndef ARLM_AVX512
   thread_local std::vector<int16_t> wide;
   if (!q4 && kind != Packed::kQ6_K) {
