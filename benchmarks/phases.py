@@ -14,8 +14,8 @@ bytes its layers hold / its time; the memory-bound figure at batch 1) and the mu
 rate (GMAC/s), and for attention the rate at which it reads the cached K/V (GB/s); "other" is the rest of the step (embedding
 lookup, op dispatch). Each case is the best of --repeat runs of --steps steps.
 
-The timer is in the kernels' profiling build only (`kernels.use_profiling_build`: built once,
-beside the normal build, the first time this runs).
+The timer is in every build of the kernels, off until this switches it on: the step it times is
+the one the engine runs.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from arlm import kernels  # noqa: E402
 from arlm.kv_cache import KVCache, kv_dtype_name, quantize_rows  # noqa: E402
 from arlm.llm import LLM  # noqa: E402
 from bench_args import SMOLLM2_MAX_SEQ_LEN, positive_int  # noqa: E402
@@ -45,15 +44,11 @@ def weight_bytes_of(module: torch.nn.Module) -> int:
 
 
 def run_case(llm: LLM, batch: int, context: int, steps: int, repeat: int) -> dict:
-    """One BATCHxCONTEXT case; the kernels must be the profiling build (`kernels.use_profiling_build()`
-    before `llm` was loaded)."""
+    """One BATCHxCONTEXT case."""
     model, cfg = llm.model, llm.model.config
     native = llm.runner.native
     if native is None or llm.runner.decode_fn is not None:
         raise SystemExit("phases.py: the native step does not apply here (it needs the native kernels on CPU)")
-    if not hasattr(torch.ops.arlm, "decode_profile"):
-        raise SystemExit("phases.py: the kernels were loaded without the per-pass timer "
-                         "(call arlm.kernels.use_profiling_build() before loading the model)")
     cache = KVCache.contiguous(cfg, batch, context + 1, dtype=llm.kv_dtype)
     if cache.quantized:  # random rows, quantized as the kernels write them
         for layer in range(cfg.n_layer):
@@ -137,7 +132,6 @@ def main() -> int:
     if args.model == "smollm2":
         check_window(SMOLLM2_MAX_SEQ_LEN)  # before the load
     torch.set_num_threads(args.threads)
-    kernels.use_profiling_build()
     llm = LLM.load(args.model, kv_dtype=args.kv_dtype)
     check_window(llm.model.config.max_seq_len)
     print(f"arlm {llm.quantization} weights, KV cache {kv_dtype_name(llm.kv_dtype)}, "

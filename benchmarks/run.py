@@ -36,7 +36,6 @@ if __name__ == "__main__":  # (other benchmarks import this module after torch)
 import torch  # noqa: E402
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from arlm import kernels  # noqa: E402
 from arlm.llm import LLM  # noqa: E402
 from arlm.loading import resolve_model_path  # noqa: E402
 from arlm.quant import weight_bytes  # noqa: E402
@@ -209,9 +208,6 @@ def main() -> int:
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    # linears_share_s reads the native step's per-pass timer, which only the profiling build has;
-    # with the timer off its passes run the normal build's code.
-    kernels.use_profiling_build()
     res: dict = {"machine": machine(), "load_average": os.getloadavg()}
     print(f"machine: {res['machine']}  load average: {res['load_average']}")
     res["memory_read_gbs"] = memory_bandwidth_gbs()

@@ -10,9 +10,7 @@ float32 model's, and logits close to the module path's.
 from __future__ import annotations
 
 import copy
-import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -192,7 +190,7 @@ def test_layout_header_is_in_the_build_and_its_key(monkeypatch):
     if native_kernels_expected():
         assert kernels.native_available()
         assert (build / "arlm_layout.h").read_text() == layout.header()
-    assert kernels._build_dir("arlm_kernels", kernels._SOURCES, ("ARLM_PROFILE",)) != build
+    assert kernels._build_dir("arlm_kernels", kernels._SOURCES, ("ARLM_SOME_DEFINE",)) != build
     header = layout.header()
     monkeypatch.setattr(layout, "header", lambda: header.replace(f"kExactRows = {layout.EXACT_ROWS};",
                                                                  f"kExactRows = {layout.EXACT_ROWS + 1};"))
@@ -212,48 +210,30 @@ def test_layout_header_holds_each_python_value(tmp_path):
     assert proc.returncode == 0, proc.stderr
 
 
-def test_normal_build_has_no_pass_timer():
-    """decode.cpp's per-pass timer (plain globals) is compiled into the profiling build only, and
-    a process that loaded the normal build cannot switch to it (both register the same ops)."""
-    loaded = kernels.native_available()
-    assert not hasattr(torch.ops.arlm, "decode_profile")
-    with pytest.raises(RuntimeError, match="already asked for"):
-        kernels.use_profiling_build()
-    assert loaded == kernels.native_available() and not hasattr(torch.ops.arlm, "decode_profile")
-
-
-# A subprocess's program, `python -c PROFILED_STEP TESTS_DIR`: one native decode step and head of a
-# small Llama in the profiling build, printing the per-pass seconds the timer summed.
-PROFILED_STEP = """
-import sys
-sys.path.insert(0, sys.argv[1])
-import torch
-from arlm import kernels
-kernels.use_profiling_build()
-from arlm.kernels.llama import NativeLlama
-from arlm.kv_cache import KVCache
-from conftest import arlm_from_hf, hf_llama
-
-model = arlm_from_hf(hf_llama(seed=3))
-native = NativeLlama.bind(model)
-cache = KVCache.contiguous(model.config, 2, 8)
-with torch.inference_mode():
-    x = native.embed(torch.tensor([1, 2]))
-    torch.ops.arlm.decode_profile(True)
-    native.decode(x, cache.k, cache.v, torch.tensor([0, 0]), 1, cache.format)
-    native.head(x)
-    print(torch.ops.arlm.decode_profile(False).tolist())
-"""
-
-
-@pytest.mark.slow  # builds the profiling variant of the kernels (once per source version)
 @pytest.mark.skipif(not native_kernels_expected(), reason="the native kernels are not built here")
-def test_profiling_build_times_every_pass():
-    proc = subprocess.run([sys.executable, "-c", PROFILED_STEP, str(ROOT / "tests")], capture_output=True,
-                          text=True, timeout=900, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr
-    seconds = json.loads(proc.stdout.strip().splitlines()[-1])  # [norm 1, q/k/v, ..., down, final norm + head]
+def test_pass_timer_sums_each_pass_only_while_on():
+    """decode.cpp's per-pass timer (benchmarks/phases.py): off by default, every pass of the native
+    step (and the head) timed while on, and each read returns the sums since the last and zeroes them."""
+    assert kernels.native_available()
+    model = arlm_from_hf(hf_llama(seed=3))
+    native = NativeLlama.bind(model)
+    cache = KVCache.contiguous(model.config, 2, 8)
+
+    def step(pos: int) -> None:
+        x = native.embed(torch.tensor([1, 2]))
+        native.decode(x, cache.k, cache.v, torch.tensor([pos, pos]), 1, cache.format)
+        native.head(x)
+
+    with torch.inference_mode():
+        torch.ops.arlm.decode_profile(False)  # whatever an earlier test left
+        step(0)
+        assert torch.ops.arlm.decode_profile(True).tolist() == [0.0] * 9  # off: nothing summed
+        step(1)
+        seconds = torch.ops.arlm.decode_profile(False).tolist()  # [norm 1, q/k/v, ..., down, final norm + head]
+        step(2)
+        after = torch.ops.arlm.decode_profile(False).tolist()
     assert len(seconds) == 9 and all(t > 0 for t in seconds), seconds
+    assert after == [0.0] * 9
 
 
 def test_native_step_rows_are_independent():

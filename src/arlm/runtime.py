@@ -32,8 +32,6 @@ class Runtime:
     def __init__(self, threads: ThreadGovernor | None = None) -> None:
         self._threads = threads
         self._libraries: dict[str, bool] = {}  # name -> loaded (False: unavailable, fallbacks serve)
-        # the native kernels with decode.cpp's per-pass timer (arlm.kernels.use_profiling_build)
-        self.profiling_kernels = False
 
     @property
     def threads(self) -> ThreadGovernor:

@@ -9,8 +9,8 @@ products, 2-3x faster with several rows; a8_linear.cpp). When the kernels cannot
 compiler, a build error) the ops run as pure-PyTorch fallbacks: correct, slower.
 
 ARLM_MARCH (default "native") is the compiler's -march: e.g. ARLM_MARCH=znver3 builds the AVX2
-paths on an AVX-512 machine, to test what a CPU without AVX-512 runs. `use_profiling_build()`
-selects a build with decode.cpp's per-pass timer compiled in (benchmarks/phases.py).
+paths on an AVX-512 machine, to test what a CPU without AVX-512 runs. decode.cpp's per-pass
+timer is in every build, off until `torch.ops.arlm.decode_profile(True)` (benchmarks/phases.py).
 """
 
 from __future__ import annotations
@@ -163,18 +163,6 @@ def matmul_isa(path: str) -> str:
     return {"AVX512": "AVX512", "AVX2": "AVX2"}.get(torch.backends.cpu.get_cpu_capability(), "default")
 
 
-def use_profiling_build() -> None:
-    """Build and load the kernels with decode.cpp's per-pass timer compiled in (ARLM_PROFILE:
-    `torch.ops.arlm.decode_profile`, benchmarks/phases.py) instead of the normal build, which has
-    none. The two builds register the same ops, so a process loads one of them: call this before
-    anything uses the kernels."""
-    rt = runtime()
-    if rt.has_library(_LIBRARY) and not rt.profiling_kernels:
-        raise RuntimeError("the native kernels were already asked for without the per-pass timer: "
-                           "select the profiling build before anything uses them")
-    rt.profiling_kernels = True
-
-
 def native_available() -> bool:
     """The native kernels (linears, the layer stack, paged attention) are built and loaded."""
     return runtime().library(_LIBRARY, _load_kernels)
@@ -197,9 +185,7 @@ def attention_backward_supported() -> bool:
 
 
 def _load_kernels() -> bool:
-    profile = runtime().profiling_kernels
-    name, defines = ("arlm_kernels_profile", ("ARLM_PROFILE",)) if profile else (_LIBRARY, ())
-    loaded = (load_native(name, _SOURCES, "native int8/4-bit kernels", defines)
+    loaded = (load_native(_LIBRARY, _SOURCES, "native int8/4-bit kernels")
               and all(hasattr(torch.ops.arlm, op) for op in
                       ("int8_linear", "q4_linear", "int8_linear_a8", "q4_linear_a8", "decode_llama",
                        "paged_attention")))

@@ -21,9 +21,7 @@
 #include "paged_attention.h"
 
 #include <atomic>
-#ifdef ARLM_PROFILE
 #include <chrono>
-#endif
 #include <cmath>
 #include <cstdlib>
 #include <initializer_list>
@@ -492,26 +490,22 @@ struct Buffers {
 // RoPE); it writes the attention output [N, H * hd] to buf.attn, and quantized into xq when xq is
 // given. Per layer: norm (+ quantize), q/k/v, attention, output projection + residual, norm
 // (+ quantize), gate/up, SiLU * up (+ quantize), down + residual: eight passes over the threads.
-// timed(pass, f) runs f. In the profiling build (ARLM_PROFILE, kernels.use_profiling_build) it
-// also sums each pass's wall time over layers and calls while switched on
-// (torch.ops.arlm.decode_profile; benchmarks/phases.py): where a step's time goes. A tool for one
-// decoding thread at a time: the sums are plain globals, which is why the normal build has none.
+// timed(pass, f) runs f; while the per-pass timer is switched on (torch.ops.arlm.decode_profile;
+// benchmarks/phases.py) it also sums each pass's wall time over layers and calls: where a step's
+// time goes. Off, it costs one relaxed load a pass. The sums are process-wide: two threads decoding
+// at once while it is on add their passes into the same sums (a tool for one decoding thread).
 enum Phase { kNorm1, kQkv, kAttention, kWoPass, kNorm2, kGateUpPass, kSilu, kDownPass, kHead, kPhases };
-#ifdef ARLM_PROFILE
-bool g_profile = false;
-double g_phase_seconds[kPhases] = {};
+std::atomic<bool> g_profile{false};
+std::atomic<int64_t> g_phase_ns[kPhases] = {};
 
 template <typename F>
 inline void timed(Phase phase, F f) {
-  if (!g_profile) return f();
+  if (!g_profile.load(std::memory_order_relaxed)) return f();
   const auto t0 = std::chrono::steady_clock::now();
   f();
-  g_phase_seconds[phase] += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0);
+  g_phase_ns[phase].fetch_add(ns.count(), std::memory_order_relaxed);
 }
-#else
-template <typename F>
-inline void timed(Phase, F f) { f(); }
-#endif
 
 // x[i] += rms_norm(h[i]) * w for N rows of d (Gemma's norm on a branch's output before its
 // residual add); h is overwritten.
@@ -870,16 +864,13 @@ void llama_head(const at::Tensor& x, const at::Tensor& norm, at::TensorList head
   });
 }
 
-#ifdef ARLM_PROFILE
+#ifndef ARLM_BARE
 // Switches the per-pass timing on or off and returns the seconds summed since the last call
 // [norm 1, q/k/v, attention, wo, norm 2, gate/up, SiLU, down, final norm + head], then zeroes them.
 at::Tensor decode_profile(bool on) {
   at::Tensor t = at::empty({kPhases}, at::TensorOptions().dtype(at::kDouble));
-  for (int i = 0; i < kPhases; ++i) {
-    t.data_ptr<double>()[i] = g_phase_seconds[i];
-    g_phase_seconds[i] = 0;
-  }
-  g_profile = on;
+  for (int i = 0; i < kPhases; ++i) t.data_ptr<double>()[i] = 1e-9 * static_cast<double>(g_phase_ns[i].exchange(0));
+  g_profile.store(on);
   return t;
 }
 #endif
@@ -988,9 +979,7 @@ TORCH_LIBRARY_FRAGMENT(arlm, m) {
         "int[] windows, Tensor local_cos, Tensor local_sin, Tensor(d!) local_k, Tensor(e!) local_v, "
         "Tensor local_table) -> ()");
   m.def("llama_head(Tensor x, Tensor norm, Tensor[] head, float eps, bool a8, bool residual, Tensor(a!) out) -> ()");
-#ifdef ARLM_PROFILE
   m.def("decode_profile(bool on) -> Tensor", &decode_profile);
-#endif
 }
 
 TORCH_LIBRARY_IMPL(arlm, CPU, m) {
