@@ -281,6 +281,26 @@ struct KV<QR<B, G>> {
         const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q));
         _mm512_storeu_ps(buf + i, _mm512_add_ps(_mm512_mul_ps(v, _mm512_set1_ps(d)), _mm512_set1_ps(m)));
       }
+#elif defined(__AVX2__) && defined(__FMA__)
+      for (; e < G; e += 16) {  // the same 16 codes; the fifth bits spread to bytes by a shuffle
+        const int64_t i = G * g + e;
+        const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(low + i / 2));
+        const __m128i lo = _mm_and_si128(b, _mm_set1_epi8(0x0F)), hi = _mm_and_si128(_mm_srli_epi16(b, 4),
+                                                                                      _mm_set1_epi8(0x0F));
+        __m128i q = _mm_unpacklo_epi8(lo, hi);
+        if (B == 5) {
+          uint16_t bits;
+          std::memcpy(&bits, high + i / 8, 2);
+          const __m128i spread = _mm_shuffle_epi8(_mm_set1_epi16(static_cast<int16_t>(bits)),
+                                                  _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1));
+          const __m128i bit = _mm_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+          q = _mm_or_si128(q, _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(spread, bit), bit), _mm_set1_epi8(0x10)));
+        }
+        for (int half = 0; half < 2; ++half) {
+          const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(half ? _mm_srli_si128(q, 8) : q));
+          _mm256_storeu_ps(buf + i + 8 * half, _mm256_add_ps(_mm256_mul_ps(v, _mm256_set1_ps(d)), _mm256_set1_ps(m)));
+        }
+      }
 #endif
       for (; e < G; ++e) {
         const int64_t i = G * g + e;
@@ -338,7 +358,8 @@ constexpr int64_t kPrefetch = ARLM_PREFETCH;
 //
 // Scores: each key row loaded once for NH of the G heads, each head's sum in its own chain over
 // the row in order, then hsum: the operations dot() does for one head, so the same bits.
-// (Quantized rows take the generic loops: these are compiled for float and float16 only.)
+// (Quantized rows take the generic loops, on rows KV<T>::view dequantizes: int4's 16 codes a
+// vector (KV<QR>::view), int8's in a loop GCC vectorizes itself (a hand-written one: no faster).)
 template <typename T>
 constexpr bool kPlainRows = std::is_same_v<T, float> || std::is_same_v<T, at::Half>;
 
