@@ -205,6 +205,12 @@ struct KV<Q8> {
   }
 };
 
+// 8 bytes of 4-bit codes as 16 bytes, in order (value 2i the low nibble of byte i, 2i + 1 the high).
+inline __m128i nibbles16(const uint8_t* p) {
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)), low4 = _mm_set1_epi8(0x0F);
+  return _mm_unpacklo_epi8(_mm_and_si128(b, low4), _mm_and_si128(_mm_srli_epi16(b, 4), low4));
+}
+
 template <int B, int G>
 struct KV<QR<B, G>> {
   static constexpr bool quantized = true, rotated = true;
@@ -244,10 +250,7 @@ struct KV<QR<B, G>> {
 #else
     const uint8_t* low = reinterpret_cast<const uint8_t*>(row);
     const uint8_t* params = low + hd / 2 + (B == 5 ? hd / 8 : 0) + 4 * (16 * c / G);
-    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(low + 8 * c));
-    const __m128i lo = _mm_and_si128(b, _mm_set1_epi8(0x0F)), hi = _mm_and_si128(_mm_srli_epi16(b, 4),
-                                                                                  _mm_set1_epi8(0x0F));
-    __m128i q = _mm_unpacklo_epi8(lo, hi);
+    __m128i q = nibbles16(low + 8 * c);
     if (B == 5) {
       uint16_t bits;
       std::memcpy(&bits, low + hd / 2 + 2 * c, 2);
@@ -269,10 +272,7 @@ struct KV<QR<B, G>> {
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
       for (; e < G; e += 16) {  // 8 bytes -> 16 codes, in order: low nibble, high nibble, ...
         const int64_t i = G * g + e;
-        const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(low + i / 2));
-        const __m128i lo = _mm_and_si128(b, _mm_set1_epi8(0x0F)), hi = _mm_and_si128(_mm_srli_epi16(b, 4),
-                                                                                      _mm_set1_epi8(0x0F));
-        __m128i q = _mm_unpacklo_epi8(lo, hi);
+        __m128i q = nibbles16(low + i / 2);
         if (B == 5) {
           uint16_t bits;
           std::memcpy(&bits, high + i / 8, 2);
@@ -284,10 +284,7 @@ struct KV<QR<B, G>> {
 #elif defined(__AVX2__) && defined(__FMA__)
       for (; e < G; e += 16) {  // the same 16 codes; the fifth bits spread to bytes by a shuffle
         const int64_t i = G * g + e;
-        const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(low + i / 2));
-        const __m128i lo = _mm_and_si128(b, _mm_set1_epi8(0x0F)), hi = _mm_and_si128(_mm_srli_epi16(b, 4),
-                                                                                      _mm_set1_epi8(0x0F));
-        __m128i q = _mm_unpacklo_epi8(lo, hi);
+        __m128i q = nibbles16(low + i / 2);
         if (B == 5) {
           uint16_t bits;
           std::memcpy(&bits, high + i / 8, 2);
