@@ -1015,14 +1015,21 @@ void x16p_block(const int8_t* hi, const int8_t* lo, const float* e, const float*
 }
 
 // load_q6 of the AVX-512 section as two halves: half h holds the 512-bit vector's 128-bit lanes
-// 2h and 2h + 1, whose 32-bit elements it rotates right by 4h and 4h + 2.
+// 2h and 2h + 1, whose 32-bit elements that rotates right by 4h and 4h + 2 before the mask 0x30
+// keeps bits 4-5 of each byte. Without AVX-512's rorv, the same bits in fewer operations: half 0
+// (0 and 2) by a right shift alone (no byte's bits 4-5 come from past its element's top), half 1
+// (4 and 6: bits 0-1 or 2-3 of the next byte of the element, the top byte's from the bottom one)
+// by the bytes rotated one place in each element, then shifted left by 4 or 2 bits.
 template <int NB>
 inline void load_q6(const uint8_t* w, int64_t block, int64_t k, const uint8_t* pf, __m256i (&lo)[NB][2],
                     __m256i (&hi)[NB][2]) {
   const __m256i low4 = _mm256_set1_epi8(0x0F), top2 = _mm256_set1_epi8(0x30);
-  const __m256i right[2] = {_mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2), _mm256_setr_epi32(4, 4, 4, 4, 6, 6, 6, 6)};
-  const __m256i left[2] = {_mm256_setr_epi32(32, 32, 32, 32, 30, 30, 30, 30),  // (32: shifted out entirely)
-                           _mm256_setr_epi32(28, 28, 28, 28, 26, 26, 26, 26)};
+  const __m256i right = _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2), left = _mm256_setr_epi32(4, 4, 4, 4, 2, 2, 2, 2);
+  const __m256i next_byte = _mm256_setr_epi8(1, 2, 3, 0, 5, 6, 7, 4, 9, 10, 11, 8, 13, 14, 15, 12,
+                                             1, 2, 3, 0, 5, 6, 7, 4, 9, 10, 11, 8, 13, 14, 15, 12);
+  auto turned = [&](__m256i t, int h) {
+    return h == 0 ? _mm256_srlv_epi32(t, right) : _mm256_sllv_epi32(_mm256_shuffle_epi8(t, next_byte), left);
+  };
   const int64_t at = k / 8 * 96;
   for (int b = 0; b < NB; ++b) {
     const uint8_t* p = w + b * block + at;
@@ -1034,10 +1041,8 @@ inline void load_q6(const uint8_t* w, int64_t block, int64_t k, const uint8_t* p
     const __m256i t1 = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 80)));
     for (int h = 0; h < 2; ++h) {
       const __m256i v = load256(p + 32 * h);
-      const __m256i r0 = _mm256_or_si256(_mm256_srlv_epi32(t0, right[h]), _mm256_sllv_epi32(t0, left[h]));
-      const __m256i r1 = _mm256_or_si256(_mm256_srlv_epi32(t1, right[h]), _mm256_sllv_epi32(t1, left[h]));
-      lo[b][h] = _mm256_or_si256(_mm256_and_si256(v, low4), _mm256_and_si256(r0, top2));
-      hi[b][h] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low4), _mm256_and_si256(r1, top2));
+      lo[b][h] = _mm256_or_si256(_mm256_and_si256(v, low4), _mm256_and_si256(turned(t0, h), top2));
+      hi[b][h] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low4), _mm256_and_si256(turned(t1, h), top2));
     }
   }
 }
