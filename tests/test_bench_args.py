@@ -102,6 +102,9 @@ CASES = [
     ("run.py", ["--new-tokens", "514"]),  # the 512-token prompt + 513 no longer fit llama.cpp's 1024
     ("run.py", ["--batch-new-tokens", "0"]),
     ("run.py", ["--batch-new-tokens", "9000"]),
+    ("layer_rates.py", ["--model", "m.gguf", "--rows", "1,0"]),
+    ("layer_rates.py", ["--model", "m.gguf", "--threads", "0"]),
+    ("layer_rates.py", ["--model", "m.gguf", "--activations", "int4"]),
     ("phases.py", ["--threads", "0"]),
     ("phases.py", ["--cases", "1x32", "--steps", "0"]),
     ("phases.py", ["--cases", "1x32", "--repeat", "0"]),
