@@ -39,18 +39,18 @@ install-test: $(VENV)/.installed-test
 run: install
 	$(VENV)/bin/arlm generate "$(PROMPT)" $(ARGS)
 
-# (No global OpenMP wait policy: the tests run servers and clients side by side on the same cores,
-# and the servers and commands they start narrow their threads while others keep the cores busy:
-# src/arlm/threads.py. The test process itself steps at a fixed width, OMP_NUM_THREADS or 2,
-# so that no outcome follows the machine's load: tests/conftest.py.)
+# Two pytest processes of one thread each, a test file apiece: 888 s on 2 cores, where one
+# process of two threads took 1,357 s (much of a test is Python, on one core; two processes of two
+# threads each oversubscribe the cores and take longer). One thread a process leaves the kernels'
+# split over threads to the tests that set the width themselves (tests/test_threads.py: the same
+# tokens at widths 1, 2 and changing). (No global OpenMP wait policy: the tests run servers and
+# clients side by side on the same cores, and the servers and commands they start narrow their
+# threads while others keep the cores busy: src/arlm/threads.py. Each test process steps at a fixed
+# width, OMP_NUM_THREADS or 2, so that no outcome follows the machine's load: tests/conftest.py.)
 test: install-test
-	$(PY) -m pytest -q --durations=25 tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadfile --durations=25 tests
 
-# The same without the tests marked slow, for the edit-test loop: two pytest processes of one
-# thread each, a test file apiece (99 s on 2 cores, where one process of two threads takes ~165 s:
-# much of a short test is Python, on one core; two processes of two threads each oversubscribe
-# the cores and take longer). Not for `make test`: its servers and replica clusters are sized for
-# one test at a time.
+# The same without the tests marked slow, for the edit-test loop (~100 s).
 test-fast: install-test
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadfile -m "not slow" tests
 

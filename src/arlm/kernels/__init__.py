@@ -15,6 +15,8 @@ timer is in every build, off until `torch.ops.arlm.decode_profile(True)` (benchm
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
@@ -66,23 +68,44 @@ def load_native(name: str, sources: list[Path], what: str, defines: tuple[str, .
         build = _build_dir(name, sources, defines)
         build.mkdir(parents=True, exist_ok=True)
         lib = build / f"{name}.so"
-        if lib.exists():
-            torch.ops.load_library(str(lib))
-        else:
-            from torch.utils.cpp_extension import load  # ~0.15 s (setuptools): only to build
-
-            print(f"arlm: building the {what} for this CPU (once, ~1 min)...", file=sys.stderr)
-            (build / _LAYOUT_HEADER).write_text(layout.header())
-            load(name=name, sources=[str(p) for p in sources], build_directory=str(build),
-                 extra_include_paths=[str(build)],
-                 # -fopenmp: at::parallel_for is an OpenMP pragma in a header; without the flag it
-                 # silently runs on one thread. libgomp.so.1 resolves to torch's own copy.
-                 extra_cflags=["-O3", f"-march={_march()}", "-fopenmp", *(f"-D{d}" for d in defines)],
-                 extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+        # (the linker writes lib in place: a build in another process ends before this one looks;
+        # not "lock", the name of torch's own baton file there)
+        with _exclusive(build / "arlm-build.lock"):
+            _load_or_build(name, sources, what, defines, build, lib)
         return True
     except Exception as e:  # noqa: BLE001 - any build failure means: use the fallback
         log.warning("%s unavailable (%s); using the PyTorch fallback", what, e)
         return False
+
+
+@contextlib.contextmanager
+def _exclusive(path: Path):
+    """An exclusive lock on the file `path` while the block runs (none where it cannot be opened
+    for writing: a read-only cache, where nothing is built)."""
+    try:
+        f = open(path, "w")
+    except OSError:
+        yield
+        return
+    with f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
+def _load_or_build(name: str, sources: list[Path], what: str, defines: tuple[str, ...], build: Path, lib: Path) -> None:
+    if lib.exists():
+        torch.ops.load_library(str(lib))
+    else:
+        from torch.utils.cpp_extension import load  # ~0.15 s (setuptools): only to build
+
+        print(f"arlm: building the {what} for this CPU (once, ~1 min)...", file=sys.stderr)
+        (build / _LAYOUT_HEADER).write_text(layout.header())
+        load(name=name, sources=[str(p) for p in sources], build_directory=str(build),
+             extra_include_paths=[str(build)],
+             # -fopenmp: at::parallel_for is an OpenMP pragma in a header; without the flag it
+             # silently runs on one thread. libgomp.so.1 resolves to torch's own copy.
+             extra_cflags=["-O3", f"-march={_march()}", "-fopenmp", *(f"-D{d}" for d in defines)],
+             extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
 
 
 def cpu_has_native_bf16() -> bool:
