@@ -8,12 +8,30 @@ and the directory flushed so that the rename itself survives a crash. Checkpoint
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import secrets
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterable
+
+
+@contextmanager
+def locked(path: Path):
+    """The file `path` (made where missing) held under an exclusive flock while the block runs:
+    one process at a time. Where it cannot be opened for writing (a read-only directory), without
+    it."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        f = open(path, "a")
+    except OSError:
+        yield
+        return
+    with f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
 
 
 def cache_home() -> Path:

@@ -8,15 +8,13 @@ in a process that never imports torch (everything under `arlm.loading` does).
 
 from __future__ import annotations
 
-import fcntl
 import importlib.metadata
 import json
 import mmap
 import os
-from contextlib import contextmanager
 from pathlib import Path
 
-from .files import atomic_write_text, cache_home
+from .files import atomic_write_text, cache_home, locked
 
 FORMAT = 10  # (a layer kind or field the loader adds is a new format: the old directories are rebuilt)
 
@@ -65,21 +63,6 @@ def _current(stamp: str) -> bool:
         return False
 
 
-@contextmanager
-def _locked(root: Path):
-    """The root's lock file held (flock): `index.json`'s read-modify-write and the sweep, one
-    process at a time. Where it cannot be taken (a read-only root), without it."""
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        f = open(root / ".lock", "a")
-    except OSError:
-        yield
-        return
-    with f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        yield
-
-
 def hash_remembered(path: Path) -> bool:
     """Whether `index.json` holds this file version's sha256 (`file_hash` reads no byte of it)."""
     try:
@@ -120,7 +103,7 @@ def file_hash(path: Path) -> str:
         return index[stamp]
     digest = _sha256(path)
     try:
-        with _locked(index_path.parent):
+        with locked(index_path.parent / ".lock"):  # (index.json's read-modify-write and the sweep's)
             try:
                 index = json.loads(index_path.read_text())  # (again: another process may have added to it)
             except (OSError, ValueError):

@@ -15,8 +15,6 @@ timer is in every build, off until `torch.ops.arlm.decode_profile(True)` (benchm
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import logging
 import os
@@ -26,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from ..files import cache_home
+from ..files import cache_home, locked
 from ..runtime import runtime
 from . import layout
 
@@ -70,26 +68,12 @@ def load_native(name: str, sources: list[Path], what: str, defines: tuple[str, .
         lib = build / f"{name}.so"
         # (the linker writes lib in place: a build in another process ends before this one looks;
         # not "lock", the name of torch's own baton file there)
-        with _exclusive(build / "arlm-build.lock"):
+        with locked(build / "arlm-build.lock"):
             _load_or_build(name, sources, what, defines, build, lib)
         return True
     except Exception as e:  # noqa: BLE001 - any build failure means: use the fallback
         log.warning("%s unavailable (%s); using the PyTorch fallback", what, e)
         return False
-
-
-@contextlib.contextmanager
-def _exclusive(path: Path):
-    """An exclusive lock on the file `path` while the block runs (none where it cannot be opened
-    for writing: a read-only cache, where nothing is built)."""
-    try:
-        f = open(path, "w")
-    except OSError:
-        yield
-        return
-    with f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        yield
 
 
 def _load_or_build(name: str, sources: list[Path], what: str, defines: tuple[str, ...], build: Path, lib: Path) -> None:

@@ -49,8 +49,8 @@ import torch
 from tokenizers import Tokenizer as HFTokenizer
 
 from ..config import ModelConfig
-from ..files import atomic_write_text
-from ..model_files import (FORMAT, _current, _locked, _stamp, cache_dir, cache_root, file_hash,  # noqa: F401
+from ..files import atomic_write_text, locked
+from ..model_files import (FORMAT, _current, _stamp, cache_dir, cache_root, file_hash,  # noqa: F401
                            hash_remembered)
 from ..model import Transformer
 from ..quant import (Int8Linear, KQuantLinear, Q4Linear, Q5Linear, Q8Linear, Q8MinsLinear, QuantizedEmbedding,
@@ -224,7 +224,7 @@ def evict_orphans(root: Path) -> list[Path]:
     `index.json`'s entries of file versions no longer there. Under the root's lock. The
     directories removed."""
     index_path, removed = root / "index.json", []
-    with _locked(root):
+    with locked(root / ".lock"):
         try:
             index = json.loads(index_path.read_text())
         except (OSError, ValueError):
