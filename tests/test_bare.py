@@ -212,6 +212,24 @@ def test_generate_without_torch_prints_the_torch_paths_text(lib):
 
 
 @needs_packed
+def test_the_first_run_of_a_command_writes_the_plan_and_goes_on_without_torch(lib, smollm2_path):
+    """The `arlm` process itself (`python -m arlm`), the plan not written: the torch path loads
+    the file, writes the plan and hands the command over to the bare path in its place (exec):
+    the torch path's text, a stats line that says no torch, the plan there after. A command
+    handed over already (ARLM_BARE_RERUN) is not handed over again: the torch path runs it."""
+    want = _generate(bare=False)
+    plan = cache_dir(smollm2_path, "packed") / "bare-int8x2.json"
+    command = [sys.executable, "-m", "arlm", "generate", PROMPT, "--temperature", "0", "--max-new-tokens", "20"]
+    for rerun, bare in (("1", False), ("", True)):
+        plan.unlink(missing_ok=True)
+        run = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=600,
+                             env={**os.environ, "ARLM_BARE": "1", "ARLM_BARE_RERUN": rerun})
+        assert run.returncode == 0, run.stderr
+        assert ("no torch" in run.stderr.splitlines()[-1]) == bare, run.stderr
+        assert run.stdout == want.stdout and plan.exists()
+
+
+@needs_packed
 @pytest.mark.parametrize("extra", [("--seed", "3"), ("--presence-penalty", "0.5"),
                                    ("--chat-template", "{{ messages[0].content }}"), ("--kv-dtype", "int8"),
                                    ("--min-tokens", "3"), ("--regex", "[a-z ]+"), ("--matmul-path", "avx2"),

@@ -36,6 +36,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return code
     params = sampling_params(args)
     llm = load_llm(args)
+    if _COMMAND_LINE_PROCESS:  # (not a caller's process: this may replace it)
+        bare.rerun_without_torch(llm, args)
     if params.structured is not None:  # (checked before the prompt is printed)
         from .structured import GrammarError  # (imports torch)
 
@@ -395,9 +397,16 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 QUICK_EXIT = {"generate", "embed", "chat", "perplexity", "trace", "export"}
 
 
+# Whether this process is the `arlm` command itself (`entry`), whose work another process may take
+# over (exec), or a caller's that runs `main` and goes on
+_COMMAND_LINE_PROCESS = False
+
+
 def entry() -> None:
     """The `arlm` console script and `python -m arlm` (arlm.__main__): the command, then the
     process ends."""
+    global _COMMAND_LINE_PROCESS
+    _COMMAND_LINE_PROCESS = True
     code, quick = _run(None)
     if quick:
         for stream in (sys.stdout, sys.stderr):

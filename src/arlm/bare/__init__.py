@@ -20,7 +20,9 @@ matmul path there) and a float KV cache. Anything else - a chat template given, 
 structured output, speculation, penalties or a logit bias, another matmul path, dtype or KV type,
 a prompt and output longer than the plan's RoPE rows - takes the torch path, as does a file whose plan or
 library is not there yet (the torch path writes the plan; the library builds in the background,
-once per machine and source version). ARLM_BARE=0 turns this path off.
+once per machine and source version). Where only the plan was missing, the `arlm` process writes it
+once the model is loaded and runs the command on here, in its place (`rerun_without_torch`).
+ARLM_BARE=0 turns this path off.
 """
 
 from __future__ import annotations
@@ -142,6 +144,26 @@ def generate(args: argparse.Namespace) -> int | None:
               "the threads will take turns, and decode gets much slower", file=sys.stderr)
     isa = "AVX512-VNNI+AMX-INT8" if lib.amx() else lib.packed_isa()
     return _run(model, tokenizer, prompt, ids, args, threads, isa, (k, v, logits, time.perf_counter() - t0))
+
+
+def rerun_without_torch(llm, args: argparse.Namespace) -> None:
+    """The torch path's first run of a command the bare path serves (the file's first load, or
+    its plan not written yet): the plan written now, and the command run again in this process's
+    place (exec) without torch, as every later run of it is. The first load's peak memory is then
+    the torch process's while it builds the layout cache, or the bare run's, not the torch
+    process's (~290 MB at 1B) beside the whole model's pages. Returns where it cannot: the bare
+    library not built yet, the plan not written, or this command a rerun already (a prompt the
+    plan does not serve: the torch path runs it)."""
+    if os.environ.get("ARLM_BARE_RERUN") or not _served(args):
+        return
+    from . import library, write
+
+    lib = library.load()
+    if lib is None or not lib.packed() or write.save(llm, args.activations) is None:
+        return
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os.execve(sys.executable, [sys.executable, "-m", "arlm", *sys.argv[1:]], {**os.environ, "ARLM_BARE_RERUN": "1"})
 
 
 def _default_threads() -> int:
