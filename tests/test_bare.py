@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from arlm.bare import gather, library, write
+from arlm.bare import gather, library, pieces, write
 from arlm.bare.model import BareModel, BarePlan
 from arlm.kernels import layout
 from arlm.llm import LLM
@@ -177,6 +177,69 @@ def test_a_model_off_the_packed_layouts_gets_no_plan(table, tmp_path, bare_on):
     plan.unlink(missing_ok=True)  # (one an older arlm wrote for these seeded bytes)
     assert write.save(llm, "int8x2") is None
     assert not plan.exists()
+
+
+# -- SentencePiece's BPE without HF's parse (arlm.bare.pieces) ------------------------------------
+
+@pytest.fixture(scope="module")
+def gemma_tokenizer():
+    """Gemma 3 270M's tokenizer (arlm's, HF tokenizers underneath) and its arrays."""
+    tokenizer = LLM.load("gemma3-270m").tokenizer
+    arrays = pieces.build(tokenizer.backend.to_str())
+    assert arrays is not None
+    return tokenizer.backend, pieces.PieceTokenizer(arrays)
+
+
+def _strings(rng: np.random.Generator) -> list[str]:
+    """Shakespeare's text, strings of the characters where BPE's order and the added tokens'
+    cut matter, and random code points (no surrogates)."""
+    text = (ROOT / "data" / "tinyshakespeare.txt").read_text()
+    out = [text[i:i + n] for i, n in zip(rng.integers(0, len(text) - 1500, 150), rng.integers(1, 1500, 150))]
+    alphabet = list("ab  ▁▁\n\n\t<>_unused0123456789é中😀\u0301\ufffd\x00") + ["<start_of_turn>", "<eos>", "<unused12>",
+                                                                          "\n\n\n", "aaa", "<<bos>>"]
+    out += ["".join(rng.choice(alphabet, rng.integers(0, 40))) for _ in range(1000)]
+    planes = [c for c in rng.integers(1, 0x30000, 6000) if not 0xD800 <= c < 0xE000]
+    out += ["".join(map(chr, planes[i:i + 20])) for i in range(0, len(planes), 20)]
+    return out + pieces.PROBES
+
+
+def test_piece_tokenizer_gives_hf_tokenizers_ids_and_text(gemma_tokenizer):
+    """Gemma 3 270M's tokenizer as arrays: HF tokenizers' ids for ~1,450 strings, and its text
+    back for those ids and for random ids (byte pieces, special tokens, out of range), with and
+    without the special tokens."""
+    hf, mine = gemma_tokenizer
+    rng = np.random.default_rng(0)
+    assert pieces.same_as(mine, hf, _strings(rng))
+    special = sorted(mine.special)
+    for _ in range(2000):
+        ids = [int(rng.choice([rng.integers(0, 262144), rng.integers(0, 300), rng.integers(236, 600),
+                               special[rng.integers(len(special))], 262144 + 5])) for _ in range(rng.integers(0, 12))]
+        for skip in (False, True):
+            assert mine.decode(ids, skip) == hf.decode(ids, skip_special_tokens=skip), ids
+
+
+@needs_packed
+def test_gemmas_bare_start_reads_its_pieces_and_prints_the_torch_paths_text(lib):
+    """Gemma 3 270M: the plan's writer stores its tokenizer as pieces, which the bare start takes
+    in place of HF's JSON, and the bare run prints the torch path's text."""
+    from arlm import bare
+    from arlm.loading import resolve_model_path
+
+    prompt = ("--model", "gemma3-270m", "--stop", "\n\n\n")
+    want = _generate(*prompt, bare=False)
+    _generate(*prompt)  # (the plan written, where it is not yet)
+    directory = cache_dir(resolve_model_path("gemma3-270m"), "packed")
+    check = json.loads((directory / "bare-int8x2.json").read_text())["tokenizer"]["pieces"]
+    assert isinstance(bare._tokenizer_backend(directory, check), pieces.PieceTokenizer)
+    got = _generate(*prompt, torch_free=True)
+    assert got.returncode == 0 and "no torch" in got.stderr.splitlines()[-1], got.stderr
+    assert got.stdout == want.stdout
+
+
+def test_other_tokenizers_are_not_stored_as_pieces(smollm2_default):
+    """SmolLM2's byte-level BPE (a pre-tokenizer, GPT-2's byte table) is not SentencePiece's:
+    no arrays, and the bare start parses HF's JSON."""
+    assert pieces.build(smollm2_default.tokenizer.backend.to_str()) is None
 
 
 # -- the command -----------------------------------------------------------------------------------

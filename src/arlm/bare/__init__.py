@@ -9,7 +9,8 @@ beside the layout cache (`write`: every tensor the native stack takes, as offset
 map), and builds the same kernels once more without libtorch (`library`: bare_api.cpp's C
 functions over bare_aten.h's views); a later `arlm generate` whose options the plan serves reads
 it (`model`) and runs prefill, decode and the argmax through ctypes, with the tokenizer and the
-text streamer the torch path uses. Its tokens and text are the torch path's (tests/test_bare.py).
+text streamer the torch path uses (SentencePiece's BPE, Gemma's, from arrays the plan's writer
+checked against it: `pieces`). Its tokens and text are the torch path's (tests/test_bare.py).
 
 Served: a GGUF file (or a known name) whose plan for these activations is current; greedy
 decoding, or sampling without --seed (temperature, top-k, top-p, min-p in numpy: `sampling`, the
@@ -103,15 +104,13 @@ def generate(args: argparse.Namespace) -> int | None:
     lib = library.load()
     if lib is None or not lib.packed():
         return None
-    from tokenizers import Tokenizer as HFTokenizer
-
     from ..tokenizer import Tokenizer
 
     try:  # (a plan, a cache or a tokenizer file that cannot be read as written: the torch path rebuilds)
         plan = BarePlan(cache_dir(path, "packed"), args.activations)
         model = BareModel(plan, lib)
         tok = plan.plan["tokenizer"]
-        tokenizer = Tokenizer(HFTokenizer.from_file(str(plan.directory / "tokenizer.json")), tok["bos_id"],
+        tokenizer = Tokenizer(_tokenizer_backend(plan.directory, tok.get("pieces")), tok["bos_id"],
                               tok["eos_ids"], tok["add_bos"])
         template, max_len, vocab = plan.plan.get("chat_template"), model.max_len, model.arch["vocab_size"]
     except Exception:  # noqa: BLE001 - any of them (tokenizers raises Exception itself)
@@ -144,6 +143,24 @@ def generate(args: argparse.Namespace) -> int | None:
               "the threads will take turns, and decode gets much slower", file=sys.stderr)
     isa = "AVX512-VNNI+AMX-INT8" if lib.amx() else lib.packed_isa()
     return _run(model, tokenizer, prompt, ids, args, threads, isa, (k, v, logits, time.perf_counter() - t0))
+
+
+def _tokenizer_backend(directory: Path, pieces_check: list[int] | None):
+    """The tokenizer as the plan's writer stored it: SentencePiece's BPE as arrays where it wrote
+    them (`pieces`: ~0.1 s where HF's parse of Gemma's takes ~1 s), else HF tokenizers' parse of
+    tokenizer.json."""
+    if pieces_check:
+        from . import pieces
+
+        path = directory / pieces.FILE
+        try:
+            if path.stat().st_size == pieces_check[0]:  # (its CRC is checked where it is written)
+                return pieces.PieceTokenizer.load(path)
+        except (OSError, ValueError):
+            pass
+    from tokenizers import Tokenizer as HFTokenizer
+
+    return HFTokenizer.from_file(str(directory / "tokenizer.json"))
 
 
 def rerun_without_torch(llm, args: argparse.Namespace) -> None:

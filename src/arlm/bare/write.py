@@ -28,7 +28,7 @@ import torch
 from ..files import atomic_write, atomic_write_text
 from ..kernels import layout
 from ..tokenizer import compact_file
-from . import gather, library
+from . import gather, library, pieces
 from .model import FORMAT, PLAN_ROPE_ROWS, blob_check, plan_stamp, torch_version
 
 log = logging.getLogger(__name__)
@@ -172,6 +172,7 @@ def save(llm, activations: str) -> Path | None:
         blob_path = directory / f"bare-{activations}.bin"
         atomic_write(blob_path, lambda tmp: Path(tmp).write_bytes(blob))
         plan["blob"] = blob_check(blob)
+        plan["tokenizer"]["pieces"] = _pieces(directory, llm.tokenizer)
         arrays = BarePlan.arrays_of(directory, plan["embedding"]["tensors"], blob_path)
         _check_gather(llm.runner.native, plan, arrays)
         atomic_write_text(target, json.dumps(plan))
@@ -184,6 +185,26 @@ def save(llm, activations: str) -> Path | None:
     except Exception as e:  # noqa: BLE001 - the command's own work is done: say it, do not fail it
         print(f"arlm: warning: the bare-decode plan was not written ({type(e).__name__}: {e})", file=sys.stderr)
         return None
+
+
+def _pieces(directory: Path, tokenizer) -> list[int] | None:
+    """SentencePiece's BPE as arrays (`pieces`: the bare start reads them instead of HF's JSON)
+    where the tokenizer is of that shape and gives HF's ids and text on the probes (and on its
+    chat turns' markers); the file's length and CRC, or None (then the bare start parses HF's)."""
+    backend = tokenizer.backend
+    if backend.pre_tokenizer is not None or backend.normalizer is None:  # (Llama 3's, SmolLM2's: at once)
+        return None
+    arrays = pieces.build(backend.to_str())
+    if arrays is None or not pieces.same_as(pieces.PieceTokenizer(arrays), backend, pieces.PROBES):
+        return None
+    path = directory / pieces.FILE
+
+    def write(tmp: str) -> None:
+        with open(tmp, "wb") as f:
+            np.savez(f, **arrays)
+
+    atomic_write(path, write)
+    return blob_check(path.read_bytes())
 
 
 def _current(target: Path) -> bool:
