@@ -26,6 +26,7 @@ import numpy as np
 
 FILE = "bare-tokenizer.npz"
 _SPACE = "\u2581"
+_HEX = frozenset("0123456789abcdefABCDEF")
 _SHIFT = 20  # a merge's key: left id << _SHIFT | right id (ids below 2**20)
 _NORMALIZER = {"type": "Replace", "pattern": {"String": " "}, "content": _SPACE}
 _DECODER = {"type": "Sequence", "decoders": [{"type": "Replace", "pattern": {"String": _SPACE}, "content": " "},
@@ -74,8 +75,9 @@ def build(backend_json: str) -> dict[str, np.ndarray] | None:
     sorted_keys = keys[order]
     last = np.append(sorted_keys[1:] != sorted_keys[:-1], True)  # (a pair listed twice: its last rank, as HF)
     chosen = order[last]
-    single = [(ord(p), i) for i, p in enumerate(pieces) if len(p) == 1]
-    single.sort()
+    single = sorted((ord(p), i) for i, p in enumerate(pieces) if len(p) == 1)
+    if not single:
+        return None
     return {"keys": keys[chosen], "rank": chosen.astype(np.int32), "new": np.array(new, dtype=np.int32)[chosen],
             "char": np.array([c for c, _ in single], dtype=np.int32),
             "char_id": np.array([i for _, i in single], dtype=np.int32),
@@ -153,12 +155,9 @@ class PieceTokenizer:
             if not 0 <= i < len(self.pieces) or (skip_special_tokens and i in self.special):
                 continue
             piece = self.pieces[i]
-            if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
-                try:
-                    run.append(int(piece[3:5], 16))
-                    continue
-                except ValueError:
-                    pass
+            if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">") and _hex_byte(piece[3:5]):
+                run.append(int(piece[3:5], 16))
+                continue
             if run:
                 out.append(_utf8(run))
             out.append(piece.replace(_SPACE, " "))
@@ -219,6 +218,13 @@ class PieceTokenizer:
             if prv[p] >= 0 and (m := self._merge(ids[prv[p]], new)):
                 heapq.heappush(heap, (m[0], prv[p], m[1]))
         return [t for t, a in zip(ids, alive) if a]
+
+
+def _hex_byte(s: str) -> bool:
+    """Whether Rust's u8::from_str_radix(s, 16) reads these two characters, as HF's ByteFallback
+    does (ASCII hex digits, a leading + allowed; Python's int would also take other scripts'
+    digits and spaces)."""
+    return all(c in _HEX for c in s[1:]) and (s[:1] in _HEX or s[:1] == "+")
 
 
 def _utf8(run: bytearray) -> str:
