@@ -21,8 +21,8 @@ from arlm.loading.gguf_blocks import k_quant_fields
 # installs one; the rest of the suite skips the native paths alike there)
 pytestmark = pytest.mark.skipif(not kernels.native_available(), reason="no C++ compiler built the native kernels")
 
-BYTES = {"Q4_K": 144, "Q6_K": 210, "Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
-BLOCK = {"Q4_K": 256, "Q6_K": 256, "Q8_0": 32, "Q4_0": 32, "Q4_1": 32}
+BYTES = {"Q4_K": 144, "Q6_K": 210, "Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22}
+BLOCK = {"Q4_K": 256, "Q6_K": 256, "Q8_0": 32, "Q4_0": 32, "Q4_1": 32, "Q5_0": 32}
 
 
 def random_blocks(kind: str, n: int, supers: int, seed: int) -> np.ndarray:
@@ -31,7 +31,7 @@ def random_blocks(kind: str, n: int, supers: int, seed: int) -> np.ndarray:
     d = (rng.standard_normal((n, supers, 2)) * 1e-3).astype(np.float16).view(np.uint8).reshape(n, supers, 4)
     if kind in ("Q4_K", "Q4_1"):
         b[..., 0:4] = d  # d, dmin (Q4_1: d, m)
-    elif kind in ("Q8_0", "Q4_0"):
+    elif kind in ("Q8_0", "Q4_0", "Q5_0"):
         b[..., 0:2] = d[..., 0:2]
     else:
         b[..., 208:210] = d[..., 0:2]
@@ -39,6 +39,12 @@ def random_blocks(kind: str, n: int, supers: int, seed: int) -> np.ndarray:
 
 
 def python_path(b: np.ndarray, kind: str) -> tuple[torch.Tensor, ...]:
+    if kind == "Q5_0":  # (the loader's fields path: gguf_layers.q5_0_layer's without the native packing)
+        gguf_layers.NATIVE_PACKING = False
+        try:
+            return gguf_layers.q5_0_layer(b).tensors()
+        finally:
+            gguf_layers.NATIVE_PACKING = True
     if kind in ("Q4_0", "Q4_1"):  # (the rows the loader reads, then Q4Linear's packing)
         n, G, _ = b.shape
         d = torch.from_numpy(np.ascontiguousarray(b[..., 0:2]).view(np.float16).reshape(n, G))
@@ -59,7 +65,7 @@ def python_path(b: np.ndarray, kind: str) -> tuple[torch.Tensor, ...]:
     return kernels.pack_q6_k(f["q"], f["sc"], f["d"])
 
 
-@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1"])
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1", "Q5_0"])
 @pytest.mark.parametrize("n, supers", [(16, 1), (48, 3), (32, 8)])
 def test_native_packing_equals_the_fields_path(kind, n, supers):
     b = random_blocks(kind, n, supers, seed=n * 31 + supers + len(kind))
@@ -79,7 +85,8 @@ def test_bad_blocks_are_refused():
 
 
 @pytest.mark.parametrize("kind, parts", [("Q4_K", (48, 32)), ("Q6_K", (64,)), ("Q8_0", (48, 32)), ("Q8_0", (40, 17)),
-                                         ("Q4_0", (48, 32)), ("Q4_1", (32, 16)), ("Q4_0", (40, 17))])
+                                         ("Q4_0", (48, 32)), ("Q4_1", (32, 16)), ("Q4_0", (40, 17)),
+                                         ("Q5_0", (48, 32))])
 def test_the_loader_packs_the_same_either_way(kind, parts, monkeypatch):
     """The hooks in gguf_layers: a fused weight's parts, converted 16 rows a chunk (chunks across
     the first part's end), natively and by the fields path: every tensor equal (57 rows: not
@@ -91,6 +98,8 @@ def test_the_loader_packs_the_same_either_way(kind, parts, monkeypatch):
     def layer(native: bool):
         monkeypatch.setattr(gguf_layers, "NATIVE_PACKING", native)
         stacked = gguf_layers._Stacked(blocks)
+        if kind == "Q5_0":
+            return gguf_layers.q5_0_layer(stacked)
         if kind in ("Q8_0", "Q4_0", "Q4_1"):
             return gguf_layers._block_layer(stacked, [kind] * len(parts))
         return gguf_layers._k_quant_layer(stacked, kind)

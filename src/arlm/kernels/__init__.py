@@ -354,13 +354,15 @@ def pack_q4_k(q: torch.Tensor, sc: torch.Tensor, m: torch.Tensor, d: torch.Tenso
 
 
 def pack_gguf_blocks(blocks: torch.Tensor, kind: str) -> tuple[torch.Tensor, ...]:
-    """A GGUF file's Q4_K, Q6_K, Q8_0, Q4_0 or Q4_1 blocks, uint8 [N, K / block, bytes] (N a multiple
-    of 16) -> the packed layout of them, bit for bit `pack_q4_k`'s / `pack_q6_k`'s (of their fields),
-    `pack_int8` + `pack_scales`' (of Q8_0's values and scales) and `pack_q4`'s (of Q4_0's and Q4_1's
-    nibbles and scales; Q4_0's mins empty, as its packed layer keeps them), natively (gguf_pack.cpp: the file's
+    """A GGUF file's Q4_K, Q6_K, Q8_0, Q4_0, Q4_1 or Q5_0 blocks, uint8 [N, K / block, bytes] (N a
+    multiple of 16) -> the packed layout of them, bit for bit `pack_q4_k`'s / `pack_q6_k`'s (of their
+    fields), `pack_int8` + `pack_scales`' (of Q8_0's values and scales), `pack_q4`'s (of Q4_0's and
+    Q4_1's nibbles and scales; Q4_0's mins empty, as its packed layer keeps them) and `pack_q5`'s (of
+    Q5_0's values + 16, with d and -16 d as scales and mins), natively (gguf_pack.cpp: the file's
     bytes moved once; the fields-then-pack path takes 20-40x longer on a matrix). Only where
     native_available() holds (it loads the kernels)."""
-    return tuple(torch.ops.arlm.pack_gguf_blocks(blocks.contiguous(), {"Q4_K": 4, "Q6_K": 6, "Q8_0": 8, "Q4_0": 40, "Q4_1": 41}[kind]))
+    codes = {"Q4_K": 4, "Q6_K": 6, "Q8_0": 8, "Q4_0": 40, "Q4_1": 41, "Q5_0": 50}
+    return tuple(torch.ops.arlm.pack_gguf_blocks(blocks.contiguous(), codes[kind]))
 
 
 def pack_q5(q: torch.Tensor) -> torch.Tensor:

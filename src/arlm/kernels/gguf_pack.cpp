@@ -1,4 +1,4 @@
-// GGUF's Q4_K, Q6_K, Q8_0, Q4_0 and Q4_1 blocks straight into a8_linear.cpp's packed layouts, at a first
+// GGUF's Q4_K, Q6_K, Q8_0, Q4_0, Q4_1 and Q5_0 blocks straight into a8_linear.cpp's packed layouts, at a first
 // load's speed.
 //
 // The Python path (loading.gguf_blocks.k_quant_fields, then kernels.pack_q4_k / pack_q6_k; the
@@ -28,7 +28,7 @@
 
 namespace {
 
-constexpr int64_t kQ4KBytes = 144, kQ6KBytes = 210, kQ8Bytes = 34, kQ40Bytes = 18, kQ41Bytes = 20, kSuper = 256;
+constexpr int64_t kQ4KBytes = 144, kQ6KBytes = 210, kQ8Bytes = 34, kQ40Bytes = 18, kQ41Bytes = 20, kQ50Bytes = 22, kSuper = 256;
 
 // One Q4_K super-block's 8 groups' 6-bit scales and mins (ggml's get_scale_min_k4).
 inline void q4k_scales(const uint8_t* raw, uint8_t* sc, uint8_t* m) {
@@ -194,13 +194,50 @@ std::vector<at::Tensor> pack_q4_blocks(const at::Tensor& blocks, bool q4_1) {
   return {wp, scale, mins};
 }
 
+// Q5_0 (kind 50: 22 bytes a block of 32: d, the 32-bit qh of the values' 5th bits, the nibbles
+// as Q4_0's) -> Q5Linear's layout (kernels.pack_q5 of q = value + 16, 0..31: its 64 bytes of low
+// nibbles as Q4_0's, then per half of 4 K-values a 64-bit mask, bit 4c + t for channel c's
+// value t), scale float16 [N/16, K/32, 16] (d) and mins (-16 d: a power of two, exact where finite;
+// the loader widens a matrix with an infinite one to Q8_0 before it comes here).
+std::vector<at::Tensor> pack_q5_0_blocks(const at::Tensor& blocks) {
+  TORCH_CHECK(blocks.size(2) == kQ50Bytes, "pack_gguf_blocks: ", blocks.size(2), " bytes a block, not Q5_0's 22");
+  const int64_t N = blocks.size(0), G = blocks.size(1), K = 32 * G, NB = N / 16;
+  at::Tensor wp = at::zeros({NB, K / 8, 80}, blocks.options());  // (the masks are or-ed in)
+  at::Tensor scale = at::empty({NB, G, 16}, blocks.options().dtype(at::kHalf));
+  at::Tensor mins = at::empty({NB, G, 16}, blocks.options().dtype(at::kHalf));
+  uint8_t* wo = wp.data_ptr<uint8_t>();
+  at::Half* so = scale.data_ptr<at::Half>();
+  at::Half* mo = mins.data_ptr<at::Half>();
+  for_each_group(blocks, kQ50Bytes, [&](int64_t nb, int64_t g, int c, const uint8_t* blk) {
+    uint8_t* o = wo + (nb * (K / 8) + g * 4) * 80;
+    at::Half d;
+    std::memcpy(&d, blk, 2);
+    so[(nb * G + g) * 16 + c] = d;
+    mo[(nb * G + g) * 16 + c] = at::Half(static_cast<float>(d) * -16.f);
+    uint32_t qh;
+    std::memcpy(&qh, blk + 2, 4);
+    const uint8_t* nib = blk + 6;
+    uint8_t q[32];
+    for (int j = 0; j < 16; ++j) q[j] = nib[j] & 0x0F, q[j + 16] = nib[j] >> 4;
+    for (int p = 0; p < 4; ++p)  // 8 K-values at a time: 4 in the low nibbles, the next 4 high
+      for (int half = 0; half < 2; ++half)
+        for (int t = 0; t < 4; ++t) {
+          const int j = 8 * p + 4 * half + t, bit = 4 * c + t;
+          if (half == 0) o[80 * p + 4 * c + t] = q[8 * p + t] | (q[8 * p + 4 + t] << 4);
+          if ((qh >> j) & 1) o[80 * p + 64 + 8 * half + bit / 8] |= static_cast<uint8_t>(1u << (bit % 8));
+        }
+  });
+  return {wp, scale, mins};
+}
+
 std::vector<at::Tensor> pack_gguf_blocks(const at::Tensor& blocks, int64_t kind) {
   TORCH_CHECK(blocks.dim() == 3 && blocks.scalar_type() == at::kByte && blocks.is_contiguous(),
               "pack_gguf_blocks: blocks [N, K/block, bytes] contiguous uint8");
   TORCH_CHECK(blocks.size(0) % 16 == 0, "pack_gguf_blocks: N a multiple of 16");
-  TORCH_CHECK(kind == 4 || kind == 6 || kind == 8 || kind == 40 || kind == 41,
-              "pack_gguf_blocks: kind 4 (Q4_K), 6 (Q6_K), 8 (Q8_0), 40 (Q4_0) or 41 (Q4_1)");
+  TORCH_CHECK(kind == 4 || kind == 6 || kind == 8 || kind == 40 || kind == 41 || kind == 50,
+              "pack_gguf_blocks: kind 4 (Q4_K), 6 (Q6_K), 8 (Q8_0), 40 (Q4_0), 41 (Q4_1) or 50 (Q5_0)");
   if (kind == 8) return pack_q8_0_blocks(blocks);
+  if (kind == 50) return pack_q5_0_blocks(blocks);
   if (kind == 40 || kind == 41) return pack_q4_blocks(blocks, kind == 41);
   auto [wp, scale, supers] = pack_k_blocks(blocks, kind);
   return {wp, scale, supers};

@@ -64,7 +64,7 @@ class _Stacked:
 # Weights converted at a time (`_by_rows`): the numpy fields and the packing's temporaries are
 # several bytes a weight (Q6_K's ~8), a few tens of MB a chunk whatever the matrix's size.
 _CHUNK_WEIGHTS = 1 << 22
-# Q4_K, Q6_K, Q8_0, Q4_0 and Q4_1 blocks packed by kernels.pack_gguf_blocks (one native pass), where the
+# Q4_K, Q6_K, Q8_0, Q4_0, Q4_1 and Q5_0 blocks packed by kernels.pack_gguf_blocks (one native pass), where the
 # layer is packed (N a multiple of 16) and the kernels are built; False: the fields-then-pack path
 # (its result bit for bit: tests/test_gguf_pack.py compares the two through these functions).
 NATIVE_PACKING = True
@@ -175,9 +175,13 @@ def q5_0_layer(blocks: np.ndarray | _Stacked) -> Q5Linear | None:
             return Q5Linear(32 * G, n)
 
     def make(start: int, stop: int) -> Q5Linear:
+        chunk = layer(stop - start)
+        if NATIVE_PACKING and N % 16 == 0 and kernels.native_available():  # (the blocks' bytes moved once)
+            chunk._set(*kernels.pack_gguf_blocks(torch.from_numpy(np.require(blocks.rows(start, stop),
+                                                                             requirements=["C", "W"])), "Q5_0"))
+            return chunk
         b = blocks.rows(start, stop, lambda _, rows: as_q8_0(rows, "Q5_0"))
         q = torch.from_numpy(np.ascontiguousarray(b[..., 2:]).view(np.int8).reshape(stop - start, 32 * G))
-        chunk = layer(stop - start)
         chunk._set(kernels.pack_q5((q.to(torch.int16) + 16).to(torch.uint8)), kernels.pack_scales(d[start:stop]),
                    kernels.pack_scales(mins[start:stop]))
         return chunk
