@@ -180,7 +180,10 @@ def rerun_without_torch(llm, args: argparse.Namespace) -> None:
         return
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
-    os.execve(sys.executable, [sys.executable, "-m", "arlm", *sys.argv[1:]], {**os.environ, "ARLM_BARE_RERUN": "1"})
+    try:
+        os.execve(sys.executable, [sys.executable, "-m", "arlm", *sys.argv[1:]], {**os.environ, "ARLM_BARE_RERUN": "1"})
+    except OSError:  # (no interpreter to start: the torch path goes on)
+        return
 
 
 def _default_threads() -> int:
