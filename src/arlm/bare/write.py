@@ -194,7 +194,10 @@ def _pieces(directory: Path, tokenizer) -> list[int] | None:
     backend = tokenizer.backend
     if backend.pre_tokenizer is not None or backend.normalizer is None:  # (Llama 3's, SmolLM2's: at once)
         return None
-    arrays = pieces.build(backend.to_str())
+    try:  # (the cache's tokenizer.json: HF's serialization, already made; not a second to_str())
+        arrays = pieces.build((directory / "tokenizer.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
     if arrays is None or not pieces.same_as(pieces.PieceTokenizer(arrays), backend, pieces.PROBES):
         return None
     path = directory / pieces.FILE
