@@ -1117,13 +1117,33 @@ inline void put16(const float* v, const float* rs, float* yr, bool accumulate) {
 
 #ifdef ARLM_AVX512
 constexpr int kPackedRows = kBlockRows;  // rows of x per call of a packed kernel, at most
-constexpr int64_t kTileBlocks = 2;       // blocks of 16 channels per tile (a thread's unit of work)
+constexpr int64_t kTileBlocks = 2;       // blocks of 16 channels per tile (a thread's unit of work), at most
 #else
 // AVX2 has 16 vector registers, not 32: a tile of one block and two rows keeps x16p_block's int16
 // and int32 sums, the weights and x's bytes in registers (two blocks and four rows spilled).
 constexpr int kPackedRows = 2;
 constexpr int64_t kTileBlocks = 1;
 #endif
+// A decode step (rows of x no more than one call takes) goes through its weights one block a
+// tile: each thread's blocks are then one sequential stream. Two blocks a tile are two streams a
+// block apart, which the hardware prefetchers follow less well: on a Zen 5, 2 threads, a plain
+// read of 800 MB ran at 100 GB/s as one stream a thread and at 80-87 GB/s as two; the 1B Q4_K_M
+// decode step went from 12.6 to 11.3 ms. More rows share each loaded weight vector over both
+// blocks of a wider tile (prompts).
+inline int64_t tile_blocks(int64_t M) { return M <= kPackedRows ? 1 : kTileBlocks; }
+// The first rows of a tile prefetch the weights ahead of those they read. AVX-512: 4 KB ahead took
+// the 1B Q4_K_M step to 10.0-10.5 ms where the next tile (16-64 KB ahead) gave 11.3, 8 KB 10.8,
+// 2 KB 11.1 and none 15.5 (Zen 5, benchmarks/phases.py). AVX2 keeps the next tile, as tuned on a
+// Zen 3 (its build on the Zen 5 is bound by its arithmetic: 14.0 ms a step either way).
+inline const uint8_t* prefetch_from(const uint8_t* tile, int64_t tile_bytes, bool last) {
+#ifdef ARLM_AVX512
+  (void)tile_bytes;
+  (void)last;
+  return tile + 4096;
+#else
+  return last ? nullptr : tile + tile_bytes;
+#endif
+}
 
 // The packed layouts (above), told apart by their tensors' shapes and types.
 // kQ4_0: the 4-bit layout with Q4_1's float16 scale and no mins stored (m = -8 d: a Q4_0 file's).
@@ -1476,12 +1496,13 @@ void arlm_kernels::linear_a8p(const Act8& a, int64_t M, int64_t K, const at::Ten
     half_sums(a.q, nullptr, M, K, halves.data());
   }
   const int32_t* hs = halves.data();
-  at::parallel_for(0, (NB + kTileBlocks - 1) / kTileBlocks, 4, [&](int64_t t0, int64_t t1) {
+  const int64_t tb = tile_blocks(M);
+  at::parallel_for(0, (NB + tb - 1) / tb, 4, [&](int64_t t0, int64_t t1) {
     float out[kPackedRows * kTileBlocks * kLanes];
-    for (int64_t t = t0; t < t1; ++t) {  // a tile: kTileBlocks blocks of 16 channels (fewer at the end)
-      const int64_t b0 = kTileBlocks * t, nb = std::min<int64_t>(kTileBlocks, NB - b0);
+    for (int64_t t = t0; t < t1; ++t) {  // a tile: tb blocks of 16 channels (fewer at the end)
+      const int64_t b0 = tb * t, nb = std::min<int64_t>(tb, NB - b0);
       const uint8_t* wt = wpp + b0 * block;
-      const uint8_t* next = t + 1 < t1 ? wt + kTileBlocks * block : nullptr;  // prefetched during the first rows
+      const uint8_t* next = prefetch_from(wt, tb * block, t + 1 == t1);  // prefetched by the first rows
       row_blocks<kPackedRows>(M, [&](auto mb, int64_t m) {
         constexpr int MB = decltype(mb)::value;
         const int8_t* q = a.q + m * K;
@@ -1601,17 +1622,18 @@ void arlm_kernels::linear_a8p_residual(const float* x, int64_t M, int64_t K, con
   const X16Layer layer{kind, K, G, H, S, block, wpp, rs, {}, static_cast<const uint8_t*>(kscale), supers, hi, lo, e,
                        sx, sp, halves.data()};
 #endif
-  at::parallel_for(0, (NB + kTileBlocks - 1) / kTileBlocks, 4, [&](int64_t t0, int64_t t1) {
+  const int64_t tb = tile_blocks(M);
+  at::parallel_for(0, (NB + tb - 1) / tb, 4, [&](int64_t t0, int64_t t1) {
     float out[kPackedRows * kTileBlocks * kLanes];
 #ifdef ARLM_AMX
     alignas(64) float tiled[kChunkRows * 2 * kLanes];  // amx_tile's rows of the chunk
     X16Layer L = layer;
 #endif
     for (int64_t c0 = 0; c0 < M; c0 += kChunkRows)
-      for (int64_t t = t0; t < t1; ++t) {  // a tile: kTileBlocks blocks of 16 channels (fewer at the end)
-        const int64_t b0 = kTileBlocks * t, nb = std::min<int64_t>(kTileBlocks, NB - b0);
+      for (int64_t t = t0; t < t1; ++t) {  // a tile: tb blocks of 16 channels (fewer at the end)
+        const int64_t b0 = tb * t, nb = std::min<int64_t>(tb, NB - b0);
         const uint8_t* wt = wpp + b0 * block;
-        const uint8_t* next = t + 1 < t1 ? wt + kTileBlocks * block : nullptr;  // prefetched during the first rows
+        const uint8_t* next = prefetch_from(wt, tb * block, t + 1 == t1);  // prefetched by the first rows
         const F16Scales fs{dp ? dp + b0 * G * kLanes : nullptr, mp ? mp + b0 * G * kLanes : nullptr, G, m_per_d};
         int64_t done = 0;  // the chunk's rows the tiles took
 #ifdef ARLM_AMX
