@@ -1133,7 +1133,8 @@ constexpr int64_t kTileBlocks = 1;
 inline int64_t tile_blocks(int64_t M) { return M <= kPackedRows ? 1 : kTileBlocks; }
 // The first rows of a tile prefetch the weights ahead of those they read. AVX-512: 4 KB ahead took
 // the 1B Q4_K_M step to 10.0-10.5 ms where the next tile (16-64 KB ahead) gave 11.3, 8 KB 10.8,
-// 2 KB 11.1 and none 15.5 (Zen 5, benchmarks/phases.py). AVX2 keeps the next tile, as tuned on a
+// 2 KB 11.1 and none 15.5 (Zen 5, benchmarks/phases.py); Q6_K's layers (the head) and Q8_0's gave
+// the same from 2 to 8 KB within the host's noise (+-5%). AVX2 keeps the next tile, as tuned on a
 // Zen 3 (its build on the Zen 5 is bound by its arithmetic: 14.0 ms a step either way).
 inline const uint8_t* prefetch_from(const uint8_t* tile, int64_t tile_bytes, bool last) {
 #ifdef ARLM_AVX512
