@@ -1131,19 +1131,18 @@ constexpr int64_t kTileBlocks = 1;
 // decode step went from 12.6 to 11.3 ms. More rows share each loaded weight vector over both
 // blocks of a wider tile (prompts).
 inline int64_t tile_blocks(int64_t M) { return M <= kPackedRows ? 1 : kTileBlocks; }
-// The first rows of a tile prefetch the weights ahead of those they read. AVX-512: 4 KB ahead took
-// the 1B Q4_K_M step to 10.0-10.5 ms where the next tile (16-64 KB ahead) gave 11.3, 8 KB 10.8,
-// 2 KB 11.1 and none 15.5 (Zen 5, benchmarks/phases.py); Q6_K's layers (the head) and Q8_0's gave
-// the same from 2 to 8 KB within the host's noise (+-5%). AVX2 keeps the next tile, as tuned on a
-// Zen 3 (its build on the Zen 5 is bound by its arithmetic: 14.0 ms a step either way).
-inline const uint8_t* prefetch_from(const uint8_t* tile, int64_t tile_bytes, bool last) {
+// The first rows of a tile prefetch the weights ahead of those they read. A decode step's tiles
+// of one block (AVX-512): 4 KB ahead took the 1B Q4_K_M step to 10.0-10.5 ms where the next tile
+// (16-64 KB ahead) gave 11.3, 8 KB 10.8, 2 KB 11.1 and none 15.5 (Zen 5, benchmarks/phases.py);
+// Q6_K's layers (the head) and Q8_0's gave the same from 2 to 8 KB within the host's noise
+// (+-5%). Wider tiles (more rows) prefetch the whole next tile: 4 KB ahead there slowed a batch of
+// 8 by 5% (SmolLM2) and 19% (Gemma 3 270M). AVX2 keeps the next tile, as tuned on a Zen 3 (its
+// build on the Zen 5 is bound by its arithmetic: 14.0 ms a 1B step either way).
+inline const uint8_t* prefetch_from(const uint8_t* tile, int64_t blocks, int64_t block_bytes, bool last) {
 #ifdef ARLM_AVX512
-  (void)tile_bytes;
-  (void)last;
-  return tile + 4096;
-#else
-  return last ? nullptr : tile + tile_bytes;
+  if (blocks == 1) return tile + 4096;
 #endif
+  return last ? nullptr : tile + blocks * block_bytes;
 }
 
 // The packed layouts (above), told apart by their tensors' shapes and types.
@@ -1503,7 +1502,7 @@ void arlm_kernels::linear_a8p(const Act8& a, int64_t M, int64_t K, const at::Ten
     for (int64_t t = t0; t < t1; ++t) {  // a tile: tb blocks of 16 channels (fewer at the end)
       const int64_t b0 = tb * t, nb = std::min<int64_t>(tb, NB - b0);
       const uint8_t* wt = wpp + b0 * block;
-      const uint8_t* next = prefetch_from(wt, tb * block, t + 1 == t1);  // prefetched by the first rows
+      const uint8_t* next = prefetch_from(wt, tb, block, t + 1 == t1);  // prefetched by the first rows
       row_blocks<kPackedRows>(M, [&](auto mb, int64_t m) {
         constexpr int MB = decltype(mb)::value;
         const int8_t* q = a.q + m * K;
@@ -1634,7 +1633,7 @@ void arlm_kernels::linear_a8p_residual(const float* x, int64_t M, int64_t K, con
       for (int64_t t = t0; t < t1; ++t) {  // a tile: tb blocks of 16 channels (fewer at the end)
         const int64_t b0 = tb * t, nb = std::min<int64_t>(tb, NB - b0);
         const uint8_t* wt = wpp + b0 * block;
-        const uint8_t* next = prefetch_from(wt, tb * block, t + 1 == t1);  // prefetched by the first rows
+        const uint8_t* next = prefetch_from(wt, tb, block, t + 1 == t1);  // prefetched by the first rows
         const F16Scales fs{dp ? dp + b0 * G * kLanes : nullptr, mp ? mp + b0 * G * kLanes : nullptr, G, m_per_d};
         int64_t done = 0;  // the chunk's rows the tiles took
 #ifdef ARLM_AMX
