@@ -29,7 +29,9 @@ the figures are the rounds' medians, and arlm / llama.cpp beside them:
 And, from the decode1 figures, the bytes one decode step reads and the share of the host's
 read rate each engine reaches (bytes per step x steps per second / read rate). The read rate is
 the best of several 1 GiB reads (a torch.sum on --threads threads; run.py's
-`memory_bandwidth_gbs`), measured at the start of this run. Bytes per step:
+`memory_bandwidth_gbs`), measured at the start of this run and again after each round (a file's
+share is against the best read up to its last round: one read at the start ran at 55 GB/s on a host
+that gave 95 in the reads before and after). Bytes per step:
 - arlm: `arlm.quant.weight_bytes(model)` (every weight but the gathered embedding table;
   a tied head's table counted once) plus its KV cache bytes per token x the mean context;
 - llama.cpp: every tensor's bytes in the file, except token_embd when the file has its own
@@ -175,6 +177,8 @@ def measure_file(path: Path, args, parts: set[str]) -> dict:
                 runs[engine].setdefault(k, []).append(v)
         print(f"  round {r}: " + json.dumps({e: {k: round(v[-1], 2) for k, v in d.items()} for e, d in runs.items()}),
               flush=True)
+        if "decode1" in speed_parts:  # the host's read rate swings between minutes: the best one seen
+            args.read_gbs = max(args.read_gbs, memory_bandwidth_gbs())
     got = {e: {k: statistics.median(v) for k, v in d.items()} for e, d in runs.items()}
     if start:  # once per file: arlm's first load builds its layout cache; llama.cpp has none to build
         got["arlm"]["start_first"], got["arlm"]["rss_first"] = first_load(cmds["arlm"])
@@ -245,6 +249,8 @@ def main() -> int:
             print(f"{name}:", flush=True)
             results[name] = measure_file(path, args, parts)
             show(name, path.stat().st_size, results[name])
+            if "decode1" in parts:
+                print(f"  (best read rate so far {args.read_gbs:.1f} GB/s)", flush=True)
     if len(results) > 1:
         keys = [(k, short) for k, _, short in ROWS if any(k in r["arlm"] for r in results.values())]
         print(f"arlm / llama.cpp\n  {'':24}" + "".join(f"{short:>8}" for _, short in keys))
