@@ -1127,9 +1127,9 @@ constexpr int64_t kTileBlocks = 1;
 // A decode step (rows of x no more than one call takes) goes through its weights one block a
 // tile: each thread's blocks are then one sequential stream. Two blocks a tile are two streams a
 // block apart, which the hardware prefetchers follow less well: on a Zen 5, 2 threads, a plain
-// read of 800 MB ran at 100 GB/s as one stream a thread and at 80-87 GB/s as two; the 1B Q4_K_M
-// decode step went from 12.6 to 11.3 ms. More rows share each loaded weight vector over both
-// blocks of a wider tile (prompts).
+// read of 800 MB ran at 95-100 GB/s as one stream a thread and at 80-92 GB/s as two with the
+// next-tile prefetch (benchmarks/read_streams.py); the 1B Q4_K_M decode step went from 12.6 to
+// 11.3 ms. More rows share each loaded weight vector over both blocks of a wider tile (prompts).
 inline int64_t tile_blocks(int64_t M) { return M <= kPackedRows ? 1 : kTileBlocks; }
 // The first rows of a tile prefetch the weights ahead of those they read. A decode step's tiles
 // of one block (AVX-512): 4 KB ahead took the 1B Q4_K_M step to 10.0-10.5 ms where the next tile
