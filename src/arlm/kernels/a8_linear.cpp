@@ -503,6 +503,15 @@ struct F16Scales {
   int64_t G;
   float m_per_d = 0.f;
   bool scaled() const { return d != nullptr; }
+  // The scales 1 KB past group g's (32 groups ahead), with the weights' prefetch: the step's second
+  // stream, which the hardware prefetchers did not keep ahead. The 1B Q8_0 step 20.1-21.8 ->
+  // 19.0-20.8 ms (5 alternations, Zen 5; 256 B and 2-4 KB ahead no better), SmolLM2's the same.
+  // Q4_K's and Q6_K's scales prefetched alike gave nothing (within the host's noise).
+  void prefetch(int b, int64_t g) const {
+    constexpr int64_t kAhead = 1024;
+    if (d) _mm_prefetch(reinterpret_cast<const char*>(d + (b * G + g) * kLanes) + kAhead, _MM_HINT_T0);
+    if (m) _mm_prefetch(reinterpret_cast<const char*>(m + (b * G + g) * kLanes) + kAhead, _MM_HINT_T0);
+  }
   void at(int b, int64_t g, __m512& ds, __m512& ms) const {
     if (d) ds = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + (b * G + g) * kLanes)));
     if (m) ms = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(m + (b * G + g) * kLanes)));
@@ -558,6 +567,9 @@ void q4p_block(const int8_t* qx, const float* dx, const float* sx, int64_t K, co
       }
     }
     __m512 ds[NB], ms[NB];
+    if constexpr (std::is_same_v<Scales, F16Scales>)
+      if (pf)
+        for (int b = 0; b < NB; ++b) sc.prefetch(b, g);
     for (int b = 0; b < NB; ++b) sc.at(b, g, ds[b], ms[b]);
     for (int i = 0; i < MB; ++i) {
       const __m512 dxi = _mm512_set1_ps(dx[i * G + g]), sxi = _mm512_set1_ps(sx[i * G + g]);
@@ -622,6 +634,9 @@ void x16p_block(const int8_t* hi, const int8_t* lo, const float* e, const float*
       }
     }
     __m512 ds[NB], ms[NB];
+    if constexpr (std::is_same_v<Scales, F16Scales>)
+      if (pf)
+        for (int b = 0; b < NB; ++b) sc.prefetch(b, g);
     for (int b = 0; b < NB; ++b) sc.at(b, g, ds[b], ms[b]);
     for (int i = 0; i < MB; ++i) {
       const __m512 ei = _mm512_set1_ps(e[i * G + g]);
