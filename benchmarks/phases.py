@@ -1,7 +1,7 @@
 """Where a decode step's time goes: wall time per pass of arlm's native step, by batch and context.
 
     .venv/bin/python benchmarks/phases.py [--model smollm2|PATH.gguf] [--threads 2] [--kv-dtype int8]
-        [--cases 1x8000] [--json build/phases.json]
+        [--cases 1x8000] [--prefill 512] [--json build/phases.json]
 
 Runs a CPU model (default `LLM.load("smollm2")`: 4-bit layers, Q8_0 head, 8-bit activations,
 float16 KV cache, or --kv-dtype's: a quantized cache holds random rows quantized as the kernels
@@ -106,6 +106,26 @@ def run_case(llm: LLM, batch: int, context: int, steps: int, repeat: int) -> dic
     return out
 
 
+def prefill_passes(llm: LLM, tokens: int, repeat: int) -> dict:
+    """A prompt of `tokens` random ids through the engine's first step (its prefill), the native
+    timer on: ms per pass, best of `repeat` by the whole step."""
+    from run import engine_run  # (benchmarks/run.py)
+
+    from arlm.sampling import SamplingParams
+
+    ids = torch.randint(0, llm.model.config.vocab_size, (tokens,), generator=torch.Generator().manual_seed(0)).tolist()
+    best = None
+    for _ in range(repeat + 1):  # (the first: the kernels' scratch for this many rows)
+        torch.ops.arlm.decode_profile(True)
+        r = engine_run(llm, [ids], SamplingParams(max_new_tokens=1), steps=1)
+        phases = torch.ops.arlm.decode_profile(False).tolist()
+        if best is None or r["prefill_s"] < best[0]:
+            best = (r["prefill_s"], phases)
+    total, phases = best
+    return {"tokens": tokens, "prefill_ms": 1e3 * total, "tokens_per_s": tokens / total,
+            "phases_ms": {name: 1e3 * t for name, t in zip(PHASES, phases)}}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2", help="a model name or GGUF file (default: %(default)s)")
@@ -116,8 +136,12 @@ def main() -> int:
                     help="KV cache dtype (default: what LLM.load picks, float16 on this path)")
     ap.add_argument("--cases", default="1x32,1x512,8x32,32x32",
                     help="comma-separated BATCHxCONTEXT cases (default: %(default)s)")
+    ap.add_argument("--prefill", type=int, default=0,
+                    help="also time a prompt of this many tokens through the engine's first step, by pass")
     ap.add_argument("--json", type=Path, default=None, help="write every figure here")
     args = ap.parse_args()
+    if args.prefill < 0:
+        ap.error(f"--prefill: expected a token count >= 0, got {args.prefill}")
     try:
         cases = [tuple(int(v) for v in c.split("x")) for c in args.cases.split(",")]
         if any(len(c) != 2 or min(c) < 1 for c in cases):
@@ -150,10 +174,14 @@ def main() -> int:
     for name in ("qkv", "wo", "gate_up", "down", "head"):
         print(f"{name:10s}" + "".join(f"{r['gmac_per_s'][name]:14.1f}" for r in results))
     print(f"{'K/V GB/s':10s}" + "".join(f"{r['attention_kv_gb_per_s']:14.1f}" for r in results))
+    prefill = prefill_passes(llm, args.prefill, args.repeat) if args.prefill else None
+    if prefill:
+        print(f"prefill of {args.prefill} tokens: {prefill['prefill_ms']:.0f} ms ({prefill['tokens_per_s']:.1f} tok/s); "
+              "ms by pass: " + " ".join(f"{n} {t:.0f}" for n, t in prefill["phases_ms"].items()))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"threads": args.threads, "kv_dtype": kv_dtype_name(llm.kv_dtype),
-                                         "cases": results}, indent=1))
+                                         "cases": results, "prefill": prefill}, indent=1))
     return 0
 
 

@@ -527,6 +527,7 @@ struct KScales {
   const at::Half* dd;
   int64_t G;
   bool scaled() const { return true; }
+  void prefetch(int, int64_t) const {}  // (prefetched as F16Scales' are: no change, F16Scales::prefetch)
   void at(int b, int64_t g, __m512& ds, __m512& ms) const {
     const uint8_t* s = sm + (b * G + g) * 2 * kLanes;
     const at::Half* super = dd + (b * (G / 8) + g / 8) * 2 * kLanes;
@@ -567,9 +568,8 @@ void q4p_block(const int8_t* qx, const float* dx, const float* sx, int64_t K, co
       }
     }
     __m512 ds[NB], ms[NB];
-    if constexpr (std::is_same_v<Scales, F16Scales>)
-      if (pf)
-        for (int b = 0; b < NB; ++b) sc.prefetch(b, g);
+    if (pf)
+      for (int b = 0; b < NB; ++b) sc.prefetch(b, g);
     for (int b = 0; b < NB; ++b) sc.at(b, g, ds[b], ms[b]);
     for (int i = 0; i < MB; ++i) {
       const __m512 dxi = _mm512_set1_ps(dx[i * G + g]), sxi = _mm512_set1_ps(sx[i * G + g]);
@@ -634,9 +634,8 @@ void x16p_block(const int8_t* hi, const int8_t* lo, const float* e, const float*
       }
     }
     __m512 ds[NB], ms[NB];
-    if constexpr (std::is_same_v<Scales, F16Scales>)
-      if (pf)
-        for (int b = 0; b < NB; ++b) sc.prefetch(b, g);
+    if (pf)
+      for (int b = 0; b < NB; ++b) sc.prefetch(b, g);
     for (int b = 0; b < NB; ++b) sc.at(b, g, ds[b], ms[b]);
     for (int i = 0; i < MB; ++i) {
       const __m512 ei = _mm512_set1_ps(e[i * G + g]);
@@ -1142,8 +1141,8 @@ constexpr int64_t kTileBlocks = 1;
 // A decode step (rows of x no more than one call takes) goes through its weights one block a
 // tile: each thread's blocks are then one sequential stream. Two blocks a tile are two streams a
 // block apart, which the hardware prefetchers follow less well: on a Zen 5, 2 threads, a plain
-// read of 800 MB ran at 95-100 GB/s as one stream a thread and at 80-92 GB/s as two with the
-// next-tile prefetch (benchmarks/read_streams.py); the 1B Q4_K_M decode step went from 12.6 to
+// read of 800 MB ran at 95-97 GB/s as one stream a thread and at 87-92 GB/s as two with the
+// next-tile prefetch, 75-84 without (benchmarks/read_streams.py); the 1B Q4_K_M decode step went from 12.6 to
 // 11.3 ms. More rows share each loaded weight vector over both blocks of a wider tile (prompts).
 inline int64_t tile_blocks(int64_t M) { return M <= kPackedRows ? 1 : kTileBlocks; }
 // The first rows of a tile prefetch the weights ahead of those they read. A decode step's tiles
