@@ -527,6 +527,29 @@ def test_k_quant_kernels_match_float64(kind, M):
 
 
 
+@needs_packed
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("M", [1, 3, 9])
+def test_a_projections_parts_in_one_pass_are_each_parts_own(threads, M):
+    """A projection held in parts (Q4_K_M's Q4_K q and k, Q6_K v), multiplied in one pass
+    (kernels.linear_a8p_residual_parts: x quantized once, a decode step's tiles shared out by
+    bytes, the cut inside a part): each part's columns are its own call's, bit for bit."""
+    K = 2048
+    parts = [_k_layer(kind, _k_blocks(kind, n, K // 256, seed=40 + n))
+             for kind, n in (("Q4_K", 64), ("Q4_K", 32), ("Q6_K", 48), ("Q5_0", 16))]
+    for p in parts:
+        p.int8_activations = True  # (the packed layout)
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(M)) * 3
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        together = kernels.linear_a8p_residual_parts(x, [p.tensors() for p in parts])
+        alone = torch.cat([kernels.linear_a8p_residual(x, *p.tensors()) for p in parts], 1)
+    finally:
+        torch.set_num_threads(before)
+    assert together.shape == (M, 160) and torch.equal(together, alone)
+
+
 # Where each kind's codes lie in its blocks (bytes set to 0xFF: every code its largest).
 _CODE_BYTES = {"Q4_K": slice(16, 144), "Q5_K": slice(16, 176), "Q6_K": slice(0, 192), "Q4_0": slice(2, 18),
                "Q5_0": slice(2, 22)}

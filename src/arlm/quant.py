@@ -258,11 +258,9 @@ class Q8Linear(QuantizedLinear):
 
     def dequantize_rows(self, index):
         T, K = len(index), self.in_features
-        if self.packed:
-            q = (_packed_rows(self.weight, index).reshape(T, K) ^ 0x80).view(torch.int8)
-            d = self.scale[index // 16, :, index % 16]  # [T, K/32]
-        else:
-            q, d = self.weight[index], self.scale[index]
+        if self.packed:  # (natively: an embedding's lookup, each decode step)
+            return kernels.packed_rows(self.weight, self.scale, torch.empty(0), index, K)
+        q, d = self.weight[index], self.scale[index]
         return (q.float().view(T, d.shape[1], -1) * d.float()[..., None]).view(T, K)
 
     def _matmul(self, x):
@@ -507,9 +505,7 @@ class KQuantLinear(PackedOnlyLinear):
             sc, m = self.scale[b, :, lane].float(), self.scale[b, :, 16 + lane].float()  # [T, K/32]
             d, dmin = (self.supers[b, :, lane + o].float().repeat_interleave(8, dim=1) for o in (0, 16))
             return ((d * sc)[..., None] * q - (dmin * m)[..., None]).view(T, K)
-        q = kernels.unpack_q6_rows(self.weight, index).view(T, K // 16, 16).float() - 32.0
-        d = self.supers[b, :, lane].float().repeat_interleave(16, dim=1)  # [T, K/16]
-        return ((d * self.scale[b, :, lane].float())[..., None] * q).view(T, K)
+        return kernels.packed_rows(self.weight, self.scale, self.supers, index, K)
 
     def _packed_matmul(self, x):
         return kernels.kquant_linear_a8p(x, *self.tensors())

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-# Q6_K's top two bits (quant's pack_q6_k / unpack_q6_rows: the lane whose bits sit at bits 0-1,
+# Q6_K's top two bits (kernels.pack_q6_k / packed_rows: the lane whose bits sit at bits 0-1,
 # 2-3, 4-5, 6-7 of a stored byte, and the neighbouring byte they come from)
 _Q6_LANE_AT_SHIFT = (2, 3, 0, 1)
 _Q6_BYTE_OFFSET = (1, 1, 0, 0)
@@ -42,7 +42,7 @@ def _q5_rows(wp: np.ndarray, index: np.ndarray) -> np.ndarray:
 
 
 def _q6_rows(wp: np.ndarray, index: np.ndarray) -> np.ndarray:
-    """`kernels.unpack_q6_rows`: output rows of pack_q6_k's layout as u = q + 32, uint8 [T, K]."""
+    """Output rows of pack_q6_k's layout as u = q + 32, uint8 [T, K] (as `kernels.packed_rows` reads them)."""
     NB, C = wp.shape[:2]
     T = len(index)
     b, lane = index // 16, index % 16

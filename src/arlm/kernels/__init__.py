@@ -416,23 +416,12 @@ def pack_q6_k(q: torch.Tensor, sc: torch.Tensor, d: torch.Tensor) -> tuple[torch
     return wp, pack_scales(sc), pack_scales(d.half())
 
 
-def unpack_q6_rows(wp: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """Output rows `index` [T] of `pack_q6_k`'s layout as their u = q + 32, uint8 [T, K]."""
-    NB, C, _ = wp.shape
-    b, lane = index // 16, index % 16
-    nib = wp[:, :, :64].reshape(NB, C, 16, 4)[b, :, lane, :]  # [T, K/8, 4]
-    low = torch.stack([nib & 0x0F, nib >> 4], dim=2)  # [T, K/8, 2, 4]
-    stored = wp[b, :, 64:].reshape(len(index), C, 2, 4, 4)  # [T, K/8, vector, word, byte]
-    # channel c's 4 bytes are vector bytes 4c .. 4c + 3: lane c // 4, word c % 4
-    L, word = lane // 4, lane % 4
-    slot = torch.tensor([_Q6_LANE_AT_SHIFT.index(i) for i in range(4)])[L]  # [T]
-    offset = torch.tensor(_Q6_BYTE_OFFSET)[slot]
-    byte = (torch.arange(4)[None, :] + offset[:, None]) % 4  # [T, 4]: where byte t's bits are stored
-    t = torch.arange(len(index))
-    words = stored[t, :, :, word]  # [T, K/8, 2, 4]
-    bits = torch.gather(words, 3, byte[:, None, None, :].expand(-1, C, 2, 4))
-    top = (bits >> (2 * slot)[:, None, None, None].to(torch.uint8)) & 0x03
-    return (low | (top << 4)).reshape(len(index), C * 8)
+def packed_rows(wp: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor, index: torch.Tensor,
+                in_features: int) -> torch.Tensor:
+    """Rows `index` [T] of a packed Q8_0 (`pack_q8_0`'s operands, mins empty) or Q6_K
+    (`pack_q6_k`'s) layer as float32 [T, in_features], natively: the values the layers'
+    `dequantize_rows` give, bit for bit, in one pass (an embedding's lookup each decode step)."""
+    return torch.ops.arlm.packed_rows(wp, scale, mins, index.contiguous(), in_features)
 
 
 def kquant_linear_a8p(x: torch.Tensor, wp: torch.Tensor, scale: torch.Tensor, supers: torch.Tensor) -> torch.Tensor:
@@ -461,6 +450,16 @@ def linear_a8p_residual(x: torch.Tensor, wp: torch.Tensor, scale: torch.Tensor,
     bytes, 256 hi + lo, each multiplied in integers (a8_linear.cpp, x16p_block). packed_available()
     must hold."""
     return torch.ops.arlm.linear_a8p_residual(x.contiguous(), wp, scale, torch.empty(0) if mins is None else mins)
+
+
+def linear_a8p_residual_parts(x: torch.Tensor, layers: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
+    """`linear_a8p_residual` of several packed layers (each its `tensors()`) on the same x, their
+    outputs side by side: what the native layer stack runs for a projection held in parts
+    (q, k, v of different block types), x quantized once and a decode step's rows in one pass
+    of the thread pool. Each output is the part's own call's, bit for bit."""
+    flat = [t for wp, scale, *mins in layers for t in (wp, scale, mins[0] if mins and mins[0] is not None
+                                                        else torch.empty(0))]
+    return torch.ops.arlm.linear_a8p_residual_parts(x.contiguous(), flat)
 
 
 def mask_rows(logits: torch.Tensor, rows: torch.Tensor, bits: torch.Tensor) -> None:

@@ -1586,13 +1586,64 @@ void arlm_kernels::activation_residual(const float* x, int64_t n, float* r) {
   }
 }
 
-void arlm_kernels::linear_a8p_residual(const float* x, int64_t M, int64_t K, const at::Tensor& wp,
-                                       const at::Tensor& scale, const at::Tensor& mins, float* y, int64_t ldy,
-                                       bool accumulate) {
 #ifdef ARLM_PACKED
-  const int64_t G = K / kGroup, NB = wp.size(0);
-  // x as 16 bits in two bytes (x16p_block). Scratch kept per calling thread and grown as needed:
-  // a decode step allocates nothing here.
+namespace {
+
+// One packed layer's tensors as x16_tiles reads them.
+struct PackedLayer {
+  Packed kind;
+  int64_t NB, block;  // blocks of 16 channels; bytes of one
+  bool k5, f16, q4;
+  const uint8_t* w;
+  const float* rs;  // int8: the scale per row
+  const at::Half *dp, *mp;
+  float m_per_d;
+  const void* kscale;
+  const at::Half* supers;
+};
+
+PackedLayer packed_layer(int64_t K, const at::Tensor& wp, const at::Tensor& scale, const at::Tensor& mins) {
+  PackedLayer L;
+  L.kind = packed_kind(K, wp, scale, mins);
+  L.NB = wp.size(0);
+  L.k5 = L.kind == Packed::kQ5 || L.kind == Packed::kQ5_K;
+  L.f16 = L.kind == Packed::kQ4_1 || L.kind == Packed::kQ4_0 || L.kind == Packed::kQ5;
+  L.q4 = L.f16 || L.kind == Packed::kQ4_K || L.kind == Packed::kQ5_K;
+  const bool q8 = L.kind == Packed::kQ8_0;
+  L.block = L.kind == Packed::kQ6_K ? K / 8 * 96 : L.k5 ? K / 8 * 80 : L.q4 ? K / 2 * kLanes : K * kLanes;
+  L.w = wp.data_ptr<uint8_t>();
+  L.rs = L.kind == Packed::kInt8 ? scale.data_ptr<float>() : nullptr;
+  L.dp = L.f16 || q8 ? scale.data_ptr<at::Half>() : nullptr;
+  L.mp = L.f16 && L.kind != Packed::kQ4_0 ? mins.data_ptr<at::Half>() : nullptr;
+  L.m_per_d = L.kind == Packed::kQ4_0 ? -8.f : 0.f;
+  const bool kq = L.kind == Packed::kQ4_K || L.kind == Packed::kQ5_K || L.kind == Packed::kQ6_K;
+  L.kscale = kq ? scale.data_ptr() : nullptr;
+  L.supers = kq ? mins.data_ptr<at::Half>() : nullptr;
+  return L;
+}
+
+// AVX2's int8 layouts read x as int16 (256 hi + lo), not as its two bytes.
+inline bool reads_wide(const PackedLayer& L) {
+#ifdef ARLM_AVX512
+  (void)L;
+  return false;
+#else
+  return !L.q4 && L.kind != Packed::kQ6_K;
+#endif
+}
+
+// x as 16 bits in two bytes (x16p_block), for the layers that read it.
+struct X16Rows {
+  const int8_t *hi, *lo;
+  const float *e, *sx;
+  const int32_t *sums, *halves;  // halves: the rows' sums of X per 16 (Q6_K; where asked for)
+  const int16_t* wide;           // 256 hi + lo (reads_wide; where asked for)
+};
+
+// x [M, K] quantized for X16Rows. Scratch kept per calling thread and grown as needed (a decode
+// step allocates nothing here); valid until the thread's next call.
+X16Rows quantize_x16(const float* x, int64_t M, int64_t K, bool halves_too, bool wide_too) {
+  const int64_t G = K / kGroup;
   thread_local std::vector<int8_t> codes;
   thread_local std::vector<float> scales;
   thread_local std::vector<int32_t> sums;
@@ -1607,120 +1658,180 @@ void arlm_kernels::linear_a8p_residual(const float* x, int64_t M, int64_t K, con
     for (int64_t b = b0; b < b1; ++b)
       quantize_group16(x + b * kGroup, hi + b * kGroup, lo + b * kGroup, e + b, sx + b, sp + b);
   });
-  const Packed kind = packed_kind(K, wp, scale, mins);
-  const bool k5 = kind == Packed::kQ5 || kind == Packed::kQ5_K;
-  const bool f16 = kind == Packed::kQ4_1 || kind == Packed::kQ4_0 || kind == Packed::kQ5;
-  const bool q4 = f16 || kind == Packed::kQ4_K || kind == Packed::kQ5_K, q8 = kind == Packed::kQ8_0;
-  const int64_t block = kind == Packed::kQ6_K ? K / 8 * 96 : k5 ? K / 8 * 80 : q4 ? K / 2 * kLanes : K * kLanes;
-  const int64_t H = K / 16, S = K / 256;
-  const uint8_t* wpp = wp.data_ptr<uint8_t>();
-  const float* rs = kind == Packed::kInt8 ? scale.data_ptr<float>() : nullptr;  // int8's scale per row
-  const at::Half* dp = f16 || q8 ? scale.data_ptr<at::Half>() : nullptr;
-  const at::Half* mp = f16 && kind != Packed::kQ4_0 ? mins.data_ptr<at::Half>() : nullptr;
-  const float m_per_d = kind == Packed::kQ4_0 ? -8.f : 0.f;
-  const bool kq = kind == Packed::kQ4_K || kind == Packed::kQ5_K || kind == Packed::kQ6_K;
-  const void* kscale = kq ? scale.data_ptr() : nullptr;
-  const at::Half* supers = kq ? mins.data_ptr<at::Half>() : nullptr;
-  thread_local std::vector<int32_t> halves;  // Q6_K: the rows' sums of X per 16
-  if (kind == Packed::kQ6_K) {
-    halves.resize(std::max<size_t>(halves.size(), M * H));
+  X16Rows a{hi, lo, e, sx, sp, nullptr, nullptr};
+  thread_local std::vector<int32_t> halves;
+  if (halves_too) {
+    halves.resize(std::max<size_t>(halves.size(), M * (K / 16)));
     half_sums(hi, lo, M, K, halves.data());
+    a.halves = halves.data();
   }
-  // x as 16 bits, 256 hi + lo: AVX2's int8 layouts (x16p_block). (A second pass over the codes
-  // quantize_group16 just split; ~1% of a prompt's time, nothing at batch 1: left.)
-  const int16_t* x16 = nullptr;
-#ifndef ARLM_AVX512
+  // (A second pass over the codes quantize_group16 just split; ~1% of a prompt's time, nothing
+  // at batch 1: left.)
   thread_local std::vector<int16_t> wide;
-  if (!q4 && kind != Packed::kQ6_K) {
+  if (wide_too) {
     wide.resize(std::max<size_t>(wide.size(), M * K));
     int16_t* xw = wide.data();
     at::parallel_for(0, M * K, 4096, [&](int64_t i0, int64_t i1) {
       for (int64_t i = i0; i < i1; ++i) xw[i] = static_cast<int16_t>(256 * hi[i] + lo[i]);
     });
-    x16 = xw;
+    a.wide = xw;
   }
-#endif
-  const int32_t* hs = halves.data();
-  // Each thread's tiles are taken a chunk of rows at a time: the chunk's codes (64 rows: 74 KB at
-  // K = 576, 197 KB at 1,536) stay in L2 across the tiles, where all M rows would be read again
-  // from L3 for every tile. A row's products do not depend on the chunking.
-  constexpr int64_t kChunkRows = 64;
+  return a;
+}
+
+// Each thread's tiles are taken a chunk of rows at a time: the chunk's codes (64 rows: 74 KB at
+// K = 576, 197 KB at 1,536) stay in L2 across the tiles, where all M rows would be read again
+// from L3 for every tile. A row's products do not depend on the chunking.
+constexpr int64_t kChunkRows = 64;
+
+// Tiles t0 .. t1 of layer W (tile_blocks(M) blocks of 16 channels each) times x's M rows: those
+// blocks' columns of y (row stride ldy), or added to them. One thread's share of a call. Inlined
+// into each caller's loop over the pool, its layer's fields copied into locals: SmolLM2's gate/up
+// pass (benchmarks/phases.py, batch 1, Zen 5) 0.41 ms, where the same code as a call took 0.54 and
+// the lambda it was before (every field read through its captures) 0.47.
+__attribute__((always_inline)) inline void x16_tiles(const PackedLayer& W, const X16Rows& a, int64_t M, int64_t K,
+                                                     int64_t t0, int64_t t1, float* y, int64_t ldy, bool accumulate) {
+  const int64_t G = K / kGroup, H = K / 16, S = K / 256, NB = W.NB, block = W.block;
+  const Packed kind = W.kind;
+  const bool k5 = W.k5, q4 = W.q4;
+  const uint8_t* wpp = W.w;
+  const float* rs = W.rs;
+  const at::Half *dp = W.dp, *mp = W.mp, *supers = W.supers;
+  const void* kscale = W.kscale;
+  const int8_t *hi = a.hi, *lo = a.lo;
+  const float *e = a.e, *sx = a.sx;
+  const int32_t *sp = a.sums, *hs = a.halves;
+  const int16_t* x16 = a.wide;
+  const int64_t tb = tile_blocks(M);
+  float out[kPackedRows * kTileBlocks * kLanes];
 #ifdef ARLM_AMX
   const bool amx = M >= 16 && amx_ready();
-  const X16Layer layer{kind, K, G, H, S, block, wpp, rs, {}, static_cast<const uint8_t*>(kscale), supers, hi, lo, e,
-                       sx, sp, halves.data()};
+  alignas(64) float tiled[kChunkRows * 2 * kLanes];  // amx_tile's rows of the chunk
+  X16Layer L{kind, K, G, H, S, block, wpp, rs, {}, static_cast<const uint8_t*>(kscale), supers, hi, lo, e,
+             sx, sp, hs};
 #endif
-  const int64_t tb = tile_blocks(M);
-  at::parallel_for(0, (NB + tb - 1) / tb, 4, [&](int64_t t0, int64_t t1) {
-    float out[kPackedRows * kTileBlocks * kLanes];
+  prefetch_start(wpp + t0 * tb * block, tb);
+  for (int64_t c0 = 0; c0 < M; c0 += kChunkRows)
+    for (int64_t t = t0; t < t1; ++t) {  // a tile: tb blocks of 16 channels (fewer at the end)
+      const int64_t b0 = tb * t, nb = std::min<int64_t>(tb, NB - b0);
+      const uint8_t* wt = wpp + b0 * block;
+      const uint8_t* next = prefetch_from(wt, tb, block, t + 1 == t1);  // prefetched by the first rows
+      const F16Scales fs{dp ? dp + b0 * G * kLanes : nullptr, mp ? mp + b0 * G * kLanes : nullptr, G, W.m_per_d};
+      int64_t done = 0;  // the chunk's rows the tiles took
 #ifdef ARLM_AMX
-    alignas(64) float tiled[kChunkRows * 2 * kLanes];  // amx_tile's rows of the chunk
-    X16Layer L = layer;
-#endif
-    prefetch_start(wpp + t0 * tb * block, tb);
-    for (int64_t c0 = 0; c0 < M; c0 += kChunkRows)
-      for (int64_t t = t0; t < t1; ++t) {  // a tile: tb blocks of 16 channels (fewer at the end)
-        const int64_t b0 = tb * t, nb = std::min<int64_t>(tb, NB - b0);
-        const uint8_t* wt = wpp + b0 * block;
-        const uint8_t* next = prefetch_from(wt, tb, block, t + 1 == t1);  // prefetched by the first rows
-        const F16Scales fs{dp ? dp + b0 * G * kLanes : nullptr, mp ? mp + b0 * G * kLanes : nullptr, G, m_per_d};
-        int64_t done = 0;  // the chunk's rows the tiles took
-#ifdef ARLM_AMX
-        if (amx) {
-          done = std::min(kChunkRows, M - c0) / 16 * 16;
-          L.fs = fs;
-          if (done) amx_tile(L, c0, done, b0, nb, tiled);
-          for (int64_t i = 0; i < done; ++i)
-            for (int64_t b = 0; b < nb; ++b) {
-              __m512 v = _mm512_load_ps(tiled + (i * nb + b) * kLanes);
-              if (rs) v = _mm512_mul_ps(v, _mm512_loadu_ps(rs + (b0 + b) * kLanes));
-              float* yr = y + (c0 + i) * ldy + (b0 + b) * kLanes;
-              _mm512_storeu_ps(yr, accumulate ? _mm512_add_ps(_mm512_loadu_ps(yr), v) : v);
-            }
-        }
-#endif
-        row_blocks<kPackedRows>(std::min(kChunkRows, M - c0) - done, [&](auto mb, int64_t r) {
-          constexpr int MB = decltype(mb)::value;
-          const int64_t m = c0 + done + r;
-          const uint8_t* pf = r == 0 ? next : nullptr;
-          const int8_t *h = hi + m * K, *l = lo + m * K;
-          const float *em = e + m * G, *sm = sx + m * G;
-          const int32_t* um = sp + m * G;
-          if (kind == Packed::kQ4_K || kind == Packed::kQ5_K) {
-            const KScales ks{static_cast<const uint8_t*>(kscale) + b0 * G * 2 * kLanes, supers + b0 * S * 2 * kLanes,
-                             G};
-            if (k5) {
-              if (nb == 2) x16p_block<true, MB, 2, KScales, true>(h, l, em, sm, um, K, wt, ks, pf, out);
-              else x16p_block<true, MB, 1, KScales, true>(h, l, em, sm, um, K, wt, ks, pf, out);
-            } else {
-              if (nb == 2) x16p_block<true, MB, 2>(h, l, em, sm, um, K, wt, ks, pf, out);
-              else x16p_block<true, MB, 1>(h, l, em, sm, um, K, wt, ks, pf, out);
-            }
-          } else if (kind == Packed::kQ5) {
-            if (nb == 2) x16p_block<true, MB, 2, F16Scales, true>(h, l, em, sm, um, K, wt, fs, pf, out);
-            else x16p_block<true, MB, 1, F16Scales, true>(h, l, em, sm, um, K, wt, fs, pf, out);
-          } else if (kind == Packed::kQ6_K) {
-            const int8_t* sc = static_cast<const int8_t*>(kscale) + b0 * H * kLanes;
-            const at::Half* dd = supers + b0 * S * kLanes;
-            if (nb == 2) q6p_block<true, MB, 2>(h, l, em, hs + m * H, K, wt, sc, dd, pf, out);
-            else q6p_block<true, MB, 1>(h, l, em, hs + m * H, K, wt, sc, dd, pf, out);
-          } else if (q4) {
-            if (nb == 2) x16p_block<true, MB, 2>(h, l, em, sm, um, K, wt, fs, pf, out);
-            else x16p_block<true, MB, 1>(h, l, em, sm, um, K, wt, fs, pf, out);
-          } else {
-            const int16_t* xm = x16 ? x16 + m * K : nullptr;
-            if (nb == 2) x16p_block<false, MB, 2>(h, l, em, sm, um, K, wt, fs, pf, out, xm);
-            else x16p_block<false, MB, 1>(h, l, em, sm, um, K, wt, fs, pf, out, xm);
+      if (amx) {
+        done = std::min(kChunkRows, M - c0) / 16 * 16;
+        L.fs = fs;
+        if (done) amx_tile(L, c0, done, b0, nb, tiled);
+        for (int64_t i = 0; i < done; ++i)
+          for (int64_t b = 0; b < nb; ++b) {
+            __m512 v = _mm512_load_ps(tiled + (i * nb + b) * kLanes);
+            if (rs) v = _mm512_mul_ps(v, _mm512_loadu_ps(rs + (b0 + b) * kLanes));
+            float* yr = y + (c0 + i) * ldy + (b0 + b) * kLanes;
+            _mm512_storeu_ps(yr, accumulate ? _mm512_add_ps(_mm512_loadu_ps(yr), v) : v);
           }
-          for (int i = 0; i < MB; ++i)
-            for (int64_t b = 0; b < nb; ++b)  // into y, or added to it, times the int8 scale
-              put16(out + (i * nb + b) * kLanes, rs ? rs + (b0 + b) * kLanes : nullptr,
-                    y + (m + i) * ldy + (b0 + b) * kLanes, accumulate);
-        });
       }
-  });
+#endif
+      row_blocks<kPackedRows>(std::min(kChunkRows, M - c0) - done, [&](auto mb, int64_t r) {
+        constexpr int MB = decltype(mb)::value;
+        const int64_t m = c0 + done + r;
+        const uint8_t* pf = r == 0 ? next : nullptr;
+        const int8_t *h = hi + m * K, *l = lo + m * K;
+        const float *em = e + m * G, *sm = sx + m * G;
+        const int32_t* um = sp + m * G;
+        if (kind == Packed::kQ4_K || kind == Packed::kQ5_K) {
+          const KScales ks{static_cast<const uint8_t*>(kscale) + b0 * G * 2 * kLanes, supers + b0 * S * 2 * kLanes,
+                           G};
+          if (k5) {
+            if (nb == 2) x16p_block<true, MB, 2, KScales, true>(h, l, em, sm, um, K, wt, ks, pf, out);
+            else x16p_block<true, MB, 1, KScales, true>(h, l, em, sm, um, K, wt, ks, pf, out);
+          } else {
+            if (nb == 2) x16p_block<true, MB, 2>(h, l, em, sm, um, K, wt, ks, pf, out);
+            else x16p_block<true, MB, 1>(h, l, em, sm, um, K, wt, ks, pf, out);
+          }
+        } else if (kind == Packed::kQ5) {
+          if (nb == 2) x16p_block<true, MB, 2, F16Scales, true>(h, l, em, sm, um, K, wt, fs, pf, out);
+          else x16p_block<true, MB, 1, F16Scales, true>(h, l, em, sm, um, K, wt, fs, pf, out);
+        } else if (kind == Packed::kQ6_K) {
+          const int8_t* sc = static_cast<const int8_t*>(kscale) + b0 * H * kLanes;
+          const at::Half* dd = supers + b0 * S * kLanes;
+          if (nb == 2) q6p_block<true, MB, 2>(h, l, em, hs + m * H, K, wt, sc, dd, pf, out);
+          else q6p_block<true, MB, 1>(h, l, em, hs + m * H, K, wt, sc, dd, pf, out);
+        } else if (q4) {
+          if (nb == 2) x16p_block<true, MB, 2>(h, l, em, sm, um, K, wt, fs, pf, out);
+          else x16p_block<true, MB, 1>(h, l, em, sm, um, K, wt, fs, pf, out);
+        } else {
+          const int16_t* xm = x16 ? x16 + m * K : nullptr;
+          if (nb == 2) x16p_block<false, MB, 2>(h, l, em, sm, um, K, wt, fs, pf, out, xm);
+          else x16p_block<false, MB, 1>(h, l, em, sm, um, K, wt, fs, pf, out, xm);
+        }
+        for (int i = 0; i < MB; ++i)
+          for (int64_t b = 0; b < nb; ++b)  // into y, or added to it, times the int8 scale
+            put16(out + (i * nb + b) * kLanes, rs ? rs + (b0 + b) * kLanes : nullptr,
+                  y + (m + i) * ldy + (b0 + b) * kLanes, accumulate);
+      });
+    }
+}
+
+}  // namespace
+#endif
+
+void arlm_kernels::linear_a8p_residual(const float* x, int64_t M, int64_t K, const at::Tensor& wp,
+                                       const at::Tensor& scale, const at::Tensor& mins, float* y, int64_t ldy,
+                                       bool accumulate) {
+#ifdef ARLM_PACKED
+  const PackedLayer W = packed_layer(K, wp, scale, mins);
+  const X16Rows a = quantize_x16(x, M, K, W.kind == Packed::kQ6_K, reads_wide(W));
+  const int64_t tb = tile_blocks(M);
+  at::parallel_for(0, (W.NB + tb - 1) / tb, 4,
+                   [&](int64_t t0, int64_t t1) { x16_tiles(W, a, M, K, t0, t1, y, ldy, accumulate); });
 #else
   TORCH_CHECK(false, "linear_a8p_residual: built without the packed kernels (AVX-512 VNNI or AVX2)");
+#endif
+}
+
+void arlm_kernels::linear_a8p_residual_parts(const float* x, int64_t M, int64_t K, const at::Tensor* const* parts,
+                                             int64_t n, float* y, int64_t ldy) {
+#ifdef ARLM_PACKED
+  std::vector<PackedLayer> W;
+  bool q6 = false, wide = false;
+  for (int64_t p = 0; p < n; ++p) {
+    W.push_back(packed_layer(K, parts[p][0], parts[p][1], parts[p][2]));
+    q6 = q6 || W.back().kind == Packed::kQ6_K;
+    wide = wide || reads_wide(W.back());
+  }
+  const X16Rows a = quantize_x16(x, M, K, q6, wide);
+  const int64_t tb = tile_blocks(M);
+  std::vector<int64_t> col(n + 1, 0), tiles(n), first(n + 1, 0);  // y's first column, tiles, first byte
+  for (int64_t p = 0; p < n; ++p) {
+    col[p + 1] = col[p] + W[p].NB * kLanes;
+    tiles[p] = (W[p].NB + tb - 1) / tb;
+    first[p + 1] = first[p] + tiles[p] * tb * W[p].block;
+  }
+  if (M > kPackedRows) {  // prompt rows: each part over the pool in turn, x quantized once
+    for (int64_t p = 0; p < n; ++p)
+      at::parallel_for(0, tiles[p], 4,
+                       [&](int64_t t0, int64_t t1) { x16_tiles(W[p], a, M, K, t0, t1, y + col[p], ldy, false); });
+    return;
+  }
+  // A decode step: all parts in one pass of the pool, the threads' shares cut by bytes (a thread
+  // takes the tiles that start in its share), each share's tiles one stream.
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), first[n] / (64 * 1024)));
+  at::parallel_for(0, threads, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t lo = first[n] * i / threads, hi = first[n] * (i + 1) / threads;
+      for (int64_t p = 0; p < n; ++p) {
+        const int64_t bytes = tb * W[p].block;  // a tile's (the last may hold fewer blocks)
+        auto tile_at = [&](int64_t byte) {  // the first tile that starts at or after byte
+          return std::clamp<int64_t>((byte - first[p] + bytes - 1) / bytes, 0, tiles[p]);
+        };
+        const int64_t t0 = tile_at(lo), t1 = tile_at(hi);
+        if (t0 < t1) x16_tiles(W[p], a, M, K, t0, t1, y + col[p], ldy, false);
+      }
+    }
+  });
+#else
+  TORCH_CHECK(false, "linear_a8p_residual_parts: built without the packed kernels (AVX-512 VNNI or AVX2)");
 #endif
 }
 
@@ -1810,8 +1921,85 @@ at::Tensor linear_a8p_residual(const at::Tensor& x, const at::Tensor& wp, const 
   return y;
 }
 
+// Rows `index` of a packed Q8_0 or Q6_K layer (K inputs) as float32 [T, K]: an embedding table's
+// lookup (a tied head's matrix), once a decode step. The layers' dequantize_rows (quant.py) in
+// the same float32 operations (Q8_0: d q; Q6_K: (d sc) q, q = u - 32), one pass over each row's
+// bytes: ~1-3 us where their tensor ops took 30-100 (1-2% of a 1B, 270M or 135M model's step).
+at::Tensor packed_rows(const at::Tensor& wp, const at::Tensor& scale, const at::Tensor& mins, const at::Tensor& index,
+                       int64_t K) {
+  TORCH_CHECK(wp.dim() == 3 && wp.scalar_type() == at::kByte && wp.is_contiguous() && K > 0 && K % 32 == 0,
+              "packed_rows: a packed layer");
+  TORCH_CHECK(index.dim() == 1 && index.scalar_type() == at::kLong, "packed_rows: index [T] int64");
+  const Packed kind = packed_kind(K, wp, scale, mins);
+  TORCH_CHECK(kind == Packed::kQ8_0 || (kind == Packed::kQ6_K && K % 256 == 0), "packed_rows: Q8_0 and Q6_K only");
+  TORCH_CHECK(scale.is_contiguous() && mins.is_contiguous(), "packed_rows: contiguous scales");
+  const int64_t T = index.size(0), NB = wp.size(0), C = wp.size(1), R = wp.size(2);
+  at::Tensor out = at::empty({T, K}, at::TensorOptions().dtype(at::kFloat));
+  const int64_t* ip = index.data_ptr<int64_t>();
+  const uint8_t* w = wp.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t n = ip[t];
+    TORCH_CHECK(n >= 0 && n < NB * kLanes, "packed_rows: index out of range");
+    const int64_t b = n / kLanes, lane = n % kLanes;
+    const uint8_t* wb = w + b * C * R;
+    float* row = op + t * K;
+    if (kind == Packed::kQ8_0) {  // [NB, K/4, 64]: lane's 4 bytes (w + 128) per 4 K-values; d [NB, K/32, 16]
+      const at::Half* d = scale.data_ptr<at::Half>() + b * (K / 32) * kLanes + lane;
+      for (int64_t k = 0; k < K; ++k) {
+        const int8_t q = static_cast<int8_t>(wb[(k / 4) * R + 4 * lane + k % 4] ^ 0x80);
+        row[k] = static_cast<float>(q) * static_cast<float>(d[(k / 32) * kLanes]);
+      }
+    } else {  // Q6_K [NB, K/8, 96] (pack_q6_k): 64 bytes of low nibbles, 32 of top bits (load_q6)
+      const int8_t* sc = scale.data_ptr<int8_t>() + b * (K / 16) * kLanes + lane;
+      const at::Half* dd = mins.data_ptr<at::Half>() + b * (K / 256) * kLanes + lane;
+      // channel lane's 4 bytes are vector bytes 4 lane .. 4 lane + 3: 128-bit lane L, word lane % 4,
+      // whose top bits sit at bits 2 slot of the stored byte (c + offset) % 4 (kernels.pack_q6_k)
+      static constexpr int kSlotOf[4] = {2, 3, 0, 1}, kOffsetOf[4] = {1, 1, 0, 0};  // by L; by slot
+      const int64_t L = lane / 4, word = lane % 4, slot = kSlotOf[L], offset = kOffsetOf[slot];
+      for (int64_t c = 0; c < K / 8; ++c) {
+        const uint8_t* g = wb + c * R;
+        for (int64_t h = 0; h < 2; ++h)
+          for (int64_t j = 0; j < 4; ++j) {
+            const int64_t k = 8 * c + 4 * h + j;
+            const int low = h ? g[4 * lane + j] >> 4 : g[4 * lane + j] & 0x0F;
+            const int top = (g[64 + 16 * h + 4 * word + (j + offset) % 4] >> (2 * slot)) & 0x03;
+            const float dsc = static_cast<float>(dd[(k / 256) * kLanes]) * static_cast<float>(sc[(k / 16) * kLanes]);
+            row[k] = dsc * static_cast<float>((low | top << 4) - 32);
+          }
+      }
+    }
+  }
+  return out;
+}
+
+// linear_a8p_residual_parts as an op: layers (wp, scale, mins) after one another in `layers`.
+at::Tensor linear_a8p_residual_parts(const at::Tensor& x, at::TensorList layers) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "linear_a8p_residual_parts: x [M, K] contiguous float32");
+  TORCH_CHECK(!layers.empty() && layers.size() % 3 == 0, "linear_a8p_residual_parts: (wp, scale, mins) per part");
+  const int64_t n = static_cast<int64_t>(layers.size()) / 3;
+  std::vector<const at::Tensor*> parts;
+  int64_t N = 0;
+  for (int64_t p = 0; p < n; ++p) {
+    const at::Tensor* t = layers.data() + 3 * p;
+    N += arlm_kernels::packed_out_features("linear_a8p_residual_parts", x.size(1), t[0], t[1], t[2]);
+    parts.push_back(t);
+  }
+  at::Tensor y = at::empty({x.size(0), N}, x.options());
+#ifdef ARLM_PACKED
+  arlm_kernels::linear_a8p_residual_parts(x.data_ptr<float>(), x.size(0), x.size(1), parts.data(), n,
+                                          y.data_ptr<float>(), N);
+#else
+  TORCH_CHECK(false, "linear_a8p_residual_parts: built without the packed kernels (AVX-512 VNNI or AVX2)");
+#endif
+  return y;
+}
+
 TORCH_LIBRARY_FRAGMENT(arlm, m) {
   m.def("linear_a8p_residual(Tensor x, Tensor wp, Tensor scale, Tensor mins) -> Tensor");
+  m.def("linear_a8p_residual_parts(Tensor x, Tensor[] layers) -> Tensor");
+  m.def("packed_rows(Tensor wp, Tensor scale, Tensor mins, Tensor index, int K) -> Tensor");
   m.def("q4_linear_a8(Tensor x, Tensor w, Tensor scale, Tensor mins) -> Tensor");
   m.def("int8_linear_a8(Tensor x, Tensor w, Tensor scale) -> Tensor");
   m.def("int8_linear_a8p(Tensor x, Tensor wp, Tensor scale) -> Tensor");
@@ -1828,6 +2016,8 @@ TORCH_LIBRARY_IMPL(arlm, CPU, m) {
   m.impl("int8_linear_a8p", &int8_linear_a8p);
   m.impl("q4_linear_a8p", &q4_linear_a8p);
   m.impl("linear_a8p_residual", &linear_a8p_residual);
+  m.impl("linear_a8p_residual_parts", &linear_a8p_residual_parts);
+  m.impl("packed_rows", &packed_rows);
   m.impl("kquant_linear_a8p", &kquant_linear_a8p);
 }
 #endif  // ARLM_BARE

@@ -102,6 +102,13 @@ void linear_a8p(const Act8& x, int64_t M, int64_t K, const at::Tensor& wp, const
 void linear_a8p_residual(const float* x, int64_t M, int64_t K, const at::Tensor& wp, const at::Tensor& scale,
                          const at::Tensor& mins, float* y, int64_t ldy, bool accumulate);
 
+// linear_a8p_residual of several packed layers that read the same x (a projection's parts: Q4_K_M's
+// Q4_K q and k beside its Q6_K v), their outputs side by side in y's columns (n parts, each
+// (wp, scale, mins)): x quantized once, and a decode step's rows in one pass of the pool over
+// all the parts, each thread's share cut by bytes. Each output as the part's own call gives it.
+void linear_a8p_residual_parts(const float* x, int64_t M, int64_t K, const at::Tensor* const* parts, int64_t n,
+                               float* y, int64_t ldy);
+
 // r[0..n) = x - (x quantized to 8 bits per group of 32 and back): what one 8-bit pass loses (n a
 // multiple of 32); the row layouts' (AVX2) second pass. Serial.
 void activation_residual(const float* x, int64_t n, float* r);

@@ -536,6 +536,15 @@ void run_layers(float* x, const Shapes& s, at::TensorList weights, int64_t L, do
     };
     // a projection's parts (first, then the others where given) side by side in y's columns
     auto project = [&](std::initializer_list<int64_t> slots, const float* in, int64_t K, float* y, int64_t ldy) {
+      const at::Tensor* parts[3];
+      int64_t n = 0;
+      bool all_packed = twice(static_cast<LayerWeight>(*slots.begin())) && K % 32 == 0;
+      for (int64_t slot : slots)
+        if (slot == *slots.begin() || W[slot].numel()) {
+          parts[n++] = W + slot;
+          all_packed = all_packed && packed(W + slot);
+        }
+      if (n > 1 && all_packed) return arlm_kernels::linear_a8p_residual_parts(in, N, K, parts, n, y, ldy);
       int64_t col = 0;
       for (int64_t slot : slots) {
         if (slot != *slots.begin() && !W[slot].numel()) continue;
