@@ -138,3 +138,25 @@ def test_unwritable_directory_says_why_and_makes_nothing(tmp_path, monkeypatch):
     assert unwritable_directory(tmp_path / "f" / "d") == f"{tmp_path / 'f'} is a file, not a directory"
     monkeypatch.setattr("os.access", lambda path, mode: False)  # (root may write anywhere: the check as others see it)
     assert unwritable_directory(tmp_path / "new") == f"{tmp_path} is not writable"
+
+
+@pytest.mark.parametrize("mapped", ["0", "1"])
+def test_load_weights_holds_the_files_bytes(tmp_path, monkeypatch, mapped):
+    # A layout cache's weights.bin as a model runs from it: read into private memory (on huge
+    # pages where the kernel gives them) or, with ARLM_MMAP=1, a private map of the file; either
+    # way its bytes, in chunks read side by side (a size no whole number of them), writable
+    # without touching the file; an empty file is None.
+    from arlm.files import huge_pages, load_weights
+
+    monkeypatch.setenv("ARLM_MMAP", mapped)
+    data = np.random.default_rng(5).integers(0, 256, (64 << 20) + 4096 + 7, dtype=np.uint8).tobytes()
+    path = tmp_path / "weights.bin"
+    path.write_bytes(data)
+    memory = load_weights(path)
+    assert len(memory) == len(data) and memory[:] == data
+    memory[0] = (data[0] + 1) % 256
+    assert path.read_bytes()[:1] == data[:1]
+    if mapped == "0" and huge_pages():  # (anonymous: no file behind it)
+        assert not any(str(path) in line for line in Path("/proc/self/maps").read_text().splitlines())
+    (tmp_path / "empty.bin").write_bytes(b"")
+    assert load_weights(tmp_path / "empty.bin") is None

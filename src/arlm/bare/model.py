@@ -69,6 +69,15 @@ def _map(path: Path) -> np.ndarray:
         return np.frombuffer(mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ), dtype=np.uint8)
 
 
+def _weights(path: Path) -> np.ndarray:
+    """weights.bin as the torch path holds it (`files.load_weights`: on huge pages where the kernel
+    has them)."""
+    from ..files import load_weights
+
+    memory = load_weights(path)
+    return np.frombuffer(memory, dtype=np.uint8) if memory is not None else np.zeros(0, dtype=np.uint8)
+
+
 class BarePlan:
     """A plan (`bare-<activations>.json`, written by `arlm.bare.write`) and the arrays it names."""
 
@@ -82,14 +91,14 @@ class BarePlan:
                 self.plan.get("stamp") != plan_stamp() or self.plan.get("library") != key() or \
                 self.plan.get("torch") != torch_version():
             raise ValueError("the plan is stale")
-        self.weights = _map(directory / "weights.bin")
+        self.weights = _weights(directory / "weights.bin")
         self.blob = _map(directory / f"bare-{activations}.bin")
         if [len(self.blob)] != self.plan["blob"][:1]:  # (its CRC is checked where it is written)
             raise ValueError("the plan's blob is not the one it names")
 
     @staticmethod
     def arrays_of(directory: Path, records: list[dict], blob_path: Path) -> list[np.ndarray]:
-        weights, blob = _map(directory / "weights.bin"), _map(blob_path)
+        weights, blob = _map(directory / "weights.bin"), _map(blob_path)  # (a plan's check: a map is enough)
         return [BarePlan._array(r, weights, blob) for r in records]
 
     @staticmethod

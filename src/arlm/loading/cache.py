@@ -13,9 +13,10 @@ later run does:
 - `tokenizer.json`: the tokenizer in HF tokenizers' format (BOS/EOS in the manifest);
 - `weights.bin`: the tensors' bytes, each at a 64-byte boundary.
 
-Later loads map `weights.bin` (a private copy-on-write map: pages come from the OS page cache
-and are shared with every other process that maps the file) and point the model's tensors into
-it: no parsing, no copy, no float32 anywhere. The layout ("packed" on AVX-512 VNNI and AVX2 CPUs, the same bytes, else
+Later loads read `weights.bin` into memory on transparent huge pages (`files.load_weights`; or,
+with ARLM_MMAP=1 or a kernel without them, a private copy-on-write map of it, its pages the
+page cache's and shared with every other process that maps the file) and point the model's
+tensors into it: no parsing, no conversion, no float32 anywhere. The layout ("packed" on AVX-512 VNNI and AVX2 CPUs, the same bytes, else
 "rows") is part of the key, so a build for another ISA (ARLM_MARCH) never reads the wrong one.
 A file is found again by its content hash; `index.json` maps (path, size, mtime, inode) to that
 hash so the ~0.1 s of hashing is paid once per file version. Everything is written to a
@@ -36,7 +37,6 @@ cache shared by machines that see the files at other paths).
 from __future__ import annotations
 
 import json
-import mmap
 import re
 import os
 import shutil
@@ -49,7 +49,7 @@ import torch
 from tokenizers import Tokenizer as HFTokenizer
 
 from ..config import ModelConfig
-from ..files import atomic_write_text, locked
+from ..files import atomic_write_text, load_weights, locked
 from ..model_files import (FORMAT, _current, _stamp, cache_dir, cache_root, file_hash,  # noqa: F401
                            hash_remembered)
 from ..model import Transformer
@@ -284,10 +284,8 @@ def _load(path: Path, layout: str, tokenizer: Tokenizer | None = None) -> Loaded
         manifest = json.loads((directory / "manifest.json").read_text())
         if manifest.get("format") != FORMAT:
             return None
-        with open(directory / "weights.bin", "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            buf = torch.frombuffer(mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY), dtype=torch.uint8) \
-                if size else torch.empty(0, dtype=torch.uint8)
+        memory = load_weights(directory / "weights.bin")
+        buf = torch.frombuffer(memory, dtype=torch.uint8) if memory is not None else torch.empty(0, dtype=torch.uint8)
     except (OSError, ValueError):
         return None
 
