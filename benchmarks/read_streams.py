@@ -11,7 +11,11 @@ in three patterns:
   first block, then line i of the second), the pattern of the packed kernels' two-block tiles (the
   16 channels of a block of a K = 2048 Q4_K layer are 16 KB);
 - two streams + prefetch: the same, each line's twin in the next tile prefetched (the kernels'
-  prefetch of the next tile).
+  prefetch of the next tile);
+- one stream on 2 MB pages: the first pattern over memory on transparent huge pages
+  (MADV_HUGEPAGE, as arlm holds a model's weights: `arlm.files.load_weights`), the others' on
+  4 KB pages (what a map of a file, or memory that does not ask, gets). "(4 KB pages)" after it:
+  the kernel gave none.
 Printed: GB/s, best and median of --repeat passes. The decode kernels read a step's weights as
 one stream a thread since docs/benchmarks.md's Zen 5 section ("one stream a thread").
 """
@@ -32,6 +36,7 @@ from bench_args import positive_int  # noqa: E402
 SOURCE = r"""
 #include <immintrin.h>
 #include <omp.h>
+#include <sys/mman.h>
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
@@ -62,11 +67,24 @@ inline long long lane_sum(Acc a) {
 }
 #endif
 
-// mode 0: one stream; 1: two streams; 2: two streams, the next tile prefetched
+// The process's anonymous memory on huge pages, kB (/proc/self/smaps_rollup).
+long huge_kb() {
+  FILE* f = std::fopen("/proc/self/smaps_rollup", "r");
+  char line[256];
+  long kb = 0;
+  while (f && std::fgets(line, sizeof line, f))
+    if (!std::strncmp(line, "AnonHugePages:", 14)) kb = std::atol(line + 14);
+  if (f) std::fclose(f);
+  return kb;
+}
+
+// mode 0: one stream; 1: two streams; 2: two streams, the next tile prefetched; 3: one stream on 2 MB pages
 int main(int argc, char** argv) {
   const size_t total = std::strtoull(argv[1], nullptr, 10) << 20, blk = std::strtoull(argv[2], nullptr, 10) << 10;
   const int mode = std::atoi(argv[3]), repeat = std::atoi(argv[4]);
-  uint8_t* buf = static_cast<uint8_t*>(std::aligned_alloc(4096, total));
+  const size_t align = mode == 3 ? 2 << 20 : 4096;
+  uint8_t* buf = static_cast<uint8_t*>(std::aligned_alloc(align, (total + align - 1) / align * align));
+  if (mode == 3) madvise(buf, total, MADV_HUGEPAGE);  // (before the pages are touched)
   std::memset(buf, 1, total);
   const size_t tiles = total / (2 * blk);
   std::vector<double> seconds;
@@ -81,7 +99,7 @@ int main(int argc, char** argv) {
       Acc acc0 = zero(), acc1 = zero();
       for (size_t t = a; t < b; ++t) {
         const uint8_t* w = buf + t * 2 * blk;
-        if (mode == 0) {
+        if (mode == 0 || mode == 3) {
           for (size_t o = 0; o < 2 * blk; o += 128) {
             acc0 = add_line(acc0, w + o);
             acc1 = add_line(acc1, w + o + 64);
@@ -105,13 +123,14 @@ int main(int argc, char** argv) {
   }
   std::sort(seconds.begin(), seconds.end());
   const double bytes = static_cast<double>(tiles * 2 * blk);
-  std::printf("%.2f %.2f %lld\n", bytes / seconds.front() / 1e9, bytes / seconds[seconds.size() / 2] / 1e9,
-              check % 7);
+  std::printf("%.2f %.2f %lld %ld\n", bytes / seconds.front() / 1e9, bytes / seconds[seconds.size() / 2] / 1e9,
+              check % 7, huge_kb());
   return 0;
 }
 """
 
-MODES = {"one stream a thread": 0, "two streams a thread": 1, "two streams + next-tile prefetch": 2}
+MODES = {"one stream a thread": 0, "two streams a thread": 1, "two streams + next-tile prefetch": 2,
+         "one stream a thread, 2 MB pages": 3}
 
 
 def main() -> int:
@@ -137,7 +156,8 @@ def main() -> int:
             for label, mode in MODES.items():
                 out = subprocess.run([str(exe), str(args.mb), str(args.block_kb), str(mode), str(args.repeat)],
                                      env=env, capture_output=True, text=True, check=True).stdout.split()
-                print(f"  round {r}  {label:34} {float(out[0]):7.1f} / {float(out[1]):7.1f}", flush=True)
+                none = " (4 KB pages)" if mode == 3 and int(out[3]) == 0 else ""
+                print(f"  round {r}  {label:34} {float(out[0]):7.1f} / {float(out[1]):7.1f}{none}", flush=True)
     return 0
 
 

@@ -30,7 +30,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not args.prompt:
         raise UsageError("arlm generate: error: the prompt is empty")
     args.prompt = valid_text(args.prompt)  # bytes that were not UTF-8 become U+FFFD
-    from . import bare
+    from . import bare, files
+
+    files.WEIGHTS_ON_HUGE_PAGES = False  # (one command's tokens: its start first; files.load_weights)
 
     if (code := bare.generate(args)) is not None:  # (no torch: where a plan serves the command)
         return code

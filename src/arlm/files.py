@@ -49,21 +49,30 @@ def huge_pages() -> bool:
         return False
 
 
+# How load_weights holds a model where ARLM_MMAP does not say: on huge pages (a process that
+# decodes for long: the server, the Python API), or mapped (`arlm generate`, one command's few
+# hundred tokens: the read would cost its start more than its steps gain; cli.cmd_generate).
+WEIGHTS_ON_HUGE_PAGES = True
+
+
 def load_weights(path: str | Path) -> mmap.mmap | None:
     """A model's weights file (a layout cache's weights.bin) as the memory it runs from, or None
     where the file is empty. Read into private anonymous memory on 2 MB pages where the kernel
     has transparent huge pages: a decode step streams every weight once, and on 4 KB pages (what
     a map of a file gets) the hardware prefetchers stop at each page and every 4 KB takes a TLB
-    entry: the 1B Q4_K_M step 9.8-10.8 -> 9.6 ms, batch 8 -3% (Zen 5, benchmarks/phases.py),
-    for ~0.1 s more start at 1B and ~1 s at 8B (the read, on up to 4 threads). ARLM_MMAP=1 maps
-    the file instead (a private copy-on-write map, its pages the page cache's, shared with every
-    process that maps it: replicas of a model on one machine). OSError where it cannot be read
-    whole."""
+    entry: the 1B Q4_K_M step 9.8-10.8 -> 9.6 ms, batch 8 -3% (Zen 5, benchmarks/phases.py).
+    The read (on up to 4 threads) costs a fresh process ~0.3 s a GB, the kernel making and
+    zeroing its huge pages. Or mapped: a private copy-on-write map of the file, its pages the page
+    cache's, shared with every process that maps it (replicas of a model on one machine), read
+    as touched. ARLM_MMAP=1 maps, ARLM_MMAP=0 reads; else WEIGHTS_ON_HUGE_PAGES says. OSError
+    where the file cannot be read whole."""
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         if not size:
             return None
-        if os.environ.get("ARLM_MMAP") == "1" or not huge_pages() or not hasattr(mmap, "MADV_HUGEPAGE"):
+        choice = os.environ.get("ARLM_MMAP", "")
+        huge = choice == "0" or (choice != "1" and WEIGHTS_ON_HUGE_PAGES)
+        if not huge or not huge_pages() or not hasattr(mmap, "MADV_HUGEPAGE"):
             return mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
         from concurrent.futures import ThreadPoolExecutor
 
