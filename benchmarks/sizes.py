@@ -8,7 +8,10 @@ Needs llama.cpp's tools in build/llama.cpp/bin (benchmarks/build_peers.sh) and l
 (the same build) for the start-up part. Files missing from --gguf-dir are made first.
 
 Each round runs arlm and llama.cpp one after the other, the order reversed every other round;
-the figures are the rounds' medians, and arlm / llama.cpp beside them:
+the figures are the rounds' medians, and arlm / llama.cpp beside them. The start-up rounds run
+first, before this process loads the model for the speed rounds (its weights on huge pages, as
+the server and the API hold them: beside the page cache's copy of the file, a second one that
+would push an 8B file out of a small machine's page cache):
 - decode1: batch-1 decode tokens/s, 128 greedy tokens (EOS ignored: random weights). arlm: its
   engine in this process, stepped (benchmarks/run.py's `engine_run`) after a 4-token prompt,
   decode steps only; llama.cpp: `llama-bench -n 128` (tg128, after an empty prompt).
@@ -157,32 +160,41 @@ def measure_file(path: Path, args, parts: set[str]) -> dict:
     """Every measure of one file: {"arlm": {...}, "llama.cpp": {...}} of medians, and the rounds."""
     lib = os.environ.get("LLAMA_CPP_LIB_PATH", str(BIN))
     env = {"arlm": None, "llama.cpp": {**os.environ, "LLAMA_CPP_LIB_PATH": lib}}
-    # (builds arlm's layout cache for this file, if not yet built)
-    llm = LLM.load(str(path), activations=args.activations)
-    speed_parts = parts & {"decode1", "decode8", "prefill"}
     start = bool(parts & {"start", "rss"})  # (one set of start-up runs measures both)
     cmds = start_commands(path, args.threads, args.activations)
-    arlm_speeds(llm, speed_parts | {"decode1"})  # (a warm-up: the first steps build the kernels' scratch)
-    if start:
-        for engine in cmds:
-            timed(cmds[engine], env[engine])
     runs: dict[str, dict[str, list[float]]] = {"arlm": {}, "llama.cpp": {}}
-    for r in range(args.rounds):
-        for engine in (["arlm", "llama.cpp"] if r % 2 == 0 else ["llama.cpp", "arlm"]):
+
+    def rounds(measure) -> None:  # engines alternated, the order reversed every other round
+        for r in range(args.rounds):
+            for engine in (["arlm", "llama.cpp"] if r % 2 == 0 else ["llama.cpp", "arlm"]):
+                for k, v in measure(engine).items():
+                    runs[engine].setdefault(k, []).append(v)
+            print(f"  round {r}: " + json.dumps({e: {k: round(v[-1], 2) for k, v in d.items()}
+                                                  for e, d in runs.items()}), flush=True)
+
+    first: dict[str, dict[str, float]] = {"arlm": {}, "llama.cpp": {}}
+    if start:  # before this process loads the model: its copy of the weights (on huge pages, as the
+        # server and the API hold them) would push the files out of the page cache on a small machine
+        for engine in cmds:  # (warm-ups: arlm's first run builds the file's layout cache)
+            timed(cmds[engine], env[engine])
+        rounds(lambda engine: dict(zip(("start_warm", "rss_warm"), timed(cmds[engine], env[engine]))))
+        # once per file: arlm's first load builds its layout cache; llama.cpp has none to build
+        first["arlm"]["start_first"], first["arlm"]["rss_first"] = first_load(cmds["arlm"])
+        first["llama.cpp"]["start_first"], first["llama.cpp"]["rss_first"] = timed(cmds["llama.cpp"], env["llama.cpp"])
+    llm = LLM.load(str(path), activations=args.activations)  # (builds the layout cache, if not yet built)
+    speed_parts = parts & {"decode1", "decode8", "prefill"}
+    if speed_parts:
+        arlm_speeds(llm, speed_parts | {"decode1"})  # (a warm-up: the first steps build the kernels' scratch)
+
+        def speeds(engine: str) -> dict[str, float]:
             got = (arlm_speeds(llm, speed_parts) if engine == "arlm"
                    else llama_cpp_speeds(path, args.threads, speed_parts))
-            if start:
-                got["start_warm"], got["rss_warm"] = timed(cmds[engine], env[engine])
-            for k, v in got.items():
-                runs[engine].setdefault(k, []).append(v)
-        print(f"  round {r}: " + json.dumps({e: {k: round(v[-1], 2) for k, v in d.items()} for e, d in runs.items()}),
-              flush=True)
-        if "decode1" in speed_parts:  # the host's read rate swings between minutes: the best one seen
-            args.read_gbs = max(args.read_gbs, memory_bandwidth_gbs())
-    got = {e: {k: statistics.median(v) for k, v in d.items()} for e, d in runs.items()}
-    if start:  # once per file: arlm's first load builds its layout cache; llama.cpp has none to build
-        got["arlm"]["start_first"], got["arlm"]["rss_first"] = first_load(cmds["arlm"])
-        got["llama.cpp"]["start_first"], got["llama.cpp"]["rss_first"] = timed(cmds["llama.cpp"], env["llama.cpp"])
+            if "decode1" in speed_parts and engine == "llama.cpp":  # the host's read rate swings
+                args.read_gbs = max(args.read_gbs, memory_bandwidth_gbs())  # between minutes: the best seen
+            return got
+
+        rounds(speeds)
+    got = {e: {k: statistics.median(v) for k, v in d.items()} | first[e] for e, d in runs.items()}
     got["arlm"]["bytes_per_step"] = weight_bytes(llm.model) + llm.engine.cache.bytes_per_token * MEAN_CONTEXT
     got["llama.cpp"]["bytes_per_step"] = llama_cpp_bytes_per_step(path) + kv_bytes_per_token_f16(llm) * MEAN_CONTEXT
     for e in got:
