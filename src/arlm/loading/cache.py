@@ -13,11 +13,12 @@ later run does:
 - `tokenizer.json`: the tokenizer in HF tokenizers' format (BOS/EOS in the manifest);
 - `weights.bin`: the tensors' bytes, each at a 64-byte boundary.
 
-Later loads read `weights.bin` into memory on transparent huge pages (`files.load_weights`; or,
-with ARLM_MMAP=1 or a kernel without them, a private copy-on-write map of it, its pages the
-page cache's and shared with every other process that maps the file) and point the model's
-tensors into it: no parsing, no conversion, no float32 anywhere. The layout ("packed" on AVX-512 VNNI and AVX2 CPUs, the same bytes, else
-"rows") is part of the key, so a build for another ISA (ARLM_MARCH) never reads the wrong one.
+Later loads take `weights.bin` as `files.load_weights` holds it (read into memory on transparent
+huge pages, or a private copy-on-write map of it, its pages the page cache's and shared with
+every process that maps the file: `arlm generate`, ARLM_MMAP=1) and point the model's tensors
+into it: no parsing, no conversion, no float32 anywhere. The layout ("packed" on AVX-512 VNNI
+and AVX2 CPUs, the same bytes, else "rows") is part of the key, so a build for another ISA
+(ARLM_MARCH) never reads the wrong one.
 A file is found again by its content hash; `index.json` maps (path, size, mtime, inode) to that
 hash so the ~0.1 s of hashing is paid once per file version. Everything is written to a
 temporary directory first and renamed into place: a failure or a crash midway leaves no
