@@ -442,7 +442,7 @@ void i8p_block(const int8_t* qx, const float* dx, const int32_t* qs, int64_t K, 
       __m512i wv[NB];
       for (int b = 0; b < NB; ++b) {
         wv[b] = _mm512_loadu_si512(w + b * block + k * kLanes);
-        if (pf) _mm_prefetch(reinterpret_cast<const char*>(pf + b * block + k * kLanes), _MM_HINT_NTA);
+        if (pf) _mm_prefetch(reinterpret_cast<const char*>(pf + b * block + k * kLanes), _MM_HINT_T0);
       }
       for (int i = 0; i < MB; ++i) {
         const __m512i xb = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(qx + i * K + k));
@@ -477,8 +477,8 @@ inline void load_q4(const uint8_t* w, int64_t block, int64_t k, const uint8_t* p
     const uint8_t* p = w + b * block + at;
     const __m512i v = _mm512_loadu_si512(p);
     if (pf) {
-      _mm_prefetch(reinterpret_cast<const char*>(pf + b * block + at), _MM_HINT_NTA);
-      if (k5) _mm_prefetch(reinterpret_cast<const char*>(pf + b * block + at + 64), _MM_HINT_NTA);
+      _mm_prefetch(reinterpret_cast<const char*>(pf + b * block + at), _MM_HINT_T0);
+      if (k5) _mm_prefetch(reinterpret_cast<const char*>(pf + b * block + at + 64), _MM_HINT_T0);
     }
     lo[b] = _mm512_and_si512(v, low4);
     hi[b] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
@@ -621,7 +621,7 @@ void x16p_block(const int8_t* hi, const int8_t* lo, const float* e, const float*
         __m512i wv[NB];
         for (int b = 0; b < NB; ++b) {
           wv[b] = _mm512_loadu_si512(w + b * block + k * kLanes);
-          if (pf) _mm_prefetch(reinterpret_cast<const char*>(pf + b * block + k * kLanes), _MM_HINT_NTA);
+          if (pf) _mm_prefetch(reinterpret_cast<const char*>(pf + b * block + k * kLanes), _MM_HINT_T0);
         }
         for (int i = 0; i < MB; ++i) {
           const __m512i h = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(hi + i * K + k));
@@ -665,8 +665,8 @@ inline void load_q6(const uint8_t* w, int64_t block, int64_t k, const uint8_t* p
   for (int b = 0; b < NB; ++b) {
     const uint8_t* p = w + b * block + at;
     if (pf) {
-      _mm_prefetch(reinterpret_cast<const char*>(pf + b * block + at), _MM_HINT_NTA);
-      _mm_prefetch(reinterpret_cast<const char*>(pf + b * block + at + 64), _MM_HINT_NTA);
+      _mm_prefetch(reinterpret_cast<const char*>(pf + b * block + at), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(pf + b * block + at + 64), _MM_HINT_T0);
     }
     const __m512i v = _mm512_loadu_si512(p);
     const __m512i h0 = _mm512_rorv_epi32(_mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 64))), turn);
