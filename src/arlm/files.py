@@ -40,6 +40,7 @@ def cache_home() -> Path:
     models' prepared layouts under models/)."""
     return Path(os.environ.get("ARLM_CACHE", Path.home() / ".cache" / "arlm"))
 
+
 def huge_pages() -> bool:
     """The kernel gives transparent huge pages to memory that asks (its setting "always" or
     "madvise", not "never")."""

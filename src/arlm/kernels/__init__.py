@@ -418,9 +418,10 @@ def pack_q6_k(q: torch.Tensor, sc: torch.Tensor, d: torch.Tensor) -> tuple[torch
 
 def packed_rows(wp: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor, index: torch.Tensor,
                 in_features: int) -> torch.Tensor:
-    """Rows `index` [T] of a packed Q8_0 (`pack_q8_0`'s operands, mins empty) or Q6_K
-    (`pack_q6_k`'s) layer as float32 [T, in_features], natively: the values the layers'
-    `dequantize_rows` give, bit for bit, in one pass (an embedding's lookup each decode step)."""
+    """Rows `index` [T] of a packed Q8_0 layer (`pack_int8`'s codes, `pack_scales`' float16 scale
+    per 32; mins empty) or Q6_K layer (`pack_q6_k`'s) as float32 [T, in_features], natively: the
+    values `quant`'s layers give (Q8Linear, KQuantLinear's Q6_K), bit for bit, in one pass (an
+    embedding's lookup, each decode step)."""
     return torch.ops.arlm.packed_rows(wp, scale, mins, index.contiguous(), in_features)
 
 
