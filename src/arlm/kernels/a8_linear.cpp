@@ -493,6 +493,19 @@ inline void load_q4(const uint8_t* w, int64_t block, int64_t k, const uint8_t* p
   }
 }
 
+// A Q6_K tile's weights unpacked once for a prompt's rows (expand_q6): per block and 8 K-values
+// the two vectors load_q6 makes of them, kExpanded bytes; q6p_block reads them with kX.
+constexpr int64_t kExpanded = 128;
+
+template <int NB>
+inline void load_x(const uint8_t* w, int64_t block, int64_t k, __m512i (&lo)[NB], __m512i (&hi)[NB]) {
+  const int64_t at = k / 8 * kExpanded;
+  for (int b = 0; b < NB; ++b) {
+    lo[b] = _mm512_load_si512(w + b * block + at);
+    hi[b] = _mm512_load_si512(w + b * block + at + 64);
+  }
+}
+
 // A packed layer's per-group scales for 16 channels as vectors: ds[b] multiplies group g's integer
 // dot product, ms[b] (4-bit layouts) the activations' sum. Pointers start at the tile's first block.
 // F16Scales: Q4_1's (and Q8_0's: m null) float16 d and m per group, [blocks][G][16]; d null: none
@@ -676,15 +689,32 @@ inline void load_q6(const uint8_t* w, int64_t block, int64_t k, const uint8_t* p
   }
 }
 
+// nb blocks of a Q6_K tile (block bytes each, from w; pf: the next tile's, prefetched alike)
+// unpacked into out [nb][K / 8][kExpanded] (64-byte aligned): a prompt's rows then read each
+// block's values as two loads, where every 4 rows unpacked them again (load_q6: 6 operations a
+// vector). The same values, so the same products. A 1B prompt's Q6_K down pass 443-451 -> 422-426
+// ms (512 tokens, Zen 5); the same for the 4-bit layouts (3 operations a vector) made Q4_K's
+// gate/up slower, 711-715 -> 731-737: not done there.
+void expand_q6(const uint8_t* w, int64_t block, int64_t nb, int64_t K, const uint8_t* pf, uint8_t* out) {
+  for (int64_t b = 0; b < nb; ++b)
+    for (int64_t k = 0; k < K; k += 8) {
+      __m512i lo[1], hi[1];
+      load_q6<1>(w + b * block, block, k, pf ? pf + b * block : nullptr, lo, hi);
+      uint8_t* o = out + (b * (K / 8) + k / 8) * kExpanded;
+      _mm512_store_si512(o, lo[0]);
+      _mm512_store_si512(o + 64, hi[0]);
+    }
+}
+
 // Q6_K's layout (load_q6; a signed scale per 16 K-values, a float16 d per 256) against MB rows of
 // 8-bit x (kX16 false: codes a, scale e per group of 32) or of 16-bit x in two bytes (a = hi,
 // b = lo). Each half group has its own scale:
 // out = sum_g sum_h d sc_h e_g (dot_h(u, X) - 32 sum_h X), hs holding the rows' sums of X per 16
 // K-values (16-bit: 256 sum(hi) + sum(lo)); the -32 is taken off in integers, exactly.
-template <bool kX16, int MB, int NB>
+template <bool kX16, int MB, int NB, bool kX = false>
 void q6p_block(const int8_t* a, const int8_t* bl, const float* e, const int32_t* hs, int64_t K, const uint8_t* w,
                const int8_t* sc, const at::Half* dd, const uint8_t* pf, float* out) {
-  const int64_t G = K / kGroup, H = K / 16, S = K / 256, block = K / 8 * 96;
+  const int64_t G = K / kGroup, H = K / 16, S = K / 256, block = K / 8 * (kX ? kExpanded : 96);
   __m512 acc[MB][NB];
   zero(acc);
   for (int64_t g = 0; g < G; ++g) {
@@ -699,7 +729,8 @@ void q6p_block(const int8_t* a, const int8_t* bl, const float* e, const int32_t*
       for (int64_t p = 0; p < 2; ++p) {
         const int64_t k = g * kGroup + 16 * h + 8 * p;
         __m512i w0[NB], w1[NB];
-        load_q6<NB>(w, block, k, pf, w0, w1);
+        if constexpr (kX) load_x<NB>(w, block, k, w0, w1);
+        else load_q6<NB>(w, block, k, pf, w0, w1);
         for (int i = 0; i < MB; ++i) {
           const __m512i a0 = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(a + i * K + k));
           const __m512i a1 = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(a + i * K + k + 4));
@@ -1063,9 +1094,10 @@ inline void load_q6(const uint8_t* w, int64_t block, int64_t k, const uint8_t* p
 
 // q6p_block of the AVX-512 section: u <= 63, so one step's two maddubs sum in int16 (at most
 // 2 * 2 * 63 * 128 = 32,256), then madd.
-template <bool kX16, int MB, int NB>
+template <bool kX16, int MB, int NB, bool kX = false>
 void q6p_block(const int8_t* a, const int8_t* bl, const float* e, const int32_t* hs, int64_t K, const uint8_t* w,
                const int8_t* sc, const at::Half* dd, const uint8_t* pf, float* out) {
+  static_assert(!kX, "unpacked Q6_K tiles (expand_q6): AVX-512 builds only");
   const int64_t G = K / kGroup, H = K / 16, S = K / 256, block = K / 8 * 96;
   F16v acc[MB][NB];
   zero(acc);
@@ -1710,6 +1742,20 @@ __attribute__((always_inline)) inline void x16_tiles(const PackedLayer& W, const
   X16Layer L{kind, K, G, H, S, block, wpp, rs, {}, static_cast<const uint8_t*>(kscale), supers, hi, lo, e,
              sx, sp, hs};
 #endif
+  // A prompt's rows of a Q6_K layer: each tile's values unpacked once a chunk (expand_q6), then
+  // read by every row block of the chunk. (AVX-512 builds; one scratch a thread.)
+  bool expand = false;
+  uint8_t* xw = nullptr;
+#ifdef ARLM_AVX512
+  expand = M > kPackedRows && kind == Packed::kQ6_K;
+  thread_local std::vector<__m512i> scratch;  // (64-byte aligned: the type's alignment)
+  if (expand) {
+    scratch.resize(std::max<size_t>(scratch.size(), tb * K / 8 * (kExpanded / 64)));
+    xw = reinterpret_cast<uint8_t*>(scratch.data());
+  }
+#else
+  (void)expand;
+#endif
   prefetch_start(wpp + t0 * tb * block, tb);
   for (int64_t c0 = 0; c0 < M; c0 += kChunkRows)
     for (int64_t t = t0; t < t1; ++t) {  // a tile: tb blocks of 16 channels (fewer at the end)
@@ -1732,44 +1778,58 @@ __attribute__((always_inline)) inline void x16_tiles(const PackedLayer& W, const
           }
       }
 #endif
-      row_blocks<kPackedRows>(std::min(kChunkRows, M - c0) - done, [&](auto mb, int64_t r) {
-        constexpr int MB = decltype(mb)::value;
-        const int64_t m = c0 + done + r;
-        const uint8_t* pf = r == 0 ? next : nullptr;
-        const int8_t *h = hi + m * K, *l = lo + m * K;
-        const float *em = e + m * G, *sm = sx + m * G;
-        const int32_t* um = sp + m * G;
-        if (kind == Packed::kQ4_K || kind == Packed::kQ5_K) {
-          const KScales ks{static_cast<const uint8_t*>(kscale) + b0 * G * 2 * kLanes, supers + b0 * S * 2 * kLanes,
-                           G};
-          if (k5) {
-            if (nb == 2) x16p_block<true, MB, 2, KScales, true>(h, l, em, sm, um, K, wt, ks, pf, out);
-            else x16p_block<true, MB, 1, KScales, true>(h, l, em, sm, um, K, wt, ks, pf, out);
+      // the chunk's rows by blocks of rows; kX: a Q6_K tile's from its unpacked values (xw), whose
+      // unpacking prefetched the next tile
+      auto rows = [&](auto xc) {
+        constexpr bool kX = decltype(xc)::value;
+        const uint8_t* ws = kX ? xw : wt;
+        row_blocks<kPackedRows>(std::min(kChunkRows, M - c0) - done, [&](auto mb, int64_t r) {
+          constexpr int MB = decltype(mb)::value;
+          const int64_t m = c0 + done + r;
+          const uint8_t* pf = !kX && r == 0 ? next : nullptr;
+          const int8_t *h = hi + m * K, *l = lo + m * K;
+          const float *em = e + m * G, *sm = sx + m * G;
+          const int32_t* um = sp + m * G;
+          if (kind == Packed::kQ4_K || kind == Packed::kQ5_K) {
+            const KScales ks{static_cast<const uint8_t*>(kscale) + b0 * G * 2 * kLanes, supers + b0 * S * 2 * kLanes,
+                             G};
+            if (k5) {
+              if (nb == 2) x16p_block<true, MB, 2, KScales, true>(h, l, em, sm, um, K, wt, ks, pf, out);
+              else x16p_block<true, MB, 1, KScales, true>(h, l, em, sm, um, K, wt, ks, pf, out);
+            } else {
+              if (nb == 2) x16p_block<true, MB, 2>(h, l, em, sm, um, K, wt, ks, pf, out);
+              else x16p_block<true, MB, 1>(h, l, em, sm, um, K, wt, ks, pf, out);
+            }
+          } else if (kind == Packed::kQ5) {
+            if (nb == 2) x16p_block<true, MB, 2, F16Scales, true>(h, l, em, sm, um, K, wt, fs, pf, out);
+            else x16p_block<true, MB, 1, F16Scales, true>(h, l, em, sm, um, K, wt, fs, pf, out);
+          } else if (kind == Packed::kQ6_K) {
+            const int8_t* sc = static_cast<const int8_t*>(kscale) + b0 * H * kLanes;
+            const at::Half* dd = supers + b0 * S * kLanes;
+            if (nb == 2) q6p_block<true, MB, 2, kX>(h, l, em, hs + m * H, K, ws, sc, dd, pf, out);
+            else q6p_block<true, MB, 1, kX>(h, l, em, hs + m * H, K, ws, sc, dd, pf, out);
+          } else if (q4) {
+            if (nb == 2) x16p_block<true, MB, 2>(h, l, em, sm, um, K, wt, fs, pf, out);
+            else x16p_block<true, MB, 1>(h, l, em, sm, um, K, wt, fs, pf, out);
           } else {
-            if (nb == 2) x16p_block<true, MB, 2>(h, l, em, sm, um, K, wt, ks, pf, out);
-            else x16p_block<true, MB, 1>(h, l, em, sm, um, K, wt, ks, pf, out);
+            const int16_t* xm = x16 ? x16 + m * K : nullptr;
+            if (nb == 2) x16p_block<false, MB, 2>(h, l, em, sm, um, K, wt, fs, pf, out, xm);
+            else x16p_block<false, MB, 1>(h, l, em, sm, um, K, wt, fs, pf, out, xm);
           }
-        } else if (kind == Packed::kQ5) {
-          if (nb == 2) x16p_block<true, MB, 2, F16Scales, true>(h, l, em, sm, um, K, wt, fs, pf, out);
-          else x16p_block<true, MB, 1, F16Scales, true>(h, l, em, sm, um, K, wt, fs, pf, out);
-        } else if (kind == Packed::kQ6_K) {
-          const int8_t* sc = static_cast<const int8_t*>(kscale) + b0 * H * kLanes;
-          const at::Half* dd = supers + b0 * S * kLanes;
-          if (nb == 2) q6p_block<true, MB, 2>(h, l, em, hs + m * H, K, wt, sc, dd, pf, out);
-          else q6p_block<true, MB, 1>(h, l, em, hs + m * H, K, wt, sc, dd, pf, out);
-        } else if (q4) {
-          if (nb == 2) x16p_block<true, MB, 2>(h, l, em, sm, um, K, wt, fs, pf, out);
-          else x16p_block<true, MB, 1>(h, l, em, sm, um, K, wt, fs, pf, out);
-        } else {
-          const int16_t* xm = x16 ? x16 + m * K : nullptr;
-          if (nb == 2) x16p_block<false, MB, 2>(h, l, em, sm, um, K, wt, fs, pf, out, xm);
-          else x16p_block<false, MB, 1>(h, l, em, sm, um, K, wt, fs, pf, out, xm);
-        }
-        for (int i = 0; i < MB; ++i)
-          for (int64_t b = 0; b < nb; ++b)  // into y, or added to it, times the int8 scale
-            put16(out + (i * nb + b) * kLanes, rs ? rs + (b0 + b) * kLanes : nullptr,
-                  y + (m + i) * ldy + (b0 + b) * kLanes, accumulate);
-      });
+          for (int i = 0; i < MB; ++i)
+            for (int64_t b = 0; b < nb; ++b)  // into y, or added to it, times the int8 scale
+              put16(out + (i * nb + b) * kLanes, rs ? rs + (b0 + b) * kLanes : nullptr,
+                    y + (m + i) * ldy + (b0 + b) * kLanes, accumulate);
+        });
+      };
+#ifdef ARLM_AVX512
+      if (expand && done < std::min(kChunkRows, M - c0)) {
+        expand_q6(wt, block, nb, K, next, xw);
+        rows(std::true_type{});
+        continue;
+      }
+#endif
+      rows(std::false_type{});
     }
 }
 
