@@ -160,3 +160,18 @@ def test_load_weights_holds_the_files_bytes(tmp_path, monkeypatch, mapped):
         assert not any(str(path) in line for line in Path("/proc/self/maps").read_text().splitlines())
     (tmp_path / "empty.bin").write_bytes(b"")
     assert load_weights(tmp_path / "empty.bin") is None
+
+
+def test_load_weights_maps_a_file_the_memory_could_not_hold(tmp_path, monkeypatch):
+    # ARLM_MMAP=0 asks for a copy, but the copy would not fit in the memory available: the file is
+    # mapped (its bytes the same), not read into memory it would not have.
+    from arlm import files
+
+    monkeypatch.setenv("ARLM_MMAP", "0")
+    monkeypatch.setattr(files, "available_memory", lambda: 1 << 20)
+    path = tmp_path / "weights.bin"
+    data = bytes(range(256)) * (16 << 10)  # 4 MB
+    path.write_bytes(data)
+    memory = files.load_weights(path)
+    assert memory[:] == data
+    assert any(str(path) in line for line in Path("/proc/self/maps").read_text().splitlines())

@@ -50,6 +50,18 @@ def huge_pages() -> bool:
         return False
 
 
+def available_memory() -> int | None:
+    """Bytes the kernel could give this process without swapping (MemAvailable: free memory and
+    the page cache it would drop), or None where it does not say."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 # How load_weights holds a model where ARLM_MMAP does not say: on huge pages (a process that
 # decodes for long: the server, the Python API), or mapped (`arlm generate`, one command's few
 # hundred tokens: the read would cost its start more than its steps gain; cli.cmd_generate).
@@ -65,15 +77,19 @@ def load_weights(path: str | Path) -> mmap.mmap | None:
     The read (on up to 4 threads) costs a fresh process ~0.3 s a GB, the kernel making and
     zeroing its huge pages. Or mapped: a private copy-on-write map of the file, its pages the page
     cache's, shared with every process that maps it (replicas of a model on one machine), read
-    as touched. ARLM_MMAP=1 maps, ARLM_MMAP=0 reads; else WEIGHTS_ON_HUGE_PAGES says. OSError
-    where the file cannot be read whole."""
+    as touched. ARLM_MMAP=1 maps, ARLM_MMAP=0 reads; else WEIGHTS_ON_HUGE_PAGES says. A file
+    larger than 90% of the memory available maps whatever is asked (a copy would not fit beside
+    the rest; a map at least runs, its pages read from the disk as needed). OSError where the
+    file cannot be read whole."""
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         if not size:
             return None
         choice = os.environ.get("ARLM_MMAP", "")
         huge = choice == "0" or (choice != "1" and WEIGHTS_ON_HUGE_PAGES)
-        if not huge or not huge_pages() or not hasattr(mmap, "MADV_HUGEPAGE"):
+        room = available_memory()
+        fits = room is None or size <= 0.9 * room
+        if not (huge and fits and huge_pages() and hasattr(mmap, "MADV_HUGEPAGE")):
             return mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
         from concurrent.futures import ThreadPoolExecutor
 
