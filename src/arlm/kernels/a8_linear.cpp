@@ -1532,23 +1532,57 @@ int64_t arlm_kernels::packed_out_features(const char* op, int64_t K, const at::T
   return NB * kLanes;
 }
 
+#ifdef ARLM_PACKED
+namespace {
+
+// One packed layer's tensors as the tile loops read them (linear_a8p, x16_tiles).
+struct PackedLayer {
+  Packed kind;
+  int64_t NB, block;  // blocks of 16 channels; bytes of one
+  bool k5, f16, q4;
+  const uint8_t* w;
+  const float* rs;  // int8: the scale per row
+  const at::Half *dp, *mp;
+  float m_per_d;
+  const void* kscale;
+  const at::Half* supers;
+};
+
+PackedLayer packed_layer(int64_t K, const at::Tensor& wp, const at::Tensor& scale, const at::Tensor& mins) {
+  PackedLayer L;
+  L.kind = packed_kind(K, wp, scale, mins);
+  L.NB = wp.size(0);
+  L.k5 = L.kind == Packed::kQ5 || L.kind == Packed::kQ5_K;
+  L.f16 = L.kind == Packed::kQ4_1 || L.kind == Packed::kQ4_0 || L.kind == Packed::kQ5;
+  L.q4 = L.f16 || L.kind == Packed::kQ4_K || L.kind == Packed::kQ5_K;
+  const bool q8 = L.kind == Packed::kQ8_0;
+  L.block = L.kind == Packed::kQ6_K ? K / 8 * 96 : L.k5 ? K / 8 * 80 : L.q4 ? K / 2 * kLanes : K * kLanes;
+  L.w = wp.data_ptr<uint8_t>();
+  L.rs = L.kind == Packed::kInt8 ? scale.data_ptr<float>() : nullptr;
+  L.dp = L.f16 || q8 ? scale.data_ptr<at::Half>() : nullptr;
+  L.mp = L.f16 && L.kind != Packed::kQ4_0 ? mins.data_ptr<at::Half>() : nullptr;
+  L.m_per_d = L.kind == Packed::kQ4_0 ? -8.f : 0.f;
+  const bool kq = L.kind == Packed::kQ4_K || L.kind == Packed::kQ5_K || L.kind == Packed::kQ6_K;
+  L.kscale = kq ? scale.data_ptr() : nullptr;
+  L.supers = kq ? mins.data_ptr<at::Half>() : nullptr;
+  return L;
+}
+
+}  // namespace
+#endif
+
 void arlm_kernels::linear_a8p(const Act8& a, int64_t M, int64_t K, const at::Tensor& wp, const at::Tensor& scale,
                               const at::Tensor& mins, float* y, int64_t ldy, bool accumulate) {
 #ifdef ARLM_PACKED
-  const int64_t G = K / kGroup, NB = wp.size(0), H = K / 16, S = K / 256;
-  const Packed kind = packed_kind(K, wp, scale, mins);
-  const bool k5 = kind == Packed::kQ5 || kind == Packed::kQ5_K;
-  const bool f16 = kind == Packed::kQ4_1 || kind == Packed::kQ4_0 || kind == Packed::kQ5;
-  const bool q4 = f16 || kind == Packed::kQ4_K || kind == Packed::kQ5_K, q8 = kind == Packed::kQ8_0;
-  const int64_t block = kind == Packed::kQ6_K ? K / 8 * 96 : k5 ? K / 8 * 80 : q4 ? K / 2 * kLanes : K * kLanes;  // bytes of one block of 16 channels
-  const uint8_t* wpp = wp.data_ptr<uint8_t>();
-  const float* sp = kind == Packed::kInt8 ? scale.data_ptr<float>() : nullptr;
-  const at::Half* dp = f16 || q8 ? scale.data_ptr<at::Half>() : nullptr;
-  const at::Half* mp = f16 && kind != Packed::kQ4_0 ? mins.data_ptr<at::Half>() : nullptr;
-  const float m_per_d = kind == Packed::kQ4_0 ? -8.f : 0.f;
-  const bool kq = kind == Packed::kQ4_K || kind == Packed::kQ5_K || kind == Packed::kQ6_K;
-  const void* kscale = kq ? scale.data_ptr() : nullptr;
-  const at::Half* supers = kq ? mins.data_ptr<at::Half>() : nullptr;
+  const PackedLayer W = packed_layer(K, wp, scale, mins);
+  const int64_t G = K / kGroup, NB = W.NB, H = K / 16, S = K / 256, block = W.block;
+  const Packed kind = W.kind;
+  const bool k5 = W.k5, f16 = W.f16, q8 = kind == Packed::kQ8_0;
+  const uint8_t* wpp = W.w;
+  const float* sp = W.rs;
+  const at::Half *dp = W.dp, *mp = W.mp, *supers = W.supers;
+  const float m_per_d = W.m_per_d;
+  const void* kscale = W.kscale;
   thread_local std::vector<int32_t> halves;  // Q6_K: the rows' sums per 16 codes
   if (kind == Packed::kQ6_K) {
     halves.resize(std::max<size_t>(halves.size(), M * H));
@@ -1620,39 +1654,6 @@ void arlm_kernels::activation_residual(const float* x, int64_t n, float* r) {
 
 #ifdef ARLM_PACKED
 namespace {
-
-// One packed layer's tensors as x16_tiles reads them.
-struct PackedLayer {
-  Packed kind;
-  int64_t NB, block;  // blocks of 16 channels; bytes of one
-  bool k5, f16, q4;
-  const uint8_t* w;
-  const float* rs;  // int8: the scale per row
-  const at::Half *dp, *mp;
-  float m_per_d;
-  const void* kscale;
-  const at::Half* supers;
-};
-
-PackedLayer packed_layer(int64_t K, const at::Tensor& wp, const at::Tensor& scale, const at::Tensor& mins) {
-  PackedLayer L;
-  L.kind = packed_kind(K, wp, scale, mins);
-  L.NB = wp.size(0);
-  L.k5 = L.kind == Packed::kQ5 || L.kind == Packed::kQ5_K;
-  L.f16 = L.kind == Packed::kQ4_1 || L.kind == Packed::kQ4_0 || L.kind == Packed::kQ5;
-  L.q4 = L.f16 || L.kind == Packed::kQ4_K || L.kind == Packed::kQ5_K;
-  const bool q8 = L.kind == Packed::kQ8_0;
-  L.block = L.kind == Packed::kQ6_K ? K / 8 * 96 : L.k5 ? K / 8 * 80 : L.q4 ? K / 2 * kLanes : K * kLanes;
-  L.w = wp.data_ptr<uint8_t>();
-  L.rs = L.kind == Packed::kInt8 ? scale.data_ptr<float>() : nullptr;
-  L.dp = L.f16 || q8 ? scale.data_ptr<at::Half>() : nullptr;
-  L.mp = L.f16 && L.kind != Packed::kQ4_0 ? mins.data_ptr<at::Half>() : nullptr;
-  L.m_per_d = L.kind == Packed::kQ4_0 ? -8.f : 0.f;
-  const bool kq = L.kind == Packed::kQ4_K || L.kind == Packed::kQ5_K || L.kind == Packed::kQ6_K;
-  L.kscale = kq ? scale.data_ptr() : nullptr;
-  L.supers = kq ? mins.data_ptr<at::Half>() : nullptr;
-  return L;
-}
 
 // AVX2's int8 layouts read x as int16 (256 hi + lo), not as its two bytes.
 inline bool reads_wide(const PackedLayer& L) {
@@ -1856,16 +1857,19 @@ void arlm_kernels::linear_a8p_residual(const float* x, int64_t M, int64_t K, con
 void arlm_kernels::linear_a8p_residual_parts(const float* x, int64_t M, int64_t K, const at::Tensor* const* parts,
                                              int64_t n, float* y, int64_t ldy) {
 #ifdef ARLM_PACKED
-  std::vector<PackedLayer> W;
+  constexpr int64_t kMaxParts = 4;  // (q, k, v: three; on the stack, a decode step allocates nothing)
+  TORCH_CHECK(n >= 1 && n <= kMaxParts, "linear_a8p_residual_parts: 1 to 4 parts");
+  PackedLayer W[kMaxParts];
   bool q6 = false, wide = false;
   for (int64_t p = 0; p < n; ++p) {
-    W.push_back(packed_layer(K, parts[p][0], parts[p][1], parts[p][2]));
-    q6 = q6 || W.back().kind == Packed::kQ6_K;
-    wide = wide || reads_wide(W.back());
+    W[p] = packed_layer(K, parts[p][0], parts[p][1], parts[p][2]);
+    q6 = q6 || W[p].kind == Packed::kQ6_K;
+    wide = wide || reads_wide(W[p]);
   }
   const X16Rows a = quantize_x16(x, M, K, q6, wide);
   const int64_t tb = tile_blocks(M);
-  std::vector<int64_t> col(n + 1, 0), tiles(n), first(n + 1, 0);  // y's first column, tiles, first byte
+  // each part's first column of y, its tiles, its first byte in the parts' bytes end to end
+  int64_t col[kMaxParts + 1] = {0}, tiles[kMaxParts], first[kMaxParts + 1] = {0};
   for (int64_t p = 0; p < n; ++p) {
     col[p + 1] = col[p] + W[p].NB * kLanes;
     tiles[p] = (W[p].NB + tb - 1) / tb;
@@ -1987,7 +1991,8 @@ at::Tensor linear_a8p_residual(const at::Tensor& x, const at::Tensor& wp, const 
 // Rows `index` of a packed Q8_0 or Q6_K layer (K inputs) as float32 [T, K]: an embedding table's
 // lookup (a tied head's matrix), once a decode step. The layers' dequantize_rows (quant.py) in
 // the same float32 operations (Q8_0: d q; Q6_K: (d sc) q, q = u - 32), one pass over each row's
-// bytes: ~1-3 us where their tensor ops took 30-100 (1-2% of a 1B, 270M or 135M model's step).
+// bytes, where ~10 tensor ops took 1-2% of a 1B, 270M or 135M model's step (benchmarks/phases.py's
+// "other": 0.38 -> 0.19 ms at 1B Q4_K_M).
 at::Tensor packed_rows(const at::Tensor& wp, const at::Tensor& scale, const at::Tensor& mins, const at::Tensor& index,
                        int64_t K) {
   TORCH_CHECK(wp.dim() == 3 && wp.scalar_type() == at::kByte && wp.is_contiguous() && K > 0 && K % 32 == 0,
