@@ -244,14 +244,19 @@ def write_f16(shape: Shape, path: Path, seed: int = 0) -> Path:
         w.add_key_value(key, value, vtype, sub_type=sub)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
-    plan = list(tensors(shape, seed))
+    return write_tensors(w, tmp, path, list(tensors(shape, seed)))
+
+
+def write_tensors(w, tmp: Path, path: Path, plan: list[Tensor]) -> Path:
+    """The tensors of `plan` after the metadata gguf.GGUFWriter `w` (writing to `tmp`) holds, one
+    in memory at a time; then `tmp` renamed to `path`, or removed on any error."""
     for t in plan:
         w.add_tensor_info(t.name, t.shape, np.dtype(t.dtype), math.prod(t.shape) * np.dtype(t.dtype).itemsize)
     try:
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
-        for t in plan:  # one tensor in memory at a time
+        for t in plan:
             w.write_tensor_data(t.make())
         w.close()
         os.replace(tmp, path)

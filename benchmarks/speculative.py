@@ -1,8 +1,9 @@
 """Speculative decoding: plain vs speculative in the same run, SmolLM2-135M-Instruct, beside llama.cpp.
 
     LLAMA_CPP_LIB_PATH=build/llama.cpp/bin .venv/bin/python benchmarks/speculative.py \
-        [--threads 2] [--repeats 3] [--max-tokens 128] [--clients 1,8,32] [--skip-llama-cpp] [--skip-http]
-        [--self-draft 10] [--batch 1,8] [--modes greedy,t=0.7] [--step-cost [--step-cost-model M]]
+        [--model smollm2] [--threads 2] [--repeats 3] [--max-tokens 128] [--clients 1,8,32] [--skip-llama-cpp]
+        [--skip-http] [--self-draft 10] [--batch 1,8] [--modes greedy,t=0.7] [--per-prompt]
+        [--step-cost [--step-cost-model M]]
         [--json out.json]
 
 Two prompt sets, each sent through the model's chat template:
@@ -16,7 +17,8 @@ Two prompt sets, each sent through the model's chat template:
    its head). Plain and speculative runs alternate, `--repeats` times; medians. Reported: output
    tokens/s over the wall clock (prefill included), the ratio to plain, the ratio of decode
    tokens/s alone (the steps that computed no prompt token), the draft tokens accepted over
-   those verified, and the tokens a verifying sequence gained per target pass.
+   those verified, and the tokens a verifying sequence gained per target pass; --per-prompt: also
+   each prompt's own (batch 1).
 2. llama.cpp on the same GGUF (llama-cpp-python, built by `make bench-peers`), batch 1: plain and
    its prompt-lookup decoding (`LlamaPromptLookupDecoding`, 10 draft tokens: its default), fed
    arlm's token ids, greedy and sampled at 0.7, tokens/s over the wall clock.
@@ -24,6 +26,10 @@ Two prompt sets, each sent through the model's chat template:
    to one token each: what verification costs on this CPU.
 3. `arlm serve` with and without `--speculative ngram` (both up, loads alternating), 1, 8 and
    32 concurrent streaming clients over set (a) then (b), greedy: output tokens/s.
+
+--model takes parts 1 and 2 to another model (part 3 serves smollm2): a 1B-wide step's costs with
+a model that copies, benchmarks/widen_gguf.py's SmolLM2 in Llama 3.2 1B's widths (random weights,
+make_gguf.py's, copy nothing: their drafts are never accepted).
 """
 
 from __future__ import annotations
@@ -102,14 +108,21 @@ def run_arlm(llm, texts: list[str], params, batch: int, speculative) -> dict:
     t0 = time.perf_counter()
     tokens = proposed = accepted = passes = decode_tokens = 0
     decode_seconds = 0.0
+    calls = []  # each generate call's own figures (batch 1: each prompt's)
     for i in range(0, len(texts), batch):
+        t1 = time.perf_counter()
         out = llm.generate(texts[i:i + batch], params, speculative=speculative)
-        tokens += sum(len(c.token_ids) for c in out)
+        n = sum(len(c.token_ids) for c in out)
+        tokens += n
         s = out[0].stats
         proposed, accepted, passes = proposed + s.spec_proposed, accepted + s.spec_accepted, passes + s.spec_passes
         decode_tokens, decode_seconds = decode_tokens + s.decode_tokens, decode_seconds + s.decode_seconds
+        calls.append({"tokens": n, "seconds": time.perf_counter() - t1, "proposed": s.spec_proposed,
+                      "accepted": s.spec_accepted, "passes": s.spec_passes,
+                      "decode_tokens_per_s": s.decode_tokens / s.decode_seconds if s.decode_seconds else 0.0})
     return {"tokens": tokens, "seconds": time.perf_counter() - t0, "proposed": proposed, "accepted": accepted,
-            "passes": passes, "decode_tokens_per_s": decode_tokens / decode_seconds if decode_seconds else 0.0}
+            "passes": passes, "decode_tokens_per_s": decode_tokens / decode_seconds if decode_seconds else 0.0,
+            "calls": calls}
 
 
 def summarize(runs: list[dict]) -> dict:
@@ -127,7 +140,7 @@ def bench_in_process(args) -> dict:
     from arlm.llm import LLM
     from arlm.sampling import SamplingParams
 
-    llm = LLM.load("smollm2")
+    llm = LLM.load(args.model)
     sets = {"grounded": GROUNDED, "free": FREE}
     texts = {k: [llm.apply_chat_template([{"role": "user", "content": t}]) for t in v] for k, v in sets.items()}
     modes = {"greedy": dict(temperature=0.0), "t=0.7": dict(temperature=0.7, top_p=1.0, seed=1)}
@@ -155,6 +168,15 @@ def bench_in_process(args) -> dict:
                     row[m]["decode_ratio"] = row[m]["decode_tokens_per_s"] / row["plain"]["decode_tokens_per_s"]
                 results[f"{set_name} {mode} batch {batch}"] = row
                 print_row(f"{set_name} {mode} batch {batch}", row)
+                if args.per_prompt and batch == 1:  # each prompt alone: its ratios, medians of the repeats
+                    for i, text in enumerate(sets[set_name]):
+                        prow = {m: summarize([x["calls"][i] for x in r]) for m, r in runs.items() if r}
+                        for m in prow:
+                            prow[m]["ratio"] = prow[m]["tokens_per_s"] / prow["plain"]["tokens_per_s"]
+                            prow[m]["decode_ratio"] = (prow[m]["decode_tokens_per_s"]
+                                                       / prow["plain"]["decode_tokens_per_s"])
+                        results[f"{set_name} {mode} batch 1 prompt {i}"] = {"prompt": text[:60], **prow}
+                        print_row(f"  {i}: {text[:24]!r}", prow)
     return results
 
 
@@ -211,9 +233,9 @@ def bench_llama_cpp(args) -> dict:
     from arlm.llm import render_chat
     from arlm.loading import load_model, resolve_model_path
 
-    loaded = load_model("smollm2")  # (its tokenizer and chat template)
+    loaded = load_model(args.model)  # (its tokenizer and chat template)
     tok, template = loaded.tokenizer, loaded.chat_template
-    gguf = str(resolve_model_path("smollm2"))
+    gguf = str(resolve_model_path(args.model))
     kw = dict(model_path=gguf, n_ctx=2048, n_batch=512, n_threads=args.threads, n_threads_batch=args.threads, seed=1,
               verbose=False)
     engines = {"llama.cpp": Llama(**kw),
@@ -222,7 +244,7 @@ def bench_llama_cpp(args) -> dict:
     results: dict = {}
     for set_name, prompts in (("grounded", GROUNDED), ("free", FREE)):
         ids = [tok.encode(render_chat(template, [{"role": "user", "content": t}])) for t in prompts]
-        for mode, temp in (("greedy", 0.0), ("t=0.7", 0.7)):
+        for mode, temp in ((m, t) for m, t in (("greedy", 0.0), ("t=0.7", 0.7)) if m in args.modes):
             runs: dict[str, list[float]] = {k: [] for k in engines}
             for _ in range(args.repeats):
                 for name, llm in engines.items():
@@ -312,10 +334,15 @@ def main() -> None:
     p.add_argument("--batch", type=positive_int_list, default="1,8", help="in-process batch sizes (default: 1,8)")
     p.add_argument("--modes", type=lambda t: t.split(","), default="greedy,t=0.7",
                    help="in-process sampling modes, of greedy,t=0.7 (default: both)")
+    p.add_argument("--per-prompt", action="store_true", help="batch 1: also each prompt's ratios")
     p.add_argument("--skip-llama-cpp", action="store_true")
     p.add_argument("--skip-http", action="store_true")
     p.add_argument("--skip-in-process", action="store_true")
     p.add_argument("--step-cost", action="store_true", help="first, time one pass of 1..8 tokens per sequence")
+    p.add_argument("--model", default="smollm2",
+                   help="the in-process and llama.cpp runs' model, a name or GGUF file: e.g. "
+                        "benchmarks/widen_gguf.py's SmolLM2 in Llama 3.2 1B's widths (the HTTP runs serve smollm2) "
+                        "(default: smollm2)")
     p.add_argument("--step-cost-model", default="smollm2",
                    help="--step-cost's model: a name or GGUF file, e.g. benchmarks/make_gguf.py's 1B shape "
                         "(random weights: its cost, not its acceptance, means something) (default: smollm2)")

@@ -276,12 +276,17 @@ float i8_scalar(const int8_t* qx, const float* dx, int64_t K, const int8_t* w, c
 
 using arlm_kernels::widen;
 
-// Calls block(MB, m) over the rows of x in blocks of MB = kMax (kBlockRows: 4), 2 and 1 rows (MB
-// as a type, so that it can be a template argument).
+// Calls block(MB, m) over the rows of x in blocks of MB = kMax (kBlockRows: 4) rows, then the rest
+// as one block of 3, or of 2, and of 1 (MB as a type, so that it can be a template argument). Three
+// rows in one block, not 2 + 1: a speculative pass verifying two draft tokens (3 rows) was as dear
+// as one of 4 rows (1.79x / 1.81x one token's at 1B, benchmarks/speculative.py --step-cost): the
+// weights unpacked for 2 rows, then again for 1.
 template <int kMax = kBlockRows, typename Block>
 inline void row_blocks(int64_t M, Block block) {
   int64_t m = 0;
   for (; m + kMax <= M; m += kMax) block(std::integral_constant<int, kMax>{}, m);
+  if constexpr (kMax > 3)
+    if (M - m == 3) return block(std::integral_constant<int, 3>{}, m);
   if constexpr (kMax > 2)
     for (; m + 2 <= M; m += 2) block(std::integral_constant<int, 2>{}, m);
   for (; m < M; ++m) block(std::integral_constant<int, 1>{}, m);
