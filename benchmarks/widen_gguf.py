@@ -173,6 +173,7 @@ def make(source: str, widths_name: str, kinds: list[str], out_dir: Path, binary:
     """The widened files in each of `kinds` (F16 or a llama-quantize type), made where missing."""
     from arlm.loading import resolve_model_path
 
+    source_path = Path(resolve_model_path(source))  # (a bad source fails here, before anything is written)
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = f"{source if '/' not in source else Path(source).stem}-in-{widths_name}"
     paths = {k: out_dir / f"{stem}-{k}.gguf" for k in kinds}
@@ -181,7 +182,7 @@ def make(source: str, widths_name: str, kinds: list[str], out_dir: Path, binary:
     made_f16 = False
     if (missing or "F16" in kinds) and not f16.exists():
         print(f"writing {f16}", file=sys.stderr, flush=True)
-        write_widened(Path(resolve_model_path(source)), make_gguf.SHAPES[widths_name], f16)
+        write_widened(source_path, make_gguf.SHAPES[widths_name], f16)
         made_f16 = True
     for k in missing:
         print(f"quantizing {paths[k]}", file=sys.stderr, flush=True)
@@ -208,8 +209,13 @@ def main() -> int:
         p.error(f"--types: unknown {', '.join(sorted(unknown))}")
     if any(k != "F16" for k in kinds) and not args.llama_quantize.exists():
         p.error(f"{args.llama_quantize} is missing: benchmarks/build_peers.sh builds it")
-    for path in make(args.source, args.widths, kinds, args.out_dir.expanduser(), args.llama_quantize):
-        print(path, flush=True)
+    from arlm.loading.errors import LoadError
+
+    try:
+        for path in make(args.source, args.widths, kinds, args.out_dir.expanduser(), args.llama_quantize):
+            print(path, flush=True)
+    except LoadError as e:
+        raise SystemExit(f"widen_gguf: --source: {e}") from None
     return 0
 
 
