@@ -348,6 +348,14 @@ def main() -> None:
                         "(random weights: its cost, not its acceptance, means something) (default: smollm2)")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args()
+    from arlm.loading import resolve_model_path
+    from arlm.loading.errors import LoadError
+
+    for flag, model in (("--model", args.model), ("--step-cost-model", args.step_cost_model)):
+        try:
+            resolve_model_path(model)
+        except LoadError as e:
+            p.error(f"{flag}: {e}")
     import torch
 
     torch.set_num_threads(args.threads)
