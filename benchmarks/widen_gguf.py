@@ -88,30 +88,33 @@ class Widening:
             out[tuple(dst)] = w[tuple(src)]
         return out
 
+    def shape(self, name: str, dims: tuple[int, ...]) -> tuple[int, ...]:
+        """Source tensor `name`'s shape (rows first) in the target's widths."""
+        if name.endswith("norm.weight"):
+            return (self.d_t,)
+        kind = tensor_kind(name)
+        rows = {"token_embd": dims[0], "output": dims[0], "attn_q": self.h_t * self.dh,
+                "attn_k": self.kv_t * self.dh, "attn_v": self.kv_t * self.dh, "attn_output": self.d_t,
+                "ffn_gate": self.ff_t, "ffn_up": self.ff_t, "ffn_down": self.d_t}.get(kind)
+        if rows is None:
+            raise SystemExit(f"widen_gguf: no widening for tensor {name}")
+        return rows, {"attn_output": self.h_t * self.dh, "ffn_down": self.ff_t}.get(kind, self.d_t)
+
     def tensor(self, name: str, w: np.ndarray) -> np.ndarray:
-        """Source tensor `name` (rows first, float32) in the target's widths."""
-
-        def pad(a: np.ndarray, rows: int, cols: int | None = None) -> np.ndarray:
-            out = np.zeros((rows,) if cols is None else (rows, cols), a.dtype)
-            out[tuple(slice(0, n) for n in a.shape)] = a
-            return out
-
+        """Source tensor `name` (rows first, float32) in the target's widths: its heads moved to
+        their target heads, a norm's weight rescaled, then zero-padded to `shape`."""
         kind = tensor_kind(name)
         if name.endswith("norm.weight"):
-            return pad(w * np.float32(math.sqrt(self.d_s / self.d_t)), self.d_t)
-        if kind in ("token_embd", "output"):
-            return pad(w, w.shape[0], self.d_t)
-        if kind == "attn_q":
-            return pad(self.heads(w, self.h_t, self.q_heads, 0), self.h_t * self.dh, self.d_t)
-        if kind in ("attn_k", "attn_v"):
-            return pad(self.heads(w, self.kv_t, list(range(self.kv_s)), 0), self.kv_t * self.dh, self.d_t)
-        if kind == "attn_output":
-            return pad(self.heads(w, self.h_t, self.q_heads, 1), self.d_t, self.h_t * self.dh)
-        if kind in ("ffn_gate", "ffn_up"):
-            return pad(w, self.ff_t, self.d_t)
-        if kind == "ffn_down":
-            return pad(w, self.d_t, self.ff_t)
-        raise SystemExit(f"widen_gguf: no widening for tensor {name}")
+            w = w * np.float32(math.sqrt(self.d_s / self.d_t))
+        elif kind == "attn_q":
+            w = self.heads(w, self.h_t, self.q_heads, 0)
+        elif kind in ("attn_k", "attn_v"):
+            w = self.heads(w, self.kv_t, list(range(self.kv_s)), 0)
+        elif kind == "attn_output":
+            w = self.heads(w, self.h_t, self.q_heads, 1)
+        out = np.zeros(self.shape(name, w.shape), w.dtype)
+        out[tuple(slice(0, n) for n in w.shape)] = w
+        return out
 
 
 def write_widened(source: Path, widths: make_gguf.Shape, path: Path) -> Path:
@@ -145,24 +148,14 @@ def write_widened(source: Path, widths: make_gguf.Shape, path: Path) -> Path:
 
     def planned(t) -> make_gguf.Tensor:
         """Source tensor t as the widened file holds it (F32 norms, F16 matrices)."""
-        dims = [int(n) for n in reversed(t.shape)]  # (rows first)
+        dims = tuple(int(n) for n in reversed(t.shape))  # (rows first)
+        dtype = np.float32 if t.name.endswith("norm.weight") else np.float16
 
         def make() -> np.ndarray:
             values = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(dims)
             return widen.tensor(t.name, values).astype(dtype)
 
-        if t.name.endswith("norm.weight"):
-            shape, dtype = (widen.d_t,), np.float32
-        else:
-            kind = tensor_kind(t.name)
-            rows = {"token_embd": dims[0], "output": dims[0], "attn_q": widen.h_t * widen.dh,
-                    "attn_k": widen.kv_t * widen.dh, "attn_v": widen.kv_t * widen.dh, "attn_output": widen.d_t,
-                    "ffn_gate": widen.ff_t, "ffn_up": widen.ff_t, "ffn_down": widen.d_t}.get(kind)
-            if rows is None:
-                raise SystemExit(f"widen_gguf: no widening for tensor {t.name}")
-            cols = {"attn_output": widen.h_t * widen.dh, "ffn_down": widen.ff_t}.get(kind, widen.d_t)
-            shape, dtype = (rows, cols), np.float16
-        return make_gguf.Tensor(t.name, shape, make, dtype)
+        return make_gguf.Tensor(t.name, widen.shape(t.name, dims), make, dtype)
 
     plan = [planned(t) for t in reader.tensors]  # (checked before anything is written)
     return make_gguf.write_tensors(w, tmp, path, plan)
