@@ -200,12 +200,13 @@ def test_kernel_is_batch_and_chunk_invariant(model):
 
 @pytest.mark.parametrize("heads", [(3, 1, 192), (5, 1, 320), (4, 2, 512)], ids=["G3-hd64", "G5-hd64", "G2-hd128"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["float32", "float16"])
-def test_prompt_runs_score_as_single_queries(heads, dtype):
+@pytest.mark.parametrize("block_size", [8, 16], ids=["blocks8", "blocks16"])
+def test_prompt_runs_score_as_single_queries(heads, dtype, block_size):
     """A prompt chunk's tokens are scored 16 keys at a time for all of a run's queries
     (paged_attention.h, block_scores); one token at a time they take attend_group's dot products.
-    Head sizes 64 and 128, query groups of 2, 3 and 5, 16-key blocks across pool blocks of 8:
-    the logits are bit for bit those of a one-token-at-a-time prefill (int8 weights: the linears
-    compute each row on its own)."""
+    Head sizes 64 and 128, query groups of 2, 3 and 5, 16-key blocks across pool blocks of 8 or
+    from whole pool blocks of 16 (transposed in registers): the logits are bit for bit those of a
+    one-token-at-a-time prefill (int8 weights: the linears compute each row on its own)."""
     if not native_available():
         pytest.fail("the paged-attention kernel did not build")
     n_head, n_kv, d = heads
@@ -216,9 +217,9 @@ def test_prompt_runs_score_as_single_queries(heads, dtype):
     torch.manual_seed(3)
     m = quantize_int8(randomize_(Transformer(config), 3).eval())  # linears row-independent (int8)
     prompts = prompts_of([45, 20, 5, 33])
-    one = paged_logits(m, prompts, 1, True, dtype=dtype)
+    one = paged_logits(m, prompts, 1, True, block_size=block_size, dtype=dtype)
     for chunk in (64, 7, 16):
-        runs = paged_logits(m, prompts, chunk, True, dtype=dtype)
+        runs = paged_logits(m, prompts, chunk, True, block_size=block_size, dtype=dtype)
         assert torch.equal(runs[0], one[0]) and torch.equal(runs[1], one[1]), chunk
 
 

@@ -49,8 +49,9 @@ inline void paged_write(const float* k, const float* v, int64_t ldkv, TK* kp, TV
 // the run's keys are transposed 16 at a time and scored against all its queries (block_scores).
 // 32 rather than 16: each key and value read (and widened from the cache's format) for twice the
 // queries; a 1B model's 512-token prompt spent 86-87 ms in attention at 16, 81 at 32, 79-80 at
-// 64 (Zen 5, 2 threads, benchmarks/phases.py --prefill 512). A token's result is the same in
-// any run.
+// 64 (Zen 5, 2 threads, benchmarks/phases.py --prefill 512); 72-73 at 32 once a pool block's keys
+// were transposed in registers and block_scores kept its tree in 16 registers (it spilled). A
+// token's result is the same in any run.
 constexpr int64_t kRun = 32;
 
 // Scratch floats per thread for paged_attend: one query's scores, G * (its slots + 1), or for a
