@@ -560,6 +560,30 @@ struct KScales {
   }
 };
 
+// KScales' two vectors of every group of nb blocks, computed once for a prompt's chunk of rows
+// (expand_kscales) and then loaded by each of its blocks of rows: the same floats, so the same
+// results, without the ~9 operations a group and block that KScales::at spends for every 4 rows.
+struct FloatScales {
+  const float* v;  // [blocks][G][2][16]: ds, then ms
+  int64_t G;
+  bool scaled() const { return true; }
+  void prefetch(int, int64_t) const {}
+  void at(int b, int64_t g, __m512& ds, __m512& ms) const {
+    ds = _mm512_load_ps(v + (b * G + g) * 2 * kLanes);
+    ms = _mm512_load_ps(v + ((b * G + g) * 2 + 1) * kLanes);
+  }
+};
+
+inline void expand_kscales(const KScales& ks, int64_t nb, float* out) {
+  for (int64_t b = 0; b < nb; ++b)
+    for (int64_t g = 0; g < ks.G; ++g) {
+      __m512 ds, ms;
+      ks.at(static_cast<int>(b), g, ds, ms);
+      _mm512_store_ps(out + (b * ks.G + g) * 2 * kLanes, ds);
+      _mm512_store_ps(out + ((b * ks.G + g) * 2 + 1) * kLanes, ms);
+    }
+}
+
 // MB rows of quantized x against NB blocks of 16 channels of packed 4-bit weights:
 // out = sum_g (d * dx_g) * dot_g(q, qx) + m * sx_g, d and m as `sc` gives them.
 template <int MB, int NB, typename Scales, bool k5 = false>
@@ -711,25 +735,48 @@ void expand_q6(const uint8_t* w, int64_t block, int64_t nb, int64_t K, const uin
     }
 }
 
+// The d sc products of nb blocks of a Q6_K tile (sc: its [nb][K / 16][16] int8, dd: its
+// [nb][K / 256][16] float16) as floats, out [nb][K / 16][16], for q6p_block's kX path.
+inline void expand_q6_scales(const int8_t* sc, const at::Half* dd, int64_t nb, int64_t K, float* out) {
+  const int64_t H = K / 16, S = K / 256;
+  for (int64_t b = 0; b < nb; ++b)
+    for (int64_t s16 = 0; s16 < H; ++s16) {
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dd + (b * S + s16 / 16) * kLanes)));
+      const __m512 c = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + (b * H + s16) * kLanes))));
+      _mm512_store_ps(out + (b * H + s16) * kLanes, _mm512_mul_ps(d, c));
+    }
+}
+
 // Q6_K's layout (load_q6; a signed scale per 16 K-values, a float16 d per 256) against MB rows of
 // 8-bit x (kX16 false: codes a, scale e per group of 32) or of 16-bit x in two bytes (a = hi,
 // b = lo). Each half group has its own scale:
 // out = sum_g sum_h d sc_h e_g (dot_h(u, X) - 32 sum_h X), hs holding the rows' sums of X per 16
 // K-values (16-bit: 256 sum(hi) + sum(lo)); the -32 is taken off in integers, exactly.
+// kX (a prompt's chunk: the tile's values unpacked by expand_q6): its scales too, d sc per 16
+// K-values as floats in sv16 [NB][K / 16][16] (expand_q6_scales), the same products.
+// The -32 sum starts the last integer chain instead of being subtracted from it (exact either way).
 template <bool kX16, int MB, int NB, bool kX = false>
 void q6p_block(const int8_t* a, const int8_t* bl, const float* e, const int32_t* hs, int64_t K, const uint8_t* w,
-               const int8_t* sc, const at::Half* dd, const uint8_t* pf, float* out) {
+               const int8_t* sc, const at::Half* dd, const uint8_t* pf, float* out, const float* sv16 = nullptr) {
   const int64_t G = K / kGroup, H = K / 16, S = K / 256, block = K / 8 * (kX ? kExpanded : 96);
   __m512 acc[MB][NB];
   zero(acc);
   for (int64_t g = 0; g < G; ++g) {
     __m512 dv[NB];
-    for (int b = 0; b < NB; ++b)
-      dv[b] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dd + (b * S + g / 8) * kLanes)));
+    if constexpr (!kX)
+      for (int b = 0; b < NB; ++b)
+        dv[b] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dd + (b * S + g / 8) * kLanes)));
     for (int64_t h = 0; h < 2; ++h) {
+      const int64_t s16 = 2 * g + h;
       __m512i dh[MB][NB], dl[MB][NB];
-      zero(dh);
-      zero(dl);
+      for (int i = 0; i < MB; ++i) {
+        const __m512i start = _mm512_set1_epi32(-32 * hs[i * H + s16]);
+        for (int b = 0; b < NB; ++b) {
+          dh[i][b] = kX16 ? _mm512_setzero_si512() : start;
+          dl[i][b] = kX16 ? start : _mm512_setzero_si512();
+        }
+      }
 #pragma GCC unroll 2
       for (int64_t p = 0; p < 2; ++p) {
         const int64_t k = g * kGroup + 16 * h + 8 * p;
@@ -747,17 +794,15 @@ void q6p_block(const int8_t* a, const int8_t* bl, const float* e, const int32_t*
           }
         }
       }
-      const int64_t s16 = 2 * g + h;
       __m512 sv[NB];
       for (int b = 0; b < NB; ++b)
-        sv[b] = _mm512_mul_ps(dv[b], _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                                         _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + (b * H + s16) * kLanes)))));
+        sv[b] = kX ? _mm512_load_ps(sv16 + (b * H + s16) * kLanes)
+                   : _mm512_mul_ps(dv[b], _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                         _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + (b * H + s16) * kLanes)))));
       for (int i = 0; i < MB; ++i) {
         const __m512 ei = _mm512_set1_ps(e[i * G + g]);
-        const __m512i corr = _mm512_set1_epi32(32 * hs[i * H + s16]);
         for (int b = 0; b < NB; ++b) {
-          __m512i dot = kX16 ? _mm512_add_epi32(_mm512_slli_epi32(dh[i][b], 8), dl[i][b]) : dh[i][b];
-          dot = _mm512_sub_epi32(dot, corr);
+          const __m512i dot = kX16 ? _mm512_add_epi32(_mm512_slli_epi32(dh[i][b], 8), dl[i][b]) : dh[i][b];
           acc[i][b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(sv[b], ei), acc[i][b]);
         }
       }
@@ -1101,7 +1146,7 @@ inline void load_q6(const uint8_t* w, int64_t block, int64_t k, const uint8_t* p
 // 2 * 2 * 63 * 128 = 32,256), then madd.
 template <bool kX16, int MB, int NB, bool kX = false>
 void q6p_block(const int8_t* a, const int8_t* bl, const float* e, const int32_t* hs, int64_t K, const uint8_t* w,
-               const int8_t* sc, const at::Half* dd, const uint8_t* pf, float* out) {
+               const int8_t* sc, const at::Half* dd, const uint8_t* pf, float* out, const float* = nullptr) {
   static_assert(!kX, "unpacked Q6_K tiles (expand_q6): AVX-512 builds only");
   const int64_t G = K / kGroup, H = K / 16, S = K / 256, block = K / 8 * 96;
   F16v acc[MB][NB];
@@ -1755,12 +1800,18 @@ __attribute__((always_inline)) inline void x16_tiles(const PackedLayer& W, const
   // (AVX-512 builds; one scratch a thread.)
   bool expand = false;
   uint8_t* xw = nullptr;
+  float* kx = nullptr;  // a K-quant tile's scales as floats (FloatScales, expand_q6_scales) for a prompt's chunk
 #ifdef ARLM_AVX512
   expand = M > kPackedRows && kind == Packed::kQ6_K;
   thread_local std::vector<__m512i> scratch;  // (64-byte aligned: the type's alignment)
   if (expand) {
     scratch.resize(std::max<size_t>(scratch.size(), tb * K / 8 * (kExpanded / 64)));
     xw = reinterpret_cast<uint8_t*>(scratch.data());
+  }
+  thread_local std::vector<__m512> kscratch;
+  if (M >= kExpandRows && (kind == Packed::kQ4_K || kind == Packed::kQ5_K || kind == Packed::kQ6_K)) {
+    kscratch.resize(std::max<size_t>(kscratch.size(), tb * std::max(G * 2, H)));
+    kx = reinterpret_cast<float*>(kscratch.data());
   }
 #else
   (void)expand;
@@ -1789,6 +1840,12 @@ __attribute__((always_inline)) inline void x16_tiles(const PackedLayer& W, const
 #endif
       // the chunk's rows by blocks of rows; kX: a Q6_K tile's from its unpacked values (xw), whose
       // unpacking prefetched the next tile
+      const bool kscaled = kx && kind != Packed::kQ6_K && std::min(kChunkRows, M - c0) - done >= kExpandRows;
+#ifdef ARLM_AVX512
+      if (kscaled)
+        expand_kscales(KScales{static_cast<const uint8_t*>(kscale) + b0 * G * 2 * kLanes, supers + b0 * S * 2 * kLanes,
+                               G}, nb, kx);
+#endif
       auto rows = [&](auto xc) {
         constexpr bool kX = decltype(xc)::value;
         const uint8_t* ws = kX ? xw : wt;
@@ -1799,7 +1856,18 @@ __attribute__((always_inline)) inline void x16_tiles(const PackedLayer& W, const
           const int8_t *h = hi + m * K, *l = lo + m * K;
           const float *em = e + m * G, *sm = sx + m * G;
           const int32_t* um = sp + m * G;
-          if (kind == Packed::kQ4_K || kind == Packed::kQ5_K) {
+          if ((kind == Packed::kQ4_K || kind == Packed::kQ5_K) && kscaled) {
+#ifdef ARLM_AVX512
+            const FloatScales ks{kx, G};
+            if (k5) {
+              if (nb == 2) x16p_block<true, MB, 2, FloatScales, true>(h, l, em, sm, um, K, wt, ks, pf, out);
+              else x16p_block<true, MB, 1, FloatScales, true>(h, l, em, sm, um, K, wt, ks, pf, out);
+            } else {
+              if (nb == 2) x16p_block<true, MB, 2>(h, l, em, sm, um, K, wt, ks, pf, out);
+              else x16p_block<true, MB, 1>(h, l, em, sm, um, K, wt, ks, pf, out);
+            }
+#endif
+          } else if (kind == Packed::kQ4_K || kind == Packed::kQ5_K) {
             const KScales ks{static_cast<const uint8_t*>(kscale) + b0 * G * 2 * kLanes, supers + b0 * S * 2 * kLanes,
                              G};
             if (k5) {
@@ -1815,8 +1883,8 @@ __attribute__((always_inline)) inline void x16_tiles(const PackedLayer& W, const
           } else if (kind == Packed::kQ6_K) {
             const int8_t* sc = static_cast<const int8_t*>(kscale) + b0 * H * kLanes;
             const at::Half* dd = supers + b0 * S * kLanes;
-            if (nb == 2) q6p_block<true, MB, 2, kX>(h, l, em, hs + m * H, K, ws, sc, dd, pf, out);
-            else q6p_block<true, MB, 1, kX>(h, l, em, hs + m * H, K, ws, sc, dd, pf, out);
+            if (nb == 2) q6p_block<true, MB, 2, kX>(h, l, em, hs + m * H, K, ws, sc, dd, pf, out, kx);
+            else q6p_block<true, MB, 1, kX>(h, l, em, hs + m * H, K, ws, sc, dd, pf, out, kx);
           } else if (q4) {
             if (nb == 2) x16p_block<true, MB, 2>(h, l, em, sm, um, K, wt, fs, pf, out);
             else x16p_block<true, MB, 1>(h, l, em, sm, um, K, wt, fs, pf, out);
@@ -1834,6 +1902,7 @@ __attribute__((always_inline)) inline void x16_tiles(const PackedLayer& W, const
 #ifdef ARLM_AVX512
       if (expand && std::min(kChunkRows, M - c0) - done >= kExpandRows) {
         expand_q6(wt, block, nb, K, next, xw);
+        expand_q6_scales(static_cast<const int8_t*>(kscale) + b0 * H * kLanes, supers + b0 * S * kLanes, nb, K, kx);
         rows(std::true_type{});
         continue;
       }
