@@ -1856,27 +1856,22 @@ __attribute__((always_inline)) inline void x16_tiles(const PackedLayer& W, const
           const int8_t *h = hi + m * K, *l = lo + m * K;
           const float *em = e + m * G, *sm = sx + m * G;
           const int32_t* um = sp + m * G;
-          if ((kind == Packed::kQ4_K || kind == Packed::kQ5_K) && kscaled) {
+          auto kquant = [&](const auto& ks) {  // Q4_K / Q5_K with KScales or FloatScales
+            using Scales = std::decay_t<decltype(ks)>;
+            if (k5) {
+              if (nb == 2) x16p_block<true, MB, 2, Scales, true>(h, l, em, sm, um, K, wt, ks, pf, out);
+              else x16p_block<true, MB, 1, Scales, true>(h, l, em, sm, um, K, wt, ks, pf, out);
+            } else {
+              if (nb == 2) x16p_block<true, MB, 2, Scales>(h, l, em, sm, um, K, wt, ks, pf, out);
+              else x16p_block<true, MB, 1, Scales>(h, l, em, sm, um, K, wt, ks, pf, out);
+            }
+          };
+          if (kind == Packed::kQ4_K || kind == Packed::kQ5_K) {
 #ifdef ARLM_AVX512
-            const FloatScales ks{kx, G};
-            if (k5) {
-              if (nb == 2) x16p_block<true, MB, 2, FloatScales, true>(h, l, em, sm, um, K, wt, ks, pf, out);
-              else x16p_block<true, MB, 1, FloatScales, true>(h, l, em, sm, um, K, wt, ks, pf, out);
-            } else {
-              if (nb == 2) x16p_block<true, MB, 2>(h, l, em, sm, um, K, wt, ks, pf, out);
-              else x16p_block<true, MB, 1>(h, l, em, sm, um, K, wt, ks, pf, out);
-            }
+            if (kscaled) kquant(FloatScales{kx, G});
+            else
 #endif
-          } else if (kind == Packed::kQ4_K || kind == Packed::kQ5_K) {
-            const KScales ks{static_cast<const uint8_t*>(kscale) + b0 * G * 2 * kLanes, supers + b0 * S * 2 * kLanes,
-                             G};
-            if (k5) {
-              if (nb == 2) x16p_block<true, MB, 2, KScales, true>(h, l, em, sm, um, K, wt, ks, pf, out);
-              else x16p_block<true, MB, 1, KScales, true>(h, l, em, sm, um, K, wt, ks, pf, out);
-            } else {
-              if (nb == 2) x16p_block<true, MB, 2>(h, l, em, sm, um, K, wt, ks, pf, out);
-              else x16p_block<true, MB, 1>(h, l, em, sm, um, K, wt, ks, pf, out);
-            }
+            kquant(KScales{static_cast<const uint8_t*>(kscale) + b0 * G * 2 * kLanes, supers + b0 * S * 2 * kLanes, G});
           } else if (kind == Packed::kQ5) {
             if (nb == 2) x16p_block<true, MB, 2, F16Scales, true>(h, l, em, sm, um, K, wt, fs, pf, out);
             else x16p_block<true, MB, 1, F16Scales, true>(h, l, em, sm, um, K, wt, fs, pf, out);
