@@ -468,8 +468,8 @@ class Q5Linear(PackedOnlyLinear):
 class KQuantLinear(PackedOnlyLinear):
     """A GGUF K-quant matrix (Q4_K, Q5_K or Q6_K: super-blocks of 256 weights) in the packed
     kernels' layout (a8_linear.cpp, `kernels.pack_q4_k` / `pack_q6_k`): the file's values with
-    their own scales, not rounded again, in about the file's bytes (Q4_K 4.625 bits a weight, the
-    file's 4.5; Q5_K 5.625, the file's 5.5; Q6_K 6.5625, the file's).
+    their own scales, not rounded again, in the file's bytes (Q4_K 4.5 bits a weight, Q5_K 5.5,
+    Q6_K 6.5625: the 6-bit sc and m as the file holds them, 12 bytes a super-block, `pack_kscales`).
 
     Q4_K, Q5_K: W[n, k] = d[n, k // 256] sc[n, k // 32] q[n, k] - dmin[n, k // 256] m[n, k // 32];
     Q6_K: W[n, k] = d[n, k // 256] sc[n, k // 16] q[n, k] (gguf's dequantization, bit for bit:
@@ -490,7 +490,7 @@ class KQuantLinear(PackedOnlyLinear):
         chunk = {"Q4_K": 64, "Q5_K": 80, "Q6_K": 96}[kind]  # bytes per 8 K-values of 16 channels
         self.register_buffer("weight", torch.zeros(NB, in_features // 8, chunk, dtype=torch.uint8))
         self.register_buffer("scale", torch.zeros(NB, 2 * G, 16, dtype=torch.int8) if q6
-                             else torch.zeros(NB, G, 32, dtype=torch.uint8))
+                             else torch.zeros(NB, S, 192, dtype=torch.uint8))
         self.register_buffer("supers", torch.zeros(NB, S, 16 if q6 else 32, dtype=torch.float16))
 
     def dequantize_rows(self, index):
@@ -502,7 +502,7 @@ class KQuantLinear(PackedOnlyLinear):
             else:
                 wb = self.weight.view(self.weight.shape[0], -1, 16, 4)[b, :, lane, :]  # [T, K/8, 4]
                 q = torch.stack([wb & 0x0F, wb >> 4], dim=2).view(T, K // 32, 32).float()
-            sc, m = self.scale[b, :, lane].float(), self.scale[b, :, 16 + lane].float()  # [T, K/32]
+            sc, m = (t.float() for t in kernels.kscale_rows(self.scale[b], lane))  # [T, K/32]
             d, dmin = (self.supers[b, :, lane + o].float().repeat_interleave(8, dim=1) for o in (0, 16))
             return ((d * sc)[..., None] * q - (dmin * m)[..., None]).view(T, K)
         return kernels.packed_rows(self.weight, self.scale, self.supers, index, K)

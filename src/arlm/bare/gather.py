@@ -59,6 +59,16 @@ def _q6_rows(wp: np.ndarray, index: np.ndarray) -> np.ndarray:
     return (low | (top << 4)).reshape(T, C * 8)
 
 
+def _kscale_rows(scale: np.ndarray, b: np.ndarray, lane: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Channels (block b, lane) of a Q4_K / Q5_K scale [NB, K/256, 192] (arlm.kernels.pack_kscales)
+    -> their 6-bit sc and m, uint8 [T, K/32] each."""
+    T, S = len(b), scale.shape[1]
+    low = scale[b, :, :128].reshape(T, S, 8, 16)[np.arange(T), :, :, lane]  # [T, S, 8]
+    words = scale[b, :, 128:].reshape(T, S, 16, 4)[np.arange(T), :, lane, :]  # [T, S, 4]
+    top = np.stack([words & 15, words >> 4], axis=-1).reshape(T, S, 8)
+    return (((low & 15) | ((top & 3) << 4)).reshape(T, 8 * S), ((low >> 4) | ((top >> 2) << 4)).reshape(T, 8 * S))
+
+
 def _f32(a: np.ndarray) -> np.ndarray:
     return a.astype(np.float32)
 
@@ -112,7 +122,7 @@ def rows(kind: str, tensors: list[np.ndarray], index: np.ndarray, kquant: str | 
                 K = wp.shape[1] * 8
                 wb = wp.reshape(wp.shape[0], -1, 16, 4)[b, :, lane, :]  # [T, K/8, 4]
                 q = _f32(np.stack([wb & 0x0F, wb >> 4], axis=2).reshape(T, K // 32, 32))
-            sc, m = _f32(scale[b, :, lane]), _f32(scale[b, :, 16 + lane])  # [T, K/32]
+            sc, m = (_f32(t) for t in _kscale_rows(scale, b, lane))  # [T, K/32]
             d, dmin = (np.repeat(_f32(supers[b, :, lane + o]), 8, axis=1) for o in (0, 16))
             return ((d * sc)[..., None] * q - (dmin * m)[..., None]).reshape(T, K)
     raise ValueError(f"no numpy gather for a {kind} table" + (f" ({kquant})" if kquant else ""))

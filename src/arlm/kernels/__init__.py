@@ -340,17 +340,43 @@ def pack_q4_k(q: torch.Tensor, sc: torch.Tensor, m: torch.Tensor, d: torch.Tenso
     """Q4_K's fields (w = d sc q - dmin m: q uint8 [N, K] in 0..15; sc, m uint8 [N, K/32], the
     6-bit scale and min of each group of 32; d, dmin [N, K/256], each super-block's float16 values)
     -> a8_linear.cpp's Q4_K layout: the 4-bit packed weights of `pack_q4` [N/16, K/8, 64], scale
-    uint8 [N/16, K/32, 32] (16 channels' sc, then their m) and supers float16 [N/16, K/256, 32]
-    (d, then dmin: the file's float16 values, exactly). five_bit: Q5_K's, q in 0..31, in
-    `pack_q5`'s layout."""
+    uint8 [N/16, K/256, 192] (`pack_kscales`: the file's 12 bytes a channel and super-block) and
+    supers float16 [N/16, K/256, 32] (d, then dmin: the file's float16 values, exactly).
+    five_bit: Q5_K's, q in 0..31, in `pack_q5`'s layout."""
     N, K = q.shape
     if five_bit:
         wp = pack_q5(q)
     else:
         qq = q.view(N // 16, 16, K // 8, 2, 4)
         wp = (qq[:, :, :, 0] | (qq[:, :, :, 1] << 4)).permute(0, 2, 1, 3).contiguous().view(N // 16, K // 8, 64)
-    return (wp, torch.cat([pack_scales(sc), pack_scales(m)], dim=2).contiguous(),
+    return (wp, pack_kscales(sc, m),
             torch.cat([pack_scales(d.half()), pack_scales(dmin.half())], dim=2).contiguous())
+
+
+def pack_kscales(sc: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """Q4_K's / Q5_K's 6-bit sc and m (uint8 [N, K/32]) -> uint8 [N/16, K/256, 192], per block of 16
+    channels and super-block (a8_linear.cpp's KScales): bytes 16 j + c = the low 4 bits of channel
+    c's sc | those of its m << 4, for the 8 groups j; then bytes 128 + 4 c .. + 3 = channel c's
+    32-bit word (little-endian) of the top 2 bits, group j's sc at bits 4 j, its m at 4 j + 2."""
+    N, G = sc.shape
+    sc, m = (t.to(torch.uint8).view(N // 16, 16, G // 8, 8) for t in (sc, m))  # [NB, c, S, j]
+    low = ((sc & 15) | ((m & 15) << 4)).permute(0, 2, 3, 1)  # [NB, S, j, c]
+    top = ((sc >> 4) | ((m >> 4) << 2)).permute(0, 2, 1, 3)  # [NB, S, c, j]: 4 bits each
+    words = top[..., 0::2] | (top[..., 1::2] << 4)  # [NB, S, c, 4]: byte t holds groups 2t, 2t + 1
+    return torch.cat([low.reshape(N // 16, G // 8, 128), words.reshape(N // 16, G // 8, 64)], dim=2).contiguous()
+
+
+def kscale_rows(scale: torch.Tensor, lane: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`pack_kscales`' inverse for some channels: scale uint8 [T, K/256, 192] (each row its channel's
+    block), lane [T] (the channel in its block) -> sc, m uint8 [T, K/32]."""
+    T, S = scale.shape[0], scale.shape[1]
+    rows = torch.arange(T)
+    low = scale[:, :, :128].view(T, S, 8, 16)[rows, :, :, lane]  # [T, S, 8]
+    words = scale[:, :, 128:].view(T, S, 16, 4)[rows, :, lane, :]  # [T, S, 4]
+    top = torch.stack([words & 15, words >> 4], dim=-1).view(T, S, 8)
+    sc = (low & 15) | ((top & 3) << 4)
+    m = (low >> 4) | ((top >> 2) << 4)
+    return sc.reshape(T, 8 * S), m.reshape(T, 8 * S)
 
 
 def pack_gguf_blocks(blocks: torch.Tensor, kind: str) -> tuple[torch.Tensor, ...]:

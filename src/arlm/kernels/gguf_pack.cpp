@@ -11,8 +11,8 @@
 //   Q8_0 (34 bytes a block of 32: d, 32 int8): wp [N/16, K/4, 64] (channel c's byte 4c + t of
 //     K-values 4j..4j+3: q[4j + t] XOR 0x80), scale float16 [N/16, K/32, 16];
 //   Q4_K (144 bytes a super-block of 256): wp [N/16, K/8, 64] (channel c's byte 4c + t of
-//     8 K-values 8p..8p+7: q[8p + t] | q[8p + 4 + t] << 4), scale uint8 [N/16, K/32, 32] (16
-//     channels' 6-bit sc, then their m), supers float16 [N/16, S, 32] (d, then dmin);
+//     8 K-values 8p..8p+7: q[8p + t] | q[8p + 4 + t] << 4), scale uint8 [N/16, S, 192] (the 6-bit
+//     sc and m as kernels.pack_kscales lays them out), supers float16 [N/16, S, 32] (d, then dmin);
 //   Q4_0 (18 bytes a block of 32: d, 16 bytes of nibbles, value i low and i + 16 high) and Q4_1
 //     (20: d, m, the nibbles): wp [N/16, K/8, 64] as Q4_K's, scale float16 [N/16, K/32, 16] (d),
 //     mins float16 [N/16, K/32, 16] (Q4_1's m; Q4_0: none, [0]: its kernels take -8 d);
@@ -28,6 +28,8 @@
 
 namespace {
 
+// Q4_K's packed sc and m, per block of 16 channels and super-block (kernels.pack_kscales).
+constexpr int64_t kKScaleBytes = 192;
 constexpr int64_t kQ4KBytes = 144, kQ6KBytes = 210, kQ8Bytes = 34, kQ40Bytes = 18, kQ41Bytes = 20, kQ50Bytes = 22, kSuper = 256;
 
 // One Q4_K super-block's 8 groups' 6-bit scales and mins (ggml's get_scale_min_k4).
@@ -90,7 +92,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_k_blocks(const at::Tensor& b
               " bytes a block, not ", q6 ? "Q6_K's 210" : "Q4_K's 144");
   const auto u8 = blocks.options();
   at::Tensor wp = at::empty({NB, K / 8, q6 ? 96 : 64}, u8);
-  at::Tensor scale = q6 ? at::empty({NB, K / 16, 16}, u8.dtype(at::kChar)) : at::empty({NB, K / 32, 32}, u8);
+  at::Tensor scale = q6 ? at::empty({NB, K / 16, 16}, u8.dtype(at::kChar)) : at::empty({NB, S, kKScaleBytes}, u8);
   at::Tensor supers = at::empty({NB, S, q6 ? 16 : 32}, u8.dtype(at::kHalf));
   const uint8_t* in = blocks.data_ptr<uint8_t>();
   uint8_t* wo = wp.data_ptr<uint8_t>();
@@ -111,11 +113,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_k_blocks(const at::Tensor& b
           q4k_values(blk, q[c]);
           uint8_t sc[8], m[8];
           q4k_scales(blk + 4, sc, m);
+          uint8_t* at = so + (nb * S + s) * kKScaleBytes;
+          uint32_t top = 0;
           for (int g = 0; g < 8; ++g) {
-            uint8_t* at = so + (nb * (K / 32) + s * 8 + g) * 32;
-            at[c] = sc[g];
-            at[16 + c] = m[g];
+            at[16 * g + c] = (sc[g] & 15) | ((m[g] & 15) << 4);
+            top |= static_cast<uint32_t>((sc[g] >> 4) | ((m[g] >> 4) << 2)) << (4 * g);
           }
+          for (int t = 0; t < 4; ++t) at[128 + 4 * c + t] = static_cast<uint8_t>(top >> (8 * t));
           std::memcpy(dout + (nb * S + s) * 32 + c, blk, 2);
           std::memcpy(dout + (nb * S + s) * 32 + 16 + c, blk + 2, 2);
         }
