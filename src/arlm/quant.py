@@ -439,10 +439,10 @@ class PackedOnlyLinear(QuantizedLinear):
 
 
 class Q5Linear(PackedOnlyLinear):
-    """5-bit weights per group of 32, W[n, k] = scale[n, k // 32] q[n, k] + mins[n, k // 32], q in
-    0..31 (GGUF's Q5_0: mins = -16 scale, exact in float16), in `kernels.pack_q5`'s layout
-    [N/16, K/8, 80] with scale and mins float16 [N/16, K/32, 16]: 6 bits a weight (the file's
-    5.5), its values bit for bit as gguf dequantizes them."""
+    """GGUF's Q5_0: 5-bit weights per group of 32, W[n, k] = scale[n, k // 32] (q[n, k] - 16), q in
+    0..31, in `kernels.pack_q5`'s layout [N/16, K/8, 80] with scale float16 [N/16, K/32, 16] and
+    no mins (the kernels take -16 scale, exact): the file's 5.5 bits a weight, its values bit for
+    bit as gguf dequantizes them."""
 
     FIELDS = ("weight", "scale", "mins")
 
@@ -453,13 +453,13 @@ class Q5Linear(PackedOnlyLinear):
         NB, G = out_features // 16, in_features // self.GROUP
         self.register_buffer("weight", torch.zeros(NB, in_features // 8, 80, dtype=torch.uint8))
         self.register_buffer("scale", torch.zeros(NB, G, 16, dtype=torch.float16))
-        self.register_buffer("mins", torch.zeros(NB, G, 16, dtype=torch.float16))
+        self.register_buffer("mins", torch.zeros(0, dtype=torch.float16))  # (none: -16 scale)
 
     def dequantize_rows(self, index):
         T, K = len(index), self.in_features
         q = kernels.unpack_q5_rows(self.weight, index).view(T, -1, self.GROUP).float()
-        d, m = self.scale[index // 16, :, index % 16].float(), self.mins[index // 16, :, index % 16].float()
-        return (q * d[..., None] + m[..., None]).view(T, K)
+        d = self.scale[index // 16, :, index % 16].float()
+        return (q * d[..., None] + (d * -16)[..., None]).view(T, K)
 
     def _packed_matmul(self, x):
         return kernels.q4_linear_a8p(x, *self.tensors())

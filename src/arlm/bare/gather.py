@@ -104,8 +104,8 @@ def rows(kind: str, tensors: list[np.ndarray], index: np.ndarray, kquant: str | 
         return (_f32(q).reshape(T, -1, 32) * _f32(d)[..., None] + _f32(m)[..., None]).reshape(T, K)
     if kind == "Q5Linear":
         q = _f32(_q5_rows(wp, index)).reshape(T, -1, 32)
-        d, m = _f32(tensors[1][b, :, lane]), _f32(tensors[2][b, :, lane])
-        return (q * d[..., None] + m[..., None]).reshape(T, -1)
+        d = _f32(tensors[1][b, :, lane])  # (Q5_0: no mins, -16 d)
+        return (q * d[..., None] + (d * np.float32(-16))[..., None]).reshape(T, -1)
     if kind == "KQuantLinear":
         scale, supers = tensors[1], tensors[2]
         if kquant == "Q6_K":

@@ -413,8 +413,8 @@ constexpr int64_t chunk_bytes() { return k5 ? 80 : 64; }
 //          mins [N/16, K/256, 32] float16 (the file's), each super-block's d for the 16 channels,
 //          then its dmin.
 //   5-bit: wp [N/16, K/8, 80] bytes, per 8 K-values the 4-bit layout's 64 bytes of low bits, then
-//          two 64-bit masks of the 5th bits (load_q4); with Q4_1's float16 scale and mins (Q5_0:
-//          m = -16 d; Q5_1) or Q4_K's (Q5_K).
+//          two 64-bit masks of the 5th bits (load_q4); with a float16 scale and no mins (Q5_0:
+//          m = -16 d, as Q4_0's -8 d: the file's 5.5 bits a weight) or Q4_K's scales (Q5_K).
 //   Q6_K:  wp [N/16, K/8, 96] bytes, per 8 K-values the 4-bit layout's 64 bytes of u = q + 32's low
 //          4 bits, then 32 of its top 2 (load_q6); scale [N/16, K/16, 16] int8, a scale per 16
 //          K-values; mins [N/16, K/256, 16] float16, d (q6p_block). 6.5625 bits a weight: the file's.
@@ -1598,7 +1598,8 @@ int64_t arlm_kernels::packed_out_features(const char* op, int64_t K, const at::T
                 scale.is_contiguous() && scale.size(0) == NB && scale.size(1) == G && scale.size(2) == kLanes &&
                 (mins.numel() == 0 || (mins.sizes() == scale.sizes() && mins.scalar_type() == at::kHalf &&
                                        mins.is_contiguous())),
-                op, ": 4-bit wp [N/16, K/8, 64] uint8, scale and mins [N/16, K/32, 16] float16 (mins empty: -8 scale)");
+                op, ": 4-bit (5-bit: 80) wp [N/16, K/8, 64] uint8, scale and mins [N/16, K/32, 16] float16 (mins empty: "
+                "-8 scale; 5-bit: -16)");
   }
   return NB * kLanes;
 }
@@ -1631,8 +1632,8 @@ PackedLayer packed_layer(int64_t K, const at::Tensor& wp, const at::Tensor& scal
   L.w = wp.data_ptr<uint8_t>();
   L.rs = L.kind == Packed::kInt8 ? scale.data_ptr<float>() : nullptr;
   L.dp = L.f16 || q8 ? scale.data_ptr<at::Half>() : nullptr;
-  L.mp = L.f16 && L.kind != Packed::kQ4_0 ? mins.data_ptr<at::Half>() : nullptr;
-  L.m_per_d = L.kind == Packed::kQ4_0 ? -8.f : 0.f;
+  L.mp = L.f16 && L.kind != Packed::kQ4_0 && mins.numel() ? mins.data_ptr<at::Half>() : nullptr;
+  L.m_per_d = L.kind == Packed::kQ4_0 ? -8.f : L.kind == Packed::kQ5 && !mins.numel() ? -16.f : 0.f;  // (Q5_0: -16 d)
   const bool kq = L.kind == Packed::kQ4_K || L.kind == Packed::kQ5_K || L.kind == Packed::kQ6_K;
   L.kscale = kq ? scale.data_ptr() : nullptr;
   L.supers = kq ? mins.data_ptr<at::Half>() : nullptr;

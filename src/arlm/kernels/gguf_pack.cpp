@@ -201,23 +201,20 @@ std::vector<at::Tensor> pack_q4_blocks(const at::Tensor& blocks, bool q4_1) {
 // Q5_0 (kind 50: 22 bytes a block of 32: d, the 32-bit qh of the values' 5th bits, the nibbles
 // as Q4_0's) -> Q5Linear's layout (kernels.pack_q5 of q = value + 16, 0..31: its 64 bytes of low
 // nibbles as Q4_0's, then per half of 4 K-values a 64-bit mask, bit 4c + t for channel c's
-// value t), scale float16 [N/16, K/32, 16] (d) and mins (-16 d: a power of two, exact where finite;
-// the loader widens a matrix with an infinite one to Q8_0 before it comes here).
+// value t), scale float16 [N/16, K/32, 16] (d) and no mins (the kernels take -16 d).
 std::vector<at::Tensor> pack_q5_0_blocks(const at::Tensor& blocks) {
   TORCH_CHECK(blocks.size(2) == kQ50Bytes, "pack_gguf_blocks: ", blocks.size(2), " bytes a block, not Q5_0's 22");
   const int64_t N = blocks.size(0), G = blocks.size(1), K = 32 * G, NB = N / 16;
   at::Tensor wp = at::zeros({NB, K / 8, 80}, blocks.options());  // (the masks are or-ed in)
   at::Tensor scale = at::empty({NB, G, 16}, blocks.options().dtype(at::kHalf));
-  at::Tensor mins = at::empty({NB, G, 16}, blocks.options().dtype(at::kHalf));
+  at::Tensor mins = at::empty({0}, blocks.options().dtype(at::kHalf));
   uint8_t* wo = wp.data_ptr<uint8_t>();
   at::Half* so = scale.data_ptr<at::Half>();
-  at::Half* mo = mins.data_ptr<at::Half>();
   for_each_group(blocks, kQ50Bytes, [&](int64_t nb, int64_t g, int c, const uint8_t* blk) {
     uint8_t* o = wo + (nb * (K / 8) + g * 4) * 80;
     at::Half d;
     std::memcpy(&d, blk, 2);
     so[(nb * G + g) * 16 + c] = d;
-    mo[(nb * G + g) * 16 + c] = at::Half(static_cast<float>(d) * -16.f);
     uint32_t qh;
     std::memcpy(&qh, blk + 2, 4);
     const uint8_t* nib = blk + 6;

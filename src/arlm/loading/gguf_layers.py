@@ -159,16 +159,12 @@ def _k_quant_rows(blocks: _Stacked, kind: str):
     return _by_rows(make, layer, blocks)
 
 
-def q5_0_layer(blocks: np.ndarray | _Stacked) -> Q5Linear | None:
+def q5_0_layer(blocks: np.ndarray | _Stacked) -> Q5Linear:
     """A Q5Linear from Q5_0 blocks [N, K/32, 22] (or parts' blocks, stacked): q = the value + 16,
-    scale d, mins -16 d (float16, exact); None where -16 d overflows float16 (then the caller
-    widens to Q8_0)."""
+    scale d (the kernels take the mins as -16 d in float32: exact, no mins stored)."""
     blocks = _Stacked([blocks]) if isinstance(blocks, np.ndarray) else blocks
     N, G = blocks.N, blocks.G
     d = torch.from_numpy(np.concatenate([b[..., 0:2] for b in blocks.parts]).view(np.float16).reshape(N, G))
-    mins = (d.float() * -16.0).half()
-    if not torch.isfinite(mins).all():
-        return None
 
     def layer(n: int) -> Q5Linear:
         with torch.device("meta"):
@@ -183,7 +179,7 @@ def q5_0_layer(blocks: np.ndarray | _Stacked) -> Q5Linear | None:
         b = blocks.rows(start, stop, lambda _, rows: as_q8_0(rows, "Q5_0"))
         q = torch.from_numpy(np.ascontiguousarray(b[..., 2:]).view(np.int8).reshape(stop - start, 32 * G))
         chunk._set(kernels.pack_q5((q.to(torch.int16) + 16).to(torch.uint8)), kernels.pack_scales(d[start:stop]),
-                   kernels.pack_scales(mins[start:stop]))
+                   torch.zeros(0, dtype=torch.float16))
         return chunk
 
     return _by_rows(make, layer(N), blocks)
@@ -267,8 +263,8 @@ def _quantized_layer(gf: GGUFFile, parts, requantized: list[str], workers: _Work
         return _k_quant_layer(blocks(), kinds.pop())
     if len(kinds) == 1 and kinds <= set(ROW_K_TYPES):  # the row layout's exact forms
         return _k_quant_rows(blocks(), kinds.pop())
-    if kinds == {"Q5_0"} and packed and (layer := q5_0_layer(blocks())) is not None:
-        return layer
+    if kinds == {"Q5_0"} and packed:
+        return q5_0_layer(blocks())
     if kinds == {"Q4_1"} or kinds <= set(AS_Q8):
         stacked = blocks()
         # (Q4_0 as 4 bits unless its min -8 d overflows float16: then widened to Q8_0 as a mix is)
