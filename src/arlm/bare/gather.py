@@ -64,8 +64,8 @@ def _kscale_rows(scale: np.ndarray, b: np.ndarray, lane: np.ndarray) -> tuple[np
     -> their 6-bit sc and m, uint8 [T, K/32] each."""
     T, S = len(b), scale.shape[1]
     low = scale[b, :, :128].reshape(T, S, 8, 16)[np.arange(T), :, :, lane]  # [T, S, 8]
-    words = scale[b, :, 128:].reshape(T, S, 16, 4)[np.arange(T), :, lane, :]  # [T, S, 4]
-    top = np.stack([words & 15, words >> 4], axis=-1).reshape(T, S, 8)
+    pairs = scale[b, :, 128:].reshape(T, S, 4, 16)[np.arange(T), :, :, lane]  # [T, S, 4]: groups k, k + 4
+    top = np.concatenate([pairs & 15, pairs >> 4], axis=-1)
     return (((low & 15) | ((top & 3) << 4)).reshape(T, 8 * S), ((low >> 4) | ((top >> 2) << 4)).reshape(T, 8 * S))
 
 

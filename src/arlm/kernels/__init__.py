@@ -356,14 +356,14 @@ def pack_q4_k(q: torch.Tensor, sc: torch.Tensor, m: torch.Tensor, d: torch.Tenso
 def pack_kscales(sc: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     """Q4_K's / Q5_K's 6-bit sc and m (uint8 [N, K/32]) -> uint8 [N/16, K/256, 192], per block of 16
     channels and super-block (a8_linear.cpp's KScales): bytes 16 j + c = the low 4 bits of channel
-    c's sc | those of its m << 4, for the 8 groups j; then bytes 128 + 4 c .. + 3 = channel c's
-    32-bit word (little-endian) of the top 2 bits, group j's sc at bits 4 j, its m at 4 j + 2."""
+    c's sc | those of its m << 4, for the 8 groups j; then bytes 128 + 16 k + c = the top 2 bits
+    of group k's sc | its m's << 2, in the low nibble, and group k + 4's in the high (k < 4)."""
     N, G = sc.shape
-    sc, m = (t.to(torch.uint8).view(N // 16, 16, G // 8, 8) for t in (sc, m))  # [NB, c, S, j]
-    low = ((sc & 15) | ((m & 15) << 4)).permute(0, 2, 3, 1)  # [NB, S, j, c]
-    top = ((sc >> 4) | ((m >> 4) << 2)).permute(0, 2, 1, 3)  # [NB, S, c, j]: 4 bits each
-    words = top[..., 0::2] | (top[..., 1::2] << 4)  # [NB, S, c, 4]: byte t holds groups 2t, 2t + 1
-    return torch.cat([low.reshape(N // 16, G // 8, 128), words.reshape(N // 16, G // 8, 64)], dim=2).contiguous()
+    sc, m = (t.to(torch.uint8).view(N // 16, 16, G // 8, 8).permute(0, 2, 3, 1) for t in (sc, m))  # [NB, S, j, c]
+    low = (sc & 15) | ((m & 15) << 4)
+    top = (sc >> 4) | ((m >> 4) << 2)  # 4 bits each
+    return torch.cat([low.reshape(N // 16, G // 8, 128),
+                      (top[:, :, :4] | (top[:, :, 4:] << 4)).reshape(N // 16, G // 8, 64)], dim=2).contiguous()
 
 
 def kscale_rows(scale: torch.Tensor, lane: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -372,8 +372,8 @@ def kscale_rows(scale: torch.Tensor, lane: torch.Tensor) -> tuple[torch.Tensor, 
     T, S = scale.shape[0], scale.shape[1]
     rows = torch.arange(T)
     low = scale[:, :, :128].view(T, S, 8, 16)[rows, :, :, lane]  # [T, S, 8]
-    words = scale[:, :, 128:].view(T, S, 16, 4)[rows, :, lane, :]  # [T, S, 4]
-    top = torch.stack([words & 15, words >> 4], dim=-1).view(T, S, 8)
+    pairs = scale[:, :, 128:].view(T, S, 4, 16)[rows, :, :, lane]  # [T, S, 4]: groups k, k + 4
+    top = torch.cat([pairs & 15, pairs >> 4], dim=-1)
     sc = (low & 15) | ((top & 3) << 4)
     m = (low >> 4) | ((top >> 2) << 4)
     return sc.reshape(T, 8 * S), m.reshape(T, 8 * S)

@@ -543,31 +543,48 @@ struct F16Scales {
 // super-block's floats ([blocks][G / 8][32]). The products are exact in float32 (an 11-bit d times
 // a 6-bit integer), as gguf dequantizes them. sc and m lie as the file holds them, 12 bytes a
 // channel and super-block (kernels.pack_kscales): per block and super-block, 8 groups' 16 bytes
-// of low 4 bits (sc | m << 4), then each channel's 32-bit word of their top 2 bits (group j's sc
-// at bits 4j, its m at 4j + 2). Unpacking them is 7 more operations a group and block than bytes
-// took; a step reads 1.6% fewer bytes (1B Q4_K_M).
+// of low 4 bits (sc | m << 4, byte 16 j + c), then 64 bytes of the top 2 bits of both, byte
+// 16 k + c holding group k's in its low nibble (sc | m << 2) and group k + 4's in its high one.
+// At each super-block's first group the 8 groups' sc and m are unpacked as bytes (14 operations
+// for the 16 channels), which at() then widens as it did when they were stored as bytes: the
+// per-group cost of the unpacking, redone for each 4 rows of a batch, slowed a batch of 8 by 11%.
+// at() must be called for groups 0, 1, ... in order for each block (the kernels' loops do).
 struct KScales {
   const uint8_t* sm;
   const at::Half* dd;
   int64_t G;
+  mutable uint8_t bytes[2][256] __attribute__((aligned(64)));  // block b's groups' sc (16 j + c), then m
+  KScales(const uint8_t* sm, const at::Half* dd, int64_t G) : sm(sm), dd(dd), G(G) {}  // (bytes left unset)
   static KScales of(const void* kscale, const at::Half* supers, int64_t b0, int64_t G) {
     return {static_cast<const uint8_t*>(kscale) + b0 * (G / 8) * kKScaleBytes, supers + b0 * (G / 8) * 2 * kLanes, G};
   }
   bool scaled() const { return true; }
   void prefetch(int, int64_t) const {}  // (prefetched as F16Scales' are: no change, F16Scales::prefetch)
+  void unpack(int b, int64_t super) const {
+    const uint8_t* p = sm + (b * (G / 8) + super) * kKScaleBytes;
+    const __m512i low0 = _mm512_loadu_si512(p), low1 = _mm512_loadu_si512(p + 64), top = _mm512_loadu_si512(p + 128);
+    const __m512i x0f = _mm512_set1_epi8(0x0F), x30 = _mm512_set1_epi8(0x30);
+    const __m512i x03 = _mm512_set1_epi8(0x03), x0c = _mm512_set1_epi8(0x0C);
+    auto put = [&](int at, __m512i v) { _mm512_store_si512(bytes[b] + at, v); };
+    put(0, _mm512_or_si512(_mm512_and_si512(low0, x0f), _mm512_slli_epi16(_mm512_and_si512(top, x03), 4)));
+    put(64, _mm512_or_si512(_mm512_and_si512(low1, x0f), _mm512_and_si512(top, x30)));
+    put(128, _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(low0, 4), x0f),
+                             _mm512_slli_epi16(_mm512_and_si512(top, x0c), 2)));
+    put(192, _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(low1, 4), x0f),
+                             _mm512_and_si512(_mm512_srli_epi16(top, 2), x30)));
+  }
   void at(int b, int64_t g, __m512& ds, __m512& ms) const {
-    const uint8_t* s = sm + (b * (G / 8) + g / 8) * kKScaleBytes;
+    if (g % 8 == 0) unpack(b, g / 8);
+    const uint8_t* s = bytes[b] + 16 * (g % 8);
     const at::Half* super = dd + (b * (G / 8) + g / 8) * 2 * kLanes;
-    const __m512i low = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 16 * (g % 8))));
-    const __m512i top = _mm512_srl_epi32(_mm512_loadu_si512(s + 128), _mm_cvtsi32_si128(static_cast<int>(4 * (g % 8))));
-    const __m512i low4 = _mm512_set1_epi32(15), bits45 = _mm512_set1_epi32(0x30);
-    const __m512i sc = _mm512_or_si512(_mm512_and_si512(low, low4), _mm512_and_si512(_mm512_slli_epi32(top, 4), bits45));
-    const __m512i m = _mm512_or_si512(_mm512_srli_epi32(low, 4), _mm512_and_si512(_mm512_slli_epi32(top, 2), bits45));
+    auto widen = [](const uint8_t* p) {
+      return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(p))));
+    };
     auto half16 = [](const at::Half* p) {
       return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     };
-    ds = _mm512_mul_ps(half16(super), _mm512_cvtepi32_ps(sc));
-    ms = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(half16(super + kLanes), _mm512_cvtepi32_ps(m)));
+    ds = _mm512_mul_ps(half16(super), widen(s));
+    ms = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(half16(super + kLanes), widen(s + 128)));
   }
 };
 
@@ -962,26 +979,39 @@ struct F16Scales {
   }
 };
 
-struct KScales {  // (the AVX-512 build's layout, 8 channels at a time)
+struct KScales {  // (the AVX-512 build's, 32 bytes at a time: see it for the layout and the order of calls)
   const uint8_t* sm;
   const at::Half* dd;
   int64_t G;
+  mutable uint8_t bytes[2][256] __attribute__((aligned(32)));
+  KScales(const uint8_t* sm, const at::Half* dd, int64_t G) : sm(sm), dd(dd), G(G) {}
   static KScales of(const void* kscale, const at::Half* supers, int64_t b0, int64_t G) {
     return {static_cast<const uint8_t*>(kscale) + b0 * (G / 8) * kKScaleBytes, supers + b0 * (G / 8) * 2 * kLanes, G};
   }
   bool scaled() const { return true; }
-  void at(int b, int64_t g, F16v& ds, F16v& ms) const {
-    const uint8_t* s = sm + (b * (G / 8) + g / 8) * kKScaleBytes;
-    const at::Half* super = dd + (b * (G / 8) + g / 8) * 2 * kLanes;
-    const __m128i shift = _mm_cvtsi32_si128(static_cast<int>(4 * (g % 8)));
-    const __m256i low4 = _mm256_set1_epi32(15), bits45 = _mm256_set1_epi32(0x30);
+  void unpack(int b, int64_t super) const {
+    const uint8_t* p = sm + (b * (G / 8) + super) * kKScaleBytes;
+    const __m256i x0f = _mm256_set1_epi8(0x0F), x30 = _mm256_set1_epi8(0x30);
+    const __m256i x03 = _mm256_set1_epi8(0x03), x0c = _mm256_set1_epi8(0x0C);
     for (int h = 0; h < 2; ++h) {
-      const __m256i low = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(s + 16 * (g % 8) + 8 * h)));
-      const __m256i top = _mm256_srl_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 128 + 32 * h)), shift);
-      const __m256i sc = _mm256_or_si256(_mm256_and_si256(low, low4), _mm256_and_si256(_mm256_slli_epi32(top, 4), bits45));
-      const __m256i m = _mm256_or_si256(_mm256_srli_epi32(low, 4), _mm256_and_si256(_mm256_slli_epi32(top, 2), bits45));
-      ds.h[h] = _mm256_mul_ps(half8(super + 8 * h), _mm256_cvtepi32_ps(sc));
-      ms.h[h] = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(half8(super + kLanes + 8 * h), _mm256_cvtepi32_ps(m)));
+      auto load = [&](int at) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + at + 32 * h)); };
+      auto put = [&](int at, __m256i v) { _mm256_store_si256(reinterpret_cast<__m256i*>(bytes[b] + at + 32 * h), v); };
+      const __m256i low0 = load(0), low1 = load(64), top = load(128);
+      put(0, _mm256_or_si256(_mm256_and_si256(low0, x0f), _mm256_slli_epi16(_mm256_and_si256(top, x03), 4)));
+      put(64, _mm256_or_si256(_mm256_and_si256(low1, x0f), _mm256_and_si256(top, x30)));
+      put(128, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(low0, 4), x0f),
+                               _mm256_slli_epi16(_mm256_and_si256(top, x0c), 2)));
+      put(192, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(low1, 4), x0f),
+                               _mm256_and_si256(_mm256_srli_epi16(top, 2), x30)));
+    }
+  }
+  void at(int b, int64_t g, F16v& ds, F16v& ms) const {
+    if (g % 8 == 0) unpack(b, g / 8);
+    const uint8_t* s = bytes[b] + 16 * (g % 8);
+    const at::Half* super = dd + (b * (G / 8) + g / 8) * 2 * kLanes;
+    for (int h = 0; h < 2; ++h) {
+      ds.h[h] = _mm256_mul_ps(half8(super + 8 * h), byte8(s + 8 * h));
+      ms.h[h] = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(half8(super + kLanes + 8 * h), byte8(s + 128 + 8 * h)));
     }
   }
 };

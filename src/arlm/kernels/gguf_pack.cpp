@@ -114,12 +114,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_k_blocks(const at::Tensor& b
           uint8_t sc[8], m[8];
           q4k_scales(blk + 4, sc, m);
           uint8_t* at = so + (nb * S + s) * kKScaleBytes;
-          uint32_t top = 0;
-          for (int g = 0; g < 8; ++g) {
-            at[16 * g + c] = (sc[g] & 15) | ((m[g] & 15) << 4);
-            top |= static_cast<uint32_t>((sc[g] >> 4) | ((m[g] >> 4) << 2)) << (4 * g);
-          }
-          for (int t = 0; t < 4; ++t) at[128 + 4 * c + t] = static_cast<uint8_t>(top >> (8 * t));
+          for (int g = 0; g < 8; ++g) at[16 * g + c] = (sc[g] & 15) | ((m[g] & 15) << 4);
+          for (int k = 0; k < 4; ++k)
+            at[128 + 16 * k + c] = ((sc[k] >> 4) | ((m[k] >> 4) << 2)) | (((sc[k + 4] >> 4) | ((m[k + 4] >> 4) << 2)) << 4);
           std::memcpy(dout + (nb * S + s) * 32 + c, blk, 2);
           std::memcpy(dout + (nb * S + s) * 32 + 16 + c, blk + 2, 2);
         }
