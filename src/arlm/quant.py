@@ -496,12 +496,8 @@ class KQuantLinear(PackedOnlyLinear):
     def dequantize_rows(self, index):
         T, K = len(index), self.in_features
         b, lane = index // 16, index % 16
-        if self.kind != "Q6_K":
-            if self.kind == "Q5_K":
-                q = kernels.unpack_q5_rows(self.weight, index).view(T, K // 32, 32).float()
-            else:
-                wb = self.weight.view(self.weight.shape[0], -1, 16, 4)[b, :, lane, :]  # [T, K/8, 4]
-                q = torch.stack([wb & 0x0F, wb >> 4], dim=2).view(T, K // 32, 32).float()
+        if self.kind == "Q5_K":  # (Q4_K and Q6_K natively: kernels.packed_rows)
+            q = kernels.unpack_q5_rows(self.weight, index).view(T, K // 32, 32).float()
             sc, m = (t.float() for t in kernels.kscale_rows(self.scale[b], lane))  # [T, K/32]
             d, dmin = (self.supers[b, :, lane + o].float().repeat_interleave(8, dim=1) for o in (0, 16))
             return ((d * sc)[..., None] * q - (dmin * m)[..., None]).view(T, K)

@@ -2110,18 +2110,21 @@ at::Tensor linear_a8p_residual(const at::Tensor& x, const at::Tensor& wp, const 
   return y;
 }
 
-// Rows `index` of a packed Q8_0 or Q6_K layer (K inputs) as float32 [T, K]: an embedding table's
-// lookup (a tied head's matrix), once a decode step. The layers' dequantize_rows (quant.py) in
-// the same float32 operations (Q8_0: d q; Q6_K: (d sc) q, q = u - 32), one pass over each row's
-// bytes, where ~10 tensor ops took 1-2% of a 1B, 270M or 135M model's step (benchmarks/phases.py's
-// "other": 0.38 -> 0.19 ms at 1B Q4_K_M).
+// Rows `index` of a packed Q8_0, Q6_K or Q4_K layer (K inputs) as float32 [T, K]: an embedding
+// table's lookup (a tied head's matrix; 8B Q4_K_M's own Q4_K table), once a decode step. The
+// layers' dequantize_rows (quant.py) in the same float32 operations (Q8_0: d q; Q6_K: (d sc) q,
+// q = u - 32; Q4_K: (d sc) q - dmin m, not fused), one pass over each row's bytes, where ~10 tensor
+// ops took 1-2% of a 1B, 270M or 135M model's step (benchmarks/phases.py's "other": 0.38 -> 0.19
+// ms at 1B Q4_K_M).
+__attribute__((optimize("fp-contract=off")))
 at::Tensor packed_rows(const at::Tensor& wp, const at::Tensor& scale, const at::Tensor& mins, const at::Tensor& index,
                        int64_t K) {
   TORCH_CHECK(wp.dim() == 3 && wp.scalar_type() == at::kByte && wp.is_contiguous() && K > 0 && K % 32 == 0,
               "packed_rows: a packed layer");
   TORCH_CHECK(index.dim() == 1 && index.scalar_type() == at::kLong, "packed_rows: index [T] int64");
   const Packed kind = packed_kind(K, wp, scale, mins);
-  TORCH_CHECK(kind == Packed::kQ8_0 || (kind == Packed::kQ6_K && K % 256 == 0), "packed_rows: Q8_0 and Q6_K only");
+  TORCH_CHECK(kind == Packed::kQ8_0 || ((kind == Packed::kQ6_K || kind == Packed::kQ4_K) && K % 256 == 0),
+              "packed_rows: Q8_0, Q6_K and Q4_K only");
   TORCH_CHECK(scale.is_contiguous() && mins.is_contiguous(), "packed_rows: contiguous scales");
   const int64_t T = index.size(0), NB = wp.size(0), C = wp.size(1), R = wp.size(2);
   at::Tensor out = at::empty({T, K}, at::TensorOptions().dtype(at::kFloat));
@@ -2139,6 +2142,24 @@ at::Tensor packed_rows(const at::Tensor& wp, const at::Tensor& scale, const at::
       for (int64_t k = 0; k < K; ++k) {
         const int8_t q = static_cast<int8_t>(wb[(k / 4) * R + 4 * lane + k % 4] ^ 0x80);
         row[k] = static_cast<float>(q) * static_cast<float>(d[(k / 32) * kLanes]);
+      }
+    } else if (kind == Packed::kQ4_K) {  // [NB, K/8, 64]: byte 4 lane + t, q[8c + t] low, q[8c + 4 + t] high
+      const uint8_t* sm = static_cast<const uint8_t*>(scale.data_ptr()) + b * (K / 256) * kKScaleBytes;
+      const at::Half* dd = mins.data_ptr<at::Half>() + b * (K / 256) * 2 * kLanes;
+      for (int64_t su = 0; su < K / 256; ++su) {
+        const uint8_t* p = sm + su * kKScaleBytes;  // KScales' layout
+        const float d = static_cast<float>(dd[su * 2 * kLanes + lane]);
+        const float dmin = static_cast<float>(dd[su * 2 * kLanes + kLanes + lane]);
+        for (int64_t j = 0; j < 8; ++j) {
+          const int low = p[16 * j + lane], top = p[128 + 16 * (j % 4) + lane] >> (4 * (j / 4));
+          const float dsc = d * static_cast<float>((low & 15) | ((top & 3) << 4));
+          const float dm = dmin * static_cast<float>((low >> 4) | (((top >> 2) & 3) << 4));
+          for (int64_t i = 0; i < 32; ++i) {
+            const int64_t k = 256 * su + 32 * j + i;
+            const uint8_t byte = wb[(k / 8) * R + 4 * lane + k % 4];
+            row[k] = dsc * static_cast<float>(k % 8 < 4 ? byte & 0x0F : byte >> 4) - dm;
+          }
+        }
       }
     } else {  // Q6_K [NB, K/8, 96] (pack_q6_k): 64 bytes of low nibbles, 32 of top bits (load_q6)
       const int8_t* sc = scale.data_ptr<int8_t>() + b * (K / 16) * kLanes + lane;
