@@ -986,12 +986,18 @@ struct KScales {  // (the AVX-512 build's, 32 bytes at a time: see it for the la
   const at::Half* dd;
   int64_t G;
   mutable uint8_t bytes[2][256] __attribute__((aligned(32)));
+  mutable F16v d[2], neg_dmin[2];
   KScales(const uint8_t* sm, const at::Half* dd, int64_t G) : sm(sm), dd(dd), G(G) {}
   static KScales of(const void* kscale, const at::Half* supers, int64_t b0, int64_t G) {
     return {static_cast<const uint8_t*>(kscale) + b0 * (G / 8) * kKScaleBytes, supers + b0 * (G / 8) * 2 * kLanes, G};
   }
   bool scaled() const { return true; }
   void unpack(int b, int64_t super) const {
+    const at::Half* ds = dd + (b * (G / 8) + super) * 2 * kLanes;
+    for (int h = 0; h < 2; ++h) {
+      d[b].h[h] = half8(ds + 8 * h);
+      neg_dmin[b].h[h] = _mm256_sub_ps(_mm256_setzero_ps(), half8(ds + kLanes + 8 * h));
+    }
     const uint8_t* p = sm + (b * (G / 8) + super) * kKScaleBytes;
     const __m256i x0f = _mm256_set1_epi8(0x0F), x30 = _mm256_set1_epi8(0x30);
     const __m256i x03 = _mm256_set1_epi8(0x03), x0c = _mm256_set1_epi8(0x0C);
@@ -1010,10 +1016,9 @@ struct KScales {  // (the AVX-512 build's, 32 bytes at a time: see it for the la
   void at(int b, int64_t g, F16v& ds, F16v& ms) const {
     if (g % 8 == 0) unpack(b, g / 8);
     const uint8_t* s = bytes[b] + 16 * (g % 8);
-    const at::Half* super = dd + (b * (G / 8) + g / 8) * 2 * kLanes;
     for (int h = 0; h < 2; ++h) {
-      ds.h[h] = _mm256_mul_ps(half8(super + 8 * h), byte8(s + 8 * h));
-      ms.h[h] = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(half8(super + kLanes + 8 * h), byte8(s + 128 + 8 * h)));
+      ds.h[h] = _mm256_mul_ps(d[b].h[h], byte8(s + 8 * h));
+      ms.h[h] = _mm256_mul_ps(neg_dmin[b].h[h], byte8(s + 128 + 8 * h));
     }
   }
 };
