@@ -134,6 +134,11 @@ CASES = [
     ("train_shakespeare_char.py", ["--seed", "-1"]),
     ("gpu.py", ["--device", "mps"]),
     ("tokenizer_load.py", ["--rounds", "0"]),
+    ("call_order.py", ["--model", "m.gguf", "--rounds", "0"]),
+    ("call_order.py", ["--model", "m.gguf", "--gaps", "10,x"]),
+    ("call_order.py", ["--model", "m.gguf", "--gaps", "-5"]),
+    ("call_order.py", ["--model", "m.gguf", "--orders", "gate_up,foo"]),
+    ("kernel_ab.py", ["a.cpp", "b.cpp", "--rounds", "0"]),
 ]
 
 
