@@ -391,6 +391,16 @@ inline void zero(V (&a)[MB][NB]) {
 template <bool k5>
 constexpr int64_t chunk_bytes() { return k5 ? 80 : 64; }
 
+// The K-quants' scales lie in arrays of their own beside the weights (kscale, supers): two more
+// streams, read once a super-block. Left to the hardware prefetchers they arrived late: prefetched
+// kScalesAhead super-blocks ahead (where each super-block's are first read: KScales::unpack,
+// q6p_block) the 8B Q4_K_M batch-1 step went 55.8 -> 53.8 ms, its Q4_K passes 84 -> 89 GB/s
+// (Zen 5, benchmarks/phases.py, alternated; 16 ahead the same).
+constexpr int64_t kScalesAhead = 4;
+inline void prefetch_scales(const void* p, int64_t bytes) {
+  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(static_cast<const char*>(p) + o, _MM_HINT_T0);
+}
+
 #ifdef ARLM_AVX512
 // ---- Packed layouts: 16 output channels per 512-bit vector ----------------------------------
 //
@@ -568,6 +578,8 @@ struct KScales {
     neg_dmin[b] = _mm512_sub_ps(_mm512_setzero_ps(),
                                 _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ds + kLanes))));
     const uint8_t* p = sm + (b * (G / 8) + super) * kKScaleBytes;
+    prefetch_scales(p + kScalesAhead * kKScaleBytes, kKScaleBytes);
+    prefetch_scales(ds + kScalesAhead * 2 * kLanes, 2 * kLanes * sizeof(at::Half));
     const __m512i low0 = _mm512_loadu_si512(p), low1 = _mm512_loadu_si512(p + 64), top = _mm512_loadu_si512(p + 128);
     const __m512i x0f = _mm512_set1_epi8(0x0F), x30 = _mm512_set1_epi8(0x30);
     const __m512i x03 = _mm512_set1_epi8(0x03), x0c = _mm512_set1_epi8(0x0C);
@@ -794,6 +806,11 @@ void q6p_block(const int8_t* a, const int8_t* bl, const float* e, const int32_t*
   zero(acc);
   for (int64_t g = 0; g < G; ++g) {
     __m512 dv[NB];
+    if (!kX && pf && g % 8 == 0)  // (a decode step's tile: prefetch_scales)
+      for (int b = 0; b < NB; ++b) {
+        prefetch_scales(sc + (b * H + 2 * g + 16 * kScalesAhead) * kLanes, 16 * kLanes);
+        prefetch_scales(dd + (b * S + g / 8 + kScalesAhead) * kLanes, kLanes * sizeof(at::Half));
+      }
     if constexpr (!kX)
       for (int b = 0; b < NB; ++b)
         dv[b] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dd + (b * S + g / 8) * kLanes)));
@@ -999,6 +1016,8 @@ struct KScales {  // (the AVX-512 build's, 32 bytes at a time: see it for the la
       neg_dmin[b].h[h] = _mm256_sub_ps(_mm256_setzero_ps(), half8(ds + kLanes + 8 * h));
     }
     const uint8_t* p = sm + (b * (G / 8) + super) * kKScaleBytes;
+    prefetch_scales(p + kScalesAhead * kKScaleBytes, kKScaleBytes);
+    prefetch_scales(ds + kScalesAhead * 2 * kLanes, 2 * kLanes * sizeof(at::Half));
     const __m256i x0f = _mm256_set1_epi8(0x0F), x30 = _mm256_set1_epi8(0x30);
     const __m256i x03 = _mm256_set1_epi8(0x03), x0c = _mm256_set1_epi8(0x0C);
     for (int h = 0; h < 2; ++h) {
@@ -1210,6 +1229,11 @@ void q6p_block(const int8_t* a, const int8_t* bl, const float* e, const int32_t*
   zero(acc);
   for (int64_t g = 0; g < G; ++g) {
     F16v dv[NB];
+    if (pf && g % 8 == 0)  // (a decode step's tile: prefetch_scales)
+      for (int b = 0; b < NB; ++b) {
+        prefetch_scales(sc + (b * H + 2 * g + 16 * kScalesAhead) * kLanes, 16 * kLanes);
+        prefetch_scales(dd + (b * S + g / 8 + kScalesAhead) * kLanes, kLanes * sizeof(at::Half));
+      }
     for (int b = 0; b < NB; ++b)
       for (int h = 0; h < 2; ++h) dv[b].h[h] = half8(dd + (b * S + g / 8) * kLanes + 8 * h);
     for (int64_t hh = 0; hh < 2; ++hh) {
