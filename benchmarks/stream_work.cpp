@@ -1,0 +1,108 @@
+// How fast a decode step's weight stream can go with the batch-1 Q4_K kernel's work beside it: a
+// synthetic tile loop over 800 MB (2 MB pages, one stream a thread, each line prefetched 4 KB
+// ahead, as the packed kernels read), per 64-byte line 4 vpdpbusd (the 16-bit activations' two
+// bytes times the low and high nibbles), per 256 bytes (a group of 32 K-values) the float work of
+// applying its scales. Variants, GB/s of the lines read (best of 5 passes, 3 rounds):
+//   x in registers    the activations' broadcasts taken from registers (no loads of x);
+//   x of K            each line's 4 broadcasts loaded from an x of K values (2 K bytes: hi, lo),
+//                     as the kernel does: K 2048 (a 1B model's q/k/v, gate/up), 4096 (8B's),
+//                     8192 (1B's down), 14336 (8B's down);
+//   two blocks        tiles of two 16 KB blocks read side by side (two streams a thread), each
+//                     broadcast shared by both (x of 2048).
+//
+//     g++ -O2 -march=native -fopenmp benchmarks/stream_work.cpp -o /tmp/stream_work
+//     OMP_NUM_THREADS=2 /tmp/stream_work
+//
+// (An AVX-512 VNNI CPU.) docs/benchmarks.md, 2026-12-07 19:14: on a Zen 5 the stream with x in
+// registers runs at the full read rate; x of 8,192 or more values costs it ~6%, two blocks a tile
+// ~37%.
+#include <immintrin.h>
+#include <omp.h>
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+
+alignas(64) static int8_t X[2 * 14336];
+
+// KX = 0: x in registers (tiles as at K = 2048). A block of 16 channels is 8 K bytes (K 4-bit values
+// a channel); NB blocks a tile (NB 2: two streams a thread).
+template <int KX, int NB = 1>
+double pass(const uint8_t* buf, size_t total) {
+  constexpr size_t K = KX ? KX : 2048, block = 8 * K, tile = NB * block;
+  const auto t0 = std::chrono::steady_clock::now();
+  double sum = 0;
+#pragma omp parallel reduction(+ : sum)
+  {
+    const size_t n = omp_get_num_threads(), tiles = total / tile, chunk = (tiles + n - 1) / n;
+    const size_t a = omp_get_thread_num() * chunk, b = std::min(tiles, a + chunk);
+    const __m512i low4 = _mm512_set1_epi8(15);
+    const __m512i reg[4] = {_mm512_set1_epi32(0x01020304), _mm512_set1_epi32(0x02030405),
+                            _mm512_set1_epi32(0x03040506), _mm512_set1_epi32(0x04050607)};
+    __m512 acc[NB];
+    for (auto& v : acc) v = _mm512_setzero_ps();
+    for (size_t t = a; t < b; ++t)
+      for (size_t g = 0; g < K / 32; ++g) {
+        __m512i dh[NB], dl[NB];
+        for (int i = 0; i < NB; ++i) dh[i] = dl[i] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+        for (int l = 0; l < 4; ++l) {
+          const size_t k = 32 * g + 8 * l;  // the K-value x is at
+          auto x4 = [&](size_t at, int r) {
+            return KX ? _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(X + at)) : reg[r];
+          };
+          const __m512i h0 = x4(k, 0), h1 = x4(k + 4, 1), l0 = x4(K + k, 2), l1 = x4(K + k + 4, 3);
+          for (int i = 0; i < NB; ++i) {
+            const uint8_t* p = buf + t * tile + i * block + g * 256 + 64 * l;
+            _mm_prefetch(reinterpret_cast<const char*>(p) + 4096, _MM_HINT_T0);
+            const __m512i v = _mm512_loadu_si512(p);
+            const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+            dh[i] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(dh[i], lo, h0), hi, h1);
+            dl[i] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(dl[i], lo, l0), hi, l1);
+          }
+        }
+        const __m512 e = _mm512_set1_ps(1.5f + (g & 1));
+        for (int i = 0; i < NB; ++i) {  // the group's scales: d sc, -dmin m, their product with e, two sums
+          const __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(dh[i], 8), dl[i]);
+          const uint8_t* s = reinterpret_cast<const uint8_t*>(X) + 16 * (g % 8);
+          auto widen = [](const uint8_t* q) {
+            return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))));
+          };
+          const __m512 ds = _mm512_mul_ps(_mm512_set1_ps(0.5f), widen(s));
+          const __m512 ms = _mm512_mul_ps(_mm512_set1_ps(-0.25f), widen(s + 128));
+          acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(ds, e), acc[i]);
+          acc[i] = _mm512_fmadd_ps(ms, _mm512_set1_ps(0.75f), acc[i]);
+        }
+      }
+    for (auto& v : acc) sum += _mm512_reduce_add_ps(v);
+  }
+  volatile double sink = sum;
+  (void)sink;
+  return total / std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / 1e9;
+}
+
+int main() {
+  const size_t total = 800ull << 20;
+  uint8_t* buf = static_cast<uint8_t*>(std::aligned_alloc(2 << 20, total));
+  madvise(buf, total, MADV_HUGEPAGE);  // (before the pages are touched)
+  std::memset(buf, 1, total);
+  std::memset(X, 3, sizeof X);
+  for (int r = 0; r < 3; ++r) {
+    double b[6] = {0};
+    for (int i = 0; i < 5; ++i) {
+      b[0] = std::max(b[0], pass<0>(buf, total));
+      b[1] = std::max(b[1], pass<2048>(buf, total));
+      b[2] = std::max(b[2], pass<4096>(buf, total));
+      b[3] = std::max(b[3], pass<8192>(buf, total));
+      b[4] = std::max(b[4], pass<14336>(buf, total));
+      b[5] = std::max(b[5], pass<2048, 2>(buf, total));
+    }
+    std::printf("GB/s: x in registers %.1f  x of 2048 %.1f  4096 %.1f  8192 %.1f  14336 %.1f  two blocks %.1f\n",
+                b[0], b[1], b[2], b[3], b[4], b[5]);
+  }
+  return 0;
+}
