@@ -8,14 +8,17 @@
 //                     as the kernel does: K 2048 (a 1B model's q/k/v, gate/up), 4096 (8B's),
 //                     8192 (1B's down), 14336 (8B's down);
 //   two blocks        tiles of two 16 KB blocks read side by side (two streams a thread), each
-//                     broadcast shared by both (x of 2048).
+//                     broadcast shared by both (x of 2048);
+//   in chunks         K = 14336 walked in chunks of 2048: the memory laid out [chunk][tile], each
+//                     thread's tiles of a chunk one stream, 4 KB of x live at a time;
+//   tiles reading an x of 2048: tiles of K = 14336 whose broadcasts wrap around 2048 values.
 //
 //     g++ -O2 -march=native -fopenmp benchmarks/stream_work.cpp -o /tmp/stream_work
 //     OMP_NUM_THREADS=2 /tmp/stream_work
 //
 // (An AVX-512 VNNI CPU.) docs/benchmarks.md, 2026-12-07 19:14: on a Zen 5 the stream with x in
-// registers runs at the full read rate; x of 8,192 or more values costs it ~6%, two blocks a tile
-// ~37%.
+// registers runs at the full read rate; tiles of 8,192 or more values cost it 4-7%, chunks of K
+// do not win it back, two blocks a tile cost ~37%.
 #include <immintrin.h>
 #include <omp.h>
 #include <sys/mman.h>
@@ -31,7 +34,7 @@ alignas(64) static int8_t X[2 * 14336];
 
 // KX = 0: x in registers (tiles as at K = 2048). A block of 16 channels is 8 K bytes (K 4-bit values
 // a channel); NB blocks a tile (NB 2: two streams a thread).
-template <int KX, int NB = 1>
+template <int KX, int NB = 1, int KC = 0, int XM = 0>
 double pass(const uint8_t* buf, size_t total) {
   constexpr size_t K = KX ? KX : 2048, block = 8 * K, tile = NB * block;
   const auto t0 = std::chrono::steady_clock::now();
@@ -45,19 +48,24 @@ double pass(const uint8_t* buf, size_t total) {
                             _mm512_set1_epi32(0x03040506), _mm512_set1_epi32(0x04050607)};
     __m512 acc[NB];
     for (auto& v : acc) v = _mm512_setzero_ps();
+    constexpr size_t C = KC ? K / KC : 1, GC = KC ? KC / 32 : K / 32;  // chunks, groups a chunk
+    const size_t tiles_all = total / tile;
+    for (size_t c = 0; c < C; ++c)
     for (size_t t = a; t < b; ++t)
-      for (size_t g = 0; g < K / 32; ++g) {
+      for (size_t gc = 0; gc < GC; ++gc) {
+        const size_t g = c * GC + gc;
         __m512i dh[NB], dl[NB];
         for (int i = 0; i < NB; ++i) dh[i] = dl[i] = _mm512_setzero_si512();
 #pragma GCC unroll 4
         for (int l = 0; l < 4; ++l) {
-          const size_t k = 32 * g + 8 * l;  // the K-value x is at
+          const size_t k = XM ? (32 * g + 8 * l) % XM : 32 * g + 8 * l;  // the K-value x is at
           auto x4 = [&](size_t at, int r) {
             return KX ? _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(X + at)) : reg[r];
           };
           const __m512i h0 = x4(k, 0), h1 = x4(k + 4, 1), l0 = x4(K + k, 2), l1 = x4(K + k + 4, 3);
           for (int i = 0; i < NB; ++i) {
-            const uint8_t* p = buf + t * tile + i * block + g * 256 + 64 * l;
+            const uint8_t* p = KC ? buf + (c * tiles_all + t) * (8 * KC) + gc * 256 + 64 * l
+                                  : buf + t * tile + i * block + g * 256 + 64 * l;
             _mm_prefetch(reinterpret_cast<const char*>(p) + 4096, _MM_HINT_T0);
             const __m512i v = _mm512_loadu_si512(p);
             const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
@@ -92,17 +100,20 @@ int main() {
   std::memset(buf, 1, total);
   std::memset(X, 3, sizeof X);
   for (int r = 0; r < 3; ++r) {
-    double b[6] = {0};
+    double b[8] = {0};
     for (int i = 0; i < 5; ++i) {
       b[0] = std::max(b[0], pass<0>(buf, total));
+      b[6] = std::max(b[6], pass<2048, 2>(buf, total));
+      b[7] = std::max(b[7], pass<14336, 1, 0, 2048>(buf, total));
       b[1] = std::max(b[1], pass<2048>(buf, total));
       b[2] = std::max(b[2], pass<4096>(buf, total));
       b[3] = std::max(b[3], pass<8192>(buf, total));
       b[4] = std::max(b[4], pass<14336>(buf, total));
-      b[5] = std::max(b[5], pass<2048, 2>(buf, total));
+      b[5] = std::max(b[5], pass<14336, 1, 2048>(buf, total));
     }
-    std::printf("GB/s: x in registers %.1f  x of 2048 %.1f  4096 %.1f  8192 %.1f  14336 %.1f  two blocks %.1f\n",
-                b[0], b[1], b[2], b[3], b[4], b[5]);
+    std::printf("GB/s: x in registers %.1f  x of 2048 %.1f  4096 %.1f  8192 %.1f  14336 %.1f  two blocks %.1f\n"
+                "      14336 in chunks of 2048 %.1f  tiles of 14336 reading an x of 2048 %.1f\n",
+                b[0], b[1], b[2], b[3], b[4], b[6], b[5], b[7]);
   }
   return 0;
 }
