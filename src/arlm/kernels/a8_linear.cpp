@@ -394,8 +394,9 @@ constexpr int64_t chunk_bytes() { return k5 ? 80 : 64; }
 // The K-quants' scales lie in arrays of their own beside the weights (kscale, supers): two more
 // streams, read once a super-block. Left to the hardware prefetchers they arrived late: prefetched
 // kScalesAhead super-blocks ahead (where each super-block's are first read: KScales::unpack,
-// q6p_block) the 8B Q4_K_M batch-1 step went 55.8 -> 53.8 ms, its Q4_K passes 84 -> 89 GB/s
-// (Zen 5, benchmarks/phases.py, alternated; 16 ahead the same).
+// q6p_block) the 8B Q4_K_M batch-1 step went 2-4% faster (55.0-57.1 -> 53.2-55.9 ms over four
+// alternations), its Q4_K passes 84 -> 86-89 GB/s, the 1B step 9.9-10.3 -> 9.35-9.85 ms (Zen 5,
+// benchmarks/phases.py; Q4_K's 16 ahead measured as 4). The same bits: prefetches only.
 constexpr int64_t kScalesAhead = 4;
 inline void prefetch_scales(const void* p, int64_t bytes) {
   for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(static_cast<const char*>(p) + o, _MM_HINT_T0);
