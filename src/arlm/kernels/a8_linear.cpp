@@ -401,6 +401,20 @@ constexpr int64_t kScalesAhead = 4;
 inline void prefetch_scales(const void* p, int64_t bytes) {
   for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(static_cast<const char*>(p) + o, _MM_HINT_T0);
 }
+// Q4_K / Q5_K: a block's sc and m (p) and d, dmin (ds) of the super-block kScalesAhead on (KScales::unpack).
+inline void prefetch_kscales(const uint8_t* p, const at::Half* ds) {
+  prefetch_scales(p + kScalesAhead * kKScaleBytes, kKScaleBytes);
+  prefetch_scales(ds + kScalesAhead * 2 * kLanes, 2 * kLanes * sizeof(at::Half));
+}
+// Q6_K: NB blocks' scales (sc [blocks][H][16] int8) and d (dd [blocks][S][16]) of the super-block
+// kScalesAhead on from group g's (q6p_block, a decode tile's first row block; g a super-block's first).
+template <int NB>
+inline void prefetch_q6_scales(const int8_t* sc, const at::Half* dd, int64_t H, int64_t S, int64_t g) {
+  for (int b = 0; b < NB; ++b) {
+    prefetch_scales(sc + (b * H + 2 * g + 16 * kScalesAhead) * kLanes, 16 * kLanes);
+    prefetch_scales(dd + (b * S + g / 8 + kScalesAhead) * kLanes, kLanes * sizeof(at::Half));
+  }
+}
 
 #ifdef ARLM_AVX512
 // ---- Packed layouts: 16 output channels per 512-bit vector ----------------------------------
@@ -579,8 +593,7 @@ struct KScales {
     neg_dmin[b] = _mm512_sub_ps(_mm512_setzero_ps(),
                                 _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ds + kLanes))));
     const uint8_t* p = sm + (b * (G / 8) + super) * kKScaleBytes;
-    prefetch_scales(p + kScalesAhead * kKScaleBytes, kKScaleBytes);
-    prefetch_scales(ds + kScalesAhead * 2 * kLanes, 2 * kLanes * sizeof(at::Half));
+    prefetch_kscales(p, ds);
     const __m512i low0 = _mm512_loadu_si512(p), low1 = _mm512_loadu_si512(p + 64), top = _mm512_loadu_si512(p + 128);
     const __m512i x0f = _mm512_set1_epi8(0x0F), x30 = _mm512_set1_epi8(0x30);
     const __m512i x03 = _mm512_set1_epi8(0x03), x0c = _mm512_set1_epi8(0x0C);
@@ -807,11 +820,7 @@ void q6p_block(const int8_t* a, const int8_t* bl, const float* e, const int32_t*
   zero(acc);
   for (int64_t g = 0; g < G; ++g) {
     __m512 dv[NB];
-    if (!kX && pf && g % 8 == 0)  // (a decode step's tile: prefetch_scales)
-      for (int b = 0; b < NB; ++b) {
-        prefetch_scales(sc + (b * H + 2 * g + 16 * kScalesAhead) * kLanes, 16 * kLanes);
-        prefetch_scales(dd + (b * S + g / 8 + kScalesAhead) * kLanes, kLanes * sizeof(at::Half));
-      }
+    if (!kX && pf && g % 8 == 0) prefetch_q6_scales<NB>(sc, dd, H, S, g);  // (a decode step's tile)
     if constexpr (!kX)
       for (int b = 0; b < NB; ++b)
         dv[b] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dd + (b * S + g / 8) * kLanes)));
@@ -1017,8 +1026,7 @@ struct KScales {  // (the AVX-512 build's, 32 bytes at a time: see it for the la
       neg_dmin[b].h[h] = _mm256_sub_ps(_mm256_setzero_ps(), half8(ds + kLanes + 8 * h));
     }
     const uint8_t* p = sm + (b * (G / 8) + super) * kKScaleBytes;
-    prefetch_scales(p + kScalesAhead * kKScaleBytes, kKScaleBytes);
-    prefetch_scales(ds + kScalesAhead * 2 * kLanes, 2 * kLanes * sizeof(at::Half));
+    prefetch_kscales(p, ds);
     const __m256i x0f = _mm256_set1_epi8(0x0F), x30 = _mm256_set1_epi8(0x30);
     const __m256i x03 = _mm256_set1_epi8(0x03), x0c = _mm256_set1_epi8(0x0C);
     for (int h = 0; h < 2; ++h) {
@@ -1230,11 +1238,7 @@ void q6p_block(const int8_t* a, const int8_t* bl, const float* e, const int32_t*
   zero(acc);
   for (int64_t g = 0; g < G; ++g) {
     F16v dv[NB];
-    if (pf && g % 8 == 0)  // (a decode step's tile: prefetch_scales)
-      for (int b = 0; b < NB; ++b) {
-        prefetch_scales(sc + (b * H + 2 * g + 16 * kScalesAhead) * kLanes, 16 * kLanes);
-        prefetch_scales(dd + (b * S + g / 8 + kScalesAhead) * kLanes, kLanes * sizeof(at::Half));
-      }
+    if (pf && g % 8 == 0) prefetch_q6_scales<NB>(sc, dd, H, S, g);  // (a decode step's tile)
     for (int b = 0; b < NB; ++b)
       for (int h = 0; h < 2; ++h) dv[b].h[h] = half8(dd + (b * S + g / 8) * kLanes + 8 * h);
     for (int64_t hh = 0; hh < 2; ++hh) {
