@@ -11,14 +11,21 @@
 //                     broadcast shared by both (x of 2048);
 //   in chunks         K = 14336 walked in chunks of 2048: the memory laid out [chunk][tile], each
 //                     thread's tiles of a chunk one stream, 4 KB of x live at a time;
-//   tiles reading an x of 2048: tiles of K = 14336 whose broadcasts wrap around 2048 values.
+//   tiles reading an x of 2048: tiles of K = 14336 whose broadcasts wrap around 2048 values;
+//   K-quant scales apart / inline: x of 2048 with the scales read from memory as a Q4_K layer
+//                     holds them (pass_sc): in two arrays of their own beside the weights (three
+//                     streams a thread, as arlm's layout), or after each super-block's weights
+//                     (one stream); GB/s of every byte read, scales included.
 //
 //     g++ -O2 -march=native -fopenmp benchmarks/stream_work.cpp -o /tmp/stream_work
 //     OMP_NUM_THREADS=2 /tmp/stream_work
 //
 // (An AVX-512 VNNI CPU.) docs/benchmarks.md, 2026-12-07 19:14: on a Zen 5 the stream with x in
 // registers runs at the full read rate; tiles of 8,192 or more values cost it 4-7%, chunks of K
-// do not win it back, two blocks a tile cost ~37%.
+// do not win it back, two blocks a tile cost ~37%. 2026-12-07 21:14: the scales read from memory
+// cost the stream 2-7% (apart 88.0-92.6 GB/s, inline 88.7-90.7, against 94.0-95.2 for x of 2048
+// in the same runs): arlm's three streams are no worse than one; inline with the lines 8 KB ahead
+// 93.0-93.7 in two runs (apart 8 KB ahead 87.5-89.7): a layout lead, not tried in the kernels.
 #include <immintrin.h>
 #include <omp.h>
 #include <sys/mman.h>
@@ -93,6 +100,74 @@ double pass(const uint8_t* buf, size_t total) {
   return total / std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / 1e9;
 }
 
+// The K-quant tile loop with its scales read from memory, as a Q4_K layer lays them out (x of
+// 2048, one block a tile): SC 1, apart: per block of 16 channels and super-block of 256 K-values,
+// 192 bytes of 6-bit sc/m and 64 of float16 d/dmin in two arrays of their own (three streams a
+// thread), each prefetched 4 super-blocks ahead (as prefetch_kscales); SC 2, inline: the same
+// 256 bytes after each super-block's 2,048 bytes of weights, one stream. Every line prefetched PD
+// bytes ahead. GB/s of every byte read.
+template <int SC, int PD = 4096>
+double pass_sc(uint8_t* buf, size_t total) {
+  constexpr size_t K = 2048, S = K / 256, wsb = 2048, ssb = 256, sb = wsb + ssb, block = S * sb;
+  const size_t tiles = total / block;
+  uint8_t* scales = buf + tiles * S * wsb;  // SC 1: [tile][S][192] sc/m, then [tile][S][64] d/dmin
+  uint8_t* dmins = scales + tiles * S * 192;
+  const auto t0 = std::chrono::steady_clock::now();
+  double sum = 0;
+#pragma omp parallel reduction(+ : sum)
+  {
+    const size_t n = omp_get_num_threads(), chunk = (tiles + n - 1) / n;
+    const size_t a = omp_get_thread_num() * chunk, b = std::min(tiles, a + chunk);
+    const __m512i low4 = _mm512_set1_epi8(15);
+    __m512 acc = _mm512_setzero_ps();
+    for (size_t t = a; t < b; ++t)
+      for (size_t s = 0; s < S; ++s) {
+        const uint8_t* w = SC == 2 ? buf + t * block + s * sb : buf + (t * S + s) * wsb;
+        const uint8_t* sc = SC == 2 ? w + wsb : scales + (t * S + s) * 192;
+        const uint8_t* dm = SC == 2 ? w + wsb + 192 : dmins + (t * S + s) * 64;
+        if (SC == 1) {
+          _mm_prefetch(reinterpret_cast<const char*>(sc + 4 * 192), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(sc + 4 * 192 + 64), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(sc + 4 * 192 + 128), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(dm + 4 * 64), _MM_HINT_T0);
+        } else {
+          for (int l = 0; l < 4; ++l) _mm_prefetch(reinterpret_cast<const char*>(sc + PD + 64 * l), _MM_HINT_T0);
+        }
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dm)));
+        const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dm + 32)));
+        for (size_t gs = 0; gs < 8; ++gs) {
+          const size_t k = 256 * s + 32 * gs;
+          __m512i dh = _mm512_setzero_si512(), dl = dh;
+#pragma GCC unroll 4
+          for (int l = 0; l < 4; ++l) {
+            auto x4 = [&](size_t at) { return _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(X + at)); };
+            const __m512i h0 = x4(k + 8 * l), h1 = x4(k + 8 * l + 4), l0 = x4(K + k + 8 * l), l1 = x4(K + k + 8 * l + 4);
+            const uint8_t* p = w + gs * 256 + 64 * l;
+            _mm_prefetch(reinterpret_cast<const char*>(p) + PD, _MM_HINT_T0);
+            const __m512i v = _mm512_loadu_si512(p);
+            const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+            dh = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(dh, lo, h0), hi, h1);
+            dl = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(dl, lo, l0), hi, l1);
+          }
+          const __m512 e = _mm512_set1_ps(1.5f + (gs & 1));
+          const __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(dh, 8), dl);
+          auto widen = [](const uint8_t* q) {
+            return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))));
+          };
+          const __m512 ds = _mm512_mul_ps(d, widen(sc + 16 * (gs % 8)));
+          const __m512 ms = _mm512_mul_ps(dmin, widen(sc + 64 + 16 * (gs % 8)));
+          acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(ds, e), acc);
+          acc = _mm512_fmadd_ps(ms, _mm512_set1_ps(0.75f), acc);
+        }
+      }
+    sum += _mm512_reduce_add_ps(acc);
+  }
+  volatile double sink = sum;
+  (void)sink;
+  const size_t bytes = tiles * block;
+  return bytes / std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / 1e9;
+}
+
 int main() {
   const size_t total = 800ull << 20;
   uint8_t* buf = static_cast<uint8_t*>(std::aligned_alloc(2 << 20, total));
@@ -100,7 +175,7 @@ int main() {
   std::memset(buf, 1, total);
   std::memset(X, 3, sizeof X);
   for (int r = 0; r < 3; ++r) {
-    double b[8] = {0};
+    double b[11] = {0};
     for (int i = 0; i < 5; ++i) {
       b[0] = std::max(b[0], pass<0>(buf, total));
       b[6] = std::max(b[6], pass<2048, 2>(buf, total));
@@ -110,10 +185,14 @@ int main() {
       b[3] = std::max(b[3], pass<8192>(buf, total));
       b[4] = std::max(b[4], pass<14336>(buf, total));
       b[5] = std::max(b[5], pass<14336, 1, 2048>(buf, total));
+      b[8] = std::max(b[8], pass_sc<1>(buf, total));
+      b[9] = std::max(b[9], pass_sc<2>(buf, total));
+      b[10] = std::max(b[10], pass_sc<2, 8192>(buf, total));
     }
     std::printf("GB/s: x in registers %.1f  x of 2048 %.1f  4096 %.1f  8192 %.1f  14336 %.1f  two blocks %.1f\n"
-                "      14336 in chunks of 2048 %.1f  tiles of 14336 reading an x of 2048 %.1f\n",
-                b[0], b[1], b[2], b[3], b[4], b[6], b[5], b[7]);
+                "      14336 in chunks of 2048 %.1f  tiles of 14336 reading an x of 2048 %.1f\n"
+                "      K-quant scales apart (three streams) %.1f  inline (one stream) %.1f  inline, 8 KB ahead %.1f\n",
+                b[0], b[1], b[2], b[3], b[4], b[6], b[5], b[7], b[8], b[9], b[10]);
   }
   return 0;
 }
