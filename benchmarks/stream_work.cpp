@@ -15,17 +15,27 @@
 //   K-quant scales apart / inline: x of 2048 with the scales read from memory as a Q4_K layer
 //                     holds them (pass_sc): in two arrays of their own beside the weights (three
 //                     streams a thread, as arlm's layout), or after each super-block's weights
-//                     (one stream); GB/s of every byte read, scales included.
+//                     (one stream); GB/s of every byte read, scales included; and apart with the
+//                     scales left to the hardware prefetchers;
+//   two blocks interleaved: tiles of two blocks whose 64-byte lines alternate (one stream a
+//                     thread), each broadcast of x serving both.
 //
 //     g++ -O2 -march=native -fopenmp benchmarks/stream_work.cpp -o /tmp/stream_work
 //     OMP_NUM_THREADS=2 /tmp/stream_work
 //
 // (An AVX-512 VNNI CPU.) docs/benchmarks.md, 2026-12-07 19:14: on a Zen 5 the stream with x in
 // registers runs at the full read rate; tiles of 8,192 or more values cost it 4-7%, chunks of K
-// do not win it back, two blocks a tile cost ~37%. 2026-12-07 21:14: the scales read from memory
-// cost the stream 2-7% (apart 88.0-92.6 GB/s, inline 88.7-90.7, against 94.0-95.2 for x of 2048
-// in the same runs): arlm's three streams are no worse than one; inline with the lines 8 KB ahead
-// 93.0-93.7 in two runs (apart 8 KB ahead 87.5-89.7): a layout lead, not tried in the kernels.
+// do not win it back, two blocks a tile cost ~37%.
+//
+// 2026-12-07 21:13 (docs/benchmarks.md): this loop leads, the kernel decides. The scales read from
+// memory cost the stream 2-7% (apart 88.0-92.9 GB/s, inline 88.7-90.8, x of 2048 94.0-95.2 in
+// the same runs), inline 8 KB ahead ran 93.0-94.4 and two blocks interleaved 92.4-93.9 at x of
+// 8,192 and 14,336 (one block 90.0-91.8). None of it carried over to the real kernel: over a
+// throwaway inline copy the 1B gate/up ran 87.6-90.0 GB/s 8 KB ahead (80-83 4 KB ahead) against
+// 91.1-91.8 as laid out; over an interleaved copy the 8B's Q4_K layers ran 3-10% slower (their
+// scales then two places a stream); and without the scales' prefetch the kernel is 5-7% slower
+// where this loop is as fast or faster (91.3-94.7). Here the scales feed only the last FMAs; in
+// the kernel their 6-bit unpacking sits on the path of every group.
 #include <immintrin.h>
 #include <omp.h>
 #include <sys/mman.h>
@@ -41,7 +51,7 @@ alignas(64) static int8_t X[2 * 14336];
 
 // KX = 0: x in registers (tiles as at K = 2048). A block of 16 channels is 8 K bytes (K 4-bit values
 // a channel); NB blocks a tile (NB 2: two streams a thread).
-template <int KX, int NB = 1, int KC = 0, int XM = 0>
+template <int KX, int NB = 1, int KC = 0, int XM = 0, bool IL2 = false>
 double pass(const uint8_t* buf, size_t total) {
   constexpr size_t K = KX ? KX : 2048, block = 8 * K, tile = NB * block;
   const auto t0 = std::chrono::steady_clock::now();
@@ -72,7 +82,8 @@ double pass(const uint8_t* buf, size_t total) {
           const __m512i h0 = x4(k, 0), h1 = x4(k + 4, 1), l0 = x4(K + k, 2), l1 = x4(K + k + 4, 3);
           for (int i = 0; i < NB; ++i) {
             const uint8_t* p = KC ? buf + (c * tiles_all + t) * (8 * KC) + gc * 256 + 64 * l
-                                  : buf + t * tile + i * block + g * 256 + 64 * l;
+                               : IL2 ? buf + t * tile + (g * 4 + l) * 64 * NB + 64 * i
+                                     : buf + t * tile + i * block + g * 256 + 64 * l;
             _mm_prefetch(reinterpret_cast<const char*>(p) + 4096, _MM_HINT_T0);
             const __m512i v = _mm512_loadu_si512(p);
             const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
@@ -106,7 +117,7 @@ double pass(const uint8_t* buf, size_t total) {
 // thread), each prefetched 4 super-blocks ahead (as prefetch_kscales); SC 2, inline: the same
 // 256 bytes after each super-block's 2,048 bytes of weights, one stream. Every line prefetched PD
 // bytes ahead. GB/s of every byte read.
-template <int SC, int PD = 4096>
+template <int SC, int PD = 4096, bool SA = true>
 double pass_sc(uint8_t* buf, size_t total) {
   constexpr size_t K = 2048, S = K / 256, wsb = 2048, ssb = 256, sb = wsb + ssb, block = S * sb;
   const size_t tiles = total / block;
@@ -125,12 +136,12 @@ double pass_sc(uint8_t* buf, size_t total) {
         const uint8_t* w = SC == 2 ? buf + t * block + s * sb : buf + (t * S + s) * wsb;
         const uint8_t* sc = SC == 2 ? w + wsb : scales + (t * S + s) * 192;
         const uint8_t* dm = SC == 2 ? w + wsb + 192 : dmins + (t * S + s) * 64;
-        if (SC == 1) {
+        if (SC == 1 && SA) {
           _mm_prefetch(reinterpret_cast<const char*>(sc + 4 * 192), _MM_HINT_T0);
           _mm_prefetch(reinterpret_cast<const char*>(sc + 4 * 192 + 64), _MM_HINT_T0);
           _mm_prefetch(reinterpret_cast<const char*>(sc + 4 * 192 + 128), _MM_HINT_T0);
           _mm_prefetch(reinterpret_cast<const char*>(dm + 4 * 64), _MM_HINT_T0);
-        } else {
+        } else if (SC == 2) {
           for (int l = 0; l < 4; ++l) _mm_prefetch(reinterpret_cast<const char*>(sc + PD + 64 * l), _MM_HINT_T0);
         }
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dm)));
@@ -141,7 +152,8 @@ double pass_sc(uint8_t* buf, size_t total) {
 #pragma GCC unroll 4
           for (int l = 0; l < 4; ++l) {
             auto x4 = [&](size_t at) { return _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(X + at)); };
-            const __m512i h0 = x4(k + 8 * l), h1 = x4(k + 8 * l + 4), l0 = x4(K + k + 8 * l), l1 = x4(K + k + 8 * l + 4);
+            const size_t at = k + 8 * l;
+            const __m512i h0 = x4(at), h1 = x4(at + 4), l0 = x4(K + at), l1 = x4(K + at + 4);
             const uint8_t* p = w + gs * 256 + 64 * l;
             _mm_prefetch(reinterpret_cast<const char*>(p) + PD, _MM_HINT_T0);
             const __m512i v = _mm512_loadu_si512(p);
@@ -175,7 +187,7 @@ int main() {
   std::memset(buf, 1, total);
   std::memset(X, 3, sizeof X);
   for (int r = 0; r < 3; ++r) {
-    double b[11] = {0};
+    double b[15] = {0};
     for (int i = 0; i < 5; ++i) {
       b[0] = std::max(b[0], pass<0>(buf, total));
       b[6] = std::max(b[6], pass<2048, 2>(buf, total));
@@ -188,11 +200,16 @@ int main() {
       b[8] = std::max(b[8], pass_sc<1>(buf, total));
       b[9] = std::max(b[9], pass_sc<2>(buf, total));
       b[10] = std::max(b[10], pass_sc<2, 8192>(buf, total));
+      b[11] = std::max(b[11], pass_sc<1, 4096, false>(buf, total));
+      b[12] = std::max(b[12], pass<8192, 2, 0, 0, true>(buf, total));
+      b[13] = std::max(b[13], pass<14336, 2, 0, 0, true>(buf, total));
     }
     std::printf("GB/s: x in registers %.1f  x of 2048 %.1f  4096 %.1f  8192 %.1f  14336 %.1f  two blocks %.1f\n"
                 "      14336 in chunks of 2048 %.1f  tiles of 14336 reading an x of 2048 %.1f\n"
-                "      K-quant scales apart (three streams) %.1f  inline (one stream) %.1f  inline, 8 KB ahead %.1f\n",
-                b[0], b[1], b[2], b[3], b[4], b[6], b[5], b[7], b[8], b[9], b[10]);
+                "      K-quant scales apart (three streams) %.1f  inline (one stream) %.1f  inline, 8 KB ahead %.1f\n"
+                "      apart, the scales not prefetched %.1f  two blocks interleaved (one stream): 8192 %.1f  "
+                "14336 %.1f\n",
+                b[0], b[1], b[2], b[3], b[4], b[6], b[5], b[7], b[8], b[9], b[10], b[11], b[12], b[13]);
   }
   return 0;
 }
