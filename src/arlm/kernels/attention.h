@@ -888,6 +888,83 @@ inline void attend_scored(int64_t G, int64_t hd, int64_t n, Spans spans, float* 
   if (!stats) unrotate<TV>(out, G, hd);
 }
 
+#if defined(__AVX512F__)
+// tree_sum16 of each of v[0..3] at once: the same adds on the same pairs of lanes (a_j = v_j +
+// v_{j+8}, b_j = a_j + a_{j+4}, (b_0 + b_2) + (b_1 + b_3)), four vectors' lanes side by side;
+// vector x's sum in lane 4x of the result.
+inline __m512 tree_sum16x4(const __m512 (&v)[4]) {
+  auto halves = [](__m512 x, __m512 y) {  // [x_0..7, y_0..7] + [x_8..15, y_8..15]
+    return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x44), _mm512_shuffle_f32x4(x, y, 0xEE));
+  };
+  const __m512 a01 = halves(v[0], v[1]), a23 = halves(v[2], v[3]);
+  const __m512 b = _mm512_add_ps(_mm512_shuffle_f32x4(a01, a23, 0x88), _mm512_shuffle_f32x4(a01, a23, 0xDD));
+  const __m512 c = _mm512_add_ps(b, _mm512_shuffle_ps(b, b, _MM_SHUFFLE(1, 0, 3, 2)));
+  return _mm512_add_ps(c, _mm512_shuffle_ps(c, c, _MM_SHUFFLE(2, 3, 0, 1)));
+}
+
+// A float32 or float16 key cache's scores for one query's G heads, s[h * n + t] = (q_h . K_t) *
+// scale, for heads of C * 16 values (C even): each key row widened once for all G heads, each
+// head's dot() chains on it, and four heads' trees at once (tree_sum16x4): dot()'s arithmetic
+// for every score, so the same bits as a row-by-row dot() per head. Slots t < n_sink are scored
+// with q_sink's heads. Per head, dot() widened the row again and summed its lanes alone: a 1B
+// model's attention read its float16 cache at ~33 GB/s at 1-8k slots, ~46 with this and the
+// split-K tasks' order (decode.cpp; benchmarks/phases.py, docs/benchmarks.md 2026-12-07 21:13).
+template <int C, typename TK, typename TV, typename Spans>
+inline void float_key_scores(const float* q, int64_t G, int64_t n, float scale, Spans spans, float* s,
+                             const float* q_sink, int64_t n_sink) {
+  constexpr int64_t hd = 16 * C;
+  const int64_t stride = KV<TK>::stride(hd);
+  const __m512 sv = _mm512_set1_ps(scale);
+  const __m512i lanes = _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+  // R rows' scores for every head: v[r] holds head h's dot() lanes for row r; the tree's sums of
+  // the R rows go to s[h * n + t ..] (R = 4: one store; fewer: one at a time)
+  auto rows = [&](auto rn, const TK* row, int64_t t) {
+    constexpr int R = decltype(rn)::value;
+    __m512 kc[R][C];
+    for (int r = 0; r < R; ++r) {
+      _mm_prefetch(reinterpret_cast<const char*>(row + r * stride) + kPrefetch, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(row + r * stride) + kPrefetch + 64, _MM_HINT_T0);
+      for (int c = 0; c < C; ++c) kc[r][c] = load16(row + r * stride + 16 * c);
+    }
+    const float* qt = t < n_sink ? q_sink : q;
+    for (int64_t h = 0; h < G; ++h) {
+      const float* qh = qt + h * hd;
+      __m512 s0[4], s1[4], v[4];
+      for (int r = 0; r < 4; ++r) s0[r] = s1[r] = _mm512_setzero_ps();
+      for (int c = 0; c < C; c += 2) {
+        const __m512 q0 = _mm512_loadu_ps(qh + 16 * c), q1 = _mm512_loadu_ps(qh + 16 * c + 16);
+        for (int r = 0; r < R; ++r) {
+          s0[r] = _mm512_fmadd_ps(q0, kc[r][c], s0[r]);
+          s1[r] = _mm512_fmadd_ps(q1, kc[r][c + 1], s1[r]);
+        }
+      }
+      for (int r = 0; r < 4; ++r) v[r] = _mm512_add_ps(s0[r], s1[r]);  // (rows past R: lanes of their own)
+      const __m512 sums = _mm512_permutexvar_ps(lanes, _mm512_mul_ps(tree_sum16x4(v), sv));
+      if constexpr (R == 4) {
+        _mm_storeu_ps(s + h * n + t, _mm512_castps512_ps128(sums));
+      } else {
+        alignas(64) float out[16];
+        _mm512_store_ps(out, sums);
+        for (int r = 0; r < R; ++r) s[h * n + t + r] = out[r];
+      }
+    }
+  };
+  constexpr int kR = C <= 4 ? 4 : 2;  // rows at a time: their widened keys in registers
+  int64_t t = 0;
+  spans([&](const TK* k, const TV*, int64_t len) {
+    int64_t j = 0;
+    for (; j + kR <= len; j += kR, t += kR) {
+      if (t < n_sink && t + kR > n_sink) {  // (rows on both sides of n_sink: one at a time)
+        for (int r = 0; r < kR; ++r) rows(std::integral_constant<int, 1>{}, k + (j + r) * stride, t + r);
+        continue;
+      }
+      rows(std::integral_constant<int, kR>{}, k + j * stride, t);
+    }
+    for (; j < len; ++j, ++t) rows(std::integral_constant<int, 1>{}, k + j * stride, t);
+  });
+}
+#endif
+
 // The G query heads that share one KV head (G * hd floats at q, head after head) attend over its n
 // cached slots: out[h] = softmax(q_h . K_t * scale) V. The slots come as spans of consecutive
 // rows, spans(f) calling f(k, v, len) for each in order: one span for a contiguous cache, one per
@@ -944,6 +1021,14 @@ inline void attend_group(const float* q, int64_t G, int64_t hd, int64_t n, float
       if (n_sink) q_sink = buf + (G + 1) * hd;
     }
   }
+#if defined(__AVX512F__)
+  if constexpr (!KV<TK>::quantized) {  // (heads of other sizes: dot() row by row, below)
+    scored = hd == 64 || hd == 128 || hd == 256;
+    if (hd == 64) float_key_scores<4, TK, TV>(q, G, n, scale, spans, s, q_sink, n_sink);
+    if (hd == 128) float_key_scores<8, TK, TV>(q, G, n, scale, spans, s, q_sink, n_sink);
+    if (hd == 256) float_key_scores<16, TK, TV>(q, G, n, scale, spans, s, q_sink, n_sink);
+  }
+#endif
   if (!scored) {
 #if defined(__AVX512F__)
     if (KV<TK>::quantized && hd % 16 == 0 && hd <= 512) {

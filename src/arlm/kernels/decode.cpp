@@ -52,6 +52,7 @@ constexpr int64_t kRowsPerTask = 8;
 // Cached slots per attention task on long rows (decode_llama's split-K): below ~1k slots the two
 // extra passes cost more than the balance gains (docs/benchmarks.md, split-K).
 constexpr int64_t kChunk = 1024;
+constexpr int64_t kMaxWorkers = 256;  // (threads sharing a step's attention tasks, at most)
 
 #if defined(__AVX2__) && defined(__FMA__)
 using arlm_kernels::hsum;
@@ -704,15 +705,26 @@ void decode_llama(const at::Tensor& x, at::TensorList weights, const at::Tensor&
       });
       const int64_t part = group * hd, stat = 2 * group;  // floats of one chunk's sums and stats
       float* stats = buf.partial + B * Hkv * chunks * part;
-      // Each thread takes the next task until none is left, not a fixed half of them: a row's last
-      // chunk is short (2,049 slots: 1,024 + 1,024 + 1), so equal task counts can be 2:1 in rows,
-      // and on a shared machine one core may run slower for a while. Which thread runs a task does
-      // not change its result.
+      // Each thread takes the tasks of its own share in order (a KV head's chunks one after the
+      // other: its keys and values read as two long streams), then helps with the others' shares
+      // until none is left, not a fixed share alone: a row's last chunk is short (2,049 slots:
+      // 1,024 + 1,024 + 1), so equal task counts can be 2:1 in rows, and on a shared machine one
+      // core may run slower for a while. Which thread runs a task does not change its result.
       const int64_t tasks = B * Hkv * chunks;
-      std::atomic<int64_t> next{0};
-      at::parallel_for(0, std::min<int64_t>(tasks, at::get_num_threads()), 1, [&](int64_t, int64_t) {
+      const int64_t workers = std::min<int64_t>({tasks, at::get_num_threads(), kMaxWorkers});
+      std::atomic<int64_t> next[kMaxWorkers];
+      for (int64_t w = 0; w < workers; ++w) next[w].store(tasks * w / workers, std::memory_order_relaxed);
+      at::parallel_for(0, workers, 1, [&](int64_t w0, int64_t) {
         float* scratch = buf.scores + at::get_thread_num() * group * (kChunk + 1);
-        for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < tasks;) {
+        auto take = [&]() -> int64_t {  // the next task of this thread's share, else of another's
+          for (int64_t k = 0; k < workers; ++k) {
+            const int64_t w = (w0 + k) % workers;
+            const int64_t i = next[w].fetch_add(1, std::memory_order_relaxed);
+            if (i < tasks * (w + 1) / workers) return i;
+          }
+          return tasks;
+        };
+        for (int64_t i; (i = take()) < tasks;) {
           const int64_t bj = i / chunks, c = i % chunks, b = bj / Hkv, j = bj % Hkv;
           const int64_t n = end(b) - first(b), t0 = c * kChunk, len = std::min(kChunk, n - t0);
           if (len <= 0) continue;  // this row has fewer chunks
