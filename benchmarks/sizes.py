@@ -2,7 +2,7 @@
 benchmarks/make_gguf.py makes (random weights in real shapes, quantized by llama-quantize).
 
     .venv/bin/python benchmarks/sizes.py [--shapes llama-3.2-1b,llama-3.2-3b] [--types Q4_K_M,Q8_0,Q4_0]
-        [--rounds 3] [--threads 2] [--parts decode1,decode8,prefill,start,rss] [--json OUT]
+        [--rounds 3] [--threads 2] [--parts decode1,decode8,prefill,start,rss,deep] [--json OUT]
 
 Needs llama.cpp's tools in build/llama.cpp/bin (benchmarks/build_peers.sh) and llama-cpp-python
 (the same build) for the start-up part. Files missing from --gguf-dir are made first.
@@ -28,6 +28,11 @@ would push an 8B file out of a small machine's page cache):
   figure is one more run of its ordinary load. arlm's warm runs are greedy `arlm generate` runs
   on a file whose plan its earlier runs wrote: they run without torch (arlm.bare).
 - rss: the peak resident memory (the kernel's max RSS) of those same start-up processes.
+- deep (not in the default parts: its prompts take ~20 s a round at 1B, minutes at 8B): batch-1
+  decode tokens/s at a depth of 4,096 tokens, 32 greedy tokens after a prompt of 4,096 (real
+  text) where the attention reads a long cache. arlm: its engine in this process, the decode
+  steps only (the prompt's prefill, in as many steps as the engine takes, untimed); llama.cpp:
+  `llama-bench -p 0 -n 32 -d 4096` (tg32 @ d4096).
 
 And, from the decode1 figures, the bytes one decode step reads and the share of the host's
 read rate each engine reaches (bytes per step x steps per second / read rate). The read rate is
@@ -76,22 +81,26 @@ from startup import ARLM, LLAMA_CPP, PROMPT, timed  # noqa: E402
 
 BIN = ROOT / "build" / "llama.cpp" / "bin"
 BENCH, BATCHED = BIN / "llama-bench", BIN / "llama-batched-bench"
-PARTS = ("decode1", "decode8", "prefill", "start", "rss")
+DEFAULT_PARTS = ("decode1", "decode8", "prefill", "start", "rss")
+PARTS = (*DEFAULT_PARTS, "deep")
 NEW_TOKENS, PROMPT_TOKENS, PREFILL_TOKENS, BATCH = 128, 4, 512, 8
+DEPTH, DEEP_TOKENS = 4096, 32  # the "deep" part: decode after a prompt of DEPTH tokens
 MEAN_CONTEXT = PROMPT_TOKENS + NEW_TOKENS / 2
 # The rows of the table: key, label, short label (the ratios' table)
 ROWS = [("decode1", "decode b1 tok/s", "b1"), ("decode8", f"decode b{BATCH} tok/s", f"b{BATCH}"),
         ("prefill", f"prefill {PREFILL_TOKENS} tok/s", f"pp{PREFILL_TOKENS}"),
         ("start_warm", "start->1st token warm s", "start"), ("start_first", "start->1st token first load s", "start1"),
         ("rss_warm", "peak RSS warm MB", "rss"), ("rss_first", "peak RSS first load MB", "rss1"),
-        ("bytes_per_step", "bytes / decode step MB", "bytes"), ("read_share", "share of read rate", "share")]
+        ("bytes_per_step", "bytes / decode step MB", "bytes"), ("read_share", "share of read rate", "share"),
+        ("deep", f"decode b1 at depth {DEPTH} tok/s", "deep")]
 # The keys each part measures
 PART_KEYS = {"decode1": ("decode1", "read_share"), "decode8": ("decode8",), "prefill": ("prefill",),
-             "start": ("start_warm", "start_first"), "rss": ("rss_warm", "rss_first")}
+             "start": ("start_warm", "start_first"), "rss": ("rss_warm", "rss_first"), "deep": ("deep",)}
 
 
 def llama_cpp_speeds(path: Path, threads: int, parts: set[str]) -> dict[str, float]:
-    """llama.cpp's decode1 / prefill (one llama-bench run) and decode8 (llama-batched-bench), tokens/s."""
+    """llama.cpp's decode1 / prefill (one llama-bench run), decode8 (llama-batched-bench) and deep
+    (llama-bench at a depth), tokens/s."""
     got: dict[str, float] = {}
     if parts & {"decode1", "prefill"}:
         n = NEW_TOKENS if "decode1" in parts else 0
@@ -106,7 +115,32 @@ def llama_cpp_speeds(path: Path, threads: int, parts: set[str]) -> dict[str, flo
                               str(PROMPT_TOKENS), "-ntg", str(NEW_TOKENS), "-npl", str(BATCH), "--output-format",
                               "jsonl"], capture_output=True, text=True, check=True).stdout
         got["decode8"] = json.loads(out.strip().splitlines()[-1])["speed_tg"]
+    if "deep" in parts:
+        out = subprocess.run([str(BENCH), "-m", str(path), "-t", str(threads), "-p", "0", "-n", str(DEEP_TOKENS),
+                              "-d", str(DEPTH), "-r", "1", "-o", "json"], capture_output=True, text=True,
+                             check=True).stdout
+        got["deep"] = json.loads(out)[0]["avg_ts"]
     return got
+
+
+def arlm_deep(llm: LLM) -> float:
+    """arlm's batch-1 decode tokens/s after a prompt of DEPTH tokens: the engine's decode steps
+    only (the prompt's prefill steps, however many the engine takes, untimed)."""
+    ids = prompt_ids(llm, DEPTH, 1)
+    if len(ids) < DEPTH:
+        raise RuntimeError(f"the text gave {len(ids)} tokens, not {DEPTH}")
+    engine = llm.engine
+    req = engine.add_request(ids, SamplingParams(max_new_tokens=DEEP_TOKENS + 1, temperature=0.0, ignore_eos=True))
+    seconds, tokens = 0.0, 0
+    try:
+        while not req.finished:
+            engine.step()
+            if not engine.last_step.prompt_tokens:  # (the prompt's last step samples the first token)
+                seconds += engine.last_step.seconds
+                tokens += engine.last_step.sampled
+    finally:
+        engine.abort(req.request_id)
+    return tokens / seconds
 
 
 def arlm_speeds(llm: LLM, parts: set[str]) -> dict[str, float]:
@@ -122,6 +156,8 @@ def arlm_speeds(llm: LLM, parts: set[str]) -> dict[str, float]:
         ids = prompt_ids(llm, PREFILL_TOKENS, 0)
         r = engine_run(llm, [ids], SamplingParams(max_new_tokens=1), steps=1)
         got["prefill"] = PREFILL_TOKENS / r["prefill_s"]
+    if "deep" in parts:
+        got["deep"] = arlm_deep(llm)
     return got
 
 
@@ -182,7 +218,7 @@ def measure_file(path: Path, args, parts: set[str]) -> dict:
         first["arlm"]["start_first"], first["arlm"]["rss_first"] = first_load(cmds["arlm"])
         first["llama.cpp"]["start_first"], first["llama.cpp"]["rss_first"] = timed(cmds["llama.cpp"], env["llama.cpp"])
     llm = LLM.load(str(path), activations=args.activations)  # (builds the layout cache, if not yet built)
-    speed_parts = parts & {"decode1", "decode8", "prefill"}
+    speed_parts = parts & {"decode1", "decode8", "prefill", "deep"}
     if speed_parts:
         arlm_speeds(llm, speed_parts | {"decode1"})  # (a warm-up: the first steps build the kernels' scratch)
 
@@ -226,7 +262,8 @@ def main() -> int:
     p.add_argument("--types", default="Q4_K_M,Q8_0,Q4_0", help="comma-separated llama-quantize types")
     p.add_argument("--rounds", type=positive_int, default=3)
     p.add_argument("--threads", type=positive_int, default=2)
-    p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of: {', '.join(PARTS)}")
+    p.add_argument("--parts", default=",".join(DEFAULT_PARTS),
+                   help=f"comma-separated, of: {', '.join(PARTS)} (default: %(default)s)")
     p.add_argument("--gguf-dir", type=Path, default=make_gguf.DEFAULT_OUT, help="where make_gguf.py keeps its files")
     p.add_argument("--activations", choices=("int8x2", "int8"), default="int8x2",
                    help="arlm's activation precision: int8x2 (the default: float32's answers) or int8 (one 8-bit "

@@ -139,6 +139,8 @@ CASES = [
     ("call_order.py", ["--model", "m.gguf", "--gaps", "-5"]),
     ("call_order.py", ["--model", "m.gguf", "--orders", "gate_up,foo"]),
     ("kernel_ab.py", ["a.cpp", "b.cpp", "--rounds", "0"]),
+    ("sizes.py", ["--rounds", "0"]),
+    ("sizes.py", ["--parts", "decode1,depth"]),  # (the part is "deep")
 ]
 
 
