@@ -710,6 +710,8 @@ void decode_llama(const at::Tensor& x, at::TensorList weights, const at::Tensor&
       // until none is left, not a fixed share alone: a row's last chunk is short (2,049 slots:
       // 1,024 + 1,024 + 1), so equal task counts can be 2:1 in rows, and on a shared machine one
       // core may run slower for a while. Which thread runs a task does not change its result.
+      // (Tasks handed out one at a time in order had each thread read every other chunk: the 1B's
+      // attention at 4-8k slots 10-13% slower; benchmarks/phases.py, docs/benchmarks.md.)
       const int64_t tasks = B * Hkv * chunks;
       const int64_t workers = std::min<int64_t>({tasks, at::get_num_threads(), kMaxWorkers});
       std::atomic<int64_t> next[kMaxWorkers];
