@@ -31,7 +31,7 @@ would push an 8B file out of a small machine's page cache):
 - deep (not in the default parts: its prompts take ~20 s a round at 1B, minutes at 8B): batch-1
   decode tokens/s at a depth of 4,096 tokens, 32 greedy tokens after a prompt of 4,096 (real
   text) where the attention reads a long cache. arlm: its engine in this process, the decode
-  steps only (the prompt's prefill, in as many steps as the engine takes, untimed); llama.cpp:
+  steps only (`engine_run`: the prompt's prefill step untimed); llama.cpp:
   `llama-bench -p 0 -n 32 -d 4096` (tg32 @ d4096).
 
 And, from the decode1 figures, the bytes one decode step reads and the share of the host's
@@ -123,26 +123,6 @@ def llama_cpp_speeds(path: Path, threads: int, parts: set[str]) -> dict[str, flo
     return got
 
 
-def arlm_deep(llm: LLM) -> float:
-    """arlm's batch-1 decode tokens/s after a prompt of DEPTH tokens: the engine's decode steps
-    only (the prompt's prefill steps, however many the engine takes, untimed)."""
-    ids = prompt_ids(llm, DEPTH, 1)
-    if len(ids) < DEPTH:
-        raise RuntimeError(f"the text gave {len(ids)} tokens, not {DEPTH}")
-    engine = llm.engine
-    req = engine.add_request(ids, SamplingParams(max_new_tokens=DEEP_TOKENS + 1, temperature=0.0, ignore_eos=True))
-    seconds, tokens = 0.0, 0
-    try:
-        while not req.finished:
-            engine.step()
-            if not engine.last_step.prompt_tokens:  # (the prompt's last step samples the first token)
-                seconds += engine.last_step.seconds
-                tokens += engine.last_step.sampled
-    finally:
-        engine.abort(req.request_id)
-    return tokens / seconds
-
-
 def arlm_speeds(llm: LLM, parts: set[str]) -> dict[str, float]:
     """arlm's decode1 / decode8 / prefill through its engine in this process, tokens/s."""
     got: dict[str, float] = {}
@@ -157,7 +137,11 @@ def arlm_speeds(llm: LLM, parts: set[str]) -> dict[str, float]:
         r = engine_run(llm, [ids], SamplingParams(max_new_tokens=1), steps=1)
         got["prefill"] = PREFILL_TOKENS / r["prefill_s"]
     if "deep" in parts:
-        got["deep"] = arlm_deep(llm)
+        ids = prompt_ids(llm, DEPTH, 1)
+        if len(ids) < DEPTH:
+            raise RuntimeError(f"the text gave {len(ids)} tokens, not {DEPTH}")
+        r = engine_run(llm, [ids], SamplingParams(max_new_tokens=DEEP_TOKENS + 1, temperature=0.0, ignore_eos=True))
+        got["deep"] = r["decode_tokens"] / r["decode_s"]
     return got
 
 

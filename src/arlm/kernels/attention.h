@@ -924,7 +924,7 @@ inline void float_key_scores(const float* q, int64_t G, int64_t n, float scale, 
   const __m512 sv = _mm512_set1_ps(scale);
   const __m512i lanes = _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
   // R rows' scores for every head: v[r] holds head h's dot() lanes for row r; the tree's sums of
-  // the R rows go to s[h * n + t ..] (R = 4: one store; fewer: one at a time)
+  // the R rows go to s[h * n + t ..] in one store
   auto rows = [&](auto rn, const TK* row, int64_t t) {
     constexpr int R = decltype(rn)::value;
     __m512 kc[R][C];
@@ -947,13 +947,7 @@ inline void float_key_scores(const float* q, int64_t G, int64_t n, float scale, 
       }
       for (int r = 0; r < 4; ++r) v[r] = _mm512_add_ps(s0[r], s1[r]);  // (rows past R: lanes of their own)
       const __m512 sums = _mm512_permutexvar_ps(lanes, _mm512_mul_ps(tree_sum16x4(v), sv));
-      if constexpr (R == 4) {
-        _mm_storeu_ps(s + h * n + t, _mm512_castps512_ps128(sums));
-      } else {
-        alignas(64) float out[16];
-        _mm512_store_ps(out, sums);
-        for (int r = 0; r < R; ++r) s[h * n + t + r] = out[r];
-      }
+      _mm512_mask_storeu_ps(s + h * n + t, static_cast<__mmask16>((1u << R) - 1), sums);
     }
   };
   constexpr int kR = C <= 4 ? 4 : 2;  // rows at a time: their widened keys in registers
